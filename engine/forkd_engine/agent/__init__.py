@@ -1,0 +1,1 @@
+"""The guest agent: the one program inside every sandbox of every engine."""

@@ -1,0 +1,266 @@
+"""What the guest agent does, independent of how requests reach it.
+
+One ``Runtime`` per sandbox: a persistent Python namespace shared by ``eval`` and ``run_code`` (so a
+branch of a mid-thought agent keeps its variables), subprocess ``exec`` with process-group timeouts,
+and a small file API. Replies follow forkd's agent protocol where forkd has the action.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import contextlib
+import io
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+MAX_FILE_BYTES = 64 * 1024 * 1024
+_START = time.monotonic()
+
+
+class AgentError(Exception):
+    """A request the agent refuses; becomes ``{"error": ..., "exit_code": 1}``."""
+
+
+def _error_reply(exc: BaseException) -> dict:
+    return {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1}
+
+
+def mime_bundle(obj) -> dict:
+    """Jupyter-style representations of ``obj``: text/plain always, richer ones when offered."""
+    data: dict = {}
+    if hasattr(obj, "_repr_mimebundle_"):
+        with contextlib.suppress(Exception):
+            bundle = obj._repr_mimebundle_()
+            if isinstance(bundle, tuple):
+                bundle = bundle[0]
+            data.update(bundle or {})
+    for method, mime in (("_repr_html_", "text/html"), ("_repr_markdown_", "text/markdown"),
+                         ("_repr_svg_", "image/svg+xml"), ("_repr_png_", "image/png"),
+                         ("_repr_jpeg_", "image/jpeg"), ("_repr_json_", "application/json"),
+                         ("_repr_latex_", "text/latex")):
+        fn = getattr(obj, method, None)
+        if callable(fn) and mime not in data:
+            with contextlib.suppress(Exception):
+                value = fn()
+                if value is not None:
+                    data[mime] = value
+    for mime, value in list(data.items()):
+        if isinstance(value, bytes):
+            data[mime] = base64.b64encode(value).decode()
+    data.setdefault("text/plain", repr(obj))
+    return data
+
+
+class Runtime:
+    def __init__(self, identity: dict | None = None):
+        self.identity = dict(identity or {})
+        self.namespace: dict = {"__name__": "__main__", "__builtins__": __builtins__}
+        self.eval_lock = threading.Lock()
+        self.procs_lock = threading.Lock()
+        self.procs: dict[int, subprocess.Popen] = {}  # live exec children, by pid
+        self.cwd = os.getcwd()
+        self.started = time.time()
+
+    # --- identity and fork hygiene --------------------------------------------------------------
+
+    def after_fork(self, identity: dict) -> None:
+        """Run first thing in a fresh fork: new identity, fresh locks, fresh random streams."""
+        self.identity = dict(identity)
+        self.started = time.time()
+        self.eval_lock = threading.Lock()
+        self.procs_lock = threading.Lock()
+        self.procs = {}
+        reseed_random_generators()
+
+    # --- dispatch --------------------------------------------------------------------------------
+
+    def handle(self, request: dict) -> dict:
+        action = request.get("action")
+        handler = {"ping": self.ping, "exec": self.exec, "eval": self.eval,
+                   "run_code": self.run_code, "files": self.files}.get(action)
+        if handler is None:
+            return {"error": f"unknown action: {action}", "exit_code": 1}
+        try:
+            return handler(request)
+        except AgentError as exc:
+            return {"error": str(exc), "exit_code": 1}
+        except Exception as exc:  # noqa: BLE001 - the agent must answer, never die
+            reply = _error_reply(exc)
+            reply["traceback"] = traceback.format_exc()
+            return reply
+
+    def ping(self, request: dict) -> dict:
+        np = sys.modules.get("numpy")
+        return {
+            "pong": True,
+            "pid": os.getpid(),
+            "python": sys.version.split()[0],
+            "agent_lang": "python",
+            "numpy_version": getattr(np, "__version__", "not-installed"),
+            "warmup_ready": True,
+            "uptime_s": round(time.time() - self.started, 3),
+            "sandbox_id": self.identity.get("id"),
+            "role": self.identity.get("role", "sandbox"),
+            "lineage": self.identity.get("lineage", []),
+        }
+
+    # --- exec ------------------------------------------------------------------------------------
+
+    def exec(self, request: dict) -> dict:
+        args = request.get("args")
+        if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
+            raise AgentError("exec needs args: a non-empty list of strings")
+        timeout = float(request.get("timeout", 30))
+        env = dict(os.environ)
+        env.update({str(k): str(v) for k, v in (request.get("env") or {}).items()})
+        cwd = request.get("cwd") or self.cwd
+        # Registered under the lock it is started under, so a PID-1 reaper never steals its status.
+        with self.procs_lock:
+            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
+            self.procs[proc.pid] = proc
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            # The command may have started helpers: the whole process group goes.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            timed_out = True
+        finally:
+            with self.procs_lock:
+                self.procs.pop(proc.pid, None)
+        reply = {"stdout": out.decode("utf-8", "replace"), "stderr": err.decode("utf-8", "replace"),
+                 "exit_code": proc.returncode}
+        if timed_out:
+            reply["timed_out"] = True
+            reply["error"] = f"TimeoutExpired: command {args!r} timed out after {timeout:g} seconds"
+        return reply
+
+    def kill_children(self) -> None:
+        with self.procs_lock:
+            pids = list(self.procs)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+    # --- Python ----------------------------------------------------------------------------------
+
+    def eval(self, request: dict) -> dict:
+        code = request.get("code")
+        if not isinstance(code, str):
+            raise AgentError("eval needs code: a string")
+        with self.eval_lock:
+            try:
+                value = eval(compile(code, "<eval>", "eval"), self.namespace)  # noqa: S307
+            except Exception as exc:  # noqa: BLE001
+                reply = _error_reply(exc)
+                reply["traceback"] = traceback.format_exc()
+                return reply
+        return {"result": repr(value), "exit_code": 0}
+
+    def run_code(self, request: dict) -> dict:
+        """Run statements like a notebook cell; the last expression's value is the result."""
+        code = request.get("code")
+        if not isinstance(code, str):
+            raise AgentError("run_code needs code: a string")
+        outputs: list[dict] = []
+
+        def display(*objs):
+            for obj in objs:
+                outputs.append({"type": "display_data", "data": mime_bundle(obj)})
+
+        out, err = io.StringIO(), io.StringIO()
+        result = error = None
+        with self.eval_lock:
+            self.namespace["display"] = display
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    tree = ast.parse(code, "<cell>", "exec")
+                    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+                    exec(compile(tree, "<cell>", "exec"), self.namespace)  # noqa: S102
+                    if last is not None:
+                        value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), self.namespace)  # noqa: S307
+                        if value is not None:
+                            self.namespace["_"] = value
+                            result = mime_bundle(value)
+            except BaseException as exc:  # noqa: BLE001 - SystemExit in a cell must not end the agent
+                tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+                # Drop the agent's own frames: the user's cell starts at "<cell>".
+                keep = [tb[0]] + [f for f in tb[1:-1] if '"<cell>"' in f] + [tb[-1]]
+                error = {"ename": type(exc).__name__, "evalue": str(exc), "traceback": keep}
+        if result is not None:
+            outputs.append({"type": "execute_result", "data": result})
+        return {"stdout": out.getvalue(), "stderr": err.getvalue(), "outputs": outputs,
+                "result": result, "error": error, "exit_code": 1 if error else 0}
+
+    # --- files -----------------------------------------------------------------------------------
+
+    def _path(self, request: dict) -> str:
+        path = request.get("path")
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise AgentError("files needs path: a non-empty string")
+        return os.path.join(self.cwd, path)
+
+    def files(self, request: dict) -> dict:
+        op = request.get("op")
+        path = self._path(request)
+        if op == "read":
+            limit = min(int(request.get("max_bytes", MAX_FILE_BYTES)), MAX_FILE_BYTES)
+            size = os.stat(path).st_size
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+            return {"path": path, "size": size, "truncated": len(data) > limit,
+                    "data_b64": base64.b64encode(data[:limit]).decode()}
+        if op == "write":
+            data = base64.b64decode(request.get("data_b64", ""), validate=True)
+            if len(data) > MAX_FILE_BYTES:
+                raise AgentError(f"file too large: {len(data)} bytes (limit {MAX_FILE_BYTES})")
+            if request.get("mkdirs", True):
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "ab" if request.get("append") else "wb") as f:
+                f.write(data)
+            if "mode" in request:
+                os.chmod(path, int(request["mode"]))
+            return {"path": path, "size": os.stat(path).st_size}
+        if op == "list":
+            entries = []
+            with os.scandir(path) as it:
+                for e in it:
+                    st = e.stat(follow_symlinks=False)
+                    kind = "dir" if stat.S_ISDIR(st.st_mode) else "symlink" if stat.S_ISLNK(st.st_mode) else "file"
+                    entries.append({"name": e.name, "type": kind, "size": st.st_size, "mtime": st.st_mtime})
+            return {"path": path, "entries": sorted(entries, key=lambda x: x["name"])}
+        if op == "remove":
+            if os.path.isdir(path) and not os.path.islink(path):
+                if not request.get("recursive"):
+                    raise AgentError(f"{path} is a directory: pass recursive=true to remove it")
+                import shutil
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            return {"path": path, "removed": True}
+        raise AgentError(f"unknown files op: {op!r} (read, write, list, remove)")
+
+
+def reseed_random_generators() -> None:
+    """Give this fork its own random streams.
+
+    CPython reseeds the global ``random`` instance after ``os.fork`` already; numpy's legacy global
+    generator is reseeded here when numpy is loaded. A VM restore calls this too, where nothing
+    reseeds by itself. Generators the user seeded on purpose (``random.Random(42)``) are left alone.
+    """
+    random.seed(os.urandom(32))
+    np = sys.modules.get("numpy")
+    if np is not None:
+        with contextlib.suppress(Exception):
+            np.random.seed(int.from_bytes(os.urandom(4), "little"))

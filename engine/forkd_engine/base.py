@@ -1,0 +1,65 @@
+"""The engine contract: what the controller may ask of any sandbox engine.
+
+An engine makes snapshots, spawns copy-on-write sandboxes from them, branches a running sandbox
+into a new snapshot, talks to the agent inside, and kills or deletes. Every live object is named by
+a *handle*: a small JSON-serializable dict the controller stores, so that after a restart it can
+hand the handle back and the engine re-attaches (``alive``) without keeping state of its own.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+Handle = dict
+
+
+class EngineError(Exception):
+    """The engine could not do what was asked; the message says why and what to do."""
+
+
+class EngineUnavailable(EngineError):
+    """This host cannot run the engine at all (missing privilege, device or binary)."""
+
+
+class AgentUnreachable(EngineError):
+    """The sandbox's agent did not answer."""
+
+
+@dataclass
+class SnapshotSpec:
+    tag: str
+    setup: str | None = None                       # Python run in the agent's persistent namespace
+    setup_commands: list[list[str]] = field(default_factory=list)
+    host_network: bool = False                     # default: loopback only
+    mem_size_mib: int | None = None                # a VM's RAM; the process engine ignores it
+    setup_timeout: float = 600.0
+
+
+@dataclass
+class ChildSpec:
+    id: str
+    lineage: list[str] = field(default_factory=list)
+    memory_limit_mib: int | None = None
+
+
+@dataclass
+class BranchResult:
+    pause_ms: float
+    ready: Future  # resolves to the new snapshot's handle, or raises EngineError
+
+
+class Engine(Protocol):
+    name: str
+
+    def create_snapshot(self, spec: SnapshotSpec) -> Handle: ...
+    def spawn(self, snapshot: Handle, children: list[ChildSpec]) -> list[Handle]: ...
+    def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str) -> BranchResult: ...
+    def call(self, handle: Handle, request: dict, timeout: float | None = None) -> dict: ...
+    def kill(self, handle: Handle) -> None: ...
+    def delete_snapshot(self, handle: Handle) -> None: ...
+    def alive(self, handle: Handle) -> bool: ...
+    def abandon(self, name: str) -> None: ...
+    def memory(self, handle: Handle) -> dict: ...
+    def close(self) -> None: ...

@@ -1,0 +1,211 @@
+"""Thin ctypes wrappers over the Linux calls the engines need.
+
+Python 3.10/3.11 has no ``os.unshare``/``os.setns``/``mount``, so these go straight to libc.
+Everything here raises ``OSError`` with the real errno, so callers can say what failed and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import platform
+import socket
+import struct
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_MOVE = 0x2000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 0x2
+
+_MACHINE = platform.machine()
+# Syscalls without a libc wrapper we can rely on, per architecture.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return ret
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+
+
+def mount(source: str | None, target: str, fstype: str | None = None, flags: int = 0,
+          data: str | None = None) -> None:
+    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
+    ret = _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
+    _check(ret, f"mount {fstype or source or ''} on {target}")
+
+
+def umount(target: str, flags: int = 0) -> None:
+    _check(_libc.umount2(target.encode(), ctypes.c_int(flags)), f"umount {target}")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    nr = _SYS_PIVOT_ROOT.get(_MACHINE)
+    if nr is None:
+        raise OSError(errno.ENOSYS, f"pivot_root: unsupported architecture {_MACHINE}")
+    _check(_libc.syscall(ctypes.c_long(nr), new_root.encode(), put_old.encode()), "pivot_root")
+
+
+def sethostname(name: str) -> None:
+    raw = name.encode()
+    _check(_libc.sethostname(raw, ctypes.c_size_t(len(raw))), "sethostname")
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up in the current network namespace (a new one starts with it down)."""
+    SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sh14x", b"lo", 0)
+        flags = struct.unpack("16sh14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
+        fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sh14x", b"lo", flags | IFF_UP))
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None if it is gone.
+
+    Together with the pid it names one process for good: a reused pid has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name may contain spaces and parentheses; fields restart after the last ')'.
+    fields = stat[stat.rindex(b")") + 2:].split()
+    if fields[0] == b"Z":
+        return None
+    return int(fields[19])
+
+
+def write_id_maps(pid: int, uid: int, gid: int, proc_fd: int) -> None:
+    """Map root inside ``pid``'s new user namespace to ``uid``/``gid`` outside it.
+
+    ``proc_fd`` is an open directory fd of the host's /proc (the caller may have pivoted away).
+    """
+    for name, host_id in (("uid_map", uid), ("gid_map", gid)):
+        fd = os.open(f"{pid}/{name}", os.O_WRONLY, dir_fd=proc_fd)
+        try:
+            os.write(fd, f"0 {host_id} 1\n".encode())
+        finally:
+            os.close(fd)
+
+
+# --- seccomp -------------------------------------------------------------------------------------
+
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+
+# Host-affecting or attack-surface syscalls a sandbox never needs. Namespaced mount/unshare stay
+# allowed (the agent needs them to give each fork its own /proc and /tmp), except the variants that
+# could uncover a covered mount or create a nested user namespace.
+_DENIED = {
+    "x86_64": {
+        "reboot": 169, "kexec_load": 246, "kexec_file_load": 320, "init_module": 175,
+        "finit_module": 313, "delete_module": 176, "swapon": 167, "swapoff": 168, "acct": 163,
+        "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
+        "iopl": 172, "ioperm": 173, "syslog": 103, "quotactl": 179, "lookup_dcookie": 212,
+        "open_by_handle_at": 304, "name_to_handle_at": 303, "bpf": 321, "perf_event_open": 298,
+        "userfaultfd": 323, "keyctl": 250, "add_key": 248, "request_key": 249, "umount2": 166,
+        "pivot_root": 155, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
+        "fsmount": 432, "fspick": 433, "mount_setattr": 442, "io_uring_setup": 425,
+        "uselib": 134, "vhangup": 153,
+    },
+    "aarch64": {
+        "reboot": 142, "kexec_load": 104, "kexec_file_load": 294, "init_module": 105,
+        "finit_module": 273, "delete_module": 106, "swapon": 224, "swapoff": 225, "acct": 89,
+        "settimeofday": 170, "clock_settime": 112, "clock_adjtime": 266, "adjtimex": 171,
+        "syslog": 116, "quotactl": 60, "lookup_dcookie": 18, "open_by_handle_at": 265,
+        "name_to_handle_at": 264, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282,
+        "keyctl": 219, "add_key": 217, "request_key": 218, "umount2": 39, "pivot_root": 41,
+        "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+        "fspick": 433, "mount_setattr": 442, "io_uring_setup": 425, "vhangup": 58,
+    },
+}
+# (syscall number, index of the flags argument, forbidden bits)
+_FLAG_RULES = {
+    "x86_64": [(165, 3, MS_MOVE), (272, 0, CLONE_NEWUSER), (56, 0, CLONE_NEWUSER)],
+    "aarch64": [(40, 3, MS_MOVE), (97, 0, CLONE_NEWUSER), (220, 0, CLONE_NEWUSER)],
+}
+# clone3 passes flags in memory that a filter cannot read: answer ENOSYS so libc falls back to clone.
+_CLONE3 = 435
+
+SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_ERRNO = 0x00050000
+_LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+
+
+def seccomp_supported() -> bool:
+    return _MACHINE in _DENIED
+
+
+def seccomp_program() -> list[tuple[int, int, int, int]]:
+    """The BPF filter as (code, jt, jf, k) tuples; a deny answers EPERM."""
+    if not seccomp_supported():
+        raise OSError(errno.ENOSYS, f"no seccomp syscall table for architecture {_MACHINE}")
+    deny = SECCOMP_RET_ERRNO | errno.EPERM
+    prog: list[tuple[int, int, int, int]] = []
+    # Wrong architecture (e.g. 32-bit int 0x80 entry) or x32 ABI: deny outright.
+    prog += [(_LD_W_ABS, 0, 0, 4), (_JEQ, 1, 0, _AUDIT_ARCH[_MACHINE]), (_RET, 0, 0, deny),
+             (_LD_W_ABS, 0, 0, 0)]
+    if _MACHINE == "x86_64":
+        prog += [(_JGE, 0, 1, 0x40000000), (_RET, 0, 0, deny)]
+    prog += [(_JEQ, 0, 1, _CLONE3), (_RET, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS)]
+    for nr in sorted(_DENIED[_MACHINE].values()):
+        prog += [(_JEQ, 0, 1, nr), (_RET, 0, 0, deny)]
+    for nr, arg, bits in _FLAG_RULES[_MACHINE]:
+        # if nr matches: load low word of the flags argument, deny when any forbidden bit is set
+        prog += [(_JEQ, 0, 4, nr), (_LD_W_ABS, 0, 0, 16 + 8 * arg), (_JSET, 0, 1, bits),
+                 (_RET, 0, 0, deny), (_RET, 0, 0, SECCOMP_RET_ALLOW)]
+    prog.append((_RET, 0, 0, SECCOMP_RET_ALLOW))
+    return prog
+
+
+def install_seccomp() -> None:
+    """Install the sandbox filter on the calling thread and every future child (irreversible)."""
+    PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                    ("k", ctypes.c_uint)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    prog = seccomp_program()
+    filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
+    fprog = SockFprog(len(prog), filters)
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0),
+           "prctl(SECCOMP)")
+
+
+def set_parent_death_signal(sig: int) -> None:
+    PR_SET_PDEATHSIG = 1
+    _check(_libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0), "prctl(PDEATHSIG)")

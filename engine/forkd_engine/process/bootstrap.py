@@ -1,0 +1,107 @@
+"""Start a process-engine template: ``python -m forkd_engine.process.bootstrap`` (config on stdin).
+
+1. As the host's root, in a private mount namespace, build the read-only sandbox root and pivot.
+2. Fork a child that unshares user, mount, UTS, IPC, pid (and net) namespaces; map its root to an
+   unprivileged host uid from outside, where we still hold the right to; it drops every host group.
+3. That child forks the template: PID 1 of the new pid namespace. It mounts /proc, a private /tmp,
+   installs the seccomp filter, runs the snapshot's setup and serves. Both helpers exit, so the
+   template belongs to no server process and survives a server restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+from .. import linux
+from . import rootfs
+from .inside import SandboxProcess, report
+
+_PROC_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
+
+
+def template_main(cfg: dict) -> None:
+    """PID 1 of the snapshot's namespaces: set up, run the user's setup, serve. Never returns."""
+    report_fd, listen_fd = cfg["report_fd"], cfg["listen_fd"]
+    try:
+        linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
+        linux.mount("tmpfs", "/tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
+                    f"mode=1777,size={cfg['tmp_size_mib']}m")
+        linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=1777,size=64m")
+        linux.sethostname(cfg["tag"][:64])
+        if not cfg["host_network"]:
+            linux.loopback_up()
+        os.chdir("/tmp")
+        os.environ.clear()
+        os.environ.update(cfg["env"])
+        linux.install_seccomp()
+        proc = SandboxProcess({"id": cfg["tag"], "role": "template", "lineage": [cfg["tag"]]},
+                              {"host_network": cfg["host_network"], "tmp_size_mib": cfg["tmp_size_mib"]})
+        rt = proc.runtime
+        for argv in cfg.get("setup_commands") or []:
+            out = rt.handle({"action": "exec", "args": argv, "timeout": cfg["setup_timeout"]})
+            if out.get("exit_code") != 0:
+                detail = (out.get("stderr") or out.get("error") or "").strip()[-2000:]
+                raise RuntimeError(f"setup command {argv!r} exited {out.get('exit_code')}: {detail}")
+        if cfg.get("setup"):
+            out = rt.handle({"action": "run_code", "code": cfg["setup"]})
+            if out.get("error"):
+                err = out["error"]
+                tb = "".join(err.get("traceback", []))[-2000:] if isinstance(err, dict) else str(err)
+                raise RuntimeError(f"setup code failed: {tb.strip()}")
+        devnull = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+    except BaseException as exc:  # noqa: BLE001
+        report(report_fd, {"id": cfg["tag"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        os._exit(1)
+    proc.serve(listen_fd, report_fd)
+
+
+def main() -> int:
+    cfg = json.load(sys.stdin)
+    try:
+        proc_fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # the host's, for the id maps
+        rootfs.build_and_enter(cfg["root_dir"], hidden=cfg["hidden"])
+        ready_r, ready_w = os.pipe()
+        maps_r, maps_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(ready_r)
+                os.close(maps_w)
+                flags = (linux.CLONE_NEWUSER | linux.CLONE_NEWNS | linux.CLONE_NEWUTS
+                         | linux.CLONE_NEWIPC | linux.CLONE_NEWPID)
+                if not cfg["host_network"]:
+                    flags |= linux.CLONE_NEWNET
+                linux.unshare(flags)
+                os.write(ready_w, b"1")
+                if os.read(maps_r, 1) != b"1":
+                    os._exit(1)
+                os.setgroups([])
+                os.setresgid(0, 0, 0)
+                os.setresuid(0, 0, 0)
+                if os.fork() == 0:
+                    template_main(cfg)
+                os._exit(0)
+            except BaseException as exc:  # noqa: BLE001
+                report(cfg["report_fd"], {"id": cfg["tag"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                os._exit(1)
+        os.close(ready_w)
+        os.close(maps_r)
+        if os.read(ready_r, 1) == b"1":
+            linux.write_id_maps(pid, cfg["uid"], cfg["gid"], proc_fd)
+            os.write(maps_w, b"1")
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+    except BaseException as exc:  # noqa: BLE001
+        traceback.print_exc()
+        report(cfg["report_fd"], {"id": cfg["tag"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

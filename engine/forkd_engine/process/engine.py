@@ -1,0 +1,350 @@
+"""The process engine, host side: Linux namespaces + seccomp + cgroups around forked interpreters.
+
+Templates and sandboxes are independent processes (not children of the server), each reachable on
+a Unix socket this engine binds in its run directory and hands over with SCM_RIGHTS, so nothing
+inside a sandbox ever writes to the host's filesystem. Each fresh fork reports on a SOCK_SEQPACKET
+pair with SO_PASSCRED set: the kernel stamps the report with the sender's pid as the host sees it.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+
+from .. import linux
+from ..agent.client import AgentClient, AgentUnavailable
+from ..base import AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, SnapshotSpec
+from .cgroups import CgroupError, Cgroups
+
+SPAWN_BATCH = 200  # under the kernel's 253 fds per message
+_UCRED = "3i"
+MAX_SOCKET_PATH = 107
+
+
+def _sandbox_env() -> dict:
+    bindir = os.path.dirname(sys.executable)
+    return {
+        "PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/tmp",
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "FORKD_SANDBOX": "1",
+    }
+
+
+def smaps_memory(pid: int) -> dict:
+    """Rss, Pss and USS (Private_Clean + Private_Dirty) of one process, in KiB."""
+    out = {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                out[key.lower() + "_kib"] = int(rest.split()[0])
+            elif key in ("Private_Clean", "Private_Dirty"):
+                out["uss_kib"] += int(rest.split()[0])
+    return out
+
+
+class ProcessEngine:
+    name = "process"
+
+    def __init__(self, data_dir: str, *, sandbox_uid: int = 65534, sandbox_gid: int = 65534,
+                 tmp_size_mib: int = 1024, pids_max: int = 1024, spawn_timeout: float = 60.0):
+        if os.geteuid() != 0:
+            raise EngineUnavailable(
+                "the process engine needs root: it builds each sandbox's read-only root and maps "
+                "sandbox root to an unprivileged uid. Run the server as root (e.g. sudo forkd serve)")
+        self.data_dir = os.path.realpath(data_dir)
+        self.run_dir = os.path.join(self.data_dir, "run")
+        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)
+        if len(os.path.join(self.run_dir, "x" * 24)) > MAX_SOCKET_PATH:
+            raise EngineUnavailable(f"data dir {self.data_dir!r} is too long for Unix socket paths "
+                                    f"({MAX_SOCKET_PATH} bytes); choose a shorter --data-dir")
+        self.root_dir = os.path.join(self.data_dir, "newroot")
+        os.makedirs(self.root_dir, exist_ok=True)
+        self.uid, self.gid = sandbox_uid, sandbox_gid
+        self.tmp_size_mib = tmp_size_mib
+        self.pids_max = pids_max
+        self.spawn_timeout = spawn_timeout
+        self.cgroups = Cgroups()
+        self.cgroups.sweep()
+        self._busy_leaves: set[str] = set()
+
+    # --- sockets and reports ---------------------------------------------------------------------
+
+    def _socket_path(self, name: str) -> str:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:20]
+        return os.path.join(self.run_dir, f"{digest}.sock")
+
+    def _listen(self, name: str) -> tuple[socket.socket, str]:
+        path = self._socket_path(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        os.chmod(path, 0o600)
+        s.listen(128)
+        return s, path
+
+    @staticmethod
+    def _report_pair() -> tuple[socket.socket, socket.socket]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        return ours, theirs
+
+    @staticmethod
+    def _read_report(sock: socket.socket, deadline: float) -> tuple[dict, int] | None:
+        """One report and the host pid of its sender, or None when every sender has gone."""
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            data, anc, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(12))
+        except socket.timeout:
+            raise EngineError("timed out waiting for a sandbox to start") from None
+        if not data:
+            return None
+        pid = 0
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid = array.array("i", payload[:12])[0]
+        return json.loads(data), pid
+
+    def _handle(self, pid: int, path: str, **extra) -> Handle:
+        start = linux.process_start_time(pid)
+        if start is None:
+            raise EngineError(f"process {pid} exited right after starting")
+        return {"engine": self.name, "pid": pid, "start_time": start, "socket": path, **extra}
+
+    # --- agent -----------------------------------------------------------------------------------
+
+    def call(self, handle: Handle, request: dict, timeout: float | None = None, fds: list[int] | None = None) -> dict:
+        try:
+            return AgentClient(handle["socket"], timeout=timeout or 30.0).call(request, fds=fds)
+        except AgentUnavailable as exc:
+            raise AgentUnreachable(str(exc)) from exc
+
+    def alive(self, handle: Handle) -> bool:
+        return linux.process_start_time(handle["pid"]) == handle["start_time"]
+
+    def memory(self, handle: Handle) -> dict:
+        if not self.alive(handle):
+            raise EngineError(f"process {handle['pid']} is gone")
+        return smaps_memory(handle["pid"])
+
+    # --- snapshots -------------------------------------------------------------------------------
+
+    def create_snapshot(self, spec: SnapshotSpec) -> Handle:
+        listener, path = self._listen("snap:" + spec.tag)
+        ours, theirs = self._report_pair()
+        log_path = path[:-5] + ".log"
+        cfg = {
+            "tag": spec.tag, "setup": spec.setup, "setup_commands": spec.setup_commands,
+            "host_network": spec.host_network, "setup_timeout": spec.setup_timeout,
+            "tmp_size_mib": self.tmp_size_mib, "uid": self.uid, "gid": self.gid,
+            "root_dir": self.root_dir, "hidden": [self.data_dir], "env": _sandbox_env(),
+            "listen_fd": listener.fileno(), "report_fd": theirs.fileno(),
+        }
+        env = dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"])
+        try:
+            with open(log_path, "wb") as log:
+                boot = subprocess.Popen([sys.executable, "-m", "forkd_engine.process.bootstrap"],
+                                        stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
+                                        pass_fds=(listener.fileno(), theirs.fileno()),
+                                        start_new_session=True, cwd="/")
+            boot.stdin.write(json.dumps(cfg).encode())
+            boot.stdin.close()
+            listener.close()
+            theirs.close()
+            got = self._read_report(ours, time.monotonic() + spec.setup_timeout + 30)
+            boot.wait(timeout=30)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                boot.kill()
+            raise
+        finally:
+            ours.close()
+            listener.close()
+            theirs.close()
+        if got is None or not got[0].get("ok"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            detail = got[0].get("error") if got else self._log_tail(log_path)
+            raise EngineError(f"snapshot {spec.tag!r} failed to start: {detail}")
+        os.unlink(log_path)
+        return self._handle(got[1], path, role="template")
+
+    @staticmethod
+    def _log_tail(path: str) -> str:
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            return f.read()[-2000:].decode("utf-8", "replace").strip() or "no output"
+        return "no output"
+
+    def delete_snapshot(self, handle: Handle) -> None:
+        self._retire(handle)
+        self._busy_leaves = set(self.cgroups.remove(sorted(self._busy_leaves)))
+
+    # --- sandboxes -------------------------------------------------------------------------------
+
+    def spawn(self, snapshot: Handle, children: list[ChildSpec]) -> list[Handle]:
+        handles: list[Handle] = []
+        try:
+            for i in range(0, len(children), SPAWN_BATCH):
+                handles += self._spawn_batch(snapshot, children[i:i + SPAWN_BATCH])
+        except BaseException:
+            for h in handles:
+                with contextlib.suppress(Exception):
+                    self.kill(h)
+            raise
+        return handles
+
+    def _spawn_batch(self, snapshot: Handle, batch: list[ChildSpec]) -> list[Handle]:
+        ours, theirs = self._report_pair()
+        listeners = [self._listen(c.id) for c in batch]
+        paths = {c.id: p for c, (_, p) in zip(batch, listeners)}
+        request = {"action": "spawn",
+                   "children": [{"id": c.id, "lineage": c.lineage} for c in batch]}
+        started: dict[str, Handle] = {}
+        try:
+            reply = self.call(snapshot, request, timeout=self.spawn_timeout,
+                              fds=[theirs.fileno()] + [s.fileno() for s, _ in listeners])
+            theirs.close()
+            for s, _ in listeners:
+                s.close()
+            if "error" in reply:
+                raise EngineError(f"spawn failed: {reply['error']}")
+            deadline = time.monotonic() + self.spawn_timeout
+            errors = []
+            while len(started) + len(errors) < len(batch):
+                got = self._read_report(ours, deadline)
+                if got is None:
+                    errors.append("a sandbox exited before reporting")
+                    break
+                msg, pid = got
+                if msg.get("ok"):
+                    started[msg["id"]] = self._handle(pid, paths[msg["id"]], role="sandbox")
+                else:
+                    errors.append(f"{msg.get('id')}: {msg.get('error')}")
+            if errors:
+                raise EngineError("spawn failed: " + "; ".join(errors[:3]))
+            limits = {c.id: c.memory_limit_mib for c in batch}
+            for cid, h in started.items():
+                try:
+                    h["cgroups"] = self.cgroups.apply(cid, h["pid"], limits[cid], self.pids_max)
+                except (CgroupError, OSError) as exc:
+                    raise EngineError(str(exc)) from exc
+            return [started[c.id] for c in batch]
+        except BaseException:
+            for h in started.values():
+                with contextlib.suppress(Exception):
+                    self.kill(h)
+            for path in paths.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
+        finally:
+            ours.close()
+            theirs.close()
+            for s, _ in listeners:
+                s.close()
+
+    def kill(self, handle: Handle) -> None:
+        self._retire(handle)
+        # A retired sandbox may leave a reaper in its leaves; retry those on later kills.
+        self._busy_leaves = set(self.cgroups.remove(sorted(self._busy_leaves | set(handle.get("cgroups") or []))))
+
+    def _retire(self, handle: Handle) -> None:
+        """Ask the agent to end itself (a reaper stays if it has live forks); force it if it can't."""
+        if not self.alive(handle):
+            self._forget(handle)
+            return
+        pid = handle["pid"]
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._forget(handle)
+            return
+        try:
+            try:
+                reply = self.call(handle, {"action": "retire"}, timeout=5)
+            except AgentUnreachable:
+                reply = {}
+            if reply.get("retired") != "reaper":
+                if reply.get("retired") != "exit":
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                # Wait for the exit itself: its pid namespace (and every process in it) is gone then.
+                import select
+                select.select([pidfd], [], [], 10)
+        finally:
+            os.close(pidfd)
+        self._forget(handle)
+
+    def abandon(self, name: str) -> None:
+        """End whatever an interrupted start left serving under ``name`` (the registry has no handle)."""
+        path = self._socket_path(name)
+        if os.path.exists(path):
+            with contextlib.suppress(AgentUnavailable, OSError, ValueError):
+                AgentClient(path, timeout=5).call({"action": "retire"})
+            self._forget({"socket": path})
+
+    def _forget(self, handle: Handle) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(handle["socket"])
+
+    # --- branch ----------------------------------------------------------------------------------
+
+    def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str = "full") -> BranchResult:
+        # One mechanism serves every mode: fork() is copy-on-write, so the source pauses only for
+        # the fork itself whatever was asked (full, diff or live).
+        listener, path = self._listen("snap:" + tag)
+        ours, theirs = self._report_pair()
+        try:
+            reply = self.call(sandbox, {"action": "branch", "id": tag, "lineage": lineage},
+                              fds=[theirs.fileno(), listener.fileno()])
+        except BaseException:
+            ours.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        finally:
+            theirs.close()
+            listener.close()
+        if "error" in reply:
+            ours.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise EngineError(f"branch failed: {reply['error']}")
+
+        ready: Future = Future()
+
+        def finish() -> None:
+            try:
+                got = self._read_report(ours, time.monotonic() + self.spawn_timeout)
+                if got is None or not got[0].get("ok"):
+                    raise EngineError(f"branch {tag!r} failed: "
+                                      f"{got[0].get('error') if got else 'the new snapshot exited'}")
+                ready.set_result(self._handle(got[1], path, role="template"))
+            except BaseException as exc:  # noqa: BLE001
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+            finally:
+                ours.close()
+
+        threading.Thread(target=finish, name=f"branch-{tag}", daemon=True).start()
+        return BranchResult(pause_ms=float(reply["pause_ms"]), ready=ready)
+
+    def close(self) -> None:
+        """Nothing to stop: templates and sandboxes outlive the server by design."""

@@ -1,0 +1,108 @@
+"""The read-only root a process sandbox sees.
+
+Built by the bootstrap while it is still the host's root, in a private mount namespace: a tmpfs
+holding read-only binds of the system and Python directories, a minimal /dev, and nothing else.
+After ``pivot_root`` the host's tree is detached, so the server's data directory (tokens, the
+registry, other sandboxes' sockets) is not reachable from inside. Once the sandbox enters its own
+user namespace these mounts are locked: code inside cannot unmount them to look underneath.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .. import linux
+
+_RO = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_NEVER_BOUND = ("/proc", "/sys", "/dev", "/tmp", "/run")
+_SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+
+
+def python_dirs() -> list[str]:
+    """Directories the interpreter needs: prefixes and every import path, outermost first."""
+    candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                  os.path.dirname(os.path.realpath(sys.executable))}
+    candidates.update(p for p in sys.path if p)
+    dirs = set()
+    for path in candidates:
+        real = os.path.realpath(path)
+        # The root itself (a cwd entry on sys.path) and the sandbox's own mounts are never bound.
+        if real == "/" or any(real == d or real.startswith(d + "/") for d in _NEVER_BOUND):
+            continue
+        if os.path.isdir(real):
+            dirs.add(real)
+    # Keep only outermost directories, and skip what the system binds already cover.
+    out: list[str] = []
+    for d in sorted(dirs, key=len):
+        if any(d == o or d.startswith(o.rstrip("/") + "/") for o in out + list(_SYSTEM_DIRS)):
+            continue
+        out.append(d)
+    return out
+
+
+def _bind_ro(src: str, dst: str) -> None:
+    linux.mount(src, dst, None, linux.MS_BIND)
+    linux.mount(None, dst, None, linux.MS_REMOUNT | linux.MS_BIND | _RO)
+
+
+def build_and_enter(new_root: str, hidden: list[str]) -> None:
+    """Build the sandbox root at ``new_root`` (an empty directory) and pivot into it.
+
+    ``hidden`` lists host paths (the data directory) that must stay invisible even when they sit
+    under a directory that is bound in.
+    """
+    linux.unshare(linux.CLONE_NEWNS)
+    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    linux.mount("forkd-root", new_root, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=755,size=16m")
+
+    def inside(path: str) -> str:
+        return os.path.join(new_root, path.lstrip("/"))
+
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            os.symlink(os.readlink(d), inside(d))
+        elif os.path.isdir(d):
+            os.makedirs(inside(d))
+            _bind_ro(d, inside(d))
+    for d in python_dirs():
+        os.makedirs(inside(d), exist_ok=True)
+        _bind_ro(d, inside(d))
+    for h in hidden:
+        real = os.path.realpath(h)
+        if os.path.isdir(inside(real)):
+            linux.mount("forkd-hidden", inside(real), "tmpfs", _RO, "size=4k,mode=000")
+
+    os.makedirs(inside("/sys"))
+    linux.mount("/sys", inside("/sys"), None, linux.MS_BIND)
+    linux.mount(None, inside("/sys"), None, linux.MS_REMOUNT | linux.MS_BIND | _RO | linux.MS_NOEXEC)
+
+    dev = inside("/dev")
+    os.makedirs(dev)
+    linux.mount("forkd-dev", dev, "tmpfs", linux.MS_NOSUID | linux.MS_NOEXEC, "mode=755,size=64k")
+    for name in _DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            open(os.path.join(dev, name), "w").close()
+            linux.mount(f"/dev/{name}", os.path.join(dev, name), None, linux.MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, os.path.join(dev, name))
+    os.makedirs(os.path.join(dev, "shm"))
+    linux.mount(None, dev, None, linux.MS_REMOUNT | linux.MS_NOSUID | linux.MS_NOEXEC | linux.MS_RDONLY)
+
+    for d in ("/proc", "/tmp", "/root", "/home", "/run", "/var"):
+        os.makedirs(inside(d), exist_ok=True)
+    # The kernel lets a user namespace mount a new /proc only where a proc is already fully
+    # visible. The sandbox covers this one with its own at once; being locked, it can't be uncovered.
+    linux.mount("/proc", inside("/proc"), None, linux.MS_BIND | linux.MS_REC)
+    os.symlink("/tmp", inside("/var/tmp"))
+
+    old = inside("/.old-root")
+    os.makedirs(old)
+    os.chdir(new_root)
+    linux.pivot_root(".", ".old-root")
+    os.chdir("/")
+    linux.umount("/.old-root", linux.MNT_DETACH)
+    os.rmdir("/.old-root")
+    linux.mount(None, "/", None, linux.MS_REMOUNT | _RO)

@@ -1,0 +1,1 @@
+"""A notebook kernel whose code runs inside a forkd sandbox (see its issue)."""

@@ -1,0 +1,1 @@
+"""IPython magics for forkd (see the notebook front-end issue)."""

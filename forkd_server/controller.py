@@ -1,0 +1,514 @@
+"""The controller: forkd's v1 policy, independent of HTTP.
+
+It validates requests in forkd's documented check order, owns tags, lineage and the branch
+concurrency cap, records every change in the registry before and after the engine acts, and
+re-attaches to live templates and sandboxes when it starts. Handlers and front ends call it; it
+calls an engine; neither knows of the other.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable
+
+from forkd_engine import AgentUnreachable, ChildSpec, EngineError, SnapshotSpec
+
+from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
+from .registry import Registry
+
+TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
+MAX_CHILDREN = 1000
+BRANCH_MODES = ("full", "diff", "live")
+ENGINES = ("auto", "process", "vm")
+
+
+def check_tag(tag, what: str = "tag") -> str:
+    if not isinstance(tag, str) or not TAG_RE.match(tag):
+        raise BadRequest(f"invalid {what} {tag!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, "
+                         f"not starting with '.' or '-'")
+    return tag
+
+
+def _int_field(value, name: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise BadRequest(f"{name} must be between {lo} and {hi}" if hi else f"{name} must be at least {lo}")
+    return value
+
+
+class Controller:
+    def __init__(self, data_dir: str, engines: dict | None = None, *, branch_concurrency: int = 4,
+                 default_engine: str = "auto"):
+        if branch_concurrency < 1:
+            raise ValueError("branch_concurrency must be at least 1")
+        self.data_dir = os.path.realpath(data_dir)
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.registry = Registry(os.path.join(self.data_dir, "registry.sqlite3"))
+        self.engines = dict(engines) if engines is not None else self._default_engines()
+        self.default_engine = default_engine
+        self.branch_cap = branch_concurrency
+        self._lock = threading.Lock()
+        self._in_flight: set[str] = set()     # tags being written (create or branch)
+        self._branches = 0                    # branches holding a concurrency slot
+        self._changed = threading.Condition()
+        self._listeners: list[Callable[[dict], None]] = []
+        self.reconcile()
+
+    def _default_engines(self) -> dict:
+        from forkd_engine.process import ProcessEngine
+        return {"process": ProcessEngine(os.path.join(self.data_dir, "process"))}
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.registry.close()
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def subscribe(self, listener: Callable[[dict], None]) -> Callable[[], None]:
+        """Call ``listener(event)`` on every change; returns a function that unsubscribes."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def _emit(self, kind: str, action: str, **data) -> None:
+        event = {"kind": kind, "action": action, "time": time.time(), **data}
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - a broken listener must not break the controller
+                pass
+        with self._changed:
+            self._changed.notify_all()
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _engine(self, name: str):
+        if name == "auto":
+            name = self.default_engine if self.default_engine != "auto" else (
+                "vm" if "vm" in self.engines and getattr(self.engines["vm"], "preferred", False) else "process")
+        engine = self.engines.get(name)
+        if engine is None:
+            raise BadRequest(f"engine {name!r} is not available on this server "
+                             f"(available: {', '.join(sorted(self.engines)) or 'none'}); see `forkd doctor`")
+        return name, engine
+
+    def _sandbox_row(self, sandbox_id) -> dict:
+        row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
+        if row is None or row["status"] != "running":
+            raise NotFound(f"sandbox {sandbox_id} not found")
+        return row
+
+    def _agent(self, sandbox_id: str, request: dict, what: str, timeout: float | None = None) -> dict:
+        row = self._sandbox_row(sandbox_id)
+        engine = self.engines.get(row["engine"])
+        try:
+            return engine.call(row["handle"], request, timeout=timeout)
+        except (AgentUnreachable, EngineError) as exc:
+            raise EngineFailure(f"{what}: {exc}") from exc
+
+    def snapshot_info(self, row: dict) -> dict:
+        info = {
+            "tag": row["tag"],
+            "dir": os.path.join(self.data_dir, row["engine"], "snapshots", row["tag"]),
+            "created_at_unix": int(row["created_at"]),
+            "status": row["status"],
+            "bootable": row["status"] == "ready",
+            "engine": row["engine"],
+            "lineage": row["lineage"],
+        }
+        if row["branched_from"]:
+            info["branched_from"] = row["branched_from"]
+        if row["pause_ms"] is not None:
+            info["pause_ms"] = row["pause_ms"]
+        if row["warning"]:
+            info["warning"] = row["warning"]
+        return info
+
+    @staticmethod
+    def sandbox_info(row: dict) -> dict:
+        handle = row["handle"] or {}
+        return {
+            "id": row["id"],
+            "snapshot_tag": row["snapshot_tag"],
+            "netns": None,
+            "guest_addr": f"unix:{handle['socket']}" if handle.get("socket") else None,
+            "created_at_unix": int(row["created_at"]),
+            "pid": handle.get("pid"),
+            "memory_limit_mib": row["memory_limit_mib"],
+            "has_branched": row["branch_count"] > 0,
+            "last_branch_memory_path": None,
+            "branch_count": row["branch_count"],
+            "engine": row["engine"],
+            "status": row["status"],
+            "lineage": row["lineage"],
+        }
+
+    # --- start-up --------------------------------------------------------------------------------
+
+    def reconcile(self) -> dict:
+        """Re-attach to what survived a restart; record what did not. Returns counts."""
+        counts = {"snapshots_attached": 0, "snapshots_failed": 0, "sandboxes_attached": 0, "sandboxes_dropped": 0}
+        for row in self.registry.list_snapshots():
+            engine = self.engines.get(row["engine"])
+            if row["status"] == "failed":
+                continue
+            if row["handle"] and engine is not None and engine.alive(row["handle"]):
+                if row["status"] == "ready":
+                    counts["snapshots_attached"] += 1
+                    continue
+            if engine is not None:
+                if row["handle"]:
+                    engine.delete_snapshot(row["handle"])
+                else:
+                    engine.abandon("snap:" + row["tag"])
+            why = ("interrupted by a server restart while it was being written" if row["status"] == "writing"
+                   else "its template process is gone (was the host restarted?)")
+            self.registry.update_snapshot(row["tag"], status="failed", warning=f"snapshot is not bootable: {why}")
+            counts["snapshots_failed"] += 1
+        dropped = []
+        for row in self.registry.list_sandboxes():
+            engine = self.engines.get(row["engine"])
+            if row["status"] == "running" and engine is not None and engine.alive(row["handle"]):
+                counts["sandboxes_attached"] += 1
+                continue
+            if engine is not None:
+                if row["handle"]:
+                    engine.kill(row["handle"])
+                else:
+                    engine.abandon(row["id"])
+            dropped.append(row["id"])
+        self.registry.delete_sandboxes(dropped)
+        counts["sandboxes_dropped"] = len(dropped)
+        return counts
+
+    # --- snapshots -------------------------------------------------------------------------------
+
+    def create_snapshot(self, tag, *, engine: str = "auto", setup: str | None = None,
+                        setup_commands: list | None = None, mem_size_mib: int | None = None,
+                        host_network: bool = False) -> dict:
+        check_tag(tag)
+        if engine not in ENGINES:
+            raise BadRequest(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        if setup is not None and not isinstance(setup, str):
+            raise BadRequest("setup must be a string of Python code")
+        commands = setup_commands or []
+        if not isinstance(commands, list) or not all(
+                isinstance(c, list) and c and all(isinstance(a, str) for a in c) for c in commands):
+            raise BadRequest("setup_commands must be a list of argv lists, e.g. [[\"pip\", \"install\", \"x\"]]")
+        if mem_size_mib is not None:
+            _int_field(mem_size_mib, "mem_size_mib", 64, 1 << 20)
+        name, eng = self._engine(engine)
+        with self._lock:
+            if tag in self._in_flight:
+                raise Conflict(f"snapshot {tag} is already being written")
+            if self.registry.get_snapshot(tag) is not None:
+                raise BadRequest(f"snapshot {tag} already exists; DELETE first")
+            self._in_flight.add(tag)
+        try:
+            spec = SnapshotSpec(tag=tag, setup=setup, setup_commands=commands, host_network=bool(host_network),
+                                mem_size_mib=mem_size_mib)
+            self.registry.insert_snapshot({
+                "tag": tag, "engine": name, "status": "writing", "created_at": time.time(),
+                "lineage": [tag], "spec": {"setup": setup, "setup_commands": commands,
+                                           "host_network": bool(host_network), "mem_size_mib": mem_size_mib}})
+            self._emit("snapshot", "created", tag=tag, status="writing")
+            try:
+                handle = eng.create_snapshot(spec)
+            except EngineError as exc:
+                self.registry.delete_snapshot(tag)
+                self._emit("snapshot", "deleted", tag=tag)
+                raise EngineFailure(str(exc)) from exc
+            self.registry.update_snapshot(tag, status="ready", handle=handle)
+            self._emit("snapshot", "status", tag=tag, status="ready")
+            return self.snapshot_info(self.registry.get_snapshot(tag))
+        finally:
+            with self._lock:
+                self._in_flight.discard(tag)
+
+    def list_snapshots(self) -> list[dict]:
+        rows = self.registry.list_snapshots()
+        done = [self.snapshot_info(r) for r in rows if r["status"] != "writing"]
+        return done + [self.snapshot_info(r) for r in rows if r["status"] == "writing"]
+
+    def get_snapshot(self, tag) -> dict:
+        check_tag(tag)
+        row = self.registry.get_snapshot(tag)
+        if row is None:
+            raise NotFound(f"snapshot {tag} not found")
+        return self.snapshot_info(row)
+
+    def snapshot_detail(self, tag) -> dict:
+        """forkd's SnapshotInfoDetail, plus lineage and live memory figures."""
+        info = self.get_snapshot(tag)
+        row = self.registry.get_snapshot(tag)
+        rows = self.registry.list_snapshots()
+        info.update({
+            "ancestors": row["lineage"][:-1],
+            "chain_depth": 0,
+            "dependents": [],
+            "descendants": [r["tag"] for r in rows if r["tag"] != tag and tag in r["lineage"]],
+            "sandboxes": [s["id"] for s in self.registry.list_sandboxes() if s["snapshot_tag"] == tag],
+        })
+        engine = self.engines.get(row["engine"])
+        if row["status"] == "ready" and engine is not None and engine.alive(row["handle"]):
+            info["memory"] = engine.memory(row["handle"])
+        return info
+
+    def delete_snapshot(self, tag, *, cascade: bool = False, force: bool = False) -> None:
+        check_tag(tag)
+        if cascade and force:
+            raise BadRequest("cascade and force are mutually exclusive")
+        with self._lock:
+            if tag in self._in_flight:
+                raise Conflict(f"snapshot {tag} is being written; wait until it is ready or failed")
+        row = self.registry.get_snapshot(tag)
+        if row is None:
+            raise NotFound(f"snapshot {tag} not found")
+        # Snapshots never depend on each other here (a branch is a complete snapshot), so force has
+        # nothing to orphan; cascade also deletes every snapshot branched further down the lineage.
+        victims = [row]
+        if cascade:
+            victims += [r for r in self.registry.list_snapshots() if r["tag"] != tag and tag in r["lineage"]]
+        for victim in reversed(victims):
+            engine = self.engines.get(victim["engine"])
+            if victim["handle"] and engine is not None:
+                engine.delete_snapshot(victim["handle"])
+            self.registry.delete_snapshot(victim["tag"])
+            self._emit("snapshot", "deleted", tag=victim["tag"])
+
+    # --- sandboxes -------------------------------------------------------------------------------
+
+    def spawn(self, snapshot_tag, n=1, *, memory_limit_mib=None, **_forkd_options) -> list[dict]:
+        """Fork ``n`` sandboxes from a snapshot. forkd's VM-only options are accepted and ignored."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise BadRequest(f"n must be an integer, got {n!r}")
+        if n == 0:
+            raise BadRequest("n must be at least 1")
+        if n > MAX_CHILDREN or n < 0:
+            raise BadRequest(f"n must be between 1 and {MAX_CHILDREN}")
+        check_tag(snapshot_tag, "snapshot_tag")
+        if memory_limit_mib is not None:
+            _int_field(memory_limit_mib, "memory_limit_mib", 16)
+        row = self.registry.get_snapshot(snapshot_tag)
+        if row is not None and row["status"] != "ready":
+            raise Conflict(f"snapshot `{snapshot_tag}` is not bootable: status={row['status']}"
+                           + (f"; {row['warning']}" if row["warning"] else ""))
+        if row is None:
+            raise NotFound(f"snapshot {snapshot_tag} not found")
+        engine = self.engines.get(row["engine"])
+        if engine is None or not engine.alive(row["handle"]):
+            raise Conflict(f"snapshot `{snapshot_tag}` is not bootable: its template process is gone")
+        first = self.registry.next_counter("sandbox", n)
+        now = time.time()
+        ids = [f"sb-{int(now):08x}-{(first + i) % 0x10000:04x}" for i in range(n)]
+        rows = [{"id": sid, "snapshot_tag": snapshot_tag, "engine": row["engine"], "status": "starting",
+                 "created_at": now, "lineage": row["lineage"] + [sid], "memory_limit_mib": memory_limit_mib}
+                for sid in ids]
+        self.registry.insert_sandboxes(rows)
+        try:
+            handles = engine.spawn(row["handle"], [ChildSpec(id=r["id"], lineage=r["lineage"],
+                                                             memory_limit_mib=memory_limit_mib) for r in rows])
+        except EngineError as exc:
+            self.registry.delete_sandboxes(ids)
+            raise EngineFailure(str(exc)) from exc
+        self.registry.set_sandbox_handles(dict(zip(ids, handles)))
+        out = [self.sandbox_info(self.registry.get_sandbox(sid)) for sid in ids]
+        for info in out:
+            self._emit("sandbox", "created", id=info["id"], snapshot_tag=snapshot_tag, status="running")
+        return out
+
+    def list_sandboxes(self) -> list[dict]:
+        return [self.sandbox_info(r) for r in self.registry.list_sandboxes() if r["status"] == "running"]
+
+    def get_sandbox(self, sandbox_id) -> dict:
+        return self.sandbox_info(self._sandbox_row(sandbox_id))
+
+    def kill_sandbox(self, sandbox_id) -> None:
+        row = self._sandbox_row(sandbox_id)
+        self.engines[row["engine"]].kill(row["handle"])
+        self.registry.delete_sandboxes([row["id"]])
+        self._emit("sandbox", "killed", id=row["id"])
+
+    def memory(self, sandbox_id) -> dict:
+        row = self._sandbox_row(sandbox_id)
+        return self.engines[row["engine"]].memory(row["handle"])
+
+    # --- talking to the agent --------------------------------------------------------------------
+
+    def ping(self, sandbox_id) -> dict:
+        return self._agent(sandbox_id, {"action": "ping"}, "ping", timeout=5)
+
+    def exec(self, sandbox_id, args, timeout_secs: float = 30, env: dict | None = None, cwd: str | None = None) -> dict:
+        self._sandbox_row(sandbox_id)
+        if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
+            raise BadRequest("args must be a non-empty list of strings")
+        if isinstance(timeout_secs, bool) or not isinstance(timeout_secs, (int, float)) or timeout_secs <= 0:
+            raise BadRequest("timeout_secs must be a positive number")
+        request = {"action": "exec", "args": args, "timeout": timeout_secs}
+        if env:
+            request["env"] = env
+        if cwd:
+            request["cwd"] = cwd
+        reply = self._agent(sandbox_id, request, "exec", timeout=timeout_secs + 5)
+        out = {"stdout": reply.get("stdout", ""), "stderr": reply.get("stderr", ""),
+               "exit_code": reply.get("exit_code", 1)}
+        for extra in ("error", "timed_out"):
+            if extra in reply:
+                out[extra] = reply[extra]
+        return out
+
+    def eval(self, sandbox_id, code) -> dict:
+        self._sandbox_row(sandbox_id)
+        if not isinstance(code, str):
+            raise BadRequest("code must be a string")
+        reply = self._agent(sandbox_id, {"action": "eval", "code": code}, "eval", timeout=300)
+        return {"result": reply.get("result"), "error": reply.get("error"), "exit_code": reply.get("exit_code", 1)}
+
+    def run_code(self, sandbox_id, code, timeout: float = 600) -> dict:
+        self._sandbox_row(sandbox_id)
+        if not isinstance(code, str):
+            raise BadRequest("code must be a string")
+        return self._agent(sandbox_id, {"action": "run_code", "code": code}, "run_code", timeout=timeout)
+
+    def files(self, sandbox_id, op: str, path, **options) -> dict:
+        self._sandbox_row(sandbox_id)
+        if op not in ("read", "write", "list", "remove"):
+            raise BadRequest(f"unknown files op {op!r}: use read, write, list or remove")
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise BadRequest("path must be a non-empty string")
+        reply = self._agent(sandbox_id, {"action": "files", "op": op, "path": path, **options}, "files")
+        if "error" in reply:
+            msg = reply["error"]
+            if msg.startswith(("FileNotFoundError", "NotADirectoryError")):
+                raise NotFound(f"{path}: {msg.split(': ', 1)[-1]}")
+            raise BadRequest(msg)
+        return reply
+
+    # --- branch ----------------------------------------------------------------------------------
+
+    def branch(self, sandbox_id, tag=None, *, mode=None, diff=False, live=False, measure_diff=False,
+               wait=True, parent_tag=None) -> dict:
+        """Turn a running sandbox into a new snapshot, in forkd's check order.
+
+        Returns SnapshotInfo; with ``wait=False`` it has status ``writing`` and turns ``ready`` or
+        ``failed`` later (``wait_snapshot`` waits for that).
+        """
+        if tag is None:
+            known = isinstance(sandbox_id, str) and self.registry.get_sandbox(sandbox_id) is not None
+            seq = self.registry.next_counter(f"branch:{sandbox_id}") if known else 0
+            tag = f"branch-{sandbox_id}-{seq}"
+        check_tag(tag)
+        with self._lock:
+            if tag in self._in_flight:
+                raise Conflict(f"a branch to {tag} is already in flight")
+            if self._branches >= self.branch_cap:
+                raise Busy(f"branch concurrency limit reached ({self.branch_cap} in flight); retry shortly")
+            self._in_flight.add(tag)
+            self._branches += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                with self._lock:
+                    self._in_flight.discard(tag)
+                    self._branches -= 1
+
+        try:
+            if mode is not None and (diff or live):
+                raise BadRequest("mode cannot be combined with diff or live")
+            if mode is not None and mode not in BRANCH_MODES:
+                raise BadRequest(f"mode must be one of {', '.join(BRANCH_MODES)}, got {mode!r}")
+            diff, live = diff or mode == "diff", live or mode == "live"
+            if sum(map(bool, (measure_diff, diff, live))) > 1:
+                raise BadRequest("only one of measure_diff, diff and live may be set")
+            if not wait and not live:
+                raise BadRequest("wait=false needs mode live (the branch returns while memory is still being written)")
+            if self.registry.get_snapshot(tag) is not None:
+                raise Conflict(f"snapshot {tag} already exists; DELETE first")
+            row = self._sandbox_row(sandbox_id)
+            if parent_tag is not None and parent_tag != row["snapshot_tag"]:
+                raise BadRequest(f"parent_tag {parent_tag!r} is not the source's snapshot {row['snapshot_tag']!r}")
+            if parent_tag is not None and not diff:
+                raise BadRequest("parent_tag needs diff mode")
+            mode_name = "live" if live else "diff" if diff else "full"
+            engine = self.engines[row["engine"]]
+            lineage = row["lineage"] + [tag]
+            self.registry.insert_snapshot({
+                "tag": tag, "engine": row["engine"], "status": "writing", "created_at": time.time(),
+                "branched_from": row["id"], "lineage": lineage,
+                "spec": {"branched_from": row["id"], "mode": mode_name}})
+            try:
+                result = engine.branch(row["handle"], tag, lineage, mode_name)
+            except (EngineError, AgentUnreachable) as exc:
+                self.registry.delete_snapshot(tag)
+                raise EngineFailure(f"branch: {exc}") from exc
+            self.registry.update_snapshot(tag, pause_ms=result.pause_ms)
+            self.registry.update_sandbox(row["id"], branch_count=row["branch_count"] + 1)
+            self._emit("snapshot", "created", tag=tag, status="writing", branched_from=row["id"],
+                       pause_ms=result.pause_ms)
+
+            def complete(future) -> None:
+                try:
+                    handle = future.result()
+                    self.registry.update_snapshot(tag, status="ready", handle=handle)
+                    self._emit("snapshot", "status", tag=tag, status="ready")
+                except BaseException as exc:  # noqa: BLE001
+                    self.registry.update_snapshot(tag, status="failed", warning=f"branch failed: {exc}")
+                    self._emit("snapshot", "status", tag=tag, status="failed", warning=str(exc))
+                finally:
+                    release()
+
+            result.ready.add_done_callback(complete)
+            if wait:
+                try:
+                    result.ready.result(timeout=600)
+                except FutureTimeout:
+                    raise EngineFailure(f"branch {tag} did not become ready within 600 s") from None
+                except EngineError as exc:
+                    raise EngineFailure(f"branch: {exc}") from exc
+                with self._changed:  # the done-callback runs in the engine's thread; wait for it
+                    self._changed.wait_for(lambda: self.registry.get_snapshot(tag)["status"] != "writing", 5)
+            return self.snapshot_info(self.registry.get_snapshot(tag))
+        except BaseException:
+            row = self.registry.get_snapshot(tag)
+            if row is None or row["status"] != "writing":
+                release()
+            raise
+
+    def wait_snapshot(self, tag, timeout: float = 60.0) -> dict:
+        """Block until a snapshot is ``ready`` or ``failed``; returns its info."""
+        check_tag(tag)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                row = self.registry.get_snapshot(tag)
+                if row is None:
+                    raise NotFound(f"snapshot {tag} not found")
+                if row["status"] != "writing":
+                    return self.snapshot_info(row)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ForkdError(f"snapshot {tag} is still writing after {timeout:g} s")
+                self._changed.wait(left)
+
+    # --- lineage ---------------------------------------------------------------------------------
+
+    def tree(self) -> list[dict]:
+        """Every snapshot and live sandbox as nodes with a parent id (None for roots)."""
+        nodes = []
+        for s in self.registry.list_snapshots():
+            nodes.append({"id": s["tag"], "kind": "snapshot", "parent": s["lineage"][-2] if len(s["lineage"]) > 1 else None,
+                          "status": s["status"], "pause_ms": s["pause_ms"], "created_at": s["created_at"],
+                          "engine": s["engine"]})
+        for b in self.registry.list_sandboxes():
+            if b["status"] == "running":
+                nodes.append({"id": b["id"], "kind": "sandbox", "parent": b["snapshot_tag"], "status": "running",
+                              "pause_ms": None, "created_at": b["created_at"], "engine": b["engine"]})
+        return nodes

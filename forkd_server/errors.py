@@ -1,0 +1,30 @@
+"""Controller errors. Each carries the HTTP status the REST layer answers with."""
+
+
+class ForkdError(Exception):
+    status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(ForkdError):
+    status = 400
+
+
+class NotFound(ForkdError):
+    status = 404
+
+
+class Conflict(ForkdError):
+    status = 409
+
+
+class Busy(ForkdError):
+    status = 503
+
+
+class EngineFailure(ForkdError):
+    """The engine failed doing valid work (a crash, a timeout); the message names the cause."""
+    status = 500
