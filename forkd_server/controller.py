@@ -125,6 +125,8 @@ class Controller:
             info["branched_from"] = row["branched_from"]
         if row["pause_ms"] is not None:
             info["pause_ms"] = row["pause_ms"]
+        if row["prepare_ms"]:
+            info["prepare_ms"] = row["prepare_ms"]
         if row["warning"]:
             info["warning"] = row["warning"]
         return info
@@ -449,21 +451,23 @@ class Controller:
             except (EngineError, AgentUnreachable) as exc:
                 self.registry.delete_snapshot(tag)
                 raise EngineFailure(f"branch: {exc}") from exc
-            self.registry.update_snapshot(tag, pause_ms=result.pause_ms)
+            self.registry.update_snapshot(tag, pause_ms=result.pause_ms, prepare_ms=result.prepare_ms)
             self.registry.update_sandbox(row["id"], branch_count=row["branch_count"] + 1)
             self._emit("snapshot", "created", tag=tag, status="writing", branched_from=row["id"],
                        pause_ms=result.pause_ms)
 
+            settled = threading.Event()
+
             def complete(future) -> None:
                 try:
-                    handle = future.result()
-                    self.registry.update_snapshot(tag, status="ready", handle=handle)
-                    self._emit("snapshot", "status", tag=tag, status="ready")
+                    fields = {"status": "ready", "handle": future.result()}
                 except BaseException as exc:  # noqa: BLE001
-                    self.registry.update_snapshot(tag, status="failed", warning=f"branch failed: {exc}")
-                    self._emit("snapshot", "status", tag=tag, status="failed", warning=str(exc))
-                finally:
-                    release()
+                    fields = {"status": "failed", "warning": f"branch failed: {exc}"}
+                self.registry.update_snapshot(tag, **fields)
+                release()
+                settled.set()
+                self._emit("snapshot", "status", tag=tag, status=fields["status"],
+                           **({"warning": fields["warning"]} if "warning" in fields else {}))
 
             result.ready.add_done_callback(complete)
             if wait:
@@ -473,8 +477,7 @@ class Controller:
                     raise EngineFailure(f"branch {tag} did not become ready within 600 s") from None
                 except EngineError as exc:
                     raise EngineFailure(f"branch: {exc}") from exc
-                with self._changed:  # the done-callback runs in the engine's thread; wait for it
-                    self._changed.wait_for(lambda: self.registry.get_snapshot(tag)["status"] != "writing", 5)
+                settled.wait()  # the done-callback may still be running in the engine's thread
             return self.snapshot_info(self.registry.get_snapshot(tag))
         except BaseException:
             row = self.registry.get_snapshot(tag)

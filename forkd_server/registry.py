@@ -21,6 +21,7 @@ CREATE TABLE IF NOT EXISTS snapshots (
     created_at REAL NOT NULL,
     branched_from TEXT,
     pause_ms REAL,
+    prepare_ms REAL,
     lineage TEXT NOT NULL,
     spec TEXT NOT NULL,
     handle TEXT,

@@ -46,8 +46,9 @@ class ChildSpec:
 
 @dataclass
 class BranchResult:
-    pause_ms: float
-    ready: Future  # resolves to the new snapshot's handle, or raises EngineError
+    pause_ms: float  # how long the source was frozen
+    ready: Future    # resolves to the new snapshot's handle, or raises EngineError
+    prepare_ms: float = 0.0  # work done before the freeze while the source kept running
 
 
 class Engine(Protocol):

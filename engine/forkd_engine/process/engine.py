@@ -306,12 +306,14 @@ class ProcessEngine:
     # --- branch ----------------------------------------------------------------------------------
 
     def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str = "full") -> BranchResult:
-        # One mechanism serves every mode: fork() is copy-on-write, so the source pauses only for
-        # the fork itself whatever was asked (full, diff or live).
+        # Every mode is a copy-on-write fork(): the source pauses only for the fork itself and all
+        # modes capture the same state. full and diff fork at once (pause ~ page tables of the
+        # source's memory); live first compacts the source into huge pages while it keeps running,
+        # for the smallest pause at the price of a slower call (see docs/design/process-engine.md).
         listener, path = self._listen("snap:" + tag)
         ours, theirs = self._report_pair()
         try:
-            reply = self.call(sandbox, {"action": "branch", "id": tag, "lineage": lineage},
+            reply = self.call(sandbox, {"action": "branch", "id": tag, "lineage": lineage, "mode": mode},
                               fds=[theirs.fileno(), listener.fileno()])
         except BaseException:
             ours.close()
@@ -344,7 +346,8 @@ class ProcessEngine:
                 ours.close()
 
         threading.Thread(target=finish, name=f"branch-{tag}", daemon=True).start()
-        return BranchResult(pause_ms=float(reply["pause_ms"]), ready=ready)
+        return BranchResult(pause_ms=float(reply["pause_ms"]), ready=ready,
+                            prepare_ms=float(reply.get("prepare_ms", 0.0)))
 
     def close(self) -> None:
         """Nothing to stop: templates and sandboxes outlive the server by design."""
