@@ -99,9 +99,34 @@ class Controller:
 
     def _sandbox_row(self, sandbox_id) -> dict:
         row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
-        if row is None or row["status"] != "running":
+        if row is None or row["status"] != "running" or not self._sandbox_alive(row):
             raise NotFound(f"sandbox {sandbox_id} not found")
         return row
+
+    def _sandbox_alive(self, row: dict) -> bool:
+        """True if its process lives; a sandbox that died outside our control is dropped."""
+        engine = self.engines.get(row["engine"])
+        if engine is not None and row["handle"] and engine.alive(row["handle"]):
+            return True
+        if engine is not None and row["handle"]:
+            engine.kill(row["handle"])  # releases what it held (socket, cgroup leaves)
+        self.registry.delete_sandboxes([row["id"]])
+        self._emit("sandbox", "killed", id=row["id"], reason="its process ended unexpectedly")
+        return False
+
+    def _snapshot_checked(self, row: dict) -> dict:
+        """A ready snapshot whose template died outside our control becomes failed, with a reason."""
+        if row["status"] != "ready":
+            return row
+        engine = self.engines.get(row["engine"])
+        if engine is not None and engine.alive(row["handle"]):
+            return row
+        if engine is not None:
+            engine.delete_snapshot(row["handle"])
+        warning = "snapshot is not bootable: its template process ended unexpectedly"
+        self.registry.update_snapshot(row["tag"], status="failed", warning=warning)
+        self._emit("snapshot", "status", tag=row["tag"], status="failed", warning=warning)
+        return dict(row, status="failed", warning=warning)
 
     def _agent(self, sandbox_id: str, request: dict, what: str, timeout: float | None = None) -> dict:
         row = self._sandbox_row(sandbox_id)
@@ -233,7 +258,7 @@ class Controller:
                 self._in_flight.discard(tag)
 
     def list_snapshots(self) -> list[dict]:
-        rows = self.registry.list_snapshots()
+        rows = [self._snapshot_checked(r) for r in self.registry.list_snapshots()]
         done = [self.snapshot_info(r) for r in rows if r["status"] != "writing"]
         return done + [self.snapshot_info(r) for r in rows if r["status"] == "writing"]
 
@@ -242,7 +267,7 @@ class Controller:
         row = self.registry.get_snapshot(tag)
         if row is None:
             raise NotFound(f"snapshot {tag} not found")
-        return self.snapshot_info(row)
+        return self.snapshot_info(self._snapshot_checked(row))
 
     def snapshot_detail(self, tag) -> dict:
         """forkd's SnapshotInfoDetail, plus lineage and live memory figures."""
@@ -297,14 +322,13 @@ class Controller:
         if memory_limit_mib is not None:
             _int_field(memory_limit_mib, "memory_limit_mib", 16)
         row = self.registry.get_snapshot(snapshot_tag)
+        row = row and self._snapshot_checked(row)
         if row is not None and row["status"] != "ready":
             raise Conflict(f"snapshot `{snapshot_tag}` is not bootable: status={row['status']}"
                            + (f"; {row['warning']}" if row["warning"] else ""))
         if row is None:
             raise NotFound(f"snapshot {snapshot_tag} not found")
-        engine = self.engines.get(row["engine"])
-        if engine is None or not engine.alive(row["handle"]):
-            raise Conflict(f"snapshot `{snapshot_tag}` is not bootable: its template process is gone")
+        engine = self.engines[row["engine"]]
         first = self.registry.next_counter("sandbox", n)
         now = time.time()
         ids = [f"sb-{int(now):08x}-{(first + i) % 0x10000:04x}" for i in range(n)]
@@ -325,7 +349,8 @@ class Controller:
         return out
 
     def list_sandboxes(self) -> list[dict]:
-        return [self.sandbox_info(r) for r in self.registry.list_sandboxes() if r["status"] == "running"]
+        return [self.sandbox_info(r) for r in self.registry.list_sandboxes()
+                if r["status"] == "running" and self._sandbox_alive(r)]
 
     def get_sandbox(self, sandbox_id) -> dict:
         return self.sandbox_info(self._sandbox_row(sandbox_id))

@@ -127,6 +127,12 @@ class Runtime:
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
             self.procs[proc.pid] = proc
+        # The agent's RSS counts every page it shares with its snapshot, so under a memory limit
+        # the OOM killer would pick it, ending the sandbox, before the command that really grew.
+        # Raising a child's score is always allowed: commands are the first to go.
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{proc.pid}/oom_score_adj", "w") as f:
+                f.write("1000")
         try:
             out, err = proc.communicate(timeout=timeout)
             timed_out = False
@@ -194,10 +200,12 @@ class Runtime:
                             self.namespace["_"] = value
                             result = mime_bundle(value)
             except BaseException as exc:  # noqa: BLE001 - SystemExit in a cell must not end the agent
-                tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-                # Drop the agent's own frames: the user's cell starts at "<cell>".
-                keep = [tb[0]] + [f for f in tb[1:-1] if '"<cell>"' in f] + [tb[-1]]
-                error = {"ename": type(exc).__name__, "evalue": str(exc), "traceback": keep}
+                # Show the user's frames only: the cell and what it called, not the agent's.
+                frames = traceback.extract_tb(exc.__traceback__)
+                first = next((i for i, f in enumerate(frames) if f.filename == "<cell>"), len(frames))
+                lines = (["Traceback (most recent call last):\n"] + traceback.format_list(frames[first:])
+                         + traceback.format_exception_only(type(exc), exc))
+                error = {"ename": type(exc).__name__, "evalue": str(exc), "traceback": lines}
         if result is not None:
             outputs.append({"type": "execute_result", "data": result})
         return {"stdout": out.getvalue(), "stderr": err.getvalue(), "outputs": outputs,

@@ -29,6 +29,7 @@ from .cgroups import CgroupError, Cgroups
 SPAWN_BATCH = 200  # under the kernel's 253 fds per message
 _UCRED = "3i"
 MAX_SOCKET_PATH = 107
+AGENT_OOM_SCORE_ADJ = -900
 
 
 def _sandbox_env() -> dict:
@@ -125,6 +126,11 @@ class ProcessEngine:
         start = linux.process_start_time(pid)
         if start is None:
             raise EngineError(f"process {pid} exited right after starting")
+        # Where root holds CAP_SYS_RESOURCE, also shield the agent itself from the OOM killer
+        # (its death takes the whole pid namespace); without it, this is refused and harmless.
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+                f.write(str(AGENT_OOM_SCORE_ADJ))
         return {"engine": self.name, "pid": pid, "start_time": start, "socket": path, **extra}
 
     # --- agent -----------------------------------------------------------------------------------

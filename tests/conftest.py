@@ -1,0 +1,36 @@
+"""Shared fixtures: short data dirs (Unix socket paths are limited to 107 bytes)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+
+@pytest.fixture
+def short_dir():
+    path = tempfile.mkdtemp(prefix="fkt")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def nobody_processes() -> set[int]:
+    """Host pids running as the sandbox uid (65534): every template, sandbox and reaper."""
+    pids = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    for line in f:
+                        if line.startswith("Uid:"):
+                            if line.split()[1] == "65534":
+                                pids.add(int(name))
+                            break
+            except OSError:
+                pass
+    return pids
+
+
+requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="the process engine needs root")

@@ -1,0 +1,162 @@
+"""kill -9 of a sandbox, a template or the server: the registry stays true, nothing is orphaned."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from forkd_server.controller import Controller
+from forkd_server.errors import Conflict, NotFound
+
+from ..conftest import nobody_processes
+from .conftest import cleanup, ev
+
+SERVER = textwrap.dedent("""
+    import json, sys
+    from forkd_server.controller import Controller
+    c = Controller(sys.argv[1])
+    def say(**kw):
+        print(json.dumps(kw), flush=True)
+    snap = c.create_snapshot("r", setup="value = 1")
+    say(step="snapshot", tag=snap["tag"])
+    kids = c.spawn("r", 3)
+    say(step="spawned", ids=[k["id"] for k in kids])
+    c.run_code(kids[0]["id"], "value = 2")
+    b = c.branch(kids[0]["id"], "r-branch")
+    say(step="branched", tag=b["tag"])
+    for i in range(200):                 # keep working until killed
+        say(step="spawning", round=i)
+        more = c.spawn("r-branch", 5)
+        say(step="spawned-more", round=i)
+        for k in more:
+            c.kill_sandbox(k["id"])
+""")
+
+
+def wait_gone(pids: set[int], timeout: float = 20) -> set[int]:
+    """Wait (on pidfds, no polling sleep) until these processes exit; return the survivors."""
+    deadline = time.monotonic() + timeout
+    left = set(pids)
+    for pid in list(left):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            left.discard(pid)
+            continue
+        try:
+            if select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                left.discard(pid)
+        finally:
+            os.close(fd)
+    return {p for p in left if os.path.exists(f"/proc/{p}")}
+
+
+def run_server(data_dir: str, stop_after: str, round_no: int = 0) -> list[dict]:
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, data_dir], stdout=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            msg = json.loads(line)
+            lines.append(msg)
+            if msg["step"] == stop_after and msg.get("round", 0) == round_no:
+                break
+        else:
+            pytest.fail(f"server exited before {stop_after}: {lines}")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return lines
+
+
+def assert_consistent(c: Controller) -> None:
+    for snap in c.list_snapshots():
+        assert snap["status"] in ("ready", "failed")
+        if snap["status"] == "ready":
+            c.spawn(snap["tag"], 1)  # a ready snapshot really forks
+    for sb in c.list_sandboxes():
+        assert c.ping(sb["id"])["pong"] is True
+    assert c.registry._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_restart_reattaches_to_live_sandboxes_and_snapshots(short_dir):
+    before = nobody_processes()
+    lines = run_server(short_dir, "branched")
+    ids = lines[1]["ids"]
+    c = Controller(short_dir)
+    try:
+        assert {s["id"] for s in c.list_sandboxes()} == set(ids)
+        assert ev(c, ids[0], "value") == "2" and ev(c, ids[1], "value") == "1"
+        assert c.get_snapshot("r-branch")["status"] == "ready"
+        g = c.spawn("r-branch", 1)[0]["id"]
+        assert ev(c, g, "value") == "2"
+        assert c.get_sandbox(ids[0])["branch_count"] == 1
+        assert_consistent(c)
+    finally:
+        cleanup(c)
+        c.close()
+    assert wait_gone(nobody_processes() - before) == set()
+
+
+@pytest.mark.parametrize("stop_after", ["spawning", "spawned-more"])
+def test_server_killed_mid_work_leaves_registry_consistent_and_no_orphans(short_dir, stop_after):
+    before = nobody_processes()
+    run_server(short_dir, stop_after, round_no=2)
+    c = Controller(short_dir)
+    try:
+        assert_consistent(c)
+        assert len(c.list_sandboxes()) >= 3
+    finally:
+        cleanup(c)
+        c.close()
+    assert wait_gone(nobody_processes() - before) == set()
+
+
+def test_kill_9_of_a_sandbox(short_dir):
+    before = nobody_processes()
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("k", setup="v = 5")
+        a, b = c.spawn("k", 2)
+        leaves = c.registry.get_sandbox(a["id"])["handle"]["cgroups"]
+        os.kill(a["pid"], signal.SIGKILL)
+        assert wait_gone({a["pid"]}) == set()
+        with pytest.raises(NotFound):
+            c.ping(a["id"])
+        assert [s["id"] for s in c.list_sandboxes()] == [b["id"]]
+        assert ev(c, b["id"], "v") == "5"
+        assert not any(os.path.exists(leaf) for leaf in leaves)
+        assert_consistent(c)
+    finally:
+        cleanup(c)
+        c.close()
+    assert wait_gone(nobody_processes() - before) == set()
+
+
+def test_kill_9_of_a_template(short_dir):
+    before = nobody_processes()
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("t", setup="v = 5")
+        kids = c.spawn("t", 2)
+        template_pid = c.registry.get_snapshot("t")["handle"]["pid"]
+        os.kill(template_pid, signal.SIGKILL)
+        # its pid namespace goes, and every sandbox nested in it with it (the kernel's rule)
+        assert wait_gone({template_pid} | {k["pid"] for k in kids}) == set()
+        info = c.get_snapshot("t")
+        assert info["status"] == "failed" and "ended unexpectedly" in info["warning"]
+        with pytest.raises(Conflict, match="not bootable"):
+            c.spawn("t", 1)
+        assert c.list_sandboxes() == []
+        assert_consistent(c)
+    finally:
+        cleanup(c)
+        c.close()
+    assert wait_gone(nobody_processes() - before) == set()

@@ -1,0 +1,56 @@
+"""Resource limits and the seccomp filter, seen from inside a sandbox."""
+
+from __future__ import annotations
+
+import os
+
+from .conftest import sh
+
+
+def test_memory_limit_kills_an_overgrown_sandbox_process(ctl, snap):
+    sb = ctl.spawn(snap, 1, memory_limit_mib=128)[0]
+    leaf = next(p for p in sb_cgroups(ctl, sb["id"]) if "memory" in p)
+    with open(os.path.join(leaf, "memory.limit_in_bytes" if "/memory/" in leaf else "memory.max")) as f:
+        assert int(f.read()) == 128 * 2**20
+    out = ctl.exec(sb["id"], ["python3", "-c", "b = bytearray(400 * 2**20); print(len(b))"])
+    assert out["exit_code"] == -9 and out["stdout"] == ""
+    # the command died, the sandbox lives on
+    assert ctl.get_sandbox(sb["id"])["memory_limit_mib"] == 128
+    assert ctl.ping(sb["id"])["pong"] is True
+
+
+def sb_cgroups(ctl, sandbox_id):
+    return ctl.registry.get_sandbox(sandbox_id)["handle"]["cgroups"]
+
+
+def test_pids_limit(ctl, snap):
+    sb = ctl.spawn(snap, 1)[0]["id"]
+    leaf = next(p for p in sb_cgroups(ctl, sb) if "/pids/" in p or p.endswith(sb))
+    with open(os.path.join(leaf, "pids.max")) as f:
+        assert int(f.read()) == ctl.engines["process"].pids_max
+
+
+def test_seccomp_denies_host_affecting_syscalls(ctl, snap):
+    sb = ctl.spawn(snap, 1)[0]["id"]
+    assert "Seccomp:\t2" in sh(ctl, sb, "cat /proc/self/status")["stdout"]
+    probe = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def errno_of(nr, *args):
+    r = libc.syscall(nr, *args)
+    return 0 if r >= 0 else ctypes.get_errno()
+# add_key (248) works for any unprivileged user without the filter; the filter answers EPERM
+{'add_key': errno_of(248, b'user', b'k', b'v', 1, -3),
+ 'swapon': errno_of(167, b'/tmp/x', 0),
+ 'unshare_user': errno_of(272, 0x10000000),
+ 'clone3': errno_of(435, 0, 0)}
+"""
+    got = eval(ctl.run_code(sb, probe)["result"]["text/plain"])
+    assert got == {"add_key": 1, "swapon": 1, "unshare_user": 1, "clone3": 38}  # EPERM, ENOSYS
+
+
+def test_tmpfs_of_a_sandbox_is_private_memory_not_host_disk(ctl, snap):
+    sb = ctl.spawn(snap, 1)[0]["id"]
+    mounts = sh(ctl, sb, "cat /proc/self/mounts")["stdout"]
+    tmp = [line for line in mounts.splitlines() if line.split()[1] == "/tmp"]
+    assert tmp and tmp[-1].split()[2] == "tmpfs"

@@ -1,0 +1,126 @@
+"""Bad input raises the error class (and HTTP status) forkd's API documents, before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from forkd_server.errors import BadRequest, Busy, Conflict, NotFound
+
+
+@pytest.mark.parametrize("tag", ["", "-lead", ".dot", "a/b", "..", "../etc", "x" * 65, "sp ace", "é", "a\nb", 7, None])
+def test_bad_tags_are_400(ctl, tag):
+    with pytest.raises(BadRequest):
+        ctl.create_snapshot(tag)
+    with pytest.raises(BadRequest):
+        ctl.spawn(tag, 1)
+
+
+@pytest.mark.parametrize("tag", ["a", "_x", "A.b-c_9", "x" * 64, "v1.2.3"])
+def test_good_tags_pass_the_rule(tag):
+    from forkd_server.controller import check_tag
+    assert check_tag(tag) == tag
+
+
+@pytest.mark.parametrize("n, status", [(0, 400), (1001, 400), (-1, 400), ("3", 400), (True, 400), (2.5, 400)])
+def test_bad_n(ctl, snap, n, status):
+    with pytest.raises(BadRequest) as info:
+        ctl.spawn(snap, n)
+    assert info.value.status == status
+
+
+def test_check_order_n_before_tag(ctl):
+    # forkd checks n first: n=0 with an unsafe tag is about n
+    with pytest.raises(BadRequest, match="n must"):
+        ctl.spawn("../x", 0)
+
+
+def test_unknown_ids_are_404(ctl, snap):
+    for call in (lambda: ctl.get_sandbox("sb-nope"), lambda: ctl.kill_sandbox("sb-nope"),
+                 lambda: ctl.ping("sb-nope"), lambda: ctl.exec("sb-nope", ["true"]),
+                 lambda: ctl.eval("sb-nope", "1"), lambda: ctl.run_code("sb-nope", "1"),
+                 lambda: ctl.files("sb-nope", "list", "/"), lambda: ctl.spawn("no-such-snap", 1),
+                 lambda: ctl.get_snapshot("no-such-snap"), lambda: ctl.delete_snapshot("no-such-snap"),
+                 lambda: ctl.branch("sb-nope", "t-404")):
+        with pytest.raises(NotFound) as info:
+            call()
+        assert info.value.status == 404
+        assert "not found" in info.value.message
+
+
+def test_exec_checks_unknown_sandbox_before_empty_args(ctl, snap):
+    with pytest.raises(NotFound):
+        ctl.exec("sb-nope", [])
+    sb = ctl.spawn(snap, 1)[0]["id"]
+    with pytest.raises(BadRequest):
+        ctl.exec(sb, [])
+
+
+def test_snapshot_exists_is_400_like_forkd(ctl, snap):
+    with pytest.raises(BadRequest, match="already exists"):
+        ctl.create_snapshot(snap)
+
+
+def test_bad_snapshot_specs(ctl):
+    with pytest.raises(BadRequest):
+        ctl.create_snapshot("e1", engine="docker")
+    with pytest.raises(BadRequest):
+        ctl.create_snapshot("e2", setup_commands=["ls"])
+    with pytest.raises(BadRequest):
+        ctl.create_snapshot("e3", setup=42)
+
+
+def test_failing_setup_is_reported_and_not_registered(ctl):
+    from forkd_server.errors import EngineFailure
+    with pytest.raises(EngineFailure, match="ZeroDivisionError"):
+        ctl.create_snapshot("broken", setup="1/0")
+    with pytest.raises(EngineFailure, match="exited 3"):
+        ctl.create_snapshot("broken-cmd", setup_commands=[["sh", "-c", "echo oops >&2; exit 3"]])
+    assert {"broken", "broken-cmd"}.isdisjoint(s["tag"] for s in ctl.list_snapshots())
+
+
+def test_branch_mode_validation_in_forkd_order(ctl, snap):
+    sb = ctl.spawn(snap, 1)[0]["id"]
+    with pytest.raises(BadRequest):
+        ctl.branch(sb, "m1", mode="full", diff=True)
+    with pytest.raises(BadRequest):
+        ctl.branch(sb, "m2", mode="fast")
+    with pytest.raises(BadRequest):
+        ctl.branch(sb, "m3", diff=True, live=True)
+    with pytest.raises(BadRequest):
+        ctl.branch(sb, "m4", wait=False)                     # no-wait needs live
+    with pytest.raises(BadRequest):
+        ctl.branch(sb, "m5", parent_tag="other", diff=True)
+    with pytest.raises(BadRequest):
+        ctl.branch(sb, "m6", parent_tag=snap)                # parent_tag needs diff
+    assert ctl.branch(sb, "m7", parent_tag=snap, diff=True)["status"] == "ready"
+    with pytest.raises(Conflict, match="already exists"):
+        ctl.branch(sb, "m7")
+    # a valid body for a missing sandbox is 404, not 400
+    with pytest.raises(NotFound):
+        ctl.branch("sb-nope", "m8", mode="full")
+    # no slot leaked by any of the refusals above
+    assert ctl._branches == 0 and not ctl._in_flight
+
+
+def test_branch_cap_and_in_flight_conflict(short_dir):
+    """With a cap of 1, a second branch while one is still writing is 503; the same tag is 409."""
+    from forkd_server.controller import Controller
+    c = Controller(short_dir, branch_concurrency=1)
+    try:
+        c.create_snapshot("cap", setup="x = 1")
+        a, b = (s["id"] for s in c.spawn("cap", 2))
+        # 400 MiB in /tmp: the new snapshot copies it, so it stays `writing` for a while
+        c.exec(a, ["sh", "-c", "head -c 400M /dev/zero > /tmp/big"])
+        first = c.branch(a, "slow", mode="live", wait=False)
+        assert first["status"] == "writing"
+        with pytest.raises(Conflict, match="in flight"):
+            c.branch(b, "slow", mode="live", wait=False)
+        with pytest.raises(Busy) as info:
+            c.branch(b, "other", mode="live", wait=False)
+        assert info.value.status == 503
+        assert c.wait_snapshot("slow", timeout=60)["status"] == "ready"
+        assert c.branch(b, "other")["status"] == "ready"  # the slot came back
+    finally:
+        from .conftest import cleanup
+        cleanup(c)
+        c.close()
