@@ -139,7 +139,9 @@ class Controller:
     def snapshot_info(self, row: dict) -> dict:
         info = {
             "tag": row["tag"],
-            "dir": os.path.join(self.data_dir, row["engine"], "snapshots", row["tag"]),
+            # where the snapshot lives: a directory for the VM engine, the template's socket for
+            # the process engine (its memory is a parked process, not files)
+            "dir": (row["handle"] or {}).get("dir") or (row["handle"] or {}).get("socket"),
             "created_at_unix": int(row["created_at"]),
             "status": row["status"],
             "bootable": row["status"] == "ready",

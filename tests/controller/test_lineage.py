@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from .conftest import ev, sh
 
 
@@ -166,3 +168,28 @@ def test_default_branch_tags_are_per_source_monotonic(ctl, snap):
     assert tags == [f"branch-{child}-0", f"branch-{child}-1", f"branch-{child}-2"]
     info = ctl.get_sandbox(child)
     assert info["branch_count"] == 3 and info["has_branched"] is True
+
+
+def test_deep_lineage_until_the_kernel_limit_gives_a_clear_error(short_dir):
+    """Every generation nests a pid namespace; the kernel allows 32 levels: 15 branch generations."""
+    from forkd_server.controller import Controller
+    from forkd_server.errors import EngineFailure
+
+    from .conftest import cleanup
+
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("deep", setup="depth = 0")
+        sb = c.spawn("deep", 1)[0]["id"]
+        generations = 0
+        with pytest.raises(EngineFailure, match="lineage too deep"):
+            while True:
+                c.run_code(sb, "depth += 1")
+                tag = c.branch(sb)["tag"]
+                sb = c.spawn(tag, 1)[0]["id"]
+                generations += 1
+        assert generations >= 14
+        assert ev(c, sb, "depth") == str(generations + 1)  # incremented before the refused branch
+    finally:
+        cleanup(c)
+        c.close()

@@ -13,6 +13,7 @@ that lives until its last fork is gone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import json
 import os
@@ -46,6 +47,10 @@ while True:
 """
 
 _PROC_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
+
+
+class LineageTooDeep(OSError):
+    pass
 
 
 def report(fd: int, message: dict) -> None:
@@ -170,7 +175,14 @@ class SandboxProcess:
 
     def _fork_into_new_pidns(self) -> tuple[int, float]:
         """fork() so the child is PID 1 of a new pid namespace; returns (pid, seconds in fork)."""
-        linux.unshare(linux.CLONE_NEWPID)
+        try:
+            linux.unshare(linux.CLONE_NEWPID)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EUSERS):
+                raise LineageTooDeep(
+                    "lineage too deep: Linux nests pid namespaces at most 32 levels and every fork "
+                    "generation (spawn or branch) takes one; branch from a shallower sandbox instead") from None
+            raise
         t0 = time.perf_counter()
         pid = os.fork()
         elapsed = time.perf_counter() - t0
