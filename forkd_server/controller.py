@@ -49,6 +49,7 @@ class Controller:
         self.data_dir = os.path.realpath(data_dir)
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.registry = Registry(os.path.join(self.data_dir, "registry.sqlite3"))
+        self.unavailable: dict[str, str] = {}  # engine name -> why this host cannot run it
         self.engines = dict(engines) if engines is not None else self._default_engines()
         self.default_engine = default_engine
         self.branch_cap = branch_concurrency
@@ -60,8 +61,15 @@ class Controller:
         self.reconcile()
 
     def _default_engines(self) -> dict:
+        from forkd_engine import EngineUnavailable
         from forkd_engine.process import ProcessEngine
-        return {"process": ProcessEngine(os.path.join(self.data_dir, "process"))}
+
+        engines = {}
+        try:
+            engines["process"] = ProcessEngine(os.path.join(self.data_dir, "process"))
+        except EngineUnavailable as exc:
+            self.unavailable["process"] = str(exc)
+        return engines
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -93,8 +101,8 @@ class Controller:
                 "vm" if "vm" in self.engines and getattr(self.engines["vm"], "preferred", False) else "process")
         engine = self.engines.get(name)
         if engine is None:
-            raise BadRequest(f"engine {name!r} is not available on this server "
-                             f"(available: {', '.join(sorted(self.engines)) or 'none'}); see `forkd doctor`")
+            why = self.unavailable.get(name) or f"available: {', '.join(sorted(self.engines)) or 'none'}"
+            raise BadRequest(f"engine {name!r} is not available on this server ({why}); see `forkd doctor`")
         return name, engine
 
     def _sandbox_row(self, sandbox_id) -> dict:
