@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -34,3 +36,21 @@ def nobody_processes() -> set[int]:
 
 
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="the process engine needs root")
+
+
+def wait_gone(pids: set[int], timeout: float = 20) -> set[int]:
+    """Wait (on pidfds, no polling sleep) until these processes exit; return the survivors."""
+    deadline = time.monotonic() + timeout
+    left = set(pids)
+    for pid in list(left):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            left.discard(pid)
+            continue
+        try:
+            if select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                left.discard(pid)
+        finally:
+            os.close(fd)
+    return {p for p in left if os.path.exists(f"/proc/{p}")}

@@ -6,8 +6,7 @@ import json
 import subprocess
 import sys
 
-from .conftest import nobody_processes, requires_root
-from .controller.test_crash import wait_gone
+from .conftest import nobody_processes, requires_root, wait_gone
 
 
 @requires_root

@@ -7,10 +7,6 @@ import pytest
 
 from forkd_server.controller import Controller
 
-from ..conftest import requires_root
-
-pytestmark = requires_root
-
 # A variable and a 50 MiB buffer with its hash: the state every fork must carry.
 SETUP = """
 import hashlib, random

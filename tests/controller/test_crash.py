@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from forkd_server.controller import Controller
 from forkd_server.errors import Conflict, NotFound
 
-from ..conftest import nobody_processes
+from ..conftest import nobody_processes, requires_root, wait_gone
 from .conftest import cleanup, ev
+
+pytestmark = requires_root
 
 SERVER = textwrap.dedent("""
     import json, sys
@@ -39,24 +39,6 @@ SERVER = textwrap.dedent("""
         for k in more:
             c.kill_sandbox(k["id"])
 """)
-
-
-def wait_gone(pids: set[int], timeout: float = 20) -> set[int]:
-    """Wait (on pidfds, no polling sleep) until these processes exit; return the survivors."""
-    deadline = time.monotonic() + timeout
-    left = set(pids)
-    for pid in list(left):
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            left.discard(pid)
-            continue
-        try:
-            if select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                left.discard(pid)
-        finally:
-            os.close(fd)
-    return {p for p in left if os.path.exists(f"/proc/{p}")}
 
 
 def run_server(data_dir: str, stop_after: str, round_no: int = 0) -> list[dict]:

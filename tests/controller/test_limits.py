@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 
+from ..conftest import requires_root
 from .conftest import sh
+
+pytestmark = requires_root
 
 
 def test_memory_limit_kills_an_overgrown_sandbox_process(ctl, snap):
@@ -35,6 +38,7 @@ def test_seccomp_denies_host_affecting_syscalls(ctl, snap):
     assert "Seccomp:\t2" in sh(ctl, sb, "cat /proc/self/status")["stdout"]
     probe = """
 import ctypes, os
+
 libc = ctypes.CDLL(None, use_errno=True)
 def errno_of(nr, *args):
     r = libc.syscall(nr, *args)

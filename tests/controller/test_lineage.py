@@ -8,6 +8,10 @@ import pytest
 
 from .conftest import ev, sh
 
+from ..conftest import requires_root
+
+pytestmark = requires_root
+
 
 def test_state_carried_parent_child_grandchild(ctl, snap):
     child = ctl.spawn(snap, 1)[0]["id"]

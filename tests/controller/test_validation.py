@@ -6,6 +6,10 @@ import pytest
 
 from forkd_server.errors import BadRequest, Busy, Conflict, NotFound
 
+from ..conftest import requires_root
+
+pytestmark = requires_root
+
 
 @pytest.mark.parametrize("tag", ["", "-lead", ".dot", "a/b", "..", "../etc", "x" * 65, "sp ace", "é", "a\nb", 7, None])
 def test_bad_tags_are_400(ctl, tag):
