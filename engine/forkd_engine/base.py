@@ -27,6 +27,11 @@ class AgentUnreachable(EngineError):
     """The sandbox's agent did not answer."""
 
 
+class UnsupportedMode(EngineError):
+    """The request is valid but this host or engine cannot do it (e.g. a branch mode); the message
+    names the reason. Never silently downgraded to something else."""
+
+
 @dataclass
 class SnapshotSpec:
     tag: str

@@ -1,0 +1,5 @@
+"""The VM engine: QEMU microVMs (KVM where usable, TCG otherwise) with file snapshots."""
+
+from .engine import VMEngine, kvm_status, qemu_binary
+
+__all__ = ["VMEngine", "kvm_status", "qemu_binary"]

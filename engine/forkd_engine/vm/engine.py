@@ -1,0 +1,749 @@
+"""The VM engine: QEMU microVMs whose snapshots are files and whose children map them copy-on-write.
+
+A snapshot is a directory: ``devices.bin`` (device state, written by QMP ``xen-save-devices-state``:
+every device, no RAM), ``meta.json``, and ``memory.bin``, the guest's RAM as a plain file (kept on
+tmpfs by default, see ``mem_root``). A parent boots with its RAM in that file (``share=on``), runs
+its setup, stops, saves device state and quits: the file *is* the snapshot's memory, nothing is
+copied. A child starts with ``-incoming`` on the device state and maps ``memory.bin`` privately
+(``share=off``): every page it does not write stays the page cache's shared page.
+
+Branching a running child (the new snapshot can be forked again, at any depth):
+
+- ``full``: stop, write all of RAM (the base file's data plus every page the child changed), save
+  device state, resume. The pause covers the whole write.
+- ``diff``: copy the base file while the child runs; stop, read only the pages the child changed
+  (``/proc/PID/pagemap``: present and no longer the file's page), save device state, resume; then
+  lay the pages over the copy.
+- ``live``: QEMU's ``background-snapshot`` (userfaultfd write-protect): the child pauses only while
+  QEMU saves device state and arms write protection; RAM streams out while it runs and is turned
+  into ``memory.bin`` off the critical path. Needs the RAM file on tmpfs (uffd-wp does not cover
+  other file mappings) and root (``vm.unprivileged_userfaultfd=0``).
+
+``pause_ms`` is QEMU's own STOP → RESUME event time for every mode.
+
+The agent is the same as the process engine's (``forkd_engine.agent``) over virtio-serial. After
+every restore the engine sends ``restore`` first (host entropy credited to the guest CRNG and a
+forced reseed, wall clock stepped, Python RNGs reseeded, the child's identity); a child that does
+not confirm it is killed, never handed out.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import itertools
+import json
+import os
+import re
+import secrets
+import select
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+
+from .. import linux
+from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle,
+                    SnapshotSpec, UnsupportedMode)
+from . import memory as vmem
+from .image import Image, ImageError, build_image
+from .qmp import QMP, QMPError, event_time
+
+QEMU = "qemu-system-x86_64"
+DEFAULT_MEM_MIB = 256
+MAX_SOCKET_PATH = 107
+MACHINE = "microvm"
+
+
+# --- host checks ---------------------------------------------------------------------------------
+
+def qemu_binary() -> str | None:
+    return shutil.which(QEMU)
+
+
+def qemu_version(binary: str | None = None) -> str:
+    out = subprocess.run([binary or qemu_binary() or QEMU, "--version"], capture_output=True, text=True).stdout
+    return out.splitlines()[0].strip() if out else "unknown"
+
+
+def kvm_status() -> tuple[bool, str]:
+    """(usable, why). KVM counts only with hardware virtualisation; never on a PVM host."""
+    if not os.path.exists("/dev/kvm"):
+        return False, "no /dev/kvm"
+    if os.path.isdir("/sys/module/kvm_pvm"):
+        return False, "/dev/kvm is PVM (kvm_pvm loaded): stock guest kernels fail under it, using TCG"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    if not re.search(r"\b(vmx|svm)\b", flags):
+        return False, "the CPU shows neither vmx nor svm (nested or paravirtual KVM), using TCG"
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False, "/dev/kvm is not accessible to this user, using TCG"
+    return True, "KVM with hardware virtualisation"
+
+
+def host_tsc_khz() -> int | None:
+    """The host TSC frequency, for the guest's ``tsc_early_khz`` (TCG guests see the host's TSC).
+    Without it, boots sometimes hang calibrating against a PIT microvm does not have."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+        m = re.findall(r"tsc: (?:Refined TSC clocksource calibration|Detected): ([\d.]+) MHz", out)
+        if m:
+            return int(float(m[-1]) * 1000)
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open("/proc/cpuinfo") as f:
+            line = next(line for line in f if line.startswith("cpu MHz"))
+        return int(float(line.split(":")[1]) * 1000)
+    return None
+
+
+def smaps_memory(pid: int) -> dict:
+    out = {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                out[key.lower() + "_kib"] = int(rest.split()[0])
+            elif key in ("Private_Clean", "Private_Dirty"):
+                out["uss_kib"] += int(rest.split()[0])
+    return out
+
+
+# --- the host side of the agent channel ----------------------------------------------------------
+
+class AgentChannel:
+    """One connection to a VM's agent port, many requests in flight (matched by ``_rid``)."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.connect(path)
+        except OSError as exc:
+            self.sock.close()
+            raise AgentUnreachable(f"agent port {path} unreachable: {exc}") from exc
+        self.token = secrets.token_hex(4)   # a child's inherited in-flight replies never match
+        self.ids = itertools.count(1)
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.pending: dict[str, list] = {}
+        self.error: str | None = None
+        threading.Thread(target=self._reader, name="vm-agent-reader", daemon=True).start()
+
+    def _reader(self) -> None:
+        buf = bytearray()
+        while True:
+            try:
+                data = self.sock.recv(1 << 20)
+            except OSError as exc:
+                data, why = b"", str(exc)
+            else:
+                why = "the VM's agent port closed (did QEMU exit?)"
+            if not data:
+                self._fail(why)
+                return
+            buf += data
+            while True:
+                nl = buf.find(b"\n")
+                if nl < 0:
+                    break
+                line = bytes(buf[:nl])
+                del buf[:nl + 1]
+                try:
+                    reply = json.loads(line)
+                except ValueError:
+                    continue
+                rid = reply.pop("_rid", None) if isinstance(reply, dict) else None
+                with self.lock:
+                    slot = self.pending.pop(rid, None)
+                if slot is not None:
+                    slot[1] = reply
+                    slot[0].set()
+
+    def _fail(self, why: str) -> None:
+        with self.lock:
+            self.error = why
+            slots, self.pending = list(self.pending.values()), {}
+        for slot in slots:
+            slot[0].set()
+
+    @property
+    def broken(self) -> bool:
+        return self.error is not None
+
+    def send(self, request: dict) -> list:
+        """Send without waiting; returns the slot ``wait`` takes."""
+        rid = f"{self.token}-{next(self.ids)}"
+        slot = [threading.Event(), None, rid]
+        with self.lock:
+            if self.error:
+                raise AgentUnreachable(self.error)
+            self.pending[rid] = slot
+        data = json.dumps({**request, "_rid": rid}, separators=(",", ":")).encode() + b"\n"
+        try:
+            with self.send_lock:
+                self.sock.sendall(data)
+        except OSError as exc:
+            self._fail(str(exc))
+            raise AgentUnreachable(f"agent port write failed: {exc}") from exc
+        return slot
+
+    def wait(self, slot: list, timeout: float) -> dict:
+        if not slot[0].wait(timeout):
+            with self.lock:
+                self.pending.pop(slot[2], None)
+            raise AgentUnreachable(f"the VM's agent did not answer within {timeout:g} s")
+        if slot[1] is None:
+            raise AgentUnreachable(self.error or "the VM's agent went away")
+        return slot[1]
+
+    def call(self, request: dict, timeout: float = 30.0) -> dict:
+        return self.wait(self.send(request), timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+class VMEngine:
+    name = "vm"
+
+    def __init__(self, data_dir: str, *, mem_root: str | None = None, cache_dir: str | None = None,
+                 accel: str | None = None, boot_timeout: float = 120.0, restore_timeout: float = 60.0,
+                 smp: int = 1):
+        self.qemu = qemu_binary()
+        if self.qemu is None:
+            raise EngineUnavailable(f"{QEMU} is not installed (Debian: apt-get install qemu-system-x86; "
+                                    "scripts/setup.sh does it)")
+        self.data_dir = os.path.realpath(data_dir)
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.snap_dir = os.path.join(self.data_dir, "snapshots")
+        self.run_dir = os.path.join(self.data_dir, "run")
+        self.cache_dir = os.path.realpath(cache_dir or os.path.join(self.data_dir, "cache"))
+        for d in (self.snap_dir, self.run_dir, self.cache_dir):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        if len(os.path.join(self.run_dir, "x" * 16, "agent.sock")) > MAX_SOCKET_PATH:
+            raise EngineUnavailable(f"data dir {self.data_dir!r} is too long for Unix socket paths; "
+                                    "choose a shorter one")
+        if mem_root is None:
+            # Guest RAM files want tmpfs: fast to write, shared through the page cache, and the only
+            # file memory that QEMU's live snapshot (userfaultfd write-protect) can track.
+            if vmem.filesystem_type(self.data_dir) in vmem.TMPFS_TYPES or not os.path.isdir("/dev/shm"):
+                mem_root = os.path.join(self.data_dir, "mem")
+            else:
+                digest = hashlib.sha1(self.data_dir.encode()).hexdigest()[:12]
+                mem_root = f"/dev/shm/forkd-vm-{digest}"
+        self.mem_root = os.path.realpath(mem_root)
+        os.makedirs(self.mem_root, mode=0o700, exist_ok=True)
+        usable, why = kvm_status()
+        self.accel = accel or ("kvm" if usable else "tcg")
+        self.accel_reason = why if accel is None else f"accel={accel} chosen by the caller"
+        self.preferred = self.accel == "kvm"
+        self.boot_timeout = boot_timeout
+        self.restore_timeout = restore_timeout
+        self.smp = smp
+        self.qemu_version = qemu_version(self.qemu)
+        self.tsc_khz = host_tsc_khz()
+        self._image: Image | None = None
+        self._image_lock = threading.Lock()
+        self._channels: dict[tuple, AgentChannel] = {}
+        self._channels_lock = threading.Lock()
+        self._vm_locks: dict[tuple, threading.Lock] = {}
+        self._children: dict[int, subprocess.Popen] = {}
+
+    # --- image -----------------------------------------------------------------------------------
+
+    def image(self) -> Image:
+        with self._image_lock:
+            if self._image is None:
+                try:
+                    self._image = build_image(self.cache_dir)
+                except ImageError as exc:
+                    raise EngineError(f"guest image build failed: {exc}") from exc
+            return self._image
+
+    # --- launching QEMU --------------------------------------------------------------------------
+
+    def _vm_dir(self, name: str) -> str:
+        return os.path.join(self.run_dir, hashlib.sha1(name.encode()).hexdigest()[:16])
+
+    def _command(self, image: dict, mem_path: str, mem_mib: int, share: bool, qmp_fd: int, agent_fd: int,
+                 console: str, incoming: str | None) -> list[str]:
+        append = "console=ttyS0 quiet panic=-1"
+        if self.tsc_khz:
+            append += f" tsc_early_khz={self.tsc_khz}"
+        cpu = "max" if self.accel == "tcg" else "host,-arch-capabilities"
+        cmd = [self.qemu, "-nodefaults", "-no-user-config", "-nographic", "-accel", self.accel, "-cpu", cpu,
+               "-m", f"{mem_mib}M", "-smp", str(self.smp),
+               "-kernel", image["kernel"], "-initrd", image["initrd"], "-append", append,
+               "-serial", f"file:{console}", "-no-reboot",
+               "-chardev", f"socket,id=qmp,fd={qmp_fd},server=on,wait=off", "-mon", "chardev=qmp,mode=control",
+               "-chardev", f"socket,id=agent,fd={agent_fd},server=on,wait=off",
+               "-M", f"{MACHINE},memory-backend=mem",
+               "-device", "virtio-serial-device", "-device", "virtserialport,chardev=agent,name=agent",
+               "-object", f"memory-backend-file,id=mem,size={mem_mib}M,mem-path={mem_path},"
+                          f"share={'on' if share else 'off'}",
+               # Device state files carry no configuration section (xen-save-devices-state format).
+               "-global", "migration.send-configuration=off"]
+        if incoming:
+            cmd += ["-incoming", incoming]
+        return cmd
+
+    def _launch(self, name: str, image: dict, mem_path: str, mem_mib: int, share: bool,
+                incoming: str | None = None) -> Handle:
+        vm_dir = self._vm_dir(name)
+        shutil.rmtree(vm_dir, ignore_errors=True)
+        os.makedirs(vm_dir, mode=0o700)
+        socks = []
+        try:
+            for sock_name in ("qmp.sock", "agent.sock"):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.bind(os.path.join(vm_dir, sock_name))
+                s.listen(8)
+                socks.append(s)
+            cmd = self._command(image, mem_path, mem_mib, share, socks[0].fileno(), socks[1].fileno(),
+                                os.path.join(vm_dir, "console.log"), incoming)
+            with open(os.path.join(vm_dir, "qemu.log"), "wb") as log:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        pass_fds=[s.fileno() for s in socks], start_new_session=True, cwd=vm_dir)
+        except OSError as exc:
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            raise EngineError(f"could not start QEMU: {exc}") from exc
+        finally:
+            for s in socks:
+                s.close()
+        self._children[proc.pid] = proc
+        start = linux.process_start_time(proc.pid)
+        handle = {"engine": self.name, "kind": "vm", "name": name, "pid": proc.pid, "start_time": start,
+                  "dir": vm_dir, "qmp": os.path.join(vm_dir, "qmp.sock"),
+                  "socket": os.path.join(vm_dir, "agent.sock"), "mem_mib": mem_mib}
+        with open(os.path.join(vm_dir, "pid"), "w") as f:
+            json.dump({"pid": proc.pid, "start_time": start}, f)
+        return handle
+
+    def _log_tail(self, handle: Handle) -> str:
+        parts = []
+        for name in ("qemu.log", "console.log"):
+            with contextlib.suppress(OSError), open(os.path.join(handle["dir"], name), "rb") as f:
+                text = f.read()[-1500:].decode("utf-8", "replace").strip()
+                if text:
+                    parts.append(f"{name}: {text}")
+        return "; ".join(parts) or "no output"
+
+    # --- agent -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _key(handle: Handle) -> tuple:
+        return handle["pid"], handle["start_time"]
+
+    def _channel(self, handle: Handle) -> AgentChannel:
+        key = self._key(handle)
+        with self._channels_lock:
+            ch = self._channels.get(key)
+            if ch is None or ch.broken:
+                if ch is not None:
+                    ch.close()
+                ch = self._channels[key] = AgentChannel(handle["socket"])
+            return ch
+
+    def _drop_channel(self, handle: Handle) -> None:
+        with self._channels_lock:
+            ch = self._channels.pop(self._key(handle), None)
+        if ch is not None:
+            ch.close()
+
+    def call(self, handle: Handle, request: dict, timeout: float | None = None) -> dict:
+        if handle.get("kind") != "vm":
+            raise EngineError("a VM snapshot has no running agent; spawn a sandbox from it")
+        if not self.alive(handle):
+            raise AgentUnreachable(f"QEMU process {handle['pid']} is gone")
+        if request.get("action") == "restore":
+            raise EngineError("restore is the engine's own action")
+        return self._channel(handle).call(request, timeout or 30.0)
+
+    def _restore_request(self, identity: dict) -> dict:
+        return {"action": "restore", "entropy_b64": base64.b64encode(os.urandom(64)).decode(),
+                "time": time.time(), "identity": identity}
+
+    # --- liveness and memory ---------------------------------------------------------------------
+
+    def alive(self, handle: Handle) -> bool:
+        if handle.get("kind") == "snapshot":
+            return all(os.path.exists(handle[k]) for k in ("memory", "devices")) and \
+                os.path.exists(os.path.join(handle["dir"], "meta.json"))
+        return handle.get("start_time") is not None and \
+            linux.process_start_time(handle["pid"]) == handle["start_time"]
+
+    def memory(self, handle: Handle) -> dict:
+        if handle.get("kind") == "snapshot":
+            st = os.stat(handle["memory"])
+            return {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0, "file_kib": st.st_blocks // 2,
+                    "size_kib": st.st_size // 1024}
+        if not self.alive(handle):
+            raise EngineError(f"QEMU process {handle['pid']} is gone")
+        return smaps_memory(handle["pid"])
+
+    # --- killing ---------------------------------------------------------------------------------
+
+    def _stop_process(self, pid: int, start_time) -> None:
+        if linux.process_start_time(pid) != start_time:
+            self._children.pop(pid, None)
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pidfd = None
+        try:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            proc = self._children.pop(pid, None)
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
+            elif pidfd is not None:
+                select.select([pidfd], [], [], 10)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    def kill(self, handle: Handle) -> None:
+        self._drop_channel(handle)
+        self._stop_process(handle["pid"], handle.get("start_time"))
+        shutil.rmtree(handle["dir"], ignore_errors=True)
+
+    def abandon(self, name: str) -> None:
+        """End what an interrupted start left under ``name`` (no handle was recorded)."""
+        vm_dir = self._vm_dir(name)
+        with contextlib.suppress(OSError, ValueError, KeyError), open(os.path.join(vm_dir, "pid")) as f:
+            rec = json.load(f)
+            self._stop_process(rec["pid"], rec["start_time"])
+        shutil.rmtree(vm_dir, ignore_errors=True)
+        if name.startswith("snap:"):
+            tag = name[5:]
+            shutil.rmtree(os.path.join(self.snap_dir, tag), ignore_errors=True)
+            shutil.rmtree(os.path.join(self.mem_root, tag), ignore_errors=True)
+
+    def delete_snapshot(self, handle: Handle) -> None:
+        # Children map memory.bin; unlinking leaves their mappings intact.
+        shutil.rmtree(handle["dir"], ignore_errors=True)
+        shutil.rmtree(os.path.dirname(handle["memory"]), ignore_errors=True)
+
+    def close(self) -> None:
+        """Close agent connections. VMs and snapshots outlive the server by design."""
+        with self._channels_lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
+
+    # --- snapshots -------------------------------------------------------------------------------
+
+    def _snapshot_paths(self, tag: str) -> tuple[str, str]:
+        snap = os.path.join(self.snap_dir, tag)
+        mem = os.path.join(self.mem_root, tag)
+        for d in (snap, mem):
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d, mode=0o700)
+        return snap, os.path.join(mem, "memory.bin")
+
+    def _snapshot_handle(self, tag: str, snap: str, mem_path: str, mem_mib: int, image: dict,
+                         lineage: list[str], **extra) -> Handle:
+        meta = {"tag": tag, "qemu": self.qemu_version, "machine": MACHINE, "accel": self.accel,
+                "mem_mib": mem_mib, "image": image, "lineage": lineage, "created_at": time.time(), **extra}
+        with open(os.path.join(snap, "meta.json.tmp"), "w") as f:
+            json.dump(meta, f)
+        os.rename(os.path.join(snap, "meta.json.tmp"), os.path.join(snap, "meta.json"))
+        return {"engine": self.name, "kind": "snapshot", "tag": tag, "dir": snap, "memory": mem_path,
+                "devices": os.path.join(snap, "devices.bin"), "mem_mib": mem_mib, "image": image,
+                "qemu": self.qemu_version, "accel": self.accel}
+
+    def create_snapshot(self, spec: SnapshotSpec) -> Handle:
+        mem_mib = spec.mem_size_mib or DEFAULT_MEM_MIB
+        image = self.image().to_dict()
+        snap, mem_path = self._snapshot_paths(spec.tag)
+        handle = None
+        try:
+            t0 = time.monotonic()
+            handle = self._launch("snap:" + spec.tag, image, mem_path, mem_mib, share=True)
+            channel = self._channel(handle)
+            try:
+                channel.call({"action": "ping"}, timeout=self.boot_timeout)
+            except AgentUnreachable as exc:
+                raise EngineError(f"the VM did not boot to its agent: {exc}; {self._log_tail(handle)}") from exc
+            boot_ms = (time.monotonic() - t0) * 1000
+            channel.call(self._restore_request({"id": spec.tag, "role": "template", "lineage": [spec.tag]}))
+            for argv in spec.setup_commands:
+                reply = channel.call({"action": "exec", "args": argv, "timeout": spec.setup_timeout},
+                                     timeout=spec.setup_timeout + 10)
+                if reply.get("exit_code") != 0:
+                    raise EngineError(f"setup command {argv!r} failed: exit {reply.get('exit_code')}: "
+                                      f"{(reply.get('stderr') or reply.get('error') or '')[-1500:]}")
+            if spec.setup:
+                reply = channel.call({"action": "run_code", "code": spec.setup}, timeout=spec.setup_timeout)
+                if reply.get("error"):
+                    err = reply["error"]
+                    detail = f"{err.get('ename')}: {err.get('evalue')}" if isinstance(err, dict) else err
+                    raise EngineError(f"setup failed: {detail}")
+            devices = os.path.join(snap, "devices.bin")
+            with QMP(handle["qmp"]) as qmp:
+                qmp.execute("stop")
+                qmp.execute("xen-save-devices-state", {"filename": devices, "live": False})
+                vmem.finish_device_state(devices)
+                with contextlib.suppress(QMPError):
+                    qmp.execute("quit")
+            self.kill(handle)
+            handle = None
+            return self._snapshot_handle(spec.tag, snap, mem_path, mem_mib, image, [spec.tag],
+                                         boot_to_agent_ms=round(boot_ms, 1))
+        except BaseException as exc:
+            if handle is not None:
+                self.kill(handle)
+            shutil.rmtree(snap, ignore_errors=True)
+            shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
+            if isinstance(exc, (QMPError, OSError, AgentUnreachable)) and not isinstance(exc, EngineError):
+                raise EngineError(f"snapshot {spec.tag!r} failed: {exc}") from exc
+            raise
+
+    # --- sandboxes -------------------------------------------------------------------------------
+
+    def _check_snapshot(self, snapshot: Handle) -> None:
+        if snapshot.get("kind") != "snapshot":
+            raise EngineError("not a VM snapshot handle")
+        if not self.alive(snapshot):
+            raise EngineError(f"snapshot {snapshot.get('tag')!r} is incomplete: its files are gone "
+                              f"({snapshot['memory']}, {snapshot['devices']})")
+        if snapshot.get("qemu") != self.qemu_version:
+            raise EngineError(f"snapshot {snapshot.get('tag')!r} was made by {snapshot.get('qemu')!r}, this "
+                              f"host runs {self.qemu_version!r}: device state is not portable across versions")
+        if snapshot.get("accel") != self.accel:
+            raise EngineError(f"snapshot {snapshot.get('tag')!r} was made under {snapshot.get('accel')}, "
+                              f"this engine runs {self.accel}")
+
+    def spawn(self, snapshot: Handle, children: list[ChildSpec]) -> list[Handle]:
+        self._check_snapshot(snapshot)
+        incoming = "exec:cat " + shlex.quote(snapshot["devices"])
+        started: list[tuple[ChildSpec, Handle, list]] = []
+        try:
+            for child in children:
+                h = self._launch(child.id, snapshot["image"], snapshot["memory"], snapshot["mem_mib"],
+                                 share=False, incoming=incoming)
+                h["snapshot"] = snapshot["tag"]
+                h["base_memory"] = snapshot["memory"]
+                if child.memory_limit_mib:
+                    h["memory_limit_mib"] = child.memory_limit_mib  # recorded; not enforced for VMs
+                # Connect before the guest runs: it then sees its host connected throughout.
+                ch = self._channel(h)
+                slot = ch.send(self._restore_request({"id": child.id, "role": "sandbox",
+                                                      "lineage": child.lineage}))
+                started.append((child, h, slot))
+            out = []
+            for child, h, slot in started:
+                try:
+                    reply = self._channel(h).wait(slot, self.restore_timeout)
+                except AgentUnreachable as exc:
+                    raise EngineError(f"sandbox {child.id} did not come up: {exc}; {self._log_tail(h)}") from exc
+                if not reply.get("restored"):
+                    raise EngineError(f"sandbox {child.id} refused its restore (entropy/clock/identity), "
+                                      f"not serving it: {reply.get('error')}")
+                out.append(h)
+            return out
+        except BaseException:
+            for _c, h, _s in started:
+                with contextlib.suppress(Exception):
+                    self.kill(h)
+            raise
+
+    # --- branch ----------------------------------------------------------------------------------
+
+    def _vm_lock(self, handle: Handle) -> threading.Lock:
+        with self._channels_lock:
+            return self._vm_locks.setdefault(self._key(handle), threading.Lock())
+
+    def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str = "full") -> BranchResult:
+        if sandbox.get("kind") != "vm":
+            raise EngineError("only a running sandbox can be branched")
+        if mode not in ("full", "diff", "live"):
+            raise UnsupportedMode(f"unknown branch mode {mode!r}")
+        if not self.alive(sandbox):
+            raise EngineError(f"QEMU process {sandbox['pid']} is gone")
+        mem_size = sandbox["mem_mib"] << 20
+        if mode == "live":
+            fstype = vmem.filesystem_type(sandbox["base_memory"]) if os.path.exists(sandbox["base_memory"]) else ""
+            if fstype and fstype not in vmem.TMPFS_TYPES:
+                raise UnsupportedMode(f"live branch needs the sandbox's RAM file on tmpfs (userfaultfd "
+                                      f"write-protect cannot track {fstype} file mappings); this engine's "
+                                      f"mem_root {self.mem_root} is on {fstype}")
+        lock = self._vm_lock(sandbox)
+        if not lock.acquire(timeout=600):
+            raise EngineError("another branch of this sandbox did not finish within 600 s")
+        snap = mem_path = None
+        try:
+            snap, mem_path = self._snapshot_paths(tag)
+            image = None
+            meta_path = os.path.join(self.snap_dir, sandbox["snapshot"], "meta.json")
+            with contextlib.suppress(OSError, ValueError), open(meta_path) as f:
+                image = json.load(f)["image"]
+            if image is None:
+                image = self.image().to_dict()
+            finish_args = (tag, snap, mem_path, sandbox["mem_mib"], image, lineage)
+            if mode == "live":
+                return self._branch_live(sandbox, lock, finish_args, mem_size)
+            pause_ms, finish = self._branch_stopped(sandbox, mode, snap, mem_path, mem_size)
+        except BaseException as exc:
+            lock.release()
+            if snap:
+                shutil.rmtree(snap, ignore_errors=True)
+                shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
+            if isinstance(exc, (QMPError, OSError, AgentUnreachable, vmem.StreamError)):
+                raise EngineError(f"branch {tag!r} ({mode}) failed: {exc}") from exc
+            raise
+        ready: Future = Future()
+
+        def complete() -> None:
+            try:
+                finish()
+                ready.set_result(self._snapshot_handle(*finish_args, branched_from=sandbox["name"], mode=mode,
+                                                       pause_ms=pause_ms))
+            except BaseException as exc:  # noqa: BLE001
+                shutil.rmtree(snap, ignore_errors=True)
+                shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
+                ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"branch {tag!r}: {exc}"))
+            finally:
+                lock.release()
+
+        threading.Thread(target=complete, name=f"vm-branch-{tag}", daemon=True).start()
+        return BranchResult(pause_ms=pause_ms, ready=ready)
+
+    def _branch_stopped(self, sandbox: Handle, mode: str, snap: str, mem_path: str, mem_size: int):
+        """full / diff: returns (pause_ms, finish) where finish() completes memory.bin afterwards."""
+        pid = sandbox["pid"]
+        start, pgoff, base = vmem.find_ram_mapping(pid, mem_size)
+        if pgoff != 0:
+            raise EngineError("guest RAM is not mapped from the start of its file")
+        devices = os.path.join(snap, "devices.bin")
+        copier = None
+        copy_error: list = []
+        if mode == "diff":
+            # The base (the file this child maps) is copied while the child keeps running.
+            def copy() -> None:
+                try:
+                    vmem.sparse_copy(base, mem_path, mem_size)
+                except BaseException as exc:  # noqa: BLE001
+                    copy_error.append(exc)
+            copier = threading.Thread(target=copy, name="vm-branch-copy", daemon=True)
+            copier.start()
+        with QMP(sandbox["qmp"]) as qmp:
+            resumed = False
+            qmp.execute("stop")
+            try:
+                stop_ev = qmp.wait_event("STOP", timeout=10)
+                if mode == "full":
+                    vmem.sparse_copy(base, mem_path, mem_size)
+                    runs = vmem.private_runs(pid, start, mem_size)
+                    vmem.apply_pages(mem_path, vmem.read_runs(pid, start, runs))
+                    pages = None
+                else:
+                    runs = vmem.private_runs(pid, start, mem_size)
+                    pages = vmem.read_runs(pid, start, runs)
+                qmp.execute("xen-save-devices-state", {"filename": devices, "live": False})
+                qmp.execute("cont")
+                resumed = True
+                resume_ev = qmp.wait_event("RESUME", timeout=10)
+            finally:
+                if not resumed:
+                    with contextlib.suppress(QMPError):
+                        qmp.execute("cont")
+        pause_ms = round((event_time(resume_ev) - event_time(stop_ev)) * 1000, 2)
+        vmem.finish_device_state(devices)
+        dirty = sum(c for _f, c in runs) * vmem.PAGE
+
+        def finish() -> None:
+            if copier is not None:
+                copier.join()
+                if copy_error:
+                    raise EngineError(f"copying the base memory failed: {copy_error[0]}")
+                vmem.apply_pages(mem_path, pages)
+            with open(os.path.join(snap, "branch.json"), "w") as f:
+                json.dump({"mode": mode, "pause_ms": pause_ms, "dirty_bytes": dirty}, f)
+        return pause_ms, finish
+
+    def _branch_live(self, sandbox: Handle, lock: threading.Lock, finish_args: tuple, mem_size: int) -> BranchResult:
+        tag, snap, mem_path = finish_args[0], finish_args[1], finish_args[2]
+        rfd, wfd = os.pipe()
+        qmp = QMP(sandbox["qmp"])
+        try:
+            try:
+                qmp.execute("migrate-set-capabilities", {"capabilities": [
+                    {"capability": "background-snapshot", "state": True},
+                    {"capability": "events", "state": True}]})
+            except QMPError as exc:
+                raise UnsupportedMode(f"live branch is impossible on this host: QEMU refused "
+                                      f"background-snapshot ({exc})") from exc
+            qmp.execute("getfd", {"fdname": "forkd-live"}, fds=[wfd])
+            os.close(wfd)
+            wfd = -1
+            qmp.execute("migrate", {"uri": "fd:forkd-live"})
+            stop_ev = qmp.wait_event("STOP", timeout=30)
+            resume_ev = qmp.wait_event("RESUME", timeout=60)
+        except BaseException as exc:
+            if wfd >= 0:
+                os.close(wfd)
+            os.close(rfd)
+            with contextlib.suppress(QMPError):
+                qmp.execute("migrate_cancel")
+            with contextlib.suppress(QMPError):
+                qmp.execute("migrate-set-capabilities", {"capabilities": [
+                    {"capability": "background-snapshot", "state": False}]})
+            qmp.close()
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError(f"live branch failed to start: {exc}") from exc
+        pause_ms = round((event_time(resume_ev) - event_time(stop_ev)) * 1000, 2)
+        ready: Future = Future()
+
+        def complete() -> None:
+            try:
+                with io.open(rfd, "rb", buffering=1 << 20) as stream:
+                    device_state = vmem.split_stream(stream, mem_path, mem_size)
+                # QEMU closed the stream; its MIGRATION event reports the final status.
+                deadline = time.monotonic() + 60
+                status = qmp.execute("query-migrate")
+                while status.get("status") not in ("completed", "failed", "cancelled"):
+                    if time.monotonic() > deadline:
+                        break
+                    with contextlib.suppress(QMPError):
+                        qmp.wait_event("MIGRATION", timeout=max(0.01, deadline - time.monotonic()))
+                    status = qmp.execute("query-migrate")
+                if not status or status.get("status") != "completed":
+                    raise EngineError(f"background snapshot ended {status and status.get('status')}: "
+                                      f"{status and status.get('error-desc')}")
+                with open(os.path.join(snap, "devices.bin"), "wb") as f:
+                    f.write(device_state)
+                with open(os.path.join(snap, "branch.json"), "w") as f:
+                    json.dump({"mode": "live", "pause_ms": pause_ms,
+                               "qemu_downtime_ms": status.get("downtime")}, f)
+                ready.set_result(self._snapshot_handle(*finish_args, branched_from=sandbox["name"], mode="live",
+                                                       pause_ms=pause_ms))
+            except BaseException as exc:  # noqa: BLE001
+                shutil.rmtree(snap, ignore_errors=True)
+                shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
+                ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"live branch {tag!r}: {exc}"))
+            finally:
+                with contextlib.suppress(QMPError):
+                    qmp.execute("migrate-set-capabilities", {"capabilities": [
+                        {"capability": "background-snapshot", "state": False}]})
+                qmp.close()
+                lock.release()
+
+        threading.Thread(target=complete, name=f"vm-branch-{tag}", daemon=True).start()
+        return BranchResult(pause_ms=pause_ms, ready=ready)
