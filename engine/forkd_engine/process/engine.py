@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from .. import linux
 from ..agent.client import AgentClient, AgentUnavailable
 from ..base import AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, SnapshotSpec
+from . import rootfs
 from .cgroups import CgroupError, Cgroups
 
 SPAWN_BATCH = 200  # under the kernel's 253 fds per message
@@ -74,6 +75,10 @@ class ProcessEngine:
         if len(os.path.join(self.run_dir, "x" * 24)) > MAX_SOCKET_PATH:
             raise EngineUnavailable(f"data dir {self.data_dir!r} is too long for Unix socket paths "
                                     f"({MAX_SOCKET_PATH} bytes); choose a shorter --data-dir")
+        try:
+            rootfs.check_python_location()
+        except RuntimeError as exc:
+            raise EngineUnavailable(str(exc)) from None
         self.root_dir = os.path.join(self.data_dir, "newroot")
         os.makedirs(self.root_dir, exist_ok=True)
         self.uid, self.gid = sandbox_uid, sandbox_gid

@@ -246,6 +246,12 @@ class SandboxProcess:
             return {"retired": "exit", "_then": lambda: os._exit(0)}
 
         def become_reaper():
-            os.execv(sys.executable, [sys.executable, "-S", "-I", "-c", REAPER])
+            python = os.path.realpath(sys.executable)
+            try:
+                os.execv(python, [python, "-S", "-I", "-c", REAPER])
+            except OSError:
+                # Never die here: our death would take every fork nested in our pid namespace.
+                exec(REAPER, {})  # noqa: S102 - same reaper, without releasing our memory
+                os._exit(0)
 
         return {"retired": "reaper", "forks": len(alive), "_then": become_reaper}

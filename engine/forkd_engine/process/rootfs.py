@@ -20,6 +20,19 @@ _NEVER_BOUND = ("/proc", "/sys", "/dev", "/tmp", "/run")
 _SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 
 
+def _under(path: str, dirs) -> bool:
+    return any(path == d or path.startswith(d + "/") for d in dirs)
+
+
+def check_python_location() -> None:
+    """Refuse an interpreter the sandbox could not see: /tmp, /proc, ... are the sandbox's own."""
+    for path in (sys.prefix, sys.base_prefix, sys.executable, os.path.realpath(sys.executable)):
+        if _under(os.path.realpath(path) if path != sys.executable else os.path.abspath(path), _NEVER_BOUND):
+            raise RuntimeError(
+                f"the Python environment at {path} lies under {', '.join(_NEVER_BOUND)}, which every "
+                f"sandbox replaces with its own; install forkd in an environment elsewhere")
+
+
 def python_dirs() -> list[str]:
     """Directories the interpreter needs: prefixes and every import path, outermost first."""
     candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
@@ -29,7 +42,7 @@ def python_dirs() -> list[str]:
     for path in candidates:
         real = os.path.realpath(path)
         # The root itself (a cwd entry on sys.path) and the sandbox's own mounts are never bound.
-        if real == "/" or any(real == d or real.startswith(d + "/") for d in _NEVER_BOUND):
+        if real == "/" or _under(real, _NEVER_BOUND):
             continue
         if os.path.isdir(real):
             dirs.add(real)
