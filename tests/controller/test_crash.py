@@ -142,3 +142,23 @@ def test_kill_9_of_a_template(short_dir):
         cleanup(c)
         c.close()
     assert wait_gone(nobody_processes() - before) == set()
+
+
+def test_a_reused_pid_is_not_mistaken_for_the_sandbox(short_dir):
+    """The registry keeps pid + start time: the same pid with another start time is someone else."""
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("p", setup="v = 1")
+        sb = c.spawn("p", 1)[0]
+        row = c.registry.get_sandbox(sb["id"])
+        stranger = dict(row["handle"], start_time=row["handle"]["start_time"] + 1)
+        c.registry.update_sandbox(sb["id"], handle=stranger)
+        with pytest.raises(NotFound):
+            c.ping(sb["id"])
+        # forkd did not touch the process that now "owns" that pid
+        assert os.path.exists(f"/proc/{sb['pid']}")
+        os.kill(sb["pid"], signal.SIGKILL)
+        assert wait_gone({sb["pid"]}) == set()
+    finally:
+        cleanup(c)
+        c.close()
