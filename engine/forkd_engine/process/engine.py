@@ -46,6 +46,11 @@ def _sandbox_env() -> dict:
     }
 
 
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def smaps_memory(pid: int) -> dict:
     """Rss, Pss and USS (Private_Clean + Private_Dirty) of one process, in KiB."""
     out = {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0}
@@ -97,8 +102,7 @@ class ProcessEngine:
 
     def _listen(self, name: str) -> tuple[socket.socket, str]:
         path = self._socket_path(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        _unlink(path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.bind(path)
         os.chmod(path, 0o600)
@@ -189,8 +193,7 @@ class ProcessEngine:
             listener.close()
             theirs.close()
         if got is None or not got[0].get("ok"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            _unlink(path)
             detail = got[0].get("error") if got else self._log_tail(log_path)
             raise EngineError(f"snapshot {spec.tag!r} failed to start: {detail}")
         os.unlink(log_path)
@@ -261,8 +264,7 @@ class ProcessEngine:
                 with contextlib.suppress(Exception):
                     self.kill(h)
             for path in paths.values():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                _unlink(path)
             raise
         finally:
             ours.close()
@@ -311,8 +313,7 @@ class ProcessEngine:
             self._forget({"socket": path})
 
     def _forget(self, handle: Handle) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(handle["socket"])
+        _unlink(handle["socket"])
 
     # --- branch ----------------------------------------------------------------------------------
 
@@ -328,16 +329,14 @@ class ProcessEngine:
                               fds=[theirs.fileno(), listener.fileno()])
         except BaseException:
             ours.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            _unlink(path)
             raise
         finally:
             theirs.close()
             listener.close()
         if "error" in reply:
             ours.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            _unlink(path)
             raise EngineError(f"branch failed: {reply['error']}")
 
         ready: Future = Future()
@@ -350,8 +349,7 @@ class ProcessEngine:
                                       f"{got[0].get('error') if got else 'the new snapshot exited'}")
                 ready.set_result(self._handle(got[1], path, role="template"))
             except BaseException as exc:  # noqa: BLE001
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                _unlink(path)
                 ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
             finally:
                 ours.close()
