@@ -15,7 +15,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
-from forkd_engine import AgentUnreachable, ChildSpec, EngineError, SnapshotSpec
+from forkd_engine import AgentUnreachable, ChildSpec, EngineError, SnapshotSpec, UnsupportedMode
 
 from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
 from .registry import Registry
@@ -69,6 +69,15 @@ class Controller:
             engines["process"] = ProcessEngine(os.path.join(self.data_dir, "process"))
         except EngineUnavailable as exc:
             self.unavailable["process"] = str(exc)
+        from forkd_engine.vm import VMEngine, qemu_binary
+        if qemu_binary() is None:
+            self.unavailable["vm"] = "qemu-system-x86_64 is not installed (scripts/setup.sh installs it)"
+        else:
+            try:
+                # preferred (picked by engine "auto") only where KVM is usable; TCG is correct but slow.
+                engines["vm"] = VMEngine(os.path.join(self.data_dir, "vm"))
+            except EngineUnavailable as exc:
+                self.unavailable["vm"] = str(exc)
         return engines
 
     def close(self) -> None:
@@ -485,6 +494,8 @@ class Controller:
                 result = engine.branch(row["handle"], tag, lineage, mode_name)
             except (EngineError, AgentUnreachable) as exc:
                 self.registry.delete_snapshot(tag)
+                if isinstance(exc, UnsupportedMode):  # valid request, impossible here: a 4xx naming why
+                    raise BadRequest(f"branch: {exc}") from exc
                 raise EngineFailure(f"branch: {exc}") from exc
             self.registry.update_snapshot(tag, pause_ms=result.pause_ms, prepare_ms=result.prepare_ms)
             self.registry.update_sandbox(row["id"], branch_count=row["branch_count"] + 1)

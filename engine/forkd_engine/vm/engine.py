@@ -244,8 +244,7 @@ class VMEngine:
             else:
                 digest = hashlib.sha1(self.data_dir.encode()).hexdigest()[:12]
                 mem_root = f"/dev/shm/forkd-vm-{digest}"
-        self.mem_root = os.path.realpath(mem_root)
-        os.makedirs(self.mem_root, mode=0o700, exist_ok=True)
+        self.mem_root = os.path.realpath(mem_root)  # made on the first snapshot
         usable, why = kvm_status()
         self.accel = accel or ("kvm" if usable else "tcg")
         self.accel_reason = why if accel is None else f"accel={accel} chosen by the caller"

@@ -1,0 +1,76 @@
+"""The VM engine behind the controller: engine selection, 4xx for impossible modes, and a QEMU
+killed with SIGKILL in the middle of a branch leaving no snapshot marked ready."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from forkd_server.controller import Controller
+from forkd_server.errors import BadRequest
+
+from .conftest import requires_qemu
+
+pytestmark = requires_qemu
+
+
+@pytest.fixture(scope="module")
+def ctl(vm_engine):
+    path = tempfile.mkdtemp(prefix="fkvc")
+    c = Controller(path, engines={"vm": vm_engine})
+    c.create_snapshot("vmbase", engine="vm", setup="import os, time\nvalue = 7", mem_size_mib=256)
+    yield c
+    for sb in c.list_sandboxes():
+        c.kill_sandbox(sb["id"])
+    for snap in c.list_snapshots():
+        c.delete_snapshot(snap["tag"])
+    c.registry.close()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_auto_is_not_vm_under_tcg(vm_engine):
+    assert vm_engine.preferred is (vm_engine.accel == "kvm")
+
+
+def test_controller_spawn_eval_branch_all_modes(ctl):
+    (sb,) = ctl.spawn("vmbase", 1)
+    assert ctl.eval(sb["id"], "value")["result"] == "7"
+    ctl.run_code(sb["id"], "value = 8")
+    for mode in ("full", "diff"):
+        info = ctl.branch(sb["id"], f"c-{mode}", mode=mode)
+        assert info["status"] == "ready" and info["pause_ms"] > 0 and info["engine"] == "vm"
+    info = ctl.branch(sb["id"], "c-live", mode="live", wait=False)
+    assert info["status"] == "writing" and info["pause_ms"] >= 0
+    assert ctl.wait_snapshot("c-live", timeout=120)["status"] == "ready"
+    kids = ctl.spawn("c-live", 2)
+    assert [ctl.eval(k["id"], "value")["result"] for k in kids] == ["8", "8"]
+
+
+def test_impossible_mode_is_a_400_naming_why(ctl, monkeypatch):
+    from forkd_engine.vm import memory as vmem
+    (sb,) = ctl.spawn("vmbase", 1)
+    monkeypatch.setattr(vmem, "filesystem_type", lambda path: "ext4")
+    with pytest.raises(BadRequest, match="tmpfs"):
+        ctl.branch(sb["id"], "no-live", mode="live")
+    with pytest.raises(Exception):
+        ctl.get_snapshot("no-live")
+
+
+def test_sigkill_of_qemu_mid_branch_leaves_nothing_ready(ctl):
+    (sb,) = ctl.spawn("vmbase", 1)
+    info = ctl.branch(sb["id"], "killed", mode="live", wait=False)
+    assert info["status"] == "writing"
+    os.kill(ctl.get_sandbox(sb["id"])["pid"], 9)
+    final = ctl.wait_snapshot("killed", timeout=60)
+    assert final["status"] == "failed" and not final["bootable"]
+    assert "killed" not in [s["tag"] for s in ctl.list_snapshots() if s["status"] == "ready"]
+    with pytest.raises(Exception):
+        ctl.spawn("killed", 1)
+    # the registry is consistent after a restart: the dead sandbox is dropped, the failed snapshot stays failed
+    counts = ctl.reconcile()
+    assert counts["sandboxes_dropped"] >= 1
+    assert ctl.get_snapshot("killed")["status"] == "failed"
+    assert ctl.get_snapshot("vmbase")["status"] == "ready"

@@ -1,0 +1,150 @@
+"""The VM engine under TCG: state through generations, isolation, fork hygiene, branch modes."""
+
+from __future__ import annotations
+
+import ast
+import os
+import threading
+import time
+
+import pytest
+
+from forkd_engine import ChildSpec, EngineError, UnsupportedMode
+from forkd_engine.vm import memory as vmem
+
+from .conftest import ev, requires_qemu, run
+
+pytestmark = requires_qemu
+
+
+def spawn(engine, snapshot, kids, n=1, prefix="c"):
+    made = engine.spawn(snapshot, [ChildSpec(id=f"{prefix}{i}-{time.monotonic_ns()}") for i in range(n)])
+    kids.extend(made)
+    return made
+
+
+def test_image_is_cached_and_keyed_by_inputs(vm_engine, parent):
+    from forkd_engine.vm.image import build_image
+    first = vm_engine.image()
+    again = build_image(vm_engine.cache_dir)
+    assert again.key == first.key and again.initrd == first.initrd
+    assert os.path.getsize(first.kernel) > 10 << 20 and open(first.kernel, "rb").read(4) == b"\x7fELF"
+
+
+def test_snapshot_files_and_meta(vm_engine, parent):
+    assert vm_engine.alive(parent)
+    assert os.path.getsize(parent["memory"]) == 256 << 20
+    assert open(parent["devices"], "rb").read(4) == b"QEVM"
+    assert parent["accel"] == vm_engine.accel
+    with pytest.raises(EngineError, match="does not|not a VM|no running agent"):
+        vm_engine.call(parent, {"action": "ping"})
+
+
+def test_state_parent_child_grandchild(vm_engine, parent, kids):
+    (child,) = spawn(vm_engine, parent, kids)
+    assert ev(vm_engine, child, "(marker, counter)") == "('parent-state', 1)"
+    run(vm_engine, child, "counter += 1\nchild_note = 'from-child'")
+    res = vm_engine.branch(child, "gen2", ["parent", "c", "gen2"], "full")
+    snap2 = res.ready.result(120)
+    (grand,) = spawn(vm_engine, snap2, kids, prefix="g")
+    assert ev(vm_engine, grand, "(marker, counter, child_note)") == "('parent-state', 2, 'from-child')"
+    assert ev(vm_engine, grand, "hashlib.sha256(blob).hexdigest() == blob_sha") == "True"
+    run(vm_engine, grand, "counter += 1")
+    snap3 = vm_engine.branch(grand, "gen3", ["parent", "c", "gen2", "g", "gen3"], "diff").ready.result(120)
+    (great,) = spawn(vm_engine, snap3, kids, prefix="gg")
+    assert ev(vm_engine, great, "(counter, child_note)") == "(3, 'from-child')"
+    # the sources kept running, unchanged by what their descendants did
+    run(vm_engine, great, "counter = 100")
+    assert ev(vm_engine, grand, "counter") == "3"
+    assert ev(vm_engine, child, "counter") == "2"
+    for s in (snap2, snap3):
+        vm_engine.delete_snapshot(s)
+
+
+def test_siblings_are_isolated_memory_and_files(vm_engine, parent, kids):
+    a, b = spawn(vm_engine, parent, kids, n=2)
+    run(vm_engine, a, "counter = 42\nopen('/root/note.txt', 'w').write('only a')\nopen('/tmp/t', 'w').write('a')")
+    assert ev(vm_engine, a, "counter") == "42"
+    assert ev(vm_engine, b, "counter") == "1"
+    assert ev(vm_engine, b, "os.path.exists('/root/note.txt') or os.path.exists('/tmp/t')") == "False"
+    reply = vm_engine.call(a, {"action": "files", "op": "read", "path": "/root/note.txt"})
+    assert reply["size"] == 6
+    # a new sibling spawned later sees the snapshot, not a's changes
+    (c,) = spawn(vm_engine, parent, kids)
+    assert ev(vm_engine, c, "(counter, os.path.exists('/root/note.txt'))") == "(1, False)"
+
+
+def test_fork_hygiene_entropy_clock_identity(vm_engine, parent, kids):
+    a, b = spawn(vm_engine, parent, kids, n=2)
+    code = ("(os.urandom(16).hex(), random.random(), open('/proc/sys/kernel/random/uuid').read().strip(),"
+            " __import__('uuid').uuid4().hex, time.time())")
+    ra = ast.literal_eval(ev(vm_engine, a, code))
+    rb = ast.literal_eval(ev(vm_engine, b, code))
+    for x, y in zip(ra[:4], rb[:4]):
+        assert x != y
+    # the Python stream seeded before the snapshot is reseeded too
+    assert ev(vm_engine, a, "random.random() != first_random") == "True"
+    # the wall clock was stepped to the host's (the snapshot may be minutes old)
+    assert abs(ra[4] - time.time()) < 2 and abs(rb[4] - time.time()) < 2
+    pa = vm_engine.call(a, {"action": "ping"})
+    assert pa["sandbox_id"] == a["name"] and pa["role"] == "sandbox"
+
+
+def test_exec_and_memory_sharing(vm_engine, parent, kids):
+    a, b, c = spawn(vm_engine, parent, kids, n=3)
+    reply = vm_engine.call(a, {"action": "exec", "args": ["sh", "-c", "echo hi; uname -r"]})
+    assert reply["exit_code"] == 0 and reply["stdout"].startswith("hi\n")
+    m = vm_engine.memory(b)
+    assert m["pss_kib"] < m["rss_kib"]
+
+
+@pytest.mark.parametrize("mode", ["full", "diff", "live"])
+def test_branch_busy_vm_every_mode(vm_engine, parent, kids, mode):
+    (src,) = spawn(vm_engine, parent, kids)
+    run(vm_engine, src, "work = bytearray(os.urandom(16 << 20))\nticks = 0")
+    # keep the guest busy (a loop holding the agent's eval lock) while it is branched
+    busy = threading.Thread(target=vm_engine.call, args=(src, {
+        "action": "run_code",
+        "code": "open('/tmp/busy', 'w').close()\nt_end = time.time() + 4\n"
+                "while time.time() < t_end:\n    ticks += 1\n    work[ticks % len(work)] = 7"},
+        ), kwargs={"timeout": 60}, daemon=True)
+    busy.start()
+    # wait (inside the guest, bounded) until the loop is running
+    started = vm_engine.call(src, {"action": "exec", "timeout": 20,
+                                   "args": ["sh", "-c", "while [ ! -e /tmp/busy ]; do :; done"]}, timeout=30)
+    assert started["exit_code"] == 0, started
+    tag = f"busy-{mode}"
+    res = vm_engine.branch(src, tag, ["parent", "src", tag], mode)
+    assert res.pause_ms > 0
+    snap = res.ready.result(120)
+    busy.join(30)
+    g1, g2 = spawn(vm_engine, snap, kids, n=2, prefix="g")
+    # the grandchild resumes mid-loop: the loop ends on its own and ticks kept counting
+    for g in (g1, g2):
+        assert ev(vm_engine, g, "len(work)") == str(16 << 20)
+        assert int(ev(vm_engine, g, "ticks", timeout=60)) > 0
+    # the source kept running through the branch and its state is its own
+    run(vm_engine, g1, "ticks = -1")
+    assert int(ev(vm_engine, src, "ticks")) > 0
+    assert ev(vm_engine, g2, "ticks") != "-1"
+    meta = snap["dir"]
+    assert os.path.exists(os.path.join(meta, "branch.json"))
+    vm_engine.delete_snapshot(snap)
+
+
+def test_live_mode_impossible_names_why(vm_engine, parent, kids, monkeypatch):
+    (src,) = spawn(vm_engine, parent, kids)
+    monkeypatch.setattr(vmem, "filesystem_type", lambda path: "ext4")
+    with pytest.raises(UnsupportedMode, match="tmpfs"):
+        vm_engine.branch(src, "never", ["x"], "live")
+    assert not os.path.exists(os.path.join(vm_engine.snap_dir, "never"))
+
+
+def test_killed_source_mid_live_branch_fails_cleanly(vm_engine, parent, kids):
+    (src,) = spawn(vm_engine, parent, kids)
+    res = vm_engine.branch(src, "doomed", ["parent", "src", "doomed"], "live")
+    os.kill(src["pid"], 9)
+    with pytest.raises(EngineError):
+        res.ready.result(60)
+    assert not os.path.exists(os.path.join(vm_engine.snap_dir, "doomed"))
+    assert not vm_engine.alive(src)
