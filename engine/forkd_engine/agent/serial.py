@@ -28,6 +28,7 @@ from .runtime import Runtime, reseed_random_generators
 from .server import MAX_LINE, install_reaper
 
 PORT_NAME = "agent"
+INLINE = ("ping", "restore")  # answered on the reader thread; everything else gets its own thread
 RNDADDENTROPY = 0x40085203   # _IOW('R', 0x03, int[2])
 RNDRESEEDCRNG = 0x5207       # _IO('R', 0x07)
 
@@ -83,10 +84,8 @@ class SerialAgent:
         self.runtime.after_fork(request.get("identity") or {})
         reseed_random_generators()
         self.restores += 1
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
         return {"restored": True, "clock_step_s": round(stepped, 3), "restores": self.restores,
-                "boot_id": boot_id, "identity": self.runtime.identity}
+                "identity": self.runtime.identity}
 
     def handle(self, request: dict) -> dict:
         if request.get("action") == "restore":
@@ -104,10 +103,9 @@ class SerialAgent:
                 n = os.write(self.fd, view)
                 view = view[n:]
 
-    def serve_one(self, line: bytes) -> None:
+    def serve_one(self, request) -> None:
         rid = None
         try:
-            request = json.loads(line)
             if not isinstance(request, dict):
                 raise ValueError("request must be a JSON object")
             rid = request.pop("_rid", None)
@@ -145,8 +143,18 @@ class SerialAgent:
                     break
                 line = bytes(buf[:nl])
                 del buf[:nl + 1]
-                if line.strip():
-                    threading.Thread(target=self.serve_one, args=(line,), daemon=True).start()
+                if not line.strip():
+                    continue
+                try:
+                    request = json.loads(line)
+                except ValueError as exc:
+                    request = exc
+                if isinstance(request, dict) and request.get("action") in INLINE:
+                    self.serve_one(request)  # quick and first after a restore: no thread start
+                elif isinstance(request, Exception):
+                    self.reply({"error": f"{type(request).__name__}: {request}", "exit_code": 1})
+                else:
+                    threading.Thread(target=self.serve_one, args=(request,), daemon=True).start()
 
 
 def main() -> int:

@@ -39,7 +39,6 @@ import os
 import re
 import secrets
 import select
-import shlex
 import shutil
 import signal
 import socket
@@ -249,6 +248,7 @@ class VMEngine:
         self.accel = accel or ("kvm" if usable else "tcg")
         self.accel_reason = why if accel is None else f"accel={accel} chosen by the caller"
         self.preferred = self.accel == "kvm"
+        self.accel_opts = os.environ.get("FORKD_VM_ACCEL_OPTS", "")
         self.boot_timeout = boot_timeout
         self.restore_timeout = restore_timeout
         self.smp = smp
@@ -283,10 +283,13 @@ class VMEngine:
         if self.tsc_khz:
             append += f" tsc_early_khz={self.tsc_khz}"
         cpu = "max" if self.accel == "tcg" else "host,-arch-capabilities"
-        cmd = [self.qemu, "-nodefaults", "-no-user-config", "-nographic", "-accel", self.accel, "-cpu", cpu,
-               "-m", f"{mem_mib}M", "-smp", str(self.smp),
-               "-kernel", image["kernel"], "-initrd", image["initrd"], "-append", append,
-               "-serial", f"file:{console}", "-no-reboot",
+        cmd = [self.qemu, "-nodefaults", "-no-user-config", "-nographic", "-accel", self.accel + self.accel_opts, "-cpu", cpu,
+               "-m", f"{mem_mib}M", "-smp", str(self.smp)]
+        if not incoming:
+            # A restored child's RAM already holds the running kernel: loading the 50 MB ELF and the
+            # initramfs again would only cost start-up time (-no-reboot: it never boots them).
+            cmd += ["-kernel", image["kernel"], "-initrd", image["initrd"], "-append", append]
+        cmd += ["-serial", f"file:{console}", "-no-reboot",
                "-chardev", f"socket,id=qmp,fd={qmp_fd},server=on,wait=off", "-mon", "chardev=qmp,mode=control",
                "-chardev", f"socket,id=agent,fd={agent_fd},server=on,wait=off",
                "-M", f"{MACHINE},memory-backend=mem",
@@ -300,12 +303,18 @@ class VMEngine:
         return cmd
 
     def _launch(self, name: str, image: dict, mem_path: str, mem_mib: int, share: bool,
-                incoming: str | None = None) -> Handle:
+                incoming_file: str | None = None) -> Handle:
         vm_dir = self._vm_dir(name)
         shutil.rmtree(vm_dir, ignore_errors=True)
         os.makedirs(vm_dir, mode=0o700)
         socks = []
+        state_fd = -1
         try:
+            incoming = None
+            if incoming_file:
+                # The device state goes in as an open file (``fd:``), no shell or cat per child.
+                state_fd = os.open(incoming_file, os.O_RDONLY)
+                incoming = f"fd:{state_fd}"
             for sock_name in ("qmp.sock", "agent.sock"):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.bind(os.path.join(vm_dir, sock_name))
@@ -314,14 +323,17 @@ class VMEngine:
             cmd = self._command(image, mem_path, mem_mib, share, socks[0].fileno(), socks[1].fileno(),
                                 os.path.join(vm_dir, "console.log"), incoming)
             with open(os.path.join(vm_dir, "qemu.log"), "wb") as log:
+                fds = [s.fileno() for s in socks] + ([state_fd] if state_fd >= 0 else [])
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                        pass_fds=[s.fileno() for s in socks], start_new_session=True, cwd=vm_dir)
+                                        pass_fds=fds, start_new_session=True, cwd=vm_dir)
         except OSError as exc:
             shutil.rmtree(vm_dir, ignore_errors=True)
             raise EngineError(f"could not start QEMU: {exc}") from exc
         finally:
             for s in socks:
                 s.close()
+            if state_fd >= 0:
+                os.close(state_fd)
         self._children[proc.pid] = proc
         start = linux.process_start_time(proc.pid)
         handle = {"engine": self.name, "kind": "vm", "name": name, "pid": proc.pid, "start_time": start,
@@ -530,12 +542,11 @@ class VMEngine:
 
     def spawn(self, snapshot: Handle, children: list[ChildSpec]) -> list[Handle]:
         self._check_snapshot(snapshot)
-        incoming = "exec:cat " + shlex.quote(snapshot["devices"])
         started: list[tuple[ChildSpec, Handle, list]] = []
         try:
             for child in children:
                 h = self._launch(child.id, snapshot["image"], snapshot["memory"], snapshot["mem_mib"],
-                                 share=False, incoming=incoming)
+                                 share=False, incoming_file=snapshot["devices"])
                 h["snapshot"] = snapshot["tag"]
                 h["base_memory"] = snapshot["memory"]
                 if child.memory_limit_mib:
@@ -597,7 +608,7 @@ class VMEngine:
             finish_args = (tag, snap, mem_path, sandbox["mem_mib"], image, lineage)
             if mode == "live":
                 return self._branch_live(sandbox, lock, finish_args, mem_size)
-            pause_ms, finish = self._branch_stopped(sandbox, mode, snap, mem_path, mem_size)
+            pause_ms, prepare_ms, finish = self._branch_stopped(sandbox, mode, snap, mem_path, mem_size)
         except BaseException as exc:
             lock.release()
             if snap:
@@ -621,7 +632,7 @@ class VMEngine:
                 lock.release()
 
         threading.Thread(target=complete, name=f"vm-branch-{tag}", daemon=True).start()
-        return BranchResult(pause_ms=pause_ms, ready=ready)
+        return BranchResult(pause_ms=pause_ms, ready=ready, prepare_ms=prepare_ms)
 
     def _branch_stopped(self, sandbox: Handle, mode: str, snap: str, mem_path: str, mem_size: int):
         """full / diff: returns (pause_ms, finish) where finish() completes memory.bin afterwards."""
@@ -630,31 +641,38 @@ class VMEngine:
         if pgoff != 0:
             raise EngineError("guest RAM is not mapped from the start of its file")
         devices = os.path.join(snap, "devices.bin")
-        copier = None
-        copy_error: list = []
+        prepare_ms = 0.0
         if mode == "diff":
-            # The base (the file this child maps) is copied while the child keeps running.
-            def copy() -> None:
-                try:
-                    vmem.sparse_copy(base, mem_path, mem_size)
-                except BaseException as exc:  # noqa: BLE001
-                    copy_error.append(exc)
-            copier = threading.Thread(target=copy, name="vm-branch-copy", daemon=True)
-            copier.start()
+            # The base (the file this child maps) is copied while the child keeps running; the
+            # pause then reads only what the child changed and lays it over the copy afterwards.
+            t0 = time.monotonic()
+            vmem.sparse_copy(base, mem_path, mem_size)
+            prepare_ms = round((time.monotonic() - t0) * 1000, 2)
         with QMP(sandbox["qmp"]) as qmp:
             resumed = False
+            steps: dict = {}
+            clock = time.monotonic
             qmp.execute("stop")
             try:
                 stop_ev = qmp.wait_event("STOP", timeout=10)
+                t = clock()
                 if mode == "full":
                     vmem.sparse_copy(base, mem_path, mem_size)
-                    runs = vmem.private_runs(pid, start, mem_size)
-                    vmem.apply_pages(mem_path, vmem.read_runs(pid, start, runs))
+                    steps["copy_ms"] = (clock() - t) * 1000
+                t = clock()
+                runs = vmem.private_runs(pid, start, mem_size)
+                steps["pagemap_ms"] = (clock() - t) * 1000
+                t = clock()
+                pages = vmem.read_runs(pid, start, runs)
+                steps["read_ms"] = (clock() - t) * 1000
+                if mode == "full":
+                    t = clock()
+                    vmem.apply_pages(mem_path, pages)
                     pages = None
-                else:
-                    runs = vmem.private_runs(pid, start, mem_size)
-                    pages = vmem.read_runs(pid, start, runs)
+                    steps["write_ms"] = (clock() - t) * 1000
+                t = clock()
                 qmp.execute("xen-save-devices-state", {"filename": devices, "live": False})
+                steps["devices_ms"] = (clock() - t) * 1000
                 qmp.execute("cont")
                 resumed = True
                 resume_ev = qmp.wait_event("RESUME", timeout=10)
@@ -667,14 +685,12 @@ class VMEngine:
         dirty = sum(c for _f, c in runs) * vmem.PAGE
 
         def finish() -> None:
-            if copier is not None:
-                copier.join()
-                if copy_error:
-                    raise EngineError(f"copying the base memory failed: {copy_error[0]}")
+            if pages is not None:
                 vmem.apply_pages(mem_path, pages)
             with open(os.path.join(snap, "branch.json"), "w") as f:
-                json.dump({"mode": mode, "pause_ms": pause_ms, "dirty_bytes": dirty}, f)
-        return pause_ms, finish
+                json.dump({"mode": mode, "pause_ms": pause_ms, "prepare_ms": prepare_ms, "dirty_bytes": dirty,
+                           "steps_ms": {k: round(v, 2) for k, v in steps.items()}}, f)
+        return pause_ms, prepare_ms, finish
 
     def _branch_live(self, sandbox: Handle, lock: threading.Lock, finish_args: tuple, mem_size: int) -> BranchResult:
         tag, snap, mem_path = finish_args[0], finish_args[1], finish_args[2]
