@@ -1,0 +1,325 @@
+"""``%forkd`` / ``%%forkd``: snapshot, fork, branch, list, kill, exec, tree and run-in-parallel.
+
+Every subcommand talks to the server through the client SDK and returns SDK objects
+(``Snapshot``, ``[Sandbox]``, ``CommandResult``...), so ``kids = %forkd fork -t py -n 4`` works.
+A server error or a bad argument is one ``UsageError`` line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import html
+from concurrent.futures import ThreadPoolExecutor
+
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from forkd_server.client import (CommandResult, Controller, ControllerError, Sandbox, ServerUnreachable,
+                                 Snapshot)
+
+from ._render import RunResults, failed_execution
+
+__all__ = ["ForkdMagics", "ExecResult", "Listing"]
+
+
+class ExecResult(CommandResult):
+    """A ``CommandResult`` that shows as the command's output (stdout, stderr, exit code)."""
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        parts = [self.stdout.rstrip("\n")] if self.stdout else []
+        if self.stderr:
+            parts.append(self.stderr.rstrip("\n"))
+        if self.error:
+            parts.append(f"error: {self.error}")
+        if self.exit_code != 0:
+            parts.append(f"[exit code {self.exit_code}]")
+        p.text("\n".join(parts))
+
+
+class Listing:
+    """What ``%forkd ls`` returns: ``.snapshots`` and ``.sandboxes`` (SDK objects), shown as tables."""
+
+    def __init__(self, snapshots: list[Snapshot], sandboxes: list[Sandbox]):
+        self.snapshots, self.sandboxes = snapshots, sandboxes
+
+    def _rows(self):
+        snaps = [(s.tag, s.status, s.branched_from or "", "" if s.pause_ms is None else f"{s.pause_ms:.2f} ms")
+                 for s in sorted(self.snapshots, key=lambda s: s.tag)]
+        sbs = [(b.id, b.snapshot_tag, str(b.info.get("branch_count", 0)))
+               for b in sorted(self.sandboxes, key=lambda b: b.id)]
+        return snaps, sbs
+
+    @staticmethod
+    def _text_table(header, rows) -> list[str]:
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        return [fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in rows]
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        snaps, sbs = self._rows()
+        lines = [f"{len(snaps)} snapshot(s)"]
+        if snaps:
+            lines += self._text_table(("TAG", "STATUS", "BRANCHED FROM", "PAUSE"), snaps)
+        lines.append(f"{len(sbs)} sandbox(es)")
+        if sbs:
+            lines += self._text_table(("ID", "SNAPSHOT", "BRANCHES"), sbs)
+        p.text("\n".join(lines))
+
+    def _repr_html_(self) -> str:
+        snaps, sbs = self._rows()
+
+        def table(header, rows):
+            head = "".join(f"<th>{h}</th>" for h in header)
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+            return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+        return (f"<b>{len(snaps)} snapshot(s)</b>" + (table(("tag", "status", "branched from", "pause"), snaps)
+                                                       if snaps else "")
+                + f"<b>{len(sbs)} sandbox(es)</b>" + (table(("id", "snapshot", "branches"), sbs) if sbs else ""))
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+# --- argument parsers, one per subcommand (their help is %forkd?'s help) ----------------------------
+
+def _parser(name: str, doc: str):
+    def stub():
+        pass
+    stub.__doc__ = doc
+    stub.__name__ = name
+    return stub
+
+
+def _args(name: str, doc: str, *arguments):
+    """A magic_arguments parser for ``%forkd <name>``: ``arguments`` are ``argument(...)`` decorators."""
+    fn = _parser(name, doc)
+    for arg in reversed(arguments):
+        fn = arg(fn)
+    fn = magic_arguments.magic_arguments(name=f"forkd {name}")(fn)
+    return fn
+
+
+A = magic_arguments.argument
+
+SUBCOMMANDS = {
+    "snapshot": _args(
+        "snapshot", "Create a snapshot: a warmed-up interpreter, frozen. As a cell magic "
+                    "(%%forkd snapshot -t T) the cell is the setup code. Returns a Snapshot.",
+        A("--tag", "-t", required=True, help="the snapshot's tag"),
+        A("--setup", default=None, help="Python code run before the interpreter is frozen"),
+        A("--engine", default="auto", help="auto, process or vm"),
+        A("--mem-size-mib", type=int, default=None, help="memory size (VM engine)")),
+    "fork": _args(
+        "fork", "Fork sandboxes (copy-on-write children) from a snapshot. Returns a list of Sandbox.",
+        A("--tag", "-t", required=True, help="the snapshot to fork from"),
+        A("-n", type=int, default=1, help="how many sandboxes (default 1)"),
+        A("--memory-limit-mib", type=int, default=None, help="memory limit of each sandbox")),
+    "branch": _args(
+        "branch", "Turn a running sandbox into a new snapshot (it keeps running). Returns a Snapshot; "
+                  "with --no-wait (implies --live) its status is 'writing' until it turns 'ready'.",
+        A("sandbox", help="the sandbox id (or a variable holding a Sandbox)"),
+        A("--tag", "-t", default=None, help="the new snapshot's tag (default branch-<id>-<n>)"),
+        A("--diff", action="store_true", help="diff branch"),
+        A("--live", action="store_true", help="live branch: the shortest pause of the source"),
+        A("--no-wait", action="store_true", help="return as soon as the source has resumed")),
+    "ls": _args("ls", "List snapshots and sandboxes. Returns a Listing (.snapshots, .sandboxes)."),
+    "kill": _args(
+        "kill", "Kill sandboxes: by id, every sandbox of a snapshot (--tag), or all (--all).",
+        A("sandboxes", nargs="*", help="sandbox ids (or variables holding Sandbox objects)"),
+        A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
+        A("--all", action="store_true", help="every sandbox")),
+    "exec": _args(
+        "exec", "Run a command in a sandbox: %forkd exec SB -- cmd args. Returns a CommandResult.",
+        A("sandbox", help="the sandbox id (or a variable holding a Sandbox)"),
+        A("command", nargs="*", help="the command and its arguments (after --)"),
+        A("--timeout", type=float, default=30, help="seconds (default 30)")),
+    "delete": _args(
+        "delete", "Delete a snapshot (its running sandboxes keep running).",
+        A("tag", help="the snapshot's tag"),
+        A("--cascade", action="store_true", help="also delete the snapshots branched below it")),
+    "tree": _args(
+        "tree", "Show the lineage tree as a live widget. Returns the LineageWidget.",
+        A("--static", action="store_true", help="do not follow live changes")),
+    "run": _args(
+        "run", "Cell magic: %%forkd run (SB ... | --tag T | --all) runs the cell in those sandboxes in "
+               "parallel and shows their outputs side by side. Returns {sandbox id: Execution}.",
+        A("sandboxes", nargs="*", help="sandbox ids (or variables holding Sandbox objects or lists of them)"),
+        A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
+        A("--all", action="store_true", help="every sandbox"),
+        A("--timeout", type=float, default=None, help="seconds per sandbox")),
+    "connect": _args(
+        "connect", "Use another server (default: $FORKD_URL, else the server found on this host).",
+        A("url", nargs="?", default=None, help="the server's URL, e.g. http://127.0.0.1:8889"),
+        A("--token", default=None, help="its token (default $FORKD_TOKEN)")),
+}
+
+_HELP = """Fork-on-write Python sandboxes from a notebook.
+
+  %forkd snapshot -t py --setup "import numpy as np"     -> Snapshot
+  %forkd fork -t py -n 4                                  -> [Sandbox, ...]
+  %forkd branch SB [-t TAG] [--diff|--live] [--no-wait]   -> Snapshot
+  %forkd ls | kill (SB ... | -t TAG | --all) | delete TAG | exec SB -- cmd | tree | connect URL
+  %%forkd run (SB ... | -t TAG | --all)                   -> runs the cell in each, side by side
+
+Subcommands:
+
+"""
+
+
+@magics_class
+class ForkdMagics(Magics):
+    """The ``%forkd`` magics. ``controller`` defaults to the SDK's (``$FORKD_URL`` or discovery)."""
+
+    def __init__(self, shell=None, controller: Controller | None = None):
+        super().__init__(shell)
+        self._controller = controller
+
+    @property
+    def controller(self) -> Controller:
+        if self._controller is None:
+            self._controller = Controller()
+        return self._controller
+
+    @line_cell_magic
+    def forkd(self, line: str, cell: str | None = None):
+        sub, _, rest = line.strip().partition(" ")
+        if sub in ("", "help", "-h", "--help"):
+            print(self.forkd.__doc__)
+            return None
+        parser = SUBCOMMANDS.get(sub)
+        if parser is None:
+            raise UsageError(f"forkd: unknown subcommand {sub!r}; use one of {', '.join(SUBCOMMANDS)} (%forkd?)")
+        if rest.strip() in ("-h", "--help"):
+            print(parser.__doc__)
+            return None
+        if sub == "run" and cell is None:
+            raise UsageError("forkd run is a cell magic: put %%forkd run SB ... on the first line of a cell")
+        if cell is not None and sub not in ("run", "snapshot"):
+            raise UsageError(f"forkd {sub} is a line magic: use %forkd {sub} (one %)")
+        command = ""
+        if sub == "exec" and " -- " in f" {rest} ":
+            rest, _, command = f" {rest} ".partition(" -- ")
+        args = magic_arguments.parse_argstring(parser, rest)
+        for name, value in vars(args).items():  # IPython splits without removing the quotes
+            if isinstance(value, str):
+                setattr(args, name, _unquote(value))
+            elif isinstance(value, list):
+                setattr(args, name, [_unquote(v) if isinstance(v, str) else v for v in value])
+        if sub == "exec" and command.strip():
+            args.command = [command.strip()]
+        try:
+            return getattr(self, f"_{sub}")(args, cell)
+        except ControllerError as exc:
+            raise UsageError(f"forkd {sub}: {exc.message} (HTTP {exc.status})") from None
+        except (ServerUnreachable, TimeoutError, RuntimeError) as exc:
+            raise UsageError(f"forkd {sub}: {exc}") from None
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _sandbox_ids(self, names: list[str]) -> list[str]:
+        """Ids from ids, or from variables holding a Sandbox or a list of them."""
+        ns = self.shell.user_ns if self.shell is not None else {}
+        ids: list[str] = []
+        for name in names:
+            value = ns.get(name, name) if name.isidentifier() else name
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for item in items:
+                if isinstance(item, Sandbox):
+                    ids.append(item.id)
+                elif isinstance(item, str):
+                    ids.append(item)
+                else:
+                    raise UsageError(f"forkd: {name} is a {type(item).__name__}, not a sandbox")
+        return ids
+
+    def _targets(self, args) -> list[str]:
+        if args.all or args.tag:
+            sandboxes = self.controller.list_sandboxes()
+            if args.tag:
+                sandboxes = [s for s in sandboxes if s["snapshot_tag"] == args.tag]
+            return sorted(s["id"] for s in sandboxes)
+        return self._sandbox_ids(args.sandboxes)
+
+    # --- subcommands -----------------------------------------------------------------------------
+
+    def _snapshot(self, args, cell):
+        setup = cell if cell is not None and cell.strip() else args.setup
+        info = self.controller.create_snapshot(args.tag, setup=setup, engine=args.engine,
+                                               mem_size_mib=args.mem_size_mib)
+        return Snapshot(info, self.controller)
+
+    def _fork(self, args, cell):
+        if args.n < 1:
+            raise UsageError("forkd fork: -n must be at least 1")
+        infos = self.controller.spawn_sandboxes(args.tag, args.n, memory_limit_mib=args.memory_limit_mib)
+        return [Sandbox(i, self.controller) for i in infos]
+
+    def _branch(self, args, cell):
+        if args.diff and args.live:
+            raise UsageError("forkd branch: --diff and --live exclude each other")
+        (sandbox,) = self._sandbox_ids([args.sandbox]) or [args.sandbox]
+        mode = "diff" if args.diff else "live" if (args.live or args.no_wait) else None
+        info = self.controller.branch_sandbox(sandbox, args.tag, mode=mode, wait=not args.no_wait)
+        return Snapshot(info, self.controller)
+
+    def _ls(self, args, cell):
+        ctl = self.controller
+        return Listing([Snapshot(s, ctl) for s in ctl.list_snapshots()],
+                       [Sandbox(b, ctl) for b in ctl.list_sandboxes()])
+
+    def _kill(self, args, cell):
+        if not (args.sandboxes or args.tag or args.all):
+            raise UsageError("forkd kill: name sandboxes, or use --tag T or --all")
+        ids = self._targets(args)
+        for sb in ids:
+            try:
+                self.controller.kill_sandbox(sb)
+            except ControllerError as exc:
+                if exc.status != 404 or not (args.all or args.tag):  # gone meanwhile is fine for a sweep
+                    raise
+        print(f"killed {len(ids)} sandbox{'es' if len(ids) != 1 else ''}")
+
+    def _exec(self, args, cell):
+        if not args.command:
+            raise UsageError("forkd exec: give a command: %forkd exec SB -- cmd args")
+        (sandbox,) = self._sandbox_ids([args.sandbox])
+        cmd = " ".join(args.command)
+        r = self.controller.exec_command(sandbox, ["/bin/sh", "-c", cmd], args.timeout)
+        return ExecResult(r.get("stdout", ""), r.get("stderr", ""), r.get("exit_code", 1), r.get("error"))
+
+    def _delete(self, args, cell):
+        self.controller.delete_snapshot(args.tag, cascade=args.cascade)
+        print(f"deleted snapshot {args.tag}")
+
+    def _tree(self, args, cell):
+        from ._widget import LineageWidget
+        return LineageWidget(self.controller, live=not args.static)
+
+    def _run(self, args, cell):
+        targets = self._targets(args)
+        if not targets:
+            raise UsageError("forkd run: no sandboxes to run in (name them, or use --tag T or --all)")
+        ctl = self.controller
+
+        def one(sb: str):
+            try:
+                return Sandbox({"id": sb, "snapshot_tag": ""}, ctl).run_code(cell, args.timeout)
+            except ControllerError as exc:
+                return failed_execution(f"{exc.message} (HTTP {exc.status})")
+
+        with ThreadPoolExecutor(max_workers=min(len(targets), 16)) as pool:
+            executions = list(pool.map(one, targets))
+        return RunResults(zip(targets, executions))
+
+    def _connect(self, args, cell):
+        self._controller = Controller(args.url, args.token)
+        self._controller.healthz()
+        print(f"forkd: using {self._controller.base_url}")
+        return self._controller
+
+
+ForkdMagics.forkd.__doc__ = _HELP + "\n".join(p.__doc__ for p in SUBCOMMANDS.values())

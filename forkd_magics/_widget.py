@@ -1,0 +1,224 @@
+"""The lineage widget: snapshots and sandboxes as one tree that follows ``/v1/events`` live.
+
+The whole tree is one synced trait, ``tree = {id: node}``; a node is
+``{"kind", "parent", "status", "history", "created", "pause_ms", "info"}``. Edges come from the
+lineage the server records (``branched_from`` for a branch, ``snapshot_tag`` for a sandbox), so a
+branch hangs under the sandbox it was taken from and its children under it.
+
+A thread in the kernel reads the event stream and reassigns ``tree`` on every change, so a status
+badge moves from ``writing`` to ``ready`` without re-running a cell. The buttons (branch, fork n,
+kill, delete) send a custom message; the kernel runs the action through the SDK and reports the
+outcome in ``message``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+import time
+
+import anywidget
+import traitlets
+
+from forkd_server.client import Controller, ControllerError, ServerUnreachable
+
+_HERE = pathlib.Path(__file__).parent
+
+
+def _parent(lineage: list[str], present: set[str]) -> str | None:
+    """The nearest ancestor still present (a killed sandbox's branch hangs under its snapshot)."""
+    for ancestor in reversed(lineage[:-1]):
+        if ancestor in present:
+            return ancestor
+    return None
+
+
+def _history(seen: list[str] | None, status: str) -> list[str]:
+    """The statuses a node went through, ending with its current one."""
+    seen = list(seen or [])
+    if not seen or seen[-1] != status:
+        seen.append(status)
+    return seen
+
+
+def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, list[str]]) -> dict:
+    """Turn the API's snapshot and sandbox lists into the widget's ``{id: node}``."""
+    present = {s["tag"] for s in snapshots} | {b["id"] for b in sandboxes}
+    tree = {}
+    for s in snapshots:
+        lineage = s.get("lineage") or [s["tag"]]
+        status = s.get("status", "ready")
+        tree[s["tag"]] = {
+            "kind": "snapshot", "parent": _parent(lineage, present), "status": status,
+            "history": _history(history.get(s["tag"]), status),
+            "created": s.get("created_at_unix"), "pause_ms": s.get("pause_ms"), "info": s,
+        }
+    for b in sandboxes:
+        lineage = b.get("lineage") or [b["snapshot_tag"], b["id"]]
+        status = b.get("status", "running")
+        tree[b["id"]] = {
+            "kind": "sandbox", "parent": _parent(lineage, present), "status": status,
+            "history": _history(history.get(b["id"]), status),
+            "created": b.get("created_at_unix"), "pause_ms": None, "info": b,
+        }
+    return tree
+
+
+class LineageWidget(anywidget.AnyWidget):
+    """The lineage tree of a forkd server, live. ``LineageWidget()`` finds the server like the SDK."""
+
+    _esm = _HERE / "lineage.js"
+    _css = _HERE / "lineage.css"
+
+    tree = traitlets.Dict().tag(sync=True)
+    message = traitlets.Unicode("").tag(sync=True)
+    live = traitlets.Bool(False).tag(sync=True)
+    server = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, controller: Controller | None = None, *, live: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.controller = controller or Controller()
+        self.server = self.controller.base_url
+        self._lock = threading.RLock()
+        self._history: dict[str, list[str]] = {}
+        self._stream = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self.on_msg(self._on_custom_msg)
+        if live:
+            self.start()
+        else:
+            self.refresh()
+
+    def __repr__(self) -> str:
+        counts = {}
+        for node in self.tree.values():
+            counts[node["kind"]] = counts.get(node["kind"], 0) + 1
+        return (f"LineageWidget({self.server!r}: {counts.get('snapshot', 0)} snapshots, "
+                f"{counts.get('sandbox', 0)} sandboxes{', live' if self.live else ''})")
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def refresh(self) -> dict:
+        """Re-read every snapshot and sandbox from the server; returns the new tree."""
+        snapshots = self.controller.list_snapshots()
+        sandboxes = self.controller.list_sandboxes()
+        with self._lock:
+            tree = build_tree(snapshots, sandboxes, self._history)
+            for node_id, node in tree.items():
+                self._history[node_id] = node["history"]
+            for gone in set(self._history) - set(tree):
+                del self._history[gone]
+            self.tree = tree  # traits sync on assignment: always a new dict
+        return tree
+
+    def apply_event(self, event: dict) -> None:
+        """Fold one ``/v1/events`` event into the tree (new nodes are read from the server)."""
+        node_id = event.get("tag") if event.get("kind") == "snapshot" else event.get("id")
+        action, status = event.get("action"), event.get("status")
+        with self._lock:
+            if status and node_id:
+                seen = self._history.setdefault(node_id, [])
+                if not seen or seen[-1] != status:
+                    seen.append(status)
+            if action in ("created", "killed", "deleted") or node_id not in self.tree:
+                self.refresh()  # structure changed: take the server's view (lineage, details)
+                return
+            node = dict(self.tree[node_id], status=status or self.tree[node_id]["status"],
+                        history=list(self._history.get(node_id, [])))
+            if event.get("pause_ms") is not None:
+                node["pause_ms"] = event["pause_ms"]
+            if event.get("warning"):
+                node["info"] = dict(node["info"], warning=event["warning"])
+            if status:
+                node["info"] = dict(node["info"], status=status)
+            self.tree = {**self.tree, node_id: node}
+
+    # --- live updates --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Subscribe to ``/v1/events`` (open before this returns), read the tree, follow changes."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopped = False
+        self._stream = self.controller.events()
+        self.refresh()
+        self._thread = threading.Thread(target=self._follow, name="forkd-lineage", daemon=True)
+        self._thread.start()
+        self.live = True
+
+    def stop(self) -> None:
+        """Stop following events (the tree stays as it is)."""
+        self._stopped = True
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+        self._thread = None
+        self.live = False
+
+    def close(self) -> None:
+        self.stop()
+        super().close()
+
+    def _follow(self) -> None:
+        stream = self._stream
+        retries = 0
+        while not self._stopped:
+            try:
+                for event in stream:
+                    retries = 0
+                    self.apply_event(event)
+            except (OSError, ValueError, ControllerError) as exc:
+                self.message = f"event stream interrupted: {exc}"
+            if self._stopped:
+                break
+            # the server closed the stream (restart, shutdown): reconnect a few times, then give up
+            retries += 1
+            if retries > 5:
+                break
+            time.sleep(0.2 * retries)  # back-off between reconnects, not a readiness check
+            try:
+                stream = self._stream = self.controller.events()
+                self.refresh()
+            except (ServerUnreachable, ControllerError, OSError) as exc:
+                self.message = f"event stream lost: {exc}"
+        self.live = False
+
+    # --- actions from the buttons ---------------------------------------------------------------
+
+    def _on_custom_msg(self, _widget, content, _buffers) -> None:
+        if not isinstance(content, dict) or "action" not in content:
+            return
+        self.message = self.act(content["action"], content.get("id", ""), n=content.get("n", 1))
+
+    def act(self, action: str, node_id: str, n: int = 1) -> str:
+        """Run a button's action through the SDK; returns the line shown under the tree."""
+        ctl = self.controller
+        try:
+            if action == "branch":
+                info = ctl.branch_sandbox(node_id, mode="live", wait=False)
+                msg = f"branched {node_id} into {info['tag']} (paused {info.get('pause_ms', 0):.1f} ms)"
+            elif action == "fork":
+                n = int(n)
+                kids = ctl.spawn_sandboxes(node_id, n)
+                msg = f"forked {len(kids)} sandbox{'es' if len(kids) != 1 else ''} from {node_id}"
+            elif action == "kill":
+                ctl.kill_sandbox(node_id)
+                msg = f"killed {node_id}"
+            elif action == "delete":
+                ctl.delete_snapshot(node_id)
+                msg = f"deleted {node_id}"
+            elif action == "refresh":
+                self.refresh()
+                return "refreshed"
+            else:
+                return f"error: unknown action {action!r}"
+        except ControllerError as exc:
+            return f"error: {action} {node_id}: {exc.message}"
+        except (ServerUnreachable, ValueError, TypeError) as exc:
+            return f"error: {action} {node_id}: {exc}"
+        if not self.live:
+            self.refresh()
+        return msg

@@ -1,0 +1,112 @@
+"""A real ``forkd serve`` for the notebook front end's tests (magics, widget, notebooks, browser).
+
+One server per test session (started as a subprocess, like a user would, with a token); every test
+that uses ``forkd`` gets it empty and leaves it empty.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import pytest
+
+from forkd_server.client import Controller, ControllerError, ServerUnreachable
+
+from ..conftest import requires_root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ForkdServer:
+    url: str
+    token: str
+    data_dir: str
+    log_path: str
+
+    def controller(self) -> Controller:
+        return Controller(self.url, self.token)
+
+    @property
+    def env(self) -> dict:
+        return {**os.environ, "FORKD_URL": self.url, "FORKD_TOKEN": self.token}
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+    def clean(self) -> None:
+        """Kill every sandbox and delete every snapshot (deepest first)."""
+        ctl = self.controller()
+        for sb in ctl.list_sandboxes():
+            try:
+                ctl.kill_sandbox(sb["id"])
+            except ControllerError:
+                pass
+        for snap in sorted(ctl.list_snapshots(), key=lambda s: -len(s.get("lineage", []))):
+            try:
+                ctl.delete_snapshot(snap["tag"], cascade=True)
+            except ControllerError as exc:
+                if exc.status != 404:  # gone with its parent (cascade) is fine
+                    raise
+
+
+@pytest.fixture(scope="session")
+def forkd_server():
+    if os.geteuid() != 0:
+        pytest.skip("the process engine needs root")
+    root = tempfile.mkdtemp(prefix="fk")  # short: Unix socket paths are limited to 107 bytes
+    token = secrets.token_hex(16)
+    token_file = os.path.join(root, "token")
+    with open(token_file, "w") as f:
+        f.write(token)
+    port = free_port()
+    log_path = os.path.join(root, "serve.log")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from forkd_server.cli import main; sys.exit(main())",
+         "serve", "--port", str(port), "--data-dir", os.path.join(root, "d"), "--token-file", token_file],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = ForkdServer(f"http://127.0.0.1:{port}", token, os.path.join(root, "d"), log_path)
+    try:
+        try:
+            server.controller().wait_ready(60)  # bounded polling of /healthz
+        except ServerUnreachable:
+            pytest.fail(f"forkd serve did not start:\n{server.log()}")
+        yield server
+    finally:
+        try:
+            server.clean()
+        except (ServerUnreachable, ControllerError):
+            pass
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def forkd(forkd_server):
+    """The session's server, empty at the start and cleaned at the end of the test."""
+    forkd_server.clean()
+    yield forkd_server
+    forkd_server.clean()
+
+
+__all__ = ["ForkdServer", "free_port", "requires_root"]

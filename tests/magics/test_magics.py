@@ -1,0 +1,164 @@
+"""The %forkd magics, driven through a real IPython shell against a real ``forkd serve``."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.lib.pretty import pretty
+from IPython.utils.capture import capture_output
+
+from forkd_magics._magics import SUBCOMMANDS, ExecResult, ForkdMagics, Listing
+from forkd_magics._render import RunResults
+from forkd_server.client import Sandbox, Snapshot
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "forkd_magics")
+    yield ip
+    ip.run_line_magic("unload_ext", "forkd_magics")
+
+
+@pytest.fixture
+def ip(shell, forkd, monkeypatch):
+    monkeypatch.setenv("FORKD_URL", forkd.url)
+    monkeypatch.setenv("FORKD_TOKEN", forkd.token)
+    shell.run_line_magic("reload_ext", "forkd_magics")  # a fresh ForkdMagics reads the env
+    shell.user_ns.pop("kids", None)
+    return shell
+
+
+def cell(ip, source: str):
+    """Run a cell like the notebook does; returns (result, captured output)."""
+    with capture_output() as out:
+        result = ip.run_cell(source, store_history=False)
+    return result, out
+
+
+def test_load_ext_registers_line_and_cell_magic_idempotently(shell):
+    shell.run_line_magic("reload_ext", "forkd_magics")
+    shell.run_line_magic("load_ext", "forkd_magics")
+    magics = shell.magics_manager.magics
+    assert "forkd" in magics["line"] and "forkd" in magics["cell"]
+
+
+def test_snapshot_fork_run_branch_grandchildren(ip, forkd):
+    snap = ip.run_line_magic("forkd", 'snapshot -t mq --setup "counter = 0; data = list(range(10))"')
+    assert isinstance(snap, Snapshot) and snap.tag == "mq" and snap.status == "ready"
+
+    kids = ip.run_line_magic("forkd", "fork -t mq -n 3")
+    assert [type(k) for k in kids] == [Sandbox] * 3
+    assert {b["id"] for b in forkd.controller().list_sandboxes()} == {k.id for k in kids}
+    ip.user_ns["kids"] = kids
+
+    # the cell runs in every sandbox of the list variable, outputs per sandbox, in order
+    res, out = cell(ip, "%%forkd run kids\ncounter += 1\nprint('counter', counter)\nsum(data)")
+    assert res.success, out.stderr
+    runs = res.result
+    assert isinstance(runs, RunResults) and list(runs) == [k.id for k in kids]
+    assert all(ex.stdout == "counter 1\n" and ex.text == "45" for ex in runs.values())
+    html = runs._repr_html_()
+    assert html.count("counter 1") == 3 and all(k.id in html for k in kids) and "display:flex" in html
+
+    # branch kids[0]: grandchildren inherit its counter; its siblings are untouched
+    br = ip.run_line_magic("forkd", f"branch {kids[0].id} -t mq-b")
+    assert isinstance(br, Snapshot) and br.status == "ready" and br.branched_from == kids[0].id
+    ip.user_ns["grand"] = ip.run_line_magic("forkd", "fork -t mq-b -n 2")
+    res, _ = cell(ip, "%%forkd run grand\ncounter += 10\ncounter")
+    assert [ex.text for ex in res.result.values()] == ["11", "11"]
+    res, _ = cell(ip, f"%%forkd run {kids[1].id}\ncounter")
+    assert res.result[kids[1].id].text == "1"
+
+
+def test_run_targets_by_tag_and_all_and_rich_outputs(ip, forkd):
+    ip.run_line_magic("forkd", "snapshot -t ta")
+    ip.run_line_magic("forkd", "snapshot -t tb")
+    a = ip.run_line_magic("forkd", "fork -t ta -n 2")
+    b = ip.run_line_magic("forkd", "fork -t tb -n 1")
+    res, _ = cell(ip, "%%forkd run --tag ta\nimport os\nos.environ.get('HOSTNAME', 'x') and 1")
+    assert sorted(res.result) == sorted(s.id for s in a)
+    res, _ = cell(ip, "%%forkd run --all\nclass R:\n    def _repr_html_(self): return '<b>rich</b>'\nR()")
+    assert sorted(res.result) == sorted(s.id for s in a + b)
+    html = res.result._repr_html_()
+    assert html.count("<b>rich</b>") == 3  # text/html bundles are shown as HTML, not escaped
+    # an exception in one cell is shown in its column as one line, the others still ran
+    res, _ = cell(ip, f"%%forkd run {a[0].id} {b[0].id}\nimport sys\n1/0 if sys.argv is not None and {a[0].id!r} else 0")
+    assert res.success
+    assert [ex.error["ename"] for ex in res.result.values()] == ["ZeroDivisionError"] * 2
+    assert "ZeroDivisionError: division by zero" in pretty(res.result)
+
+
+def test_branch_no_wait_is_live_and_becomes_ready(ip, forkd):
+    ip.run_line_magic("forkd", "snapshot -t nw")
+    (sb,) = ip.run_line_magic("forkd", "fork -t nw")
+    br = ip.run_line_magic("forkd", f"branch {sb.id} --no-wait")
+    assert br.tag == f"branch-{sb.id}-0" and br.status in ("writing", "ready")
+    assert br.pause_ms is not None
+    assert br.wait(30).status == "ready"
+    info = next(s for s in forkd.controller().list_snapshots() if s["tag"] == br.tag)
+    assert info["branched_from"] == sb.id
+
+
+def test_ls_exec_kill(ip, forkd):
+    ip.run_line_magic("forkd", "snapshot -t lk")
+    kids = ip.run_line_magic("forkd", "fork -t lk -n 3")
+    listing = ip.run_line_magic("forkd", "ls")
+    assert isinstance(listing, Listing)
+    assert [s.tag for s in listing.snapshots] == ["lk"] and len(listing.sandboxes) == 3
+    text = pretty(listing)
+    assert "1 snapshot(s)" in text and "3 sandbox(es)" in text and kids[2].id in text
+
+    r = ip.run_line_magic("forkd", f"exec {kids[0].id} -- echo hi && echo oops >&2; exit 3")
+    assert isinstance(r, ExecResult)
+    assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "oops\n", 3)
+    assert pretty(r) == "hi\noops\n[exit code 3]"
+
+    ip.user_ns["victim"] = kids[0]
+    _, out = cell(ip, "%forkd kill victim")
+    assert out.stdout == "killed 1 sandbox\n"
+    assert {b["id"] for b in forkd.controller().list_sandboxes()} == {kids[1].id, kids[2].id}
+    _, out = cell(ip, "%forkd kill --tag lk")
+    assert out.stdout == "killed 2 sandboxes\n"
+    assert forkd.controller().list_sandboxes() == []
+
+
+def test_delete_snapshot(ip, forkd):
+    ip.run_line_magic("forkd", "snapshot -t del1")
+    _, out = cell(ip, "%forkd delete del1")
+    assert out.stdout == "deleted snapshot del1\n"
+    assert forkd.controller().list_snapshots() == []
+
+
+@pytest.mark.parametrize("line, message", [
+    ("fork -t nope", "UsageError: forkd fork: snapshot nope not found (HTTP 404)"),
+    ("kill sb-nope", "UsageError: forkd kill: sandbox sb-nope not found (HTTP 404)"),
+    ("frobnicate", "UsageError: forkd: unknown subcommand 'frobnicate'"),
+    ("fork -n 2", "UsageError: the following arguments are required: --tag/-t"),
+    ("branch sb-x --diff --live", "UsageError: forkd branch: --diff and --live exclude each other"),
+    ("run sb-x", "UsageError: forkd run is a cell magic"),
+    ("exec sb-x", "UsageError: forkd exec: give a command"),
+])
+def test_errors_are_one_line_not_a_traceback(ip, line, message):
+    res, out = cell(ip, f"%forkd {line}")
+    assert not res.success
+    assert out.stderr.startswith(message), out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr + out.stdout
+
+
+def test_unreachable_server_is_one_line(shell, monkeypatch):
+    monkeypatch.setenv("FORKD_URL", "http://127.0.0.1:9")
+    shell.register_magics(ForkdMagics(shell))
+    res, out = cell(shell, "%forkd ls")
+    assert not res.success
+    assert out.stderr.startswith("UsageError: forkd ls: no forkd server answers at http://127.0.0.1:9")
+    assert "Traceback" not in out.stderr
+
+
+def test_help_comes_from_magic_arguments(ip):
+    doc = ip.find_line_magic("forkd").__doc__
+    for name in SUBCOMMANDS:
+        assert f"\n  %forkd {name}" in doc  # magic_arguments' usage line of each subcommand
+    assert "--no-wait" in doc and "--tag TAG, -t TAG" in doc
+    _, out = cell(ip, "%forkd branch --help")
+    assert out.stdout.startswith("::\n\n  %forkd branch [--tag TAG] [--diff] [--live] [--no-wait] sandbox")
