@@ -148,3 +148,23 @@ def test_killed_source_mid_live_branch_fails_cleanly(vm_engine, parent, kids):
         res.ready.result(60)
     assert not os.path.exists(os.path.join(vm_engine.snap_dir, "doomed"))
     assert not vm_engine.alive(src)
+
+
+def test_reattach_from_a_new_engine_instance(vm_engine, parent, kids):
+    """A restarted server builds a new engine: it finds the VM by pid + start time and reconnects."""
+    from forkd_engine.vm import VMEngine
+    (a,) = spawn(vm_engine, parent, kids)
+    run(vm_engine, a, "counter = 5")
+    vm_engine._drop_channel(a)  # the old server's connection goes away
+    other = VMEngine(vm_engine.data_dir, cache_dir=vm_engine.cache_dir, mem_root=vm_engine.mem_root)
+    try:
+        assert other.alive(a) and other.alive(parent)
+        assert ev(other, a, "counter") == "5"
+        assert not other.alive(dict(a, start_time=a["start_time"] + 1))  # a reused pid is not ours
+    finally:
+        other.close()
+
+
+def test_snapshot_from_another_qemu_is_refused(vm_engine, parent):
+    with pytest.raises(EngineError, match="not portable"):
+        vm_engine.spawn(dict(parent, qemu="QEMU emulator version 9.9.9"), [ChildSpec(id="never")])

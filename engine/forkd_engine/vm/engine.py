@@ -642,34 +642,45 @@ class VMEngine:
             raise EngineError("guest RAM is not mapped from the start of its file")
         devices = os.path.join(snap, "devices.bin")
         prepare_ms = 0.0
+        view = None
         if mode == "diff":
-            # The base (the file this child maps) is copied while the child keeps running; the
-            # pause then reads only what the child changed and lays it over the copy afterwards.
+            # While the child keeps running: copy the base (the file this child maps), map the copy,
+            # and allocate the pages the child has changed so far (they stay changed). The pause
+            # then copies only the changed pages, straight into their place.
             t0 = time.monotonic()
             vmem.sparse_copy(base, mem_path, mem_size)
+            view = vmem.FileView(mem_path, mem_size)
+            view.populate(vmem.private_runs(pid, start, mem_size))
             prepare_ms = round((time.monotonic() - t0) * 1000, 2)
+        try:
+            return self._pause_and_capture(sandbox, mode, snap, mem_path, mem_size, start, base, devices,
+                                           view, prepare_ms)
+        finally:
+            if view is not None:
+                view.close()
+
+    def _pause_and_capture(self, sandbox, mode, snap, mem_path, mem_size, start, base, devices, view,
+                           prepare_ms):
+        pid = sandbox["pid"]
         with QMP(sandbox["qmp"]) as qmp:
             resumed = False
             steps: dict = {}
             clock = time.monotonic
+            own_view = None
             qmp.execute("stop")
             try:
                 stop_ev = qmp.wait_event("STOP", timeout=10)
                 t = clock()
-                if mode == "full":
+                if view is None:  # full: the whole copy happens inside the pause
                     vmem.sparse_copy(base, mem_path, mem_size)
+                    view = own_view = vmem.FileView(mem_path, mem_size)
                     steps["copy_ms"] = (clock() - t) * 1000
-                t = clock()
+                    t = clock()
                 runs = vmem.private_runs(pid, start, mem_size)
                 steps["pagemap_ms"] = (clock() - t) * 1000
                 t = clock()
-                pages = vmem.read_runs(pid, start, runs)
+                view.read_from(pid, start, runs)
                 steps["read_ms"] = (clock() - t) * 1000
-                if mode == "full":
-                    t = clock()
-                    vmem.apply_pages(mem_path, pages)
-                    pages = None
-                    steps["write_ms"] = (clock() - t) * 1000
                 t = clock()
                 qmp.execute("xen-save-devices-state", {"filename": devices, "live": False})
                 steps["devices_ms"] = (clock() - t) * 1000
@@ -680,13 +691,13 @@ class VMEngine:
                 if not resumed:
                     with contextlib.suppress(QMPError):
                         qmp.execute("cont")
+                if own_view is not None:
+                    own_view.close()
         pause_ms = round((event_time(resume_ev) - event_time(stop_ev)) * 1000, 2)
         vmem.finish_device_state(devices)
         dirty = sum(c for _f, c in runs) * vmem.PAGE
 
         def finish() -> None:
-            if pages is not None:
-                vmem.apply_pages(mem_path, pages)
             with open(os.path.join(snap, "branch.json"), "w") as f:
                 json.dump({"mode": mode, "pause_ms": pause_ms, "prepare_ms": prepare_ms, "dirty_bytes": dirty,
                            "steps_ms": {k: round(v, 2) for k, v in steps.items()}}, f)
