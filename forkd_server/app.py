@@ -1,0 +1,168 @@
+"""The jupyter-server extension: one ``ForkdApp`` serves ``jupyter lab`` and ``forkd serve``.
+
+Inside ``jupyter lab`` / ``jupyter server`` the routes live under ``{base_url}forkd/``; ``forkd serve``
+runs a standalone server with only this extension and ``route_prefix = ""``, so the routes sit at
+the root like forkd's daemon. The app owns the controller, the thread pool the (blocking)
+controller runs in, the Prometheus registry and the event fan-out (SSE subscribers and
+jupyter_server's event bus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from jupyter_server.extension.application import ExtensionApp
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from traitlets import Int, Unicode, default, validate
+
+from . import __version__
+
+EVENT_SCHEMA_ID = "https://events.jupyter.org/forkd/change/v1"
+EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "change" / "v1.yaml"
+
+
+def default_data_dir() -> str:
+    return os.environ.get("FORKD_DATA_DIR") or os.path.join(
+        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "forkd")
+
+
+class Metrics:
+    """The /metrics families, on a registry of their own (never prometheus_client's global one)."""
+
+    def __init__(self, app: "ForkdApp"):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        Gauge("forkd_snapshots_total", "Registered snapshots", registry=r).set_function(
+            lambda: len(app.controller.registry.list_snapshots()))
+        Gauge("forkd_sandboxes_active", "Running sandboxes", registry=r).set_function(
+            lambda: len(app.controller.list_sandboxes()))
+        # The controller keeps its slot count private; it is the only source of truth for it.
+        Gauge("forkd_branches_in_flight", "Branches holding a concurrency slot", registry=r).set_function(
+            lambda: app.controller._branches)  # noqa: SLF001
+        Gauge("forkd_branch_concurrency_cap", "Branch concurrency cap", registry=r).set_function(
+            lambda: app.controller.branch_cap)
+        Gauge("forkd_build_info", "Build information (always 1)", ["version"], registry=r).labels(
+            version=__version__).set(1)
+        self.branch_pause = Histogram(
+            "forkd_branch_pause_seconds", "How long a branch paused its source sandbox", registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.spawn_latency = Histogram(
+            "forkd_spawn_seconds", "Latency of one spawn request (all n children running)", registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+
+class EventHub:
+    """Fans controller events out to SSE subscribers and jupyter_server's event bus, on the loop."""
+
+    def __init__(self, app: "ForkdApp"):
+        self.app = app
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.queues: set[asyncio.Queue] = set()
+        self.seq = 0
+
+    def from_thread(self, event: dict) -> None:
+        """Controller listener: called in whatever thread made the change."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self.publish, event)
+        except RuntimeError:  # the loop is shutting down
+            pass
+
+    def publish(self, event: dict) -> None:
+        self.seq += 1
+        event = {"seq": self.seq, **event}
+        for q in list(self.queues):
+            q.put_nowait(event)
+        logger = getattr(self.app.serverapp, "event_logger", None)
+        if logger is not None:
+            data = {k: v for k, v in event.items() if v is not None}
+            try:
+                logger.emit(schema_id=EVENT_SCHEMA_ID, data=data)
+            except Exception as exc:  # noqa: BLE001 - a bad event must not break the request
+                self.app.log.warning("forkd: could not emit event %r: %s", data, exc)
+
+    def subscribe(self) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        self.queues.discard(q)
+
+    def close(self) -> None:
+        for q in list(self.queues):
+            q.put_nowait(None)
+
+
+class ForkdApp(ExtensionApp):
+    name = "forkd"
+    description = "Fork-on-write Python sandboxes: forkd's /v1 REST API inside jupyter-server."
+    extension_url = "/forkd/healthz"
+    load_other_extensions = True
+
+    data_dir = Unicode(config=True, help="Where snapshots, sandboxes and the registry live "
+                                         "(default: $FORKD_DATA_DIR or ~/.local/share/forkd).")
+    branch_concurrency = Int(4, config=True, help="Branches that may be in flight at once (forkd's cap).")
+    route_prefix = Unicode("forkd/", config=True, help="Prefix of every route under base_url: "
+                                                       "'forkd/' inside jupyter lab, '' for `forkd serve`.")
+    max_workers = Int(64, config=True, help="Threads running blocking controller calls (exec, branch...).")
+    default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
+    sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
+
+    @default("data_dir")
+    def _default_data_dir(self) -> str:
+        return default_data_dir()
+
+    @validate("branch_concurrency")
+    def _valid_cap(self, proposal):
+        if proposal["value"] < 1:
+            raise ValueError("branch_concurrency must be at least 1")
+        return proposal["value"]
+
+    @validate("route_prefix")
+    def _valid_prefix(self, proposal):
+        value = proposal["value"].strip("/")
+        return value + "/" if value else ""
+
+    controller = None
+
+    def initialize_settings(self) -> None:
+        from .controller import Controller
+
+        self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
+                                     default_engine=self.default_engine)
+        self.executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="forkd")
+        self.metrics = Metrics(self)
+        self.events = EventHub(self)
+        io_loop = getattr(self.serverapp, "io_loop", None)  # the loop the server will run
+        self.events.loop = getattr(io_loop, "asyncio_loop", None)
+        self._unsubscribe = self.controller.subscribe(self.events.from_thread)
+        self.started = time.time()
+        logger = getattr(self.serverapp, "event_logger", None)
+        if logger is not None and EVENT_SCHEMA_ID not in logger.schemas.schema_ids:
+            logger.register_event_schema(EVENT_SCHEMA)
+        self.log.info("forkd: data in %s, routes under %s%s", self.controller.data_dir,
+                      self.serverapp.base_url, self.route_prefix)
+
+    def initialize_handlers(self) -> None:
+        from .handlers import route_table
+
+        self.handlers.extend(route_table(self.route_prefix))
+
+    async def _start_jupyter_server_extension(self, serverapp) -> None:
+        self.events.loop = asyncio.get_running_loop()
+
+    async def stop_extension(self) -> None:
+        if self.controller is None:
+            return
+        self.events.close()
+        self._unsubscribe()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.controller.close()
+        self.controller = None

@@ -1,0 +1,589 @@
+"""Client SDK for forkd's /v1 API: stdlib only, and importing it never imports jupyter_server.
+
+``Controller`` keeps the PyPI ``forkd`` SDK's method names, arguments and wire bodies
+(reference/forkd-api.md §8), so code written for forkd works unchanged; it adds ``create_snapshot``,
+``run_code``, files, events and waiting for ``ready``. ``Sandbox`` and ``Snapshot`` give an E2B-like
+surface on top::
+
+    from forkd_server.client import Snapshot
+    snap = Snapshot.create("py", setup="import numpy as np; data = np.ones(10**6)")
+    with snap.fork()[0] as sb:
+        sb.run_code("total = data.sum()")
+        child_snap = sb.branch(mode="live", wait=False).wait()
+        grandkids = child_snap.fork(3)
+
+Where the server is: ``base_url`` argument, else ``$FORKD_URL``, else (inside a notebook, or on a
+host with a running ``forkd serve`` / Jupyter server with forkd enabled) the running server found
+from Jupyter's runtime files, else ``http://127.0.0.1:8889``. The token: ``token`` argument, else
+``$FORKD_TOKEN``, else the discovered server's token.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8889"
+
+__all__ = ["Controller", "ControllerError", "ServerUnreachable", "Sandbox", "Snapshot", "CommandResult",
+           "Execution", "EventStream", "discover_server"]
+
+
+class ControllerError(Exception):
+    """A non-2xx answer. ``body`` is the parsed JSON (``{"error": ...}``), else the text, else ``{}``."""
+
+    def __init__(self, status: int, body: Any, url: str):
+        self.status, self.body, self.url = status, body, url
+        super().__init__(f"{status} from {url}: {self.message}")
+
+    @property
+    def message(self) -> str:
+        if isinstance(self.body, dict) and "error" in self.body:
+            return str(self.body["error"])
+        return str(self.body) if self.body else "(empty body)"
+
+
+class ServerUnreachable(urllib.error.URLError):
+    """No server answers at the URL (a ``URLError``, as forkd's SDK raises, with a helpful message)."""
+
+    def __init__(self, url: str, reason: Any):
+        super().__init__(reason)
+        self.url = url
+
+    def __str__(self) -> str:
+        return (f"no forkd server answers at {self.url} ({self.reason}); start one with `forkd serve`, "
+                f"or point FORKD_URL (and FORKD_TOKEN) at a running one")
+
+
+# --- finding a running server -------------------------------------------------------------------
+
+def _runtime_dir() -> str:
+    if os.environ.get("JUPYTER_RUNTIME_DIR"):
+        return os.environ["JUPYTER_RUNTIME_DIR"]
+    try:  # jupyter_core knows every platform's default; it is light and does not pull in the server
+        from jupyter_core.paths import jupyter_runtime_dir
+        return jupyter_runtime_dir()
+    except ImportError:
+        base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+        return os.path.join(base, "jupyter", "runtime")
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _probe(url: str, timeout: float = 0.5) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=timeout) as r:  # noqa: S310 - loopback URL
+            return json.loads(r.read() or b"{}").get("ok") is True
+    except (OSError, ValueError):
+        return False
+
+
+def discover_server() -> tuple[str, str | None] | None:
+    """Find a running server with forkd: ``(url, token)`` or None.
+
+    Reads Jupyter's runtime files (``jpserver-<pid>.json``; ``forkd serve`` writes one too). The
+    server that started this kernel (``JPY_PARENT_PID``) comes first. Each candidate must answer
+    ``/healthz`` under its forkd prefix: ``<url>forkd`` inside jupyter lab, ``<url>`` for ``forkd serve``.
+    """
+    infos = []
+    for path in glob.glob(os.path.join(_runtime_dir(), "jpserver-*.json")):
+        try:
+            with open(path) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if info.get("url") and _pid_alive(info.get("pid")):
+            info["_mtime"] = os.path.getmtime(path)
+            infos.append(info)
+    parent = os.environ.get("JPY_PARENT_PID")
+    infos.sort(key=lambda i: (str(i.get("pid")) != parent, -i["_mtime"]))
+    for info in infos[:8]:
+        root = info["url"].rstrip("/")
+        for url in (root + "/forkd", root):
+            if _probe(url):
+                return url, info.get("token") or None
+    return None
+
+
+# --- the Controller (forkd's SDK surface, plus ours) ---------------------------------------------
+
+class Controller:
+    """forkd's ``Controller``: the same method names, arguments and wire bodies, plus extras."""
+
+    def __init__(self, base_url: str | None = None, token: str | None = None, timeout: float = 60.0):
+        url = base_url or os.environ.get("FORKD_URL")
+        found_token = None
+        if not url:
+            found = discover_server()
+            url, found_token = found if found else (DEFAULT_URL, None)
+        self.base_url = url.rstrip("/")
+        self.token = token if token is not None else (os.environ.get("FORKD_TOKEN") or found_token)
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"Controller({self.base_url!r})"
+
+    # -- transport --
+
+    def _open(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+              content_type: str | None = None, timeout: float | None = None, query: dict | None = None):
+        url = self.base_url + path
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        headers = {}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        elif raw is not None:
+            data = raw
+            headers["Content-Type"] = content_type or "application/octet-stream"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            return urllib.request.urlopen(req, timeout=timeout or self.timeout)  # noqa: S310
+        except urllib.error.HTTPError as exc:
+            text = exc.read()
+            try:
+                parsed = json.loads(text) if text else {}
+            except ValueError:
+                parsed = text.decode("utf-8", "replace")
+            raise ControllerError(exc.code, parsed, url) from None
+        except urllib.error.URLError as exc:
+            raise ServerUnreachable(self.base_url, exc.reason) from None
+        except (ConnectionError, socket.timeout) as exc:
+            raise ServerUnreachable(self.base_url, exc) from None
+
+    def _request(self, method: str, path: str, body: Any = None, **kw) -> Any:
+        with self._open(method, path, body, **kw) as resp:
+            text = resp.read()
+        return json.loads(text) if text else None
+
+    # -- forkd's methods (wire-identical) --
+
+    def list_snapshots(self) -> list[dict]:
+        return self._request("GET", "/v1/snapshots")
+
+    def delete_snapshot(self, tag: str, *, cascade: bool = False, force: bool = False) -> None:
+        query = {k: "true" for k, v in (("cascade", cascade), ("force", force)) if v}
+        return self._request("DELETE", f"/v1/snapshots/{tag}", query=query or None)
+
+    def spawn_sandboxes(self, snapshot_tag: str, n: int = 1, per_child_netns: bool = False,
+                        memory_limit_mib: int | None = None, prewarm: bool = False, live_fork: bool = False,
+                        hugepages: bool = False) -> list[dict]:
+        body: dict = {"snapshot_tag": snapshot_tag, "n": n, "per_child_netns": per_child_netns}
+        if memory_limit_mib is not None:
+            body["memory_limit_mib"] = memory_limit_mib
+        for name, value in (("prewarm", prewarm), ("live_fork", live_fork), ("hugepages", hugepages)):
+            if value:
+                body[name] = True
+        return self._request("POST", "/v1/sandboxes", body)
+
+    def list_sandboxes(self) -> list[dict]:
+        return self._request("GET", "/v1/sandboxes")
+
+    def get_sandbox(self, sandbox_id: str) -> dict:
+        return self._request("GET", f"/v1/sandboxes/{sandbox_id}")
+
+    def kill_sandbox(self, sandbox_id: str) -> None:
+        return self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+    def branch_sandbox(self, sandbox_id: str, tag: str | None = None, diff: bool = False,
+                       measure_diff: bool = False, mode: str | None = None, wait: bool = True,
+                       parent_tag: str | None = None) -> dict:
+        body: dict = {}
+        if tag is not None:
+            body["tag"] = tag
+        if mode is not None:
+            body["mode"] = mode
+        elif diff:
+            body["diff"] = True
+        if measure_diff:
+            body["measure_diff"] = True
+        if not wait:
+            body["wait"] = False
+        if parent_tag is not None:
+            body["parent_tag"] = parent_tag
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/branch", body)
+
+    def exec_command(self, sandbox_id: str, args: list[str], timeout_secs: float = 30, *,
+                     env: dict | None = None, cwd: str | None = None) -> dict:
+        body: dict = {"args": list(args), "timeout_secs": timeout_secs}
+        if env:
+            body["env"] = env
+        if cwd:
+            body["cwd"] = cwd
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", body,
+                             timeout=max(self.timeout, timeout_secs + 10))
+
+    def eval_code(self, sandbox_id: str, code: str) -> dict:
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/eval", {"code": code})
+
+    def ping_sandbox(self, sandbox_id: str) -> dict:
+        # No body: urllib then sends Content-Length: 0 and no Content-Type, like forkd's SDK.
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/ping")
+
+    # -- beyond forkd --
+
+    def healthz(self) -> dict:
+        return self._request("GET", "/healthz")
+
+    def version(self) -> dict:
+        return self._request("GET", "/version")
+
+    def metrics(self) -> str:
+        with self._open("GET", "/metrics") as resp:
+            return resp.read().decode()
+
+    def create_snapshot(self, tag: str, setup: str | None = None, setup_commands: list[list[str]] | None = None,
+                        engine: str = "auto", mem_size_mib: int | None = None, host_network: bool = False,
+                        timeout: float = 900) -> dict:
+        body: dict = {"tag": tag, "engine": engine}
+        if setup is not None:
+            body["setup"] = setup
+        if setup_commands:
+            body["setup_commands"] = setup_commands
+        if mem_size_mib is not None:
+            body["mem_size_mib"] = mem_size_mib
+        if host_network:
+            body["host_network"] = True
+        return self._request("POST", "/v1/snapshots", body, timeout=timeout)
+
+    def snapshot_info(self, tag: str) -> dict:
+        return self._request("GET", f"/v1/snapshots/{tag}/info")
+
+    def run_code(self, sandbox_id: str, code: str, timeout: float | None = None) -> dict:
+        body: dict = {"code": code}
+        if timeout is not None:
+            body["timeout"] = timeout
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/run", body,
+                             timeout=max(self.timeout, (timeout or 600) + 10))
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        reply = self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", query={"path": path})
+        if "entries" in reply:
+            raise IsADirectoryError(f"{path} is a directory; use list_files")
+        return base64.b64decode(reply["data_b64"])
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes | str, *, append: bool = False,
+                   mode: int | None = None) -> dict:
+        query = {"path": path}
+        if append:
+            query["append"] = "true"
+        if mode is not None:
+            query["mode"] = format(mode, "o")
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return self._request("PUT", f"/v1/sandboxes/{sandbox_id}/files", raw=raw, query=query)
+
+    def list_files(self, sandbox_id: str, path: str = ".") -> list[dict]:
+        reply = self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", query={"path": path})
+        if "entries" not in reply:
+            raise NotADirectoryError(f"{path} is a file; use read_file")
+        return reply["entries"]
+
+    def remove_file(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        query = {"path": path, **({"recursive": "true"} if recursive else {})}
+        return self._request("DELETE", f"/v1/sandboxes/{sandbox_id}/files", query=query)
+
+    def memory(self, sandbox_id: str) -> dict:
+        return self._request("GET", f"/v1/sandboxes/{sandbox_id}/memory")
+
+    def tree(self) -> list[dict]:
+        return self._request("GET", "/v1/tree")
+
+    def events(self, timeout: float | None = None) -> "EventStream":
+        """Subscribe to change events (``{"kind", "action", "tag"|"id", "status", ...}``).
+
+        The subscription is open when this returns, so no later change is missed; iterate the
+        returned ``EventStream`` for events as they happen, ``close()`` it (from any thread) to stop.
+        ``timeout`` bounds the wait for each next event (the server sends keep-alives every 15 s);
+        ``socket.timeout`` / ``TimeoutError`` ends the iteration with an exception.
+        """
+        return EventStream(self._open("GET", "/v1/events", timeout=timeout or 3600))
+
+    def wait_snapshot(self, tag: str, timeout: float = 120.0) -> dict:
+        """Block until snapshot ``tag`` is ``ready`` or ``failed``; returns its SnapshotInfo.
+
+        Listens on /v1/events, subscribed before each look at the snapshot, so no change is missed.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            stream = self._open("GET", "/v1/events", timeout=max(1.0, min(left, 20.0)))
+            with stream:
+                info = next((s for s in self.list_snapshots() if s["tag"] == tag), None)
+                if info is None:
+                    raise ControllerError(404, {"error": f"snapshot {tag} not found"}, self.base_url)
+                if info.get("status", "ready") != "writing":
+                    return info
+                if left <= 0:
+                    raise TimeoutError(f"snapshot {tag} still writing after {timeout:g} s")
+                try:  # until an event names this tag; then look again
+                    for line in stream:
+                        if line.startswith(b"data:") and json.loads(line[5:]).get("tag") == tag:
+                            break
+                        if time.monotonic() > deadline:
+                            break
+                except (socket.timeout, TimeoutError):
+                    pass  # a fresh stream and a fresh look
+
+    def wait_ready(self, timeout: float = 30.0) -> dict:
+        """Wait until the server answers /healthz (bounded polling); returns its answer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._request("GET", "/healthz", timeout=2)
+            except ServerUnreachable:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+
+
+class EventStream:
+    """An open ``/v1/events`` subscription: an iterator of event dicts; ``close()`` ends it."""
+
+    def __init__(self, resp):
+        self._resp = resp
+        self._lines = iter(resp)
+        self.closed = False
+
+    def __iter__(self) -> "EventStream":
+        return self
+
+    def __next__(self) -> dict:
+        data: list[str] = []
+        try:
+            for raw in self._lines:
+                line = raw.decode("utf-8").rstrip("\r\n")
+                if not line:
+                    if data:
+                        return json.loads("\n".join(data))
+                elif line.startswith("data:"):
+                    data.append(line[5:].lstrip())
+        except Exception:
+            if not self.closed:  # a read cut short by close() is the end of the stream, not an error
+                raise
+        self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        """End the subscription; a thread blocked reading it sees the end of the stream."""
+        if self.closed:
+            return
+        self.closed = True
+        sock = getattr(getattr(getattr(self._resp, "fp", None), "raw", None), "_sock", None)
+        try:
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)  # unblocks a reader in another thread
+        except OSError:
+            pass
+        self._resp.close()
+
+    def __enter__(self) -> "EventStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --- E2B-like objects ---------------------------------------------------------------------------
+
+@dataclass
+class CommandResult:
+    stdout: str
+    stderr: str
+    exit_code: int
+    error: str | None = None
+
+
+@dataclass
+class Execution:
+    """The result of ``run_code``: like a notebook cell's outputs."""
+
+    stdout: str = ""
+    stderr: str = ""
+    results: list[dict] = field(default_factory=list)   # display_data / execute_result mime bundles
+    result: dict | None = None                           # the last expression's mime bundle
+    error: dict | None = None                            # {"ename", "evalue", "traceback"}
+
+    @property
+    def text(self) -> str | None:
+        return (self.result or {}).get("text/plain")
+
+
+class _Commands:
+    def __init__(self, sb: "Sandbox"):
+        self._sb = sb
+
+    def run(self, cmd: str | list[str], timeout: float = 30, *, env: dict | None = None,
+            cwd: str | None = None) -> CommandResult:
+        """Run a command (a str goes through ``/bin/sh -c``). A non-zero exit does not raise."""
+        args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        r = self._sb.controller.exec_command(self._sb.id, args, timeout, env=env, cwd=cwd)
+        return CommandResult(r.get("stdout", ""), r.get("stderr", ""), r.get("exit_code", 1), r.get("error"))
+
+
+class _Files:
+    def __init__(self, sb: "Sandbox"):
+        self._sb = sb
+
+    def read(self, path: str, format: str = "text") -> str | bytes:  # noqa: A002 - E2B's name
+        data = self._sb.controller.read_file(self._sb.id, path)
+        return data.decode() if format == "text" else data
+
+    def write(self, path: str, data: str | bytes, *, append: bool = False) -> dict:
+        return self._sb.controller.write_file(self._sb.id, path, data, append=append)
+
+    def list(self, path: str = ".") -> list[dict]:
+        return self._sb.controller.list_files(self._sb.id, path)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._sb.controller.remove_file(self._sb.id, path, recursive=recursive)
+
+    def exists(self, path: str) -> bool:
+        try:
+            self._sb.controller._request("GET", f"/v1/sandboxes/{self._sb.id}/files", query={"path": path})
+        except ControllerError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+
+class Sandbox:
+    """A running sandbox. ``with Sandbox.create("py") as sb:`` kills it on exit."""
+
+    def __init__(self, info: dict | str, controller: Controller | None = None):
+        self.controller = controller or Controller()
+        self.info = self.controller.get_sandbox(info) if isinstance(info, str) else dict(info)
+        self.commands = _Commands(self)
+        self.files = _Files(self)
+
+    @classmethod
+    def create(cls, snapshot_tag: str, *, controller: Controller | None = None, **spawn_options) -> "Sandbox":
+        controller = controller or Controller()
+        return cls(controller.spawn_sandboxes(snapshot_tag, 1, **spawn_options)[0], controller)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, controller: Controller | None = None) -> "Sandbox":
+        return cls(sandbox_id, controller)
+
+    @classmethod
+    def list(cls, controller: Controller | None = None) -> list["Sandbox"]:
+        controller = controller or Controller()
+        return [cls(i, controller) for i in controller.list_sandboxes()]
+
+    @property
+    def id(self) -> str:
+        return self.info["id"]
+
+    @property
+    def snapshot_tag(self) -> str:
+        return self.info["snapshot_tag"]
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r}, snapshot_tag={self.snapshot_tag!r})"
+
+    def ping(self) -> dict:
+        return self.controller.ping_sandbox(self.id)
+
+    def eval(self, code: str) -> str:
+        """Evaluate one expression in the sandbox's persistent namespace; returns its repr."""
+        reply = self.controller.eval_code(self.id, code)
+        if reply.get("error"):
+            raise RuntimeError(f"forkd eval: {reply['error']}")
+        return reply.get("result")
+
+    def run_code(self, code: str, timeout: float | None = None) -> Execution:
+        r = self.controller.run_code(self.id, code, timeout)
+        return Execution(stdout=r.get("stdout", ""), stderr=r.get("stderr", ""), results=r.get("outputs", []),
+                         result=r.get("result"), error=r.get("error") or None)
+
+    def branch(self, tag: str | None = None, *, mode: str | None = None, wait: bool = True) -> "Snapshot":
+        """Turn this running sandbox into a new snapshot (it keeps running)."""
+        return Snapshot(self.controller.branch_sandbox(self.id, tag, mode=mode, wait=wait), self.controller)
+
+    def memory(self) -> dict:
+        return self.controller.memory(self.id)
+
+    def kill(self) -> None:
+        try:
+            self.controller.kill_sandbox(self.id)
+        except ControllerError as exc:
+            if exc.status != 404:
+                raise
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
+class Snapshot:
+    """A snapshot (a frozen, warmed-up interpreter); ``fork(n)`` makes sandboxes from it."""
+
+    def __init__(self, info: dict | str, controller: Controller | None = None):
+        self.controller = controller or Controller()
+        if isinstance(info, str):
+            info = next((s for s in self.controller.list_snapshots() if s["tag"] == info), None) or \
+                self.controller.snapshot_info(info)
+        self.info = dict(info)
+
+    @classmethod
+    def create(cls, tag: str, *, controller: Controller | None = None, **options) -> "Snapshot":
+        controller = controller or Controller()
+        return cls(controller.create_snapshot(tag, **options), controller)
+
+    @property
+    def tag(self) -> str:
+        return self.info["tag"]
+
+    @property
+    def status(self) -> str:
+        return self.info.get("status", "ready")
+
+    @property
+    def pause_ms(self) -> float | None:
+        return self.info.get("pause_ms")
+
+    @property
+    def branched_from(self) -> str | None:
+        return self.info.get("branched_from")
+
+    def __repr__(self) -> str:
+        return f"Snapshot({self.tag!r}, status={self.status!r})"
+
+    def wait(self, timeout: float = 120.0) -> "Snapshot":
+        """Wait until the snapshot is ``ready`` (or ``failed``: raises)."""
+        self.info = self.controller.wait_snapshot(self.tag, timeout)
+        if self.status == "failed":
+            raise RuntimeError(f"snapshot {self.tag} failed: {self.info.get('warning', '')}")
+        return self
+
+    def fork(self, n: int = 1, **spawn_options) -> list[Sandbox]:
+        if self.status == "writing":
+            self.wait()
+        return [Sandbox(i, self.controller) for i in self.controller.spawn_sandboxes(self.tag, n, **spawn_options)]
+
+    def details(self) -> dict:
+        return self.controller.snapshot_info(self.tag)
+
+    def delete(self, *, cascade: bool = False, force: bool = False) -> None:
+        self.controller.delete_snapshot(self.tag, cascade=cascade, force=force)

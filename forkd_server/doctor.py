@@ -1,0 +1,178 @@
+"""``forkd doctor``: what this host can run, one row per check, each with a fix hint.
+
+Rows: ``{"check", "status": ok|warn|fail|info, "detail", "fix", "required"}``. ``required`` rows are
+the process engine's needs; a failed one makes ``forkd doctor`` exit 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import shutil
+import tempfile
+
+KVM_GET_API_VERSION = 0xAE00
+FICLONE = 0x40049409
+NAMESPACES = ("user", "pid", "mnt", "net", "ipc", "uts", "cgroup")
+
+
+def _row(check: str, status: str, detail: str, fix: str = "", required: bool = False) -> dict:
+    return {"check": check, "status": status, "detail": detail, "fix": fix, "required": required}
+
+
+def check_root() -> dict:
+    if os.geteuid() == 0:
+        return _row("privileges", "ok", "running as root", required=True)
+    return _row("privileges", "fail", f"running as uid {os.geteuid()}; the process engine builds namespaces "
+                "and mounts as root", "run `forkd serve` as root (or under sudo)", required=True)
+
+
+def check_kvm() -> dict:
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return _row("kvm", "warn", "/dev/kvm is absent: the VM engine falls back to TCG (slow)",
+                    "enable virtualization in the BIOS / use a host with nested virtualization; `modprobe kvm_intel` "
+                    "or `modprobe kvm_amd`")
+    except PermissionError:
+        return _row("kvm", "warn", "/dev/kvm exists but is not accessible", "add the user to the kvm group "
+                    "or run as root")
+    try:
+        version = fcntl.ioctl(fd, KVM_GET_API_VERSION)
+    except OSError as exc:
+        return _row("kvm", "warn", f"/dev/kvm does not answer KVM_GET_API_VERSION: {exc.strerror}",
+                    "check `dmesg | grep -i kvm`")
+    finally:
+        os.close(fd)
+    return _row("kvm", "ok", f"/dev/kvm usable (API version {version})")
+
+
+def check_pvm() -> dict:
+    loaded = os.path.exists("/sys/module/kvm_pvm")
+    if loaded:
+        return _row("pvm", "ok", "kvm_pvm module loaded (KVM without hardware virtualization)")
+    return _row("pvm", "info", "kvm_pvm not loaded (only needed on cloud VMs without nested virtualization)",
+                "on a PVM-enabled host kernel: `modprobe kvm_pvm`")
+
+
+def check_qemu() -> dict:
+    for name in ("qemu-system-x86_64", "qemu-system-aarch64"):
+        path = shutil.which(name)
+        if path:
+            return _row("qemu", "ok", f"{name} at {path}")
+    return _row("qemu", "warn", "no qemu-system binary: the VM engine is unavailable (the process engine works)",
+                "apt-get install qemu-system-x86")
+
+
+def check_namespaces() -> dict:
+    missing = [ns for ns in NAMESPACES if not os.path.exists(f"/proc/self/ns/{ns}")]
+    detail = []
+    try:
+        with open("/proc/sys/user/max_user_namespaces") as f:
+            if int(f.read()) == 0:
+                missing.append("user (max_user_namespaces=0)")
+    except (OSError, ValueError):
+        pass
+    if missing:
+        return _row("namespaces", "fail", f"missing: {', '.join(missing)}",
+                    "use a kernel with CONFIG_NAMESPACES (user, pid, net, ipc, uts); "
+                    "`sysctl user.max_user_namespaces=15000`", required=True)
+    detail.append(", ".join(NAMESPACES))
+    return _row("namespaces", "ok", "available: " + detail[0], required=True)
+
+
+def check_cgroups() -> dict:
+    path = "/sys/fs/cgroup/cgroup.controllers"
+    if os.path.exists(path):
+        with open(path) as f:
+            controllers = f.read().split()
+        status = "ok" if "memory" in controllers else "warn"
+        return _row("cgroups", status, f"v2 unified; controllers: {' '.join(controllers) or '(none delegated)'}",
+                    "" if status == "ok" else "enable the memory controller "
+                    "(`echo +memory > /sys/fs/cgroup/cgroup.subtree_control`) for memory_limit_mib")
+    v1 = sorted(d for d in os.listdir("/sys/fs/cgroup") if os.path.isdir(os.path.join("/sys/fs/cgroup", d))) \
+        if os.path.isdir("/sys/fs/cgroup") else []
+    if v1:
+        status = "ok" if "memory" in v1 else "warn"
+        return _row("cgroups", status, f"v1 hierarchies: {' '.join(v1)}",
+                    "" if status == "ok" else "mount the memory controller for memory_limit_mib")
+    return _row("cgroups", "warn", "no cgroup filesystem: memory_limit_mib cannot be enforced",
+                "mount cgroup2 on /sys/fs/cgroup")
+
+
+def check_userfaultfd() -> dict:
+    libc = ctypes.CDLL(None, use_errno=True)
+    nr = {"x86_64": 323, "aarch64": 282}.get(os.uname().machine)
+    if nr is None:
+        return _row("userfaultfd", "info", f"unknown syscall number on {os.uname().machine}")
+    fd = libc.syscall(nr, os.O_CLOEXEC | os.O_NONBLOCK)
+    if fd >= 0:
+        os.close(fd)
+        return _row("userfaultfd", "ok", "userfaultfd(2) available (VM live branches)")
+    err = ctypes.get_errno()
+    return _row("userfaultfd", "warn", f"userfaultfd(2) failed: {os.strerror(err)}",
+                "`sysctl vm.unprivileged_userfaultfd=1` or run as root; kernel needs CONFIG_USERFAULTFD")
+
+
+def check_seccomp() -> dict:
+    try:
+        with open("/proc/self/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        status = {}
+    if "Seccomp" not in status:
+        return _row("seccomp", "warn", "the kernel has no seccomp: sandboxes run without a syscall filter",
+                    "use a kernel with CONFIG_SECCOMP_FILTER")
+    mode = status["Seccomp"].strip()
+    detail = "available" + (" (this process is already filtered)" if mode != "0" else "")
+    return _row("seccomp", "ok", detail)
+
+
+def check_disk(data_dir: str) -> dict:
+    probe = data_dir
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "/"
+    usage = shutil.disk_usage(probe)
+    free_gib = usage.free / 2**30
+    status = "ok" if free_gib >= 5 else "warn" if free_gib >= 1 else "fail"
+    return _row("free disk", status, f"{free_gib:.1f} GiB free at {probe}",
+                "" if status == "ok" else "free space or point --data-dir / FORKD_DATA_DIR elsewhere",
+                required=status == "fail")
+
+
+def check_reflink(data_dir: str) -> dict:
+    probe = data_dir
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "/"
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe) as src, tempfile.NamedTemporaryFile(dir=probe) as dst:
+            src.write(b"forkd" * 1024)
+            src.flush()
+            fcntl.ioctl(dst.fileno(), FICLONE, src.fileno())
+    except OSError as exc:
+        return _row("reflink", "info", f"no reflink copies in {probe} ({exc.strerror}): VM disk layers "
+                    "use qcow2 overlays instead", "put the data dir on XFS (reflink=1) or btrfs for instant copies")
+    return _row("reflink", "ok", f"{probe} supports reflink copies")
+
+
+def check_server(url: str | None, token: str | None) -> dict:
+    from .client import Controller, ControllerError, ServerUnreachable
+
+    try:
+        ctl = Controller(url, token, timeout=2)
+        ctl.healthz()
+        version = ctl.version()
+        return _row("server", "ok", f"{ctl.base_url} answers (api {version.get('api')}, version {version.get('version')})")
+    except ServerUnreachable as exc:
+        return _row("server", "info", f"no server answers at {exc.url}", "start one with `forkd serve`")
+    except ControllerError as exc:
+        return _row("server", "warn", f"{exc.url}: {exc.message} (HTTP {exc.status})",
+                    "set FORKD_TOKEN to the server's token" if exc.status == 401 else "")
+
+
+def run_checks(data_dir: str, url: str | None = None, token: str | None = None) -> list[dict]:
+    rows = [check_root(), check_namespaces(), check_cgroups(), check_seccomp(), check_kvm(), check_pvm(),
+            check_qemu(), check_userfaultfd(), check_disk(data_dir), check_reflink(data_dir)]
+    rows.append(check_server(url, token))
+    return rows

@@ -1,0 +1,145 @@
+"""``forkd serve``: a standalone jupyter-server carrying only the forkd extension, routes at the root.
+
+Like forkd's daemon: 127.0.0.1:8889 by default, ``/healthz`` and ``/v1/...`` at the root, optional
+TLS, a token from ``--token-file`` (or one generated and printed once), and a refusal to listen on
+a non-loopback address without a token. Jupyter's own contents, kernels and terminals services are
+left out: a token holder may run code in sandboxes, not on the host.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import socket
+import sys
+
+from jupyter_server.serverapp import ServerApp
+
+from .app import ForkdApp, default_data_dir
+
+PLACEHOLDER_PREFIXES = ("REPLACE_ME", "CHANGE_ME")
+
+
+class ServeError(Exception):
+    """A configuration ``forkd serve`` refuses; the message says what to do."""
+
+
+class ForkdServerApp(ServerApp):
+    """jupyter-server without the services that reach the host (contents, kernels, terminals...)."""
+
+    name = "forkd-serve"
+    default_services = ("api", "auth", "shutdown", "events")
+
+
+class _StandaloneForkd(ForkdApp):
+    """Launcher only: the server instantiates ForkdApp itself from the extension point."""
+
+    load_other_extensions = False
+    serverapp_class = ForkdServerApp
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except (OSError, ValueError):
+            return False
+
+
+def read_token_file(path: str) -> str:
+    """forkd's rules: trimmed, non-empty, at least 16 bytes, not a placeholder."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ServeError(f"cannot read --token-file {path}: {exc.strerror}") from None
+    if not token:
+        raise ServeError(f"--token-file {path} is empty")
+    if len(token.encode()) < 16:
+        raise ServeError(f"the token in {path} is too short: use at least 16 bytes "
+                         f"(e.g. `python3 -c 'import secrets; print(secrets.token_hex(24))' > {path}`)")
+    if token.startswith(PLACEHOLDER_PREFIXES):
+        raise ServeError(f"the token in {path} is a placeholder ({token.split()[0][:10]}...): put a real secret there")
+    return token
+
+
+def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None = None,
+               token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+               no_token: bool = False, branch_concurrency: int | None = None) -> tuple[list[str], str | None, bool]:
+    """Validate the options; returns (server argv, token or None, whether the token was generated)."""
+    if bool(tls_cert) != bool(tls_key):
+        raise ServeError("--tls-cert and --tls-key go together")
+    for path in (tls_cert, tls_key):
+        if path and not os.path.isfile(path):
+            raise ServeError(f"TLS file not found: {path}")
+    loopback = is_loopback(host)
+    generated = False
+    if token_file:
+        token = read_token_file(token_file)
+    elif not loopback:
+        raise ServeError(f"refusing to listen on {host} (not a loopback address) without a token: "
+                         f"pass --token-file FILE (a secret of 16+ bytes)")
+    elif no_token:
+        token = None
+    else:
+        token, generated = secrets.token_hex(24), True
+    data_dir = os.path.abspath(os.path.expanduser(data_dir or default_data_dir()))
+    argv = [
+        f"--ServerApp.ip={host}", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+        "--ServerApp.open_browser=False", "--ServerApp.allow_root=True",
+        "--ServerApp.allow_unauthenticated_access=False", "--ServerApp.answer_yes=True",
+        "--ServerApp.default_url=/healthz", "--ForkdApp.default_url=/healthz",
+        f"--ServerApp.root_dir={data_dir}", "--ForkdApp.route_prefix=", f"--ForkdApp.data_dir={data_dir}",
+        f"--IdentityProvider.token={token or ''}",
+    ]
+    if token is None:
+        # No auth (loopback only, forkd's default without --token-file). Body routes insist on
+        # Content-Type: application/json, which a cross-site form cannot send without CORS approval.
+        argv.append("--ServerApp.disable_check_xsrf=True")
+    if not loopback:
+        argv.append("--ServerApp.allow_remote_access=True")
+    if tls_cert:
+        argv += [f"--ServerApp.certfile={tls_cert}", f"--ServerApp.keyfile={tls_key}"]
+    if branch_concurrency is not None:
+        argv.append(f"--ForkdApp.branch_concurrency={branch_concurrency}")
+    return argv, token, generated
+
+
+def serve(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None = None, token_file: str | None = None,
+          tls_cert: str | None = None, tls_key: str | None = None, no_token: bool = False,
+          branch_concurrency: int | None = None, extra_args: list[str] | None = None) -> int:
+    try:
+        argv, token, generated = build_argv(host, port, data_dir, token_file, tls_cert, tls_key, no_token,
+                                            branch_concurrency)
+    except ServeError as exc:
+        print(f"forkd serve: {exc}", file=sys.stderr)
+        return 2
+    os.makedirs(argv_value(argv, "--ForkdApp.data_dir"), mode=0o700, exist_ok=True)
+    serverapp = _StandaloneForkd.initialize_server(argv=argv + list(extra_args or []))
+    if "forkd" not in serverapp.web_app.settings:
+        print("forkd serve: the forkd extension failed to load (see the log above)", file=sys.stderr)
+        return 1
+    serverapp.start_app()
+    scheme = "https" if tls_cert else "http"
+    shown = f"[{host}]" if ":" in host else host
+    url = f"{scheme}://{shown}:{serverapp.port}"
+    lines = [f"forkd serve: listening on {url} (GET {url}/healthz; the API is under {url}/v1/)"]
+    if generated:
+        lines += ["forkd serve: generated a token; it is shown only this once (use --token-file to choose one):",
+                  f"    export FORKD_URL={url} FORKD_TOKEN={token}"]
+    elif token is None:
+        lines.append("forkd serve: no token: anyone on this host can use the API (loopback only)")
+    else:
+        lines.append(f"forkd serve: clients need the token from --token-file: export FORKD_URL={url} FORKD_TOKEN=...")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    serverapp.start_ioloop()
+    return 0
+
+
+def argv_value(argv: list[str], name: str) -> str:
+    return next(a.split("=", 1)[1] for a in argv if a.startswith(name + "="))

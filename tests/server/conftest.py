@@ -1,0 +1,46 @@
+"""Fixtures for the REST API tests: a jupyter server (pytest_jupyter) with ForkdApp on real sandboxes."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+
+pytest_plugins = ("pytest_jupyter.jupyter_server",)
+
+
+@pytest.fixture
+def forkd_data_dir():
+    # Unix socket paths are limited to 107 bytes: keep the data dir short.
+    path = tempfile.mkdtemp(prefix="fk")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def jp_server_config(forkd_data_dir):
+    return {
+        "ServerApp": {
+            "jpserver_extensions": {"forkd_server": True, "jupyter_server_terminals": False},
+            "allow_unauthenticated_access": False,
+        },
+        "ForkdApp": {"data_dir": forkd_data_dir, "branch_concurrency": 4},
+    }
+
+
+@pytest.fixture
+def forkd_app(jp_serverapp):
+    """The ForkdApp instance; everything it made is killed and deleted when the test ends."""
+    app = jp_serverapp.web_app.settings["forkd"]
+    yield app
+    ctl = app.controller
+    if ctl is None:
+        return
+    for sb in ctl.list_sandboxes():
+        ctl.kill_sandbox(sb["id"])
+    for snap in sorted(ctl.list_snapshots(), key=lambda s: -len(s.get("lineage", []))):
+        try:
+            ctl.delete_snapshot(snap["tag"], cascade=True)
+        except Exception:  # noqa: BLE001 - already gone with its parent
+            pass

@@ -1,0 +1,85 @@
+"""forkd_server/openapi.json (kept in the repo by hand) matches the handlers."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from forkd_server.handlers import OPENAPI_PATH, NotFoundHandler, route_table
+
+VERBS = ("get", "post", "put", "delete")
+JSON_TYPES = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean",
+              "string[]": "array", "string[][]": "array", "env": "object"}
+
+
+def load() -> dict:
+    with open(OPENAPI_PATH) as f:
+        return json.load(f)
+
+
+def handler_ops() -> dict[tuple[str, str], type]:
+    """(openapi path, verb) -> handler, from the route table."""
+    ops = {}
+    for pattern, handler in route_table(""):
+        if handler is NotFoundHandler:
+            continue
+        path = pattern.replace("/?", "").replace(r"\.", ".")
+        param = "{tag}" if path.startswith("/v1/snapshots/") else "{id}"
+        path = path.replace("([^/]+)", param)
+        assert not re.search(r"[()\[\]*+?\\]", path), f"untranslated pattern {pattern}"
+        for verb in VERBS:
+            if verb in vars(handler):
+                ops[(path, verb)] = handler
+    return ops
+
+
+def test_paths_and_methods_match_the_handlers():
+    doc = load()
+    documented = {(path, verb) for path, item in doc["paths"].items() for verb in item}
+    assert documented == set(handler_ops())
+
+
+def test_request_bodies_match_the_handlers():
+    doc = load()
+    for (path, verb), handler in handler_ops().items():
+        op = doc["paths"][path][verb]
+        content = op.get("requestBody", {}).get("content", {})
+        if verb == "post" and handler.body_spec is not None:
+            schema = content["application/json"]["schema"]
+            spec = handler.body_spec
+            assert set(schema["properties"]) == set(spec), path
+            assert set(schema.get("required", [])) == {k for k, (_, req) in spec.items() if req}, path
+            for name, (kind, _) in spec.items():
+                assert schema["properties"][name]["type"] == JSON_TYPES[kind], (path, name)
+        else:
+            assert "application/json" not in content, f"{verb} {path} documents a JSON body it does not take"
+
+
+def test_path_parameters_are_declared():
+    doc = load()
+    for path, item in doc["paths"].items():
+        names = set(re.findall(r"{(\w+)}", path))
+        for verb, op in item.items():
+            declared = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
+            assert declared == names, (verb, path)
+
+
+def test_auth_is_documented():
+    doc = load()
+    assert doc["security"] == [{"bearer": []}]
+    for path, item in doc["paths"].items():
+        for verb, op in item.items():
+            if path == "/healthz":
+                assert op["security"] == []
+            else:
+                assert "401" in op["responses"], (verb, path)
+                assert "security" not in op
+
+
+def test_refs_resolve():
+    doc = load()
+    text = json.dumps(doc)
+    for ref in set(re.findall(r'"\$ref": "#/([^"]+)"', text)):
+        node = doc
+        for part in ref.split("/"):
+            node = node[part]
