@@ -45,8 +45,8 @@ def _table(title: str, columns: list[str], rows: list[list]):
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for col in columns:
-        table.add_column(col, overflow="fold")
+    for i, col in enumerate(columns):
+        table.add_column(col, overflow="fold", no_wrap=i == 0)  # ids and tags stay whole
     for row in rows:
         table.add_row(*[("-" if v is None else str(v)) for v in row])
     return table

@@ -1,0 +1,157 @@
+"""The client SDK sends exactly what forkd's PyPI SDK sends (reference/forkd-api.md §8).
+
+A recording HTTP server stands in for the daemon: these tests are about bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.error
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from forkd_server.client import Controller, ControllerError, ServerUnreachable
+
+
+class Recorder(BaseHTTPRequestHandler):
+    seen: list[dict] = []
+    reply: tuple[int, bytes] = (200, b"{}")
+
+    def _record(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        self.seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body})
+        status, payload = self.reply
+        self.send_response(status)
+        if payload:
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = do_DELETE = do_PUT = _record
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def recorder():
+    Recorder.seen = []
+    Recorder.reply = (200, b"{}")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def ctl(recorder, monkeypatch):
+    monkeypatch.delenv("FORKD_TOKEN", raising=False)
+    return Controller(f"http://127.0.0.1:{recorder.server_port}/", token="t0k3n")
+
+
+def last():
+    return Recorder.seen[-1]
+
+
+CASES = [
+    (lambda c: c.list_snapshots(), "GET", "/v1/snapshots", None),
+    (lambda c: c.delete_snapshot("py"), "DELETE", "/v1/snapshots/py", None),
+    (lambda c: c.spawn_sandboxes("py"), "POST", "/v1/sandboxes",
+     b'{"snapshot_tag": "py", "n": 1, "per_child_netns": false}'),
+    (lambda c: c.spawn_sandboxes("py", n=3, per_child_netns=True, memory_limit_mib=256, prewarm=True, live_fork=True,
+                                 hugepages=True), "POST", "/v1/sandboxes",
+     b'{"snapshot_tag": "py", "n": 3, "per_child_netns": true, "memory_limit_mib": 256, "prewarm": true, '
+     b'"live_fork": true, "hugepages": true}'),
+    (lambda c: c.list_sandboxes(), "GET", "/v1/sandboxes", None),
+    (lambda c: c.get_sandbox("sb-1"), "GET", "/v1/sandboxes/sb-1", None),
+    (lambda c: c.kill_sandbox("sb-1"), "DELETE", "/v1/sandboxes/sb-1", None),
+    (lambda c: c.branch_sandbox("sb-1"), "POST", "/v1/sandboxes/sb-1/branch", b"{}"),
+    (lambda c: c.branch_sandbox("sb-1", tag="t1", diff=True, measure_diff=True), "POST", "/v1/sandboxes/sb-1/branch",
+     b'{"tag": "t1", "diff": true, "measure_diff": true}'),
+    (lambda c: c.branch_sandbox("sb-1", tag="t2", mode="live", wait=False), "POST", "/v1/sandboxes/sb-1/branch",
+     b'{"tag": "t2", "mode": "live", "wait": false}'),
+    (lambda c: c.exec_command("sb-1", ["python3", "-c", "print(2+2)"]), "POST", "/v1/sandboxes/sb-1/exec",
+     b'{"args": ["python3", "-c", "print(2+2)"], "timeout_secs": 30}'),
+    (lambda c: c.eval_code("sb-1", "1+1"), "POST", "/v1/sandboxes/sb-1/eval", b'{"code": "1+1"}'),
+]
+
+
+@pytest.mark.parametrize("fn,method,path,body", CASES, ids=[f"{m} {p} {i}" for i, (_, m, p, _b) in enumerate(CASES)])
+def test_forkd_sdk_wire(ctl, fn, method, path, body):
+    fn(ctl)
+    req = last()
+    assert (req["method"], req["path"]) == (method, path)
+    assert req["headers"]["Authorization"] == "Bearer t0k3n"
+    assert req["headers"]["User-Agent"].startswith("Python-urllib/3.")
+    if body is None:
+        assert req["body"] == b"" and "Content-Type" not in req["headers"]
+    else:
+        assert req["body"] == body
+        assert req["headers"]["Content-Type"] == "application/json"
+
+
+def test_ping_has_no_body_and_no_content_type(ctl):
+    ctl.ping_sandbox("sb-1")
+    req = last()
+    assert (req["method"], req["path"], req["body"]) == ("POST", "/v1/sandboxes/sb-1/ping", b"")
+    assert req["headers"]["Content-Length"] == "0" and "Content-Type" not in req["headers"]
+
+
+def test_base_url_prefix_and_env(recorder, monkeypatch):
+    monkeypatch.setenv("FORKD_URL", f"http://127.0.0.1:{recorder.server_port}/a/forkd/")
+    monkeypatch.setenv("FORKD_TOKEN", "from-env")
+    Controller().list_sandboxes()
+    assert last()["path"] == "/a/forkd/v1/sandboxes"
+    assert last()["headers"]["Authorization"] == "Bearer from-env"
+
+
+def test_no_token_sends_no_authorization(recorder, monkeypatch):
+    monkeypatch.delenv("FORKD_TOKEN", raising=False)
+    Controller(f"http://127.0.0.1:{recorder.server_port}").list_sandboxes()
+    assert "Authorization" not in last()["headers"]
+
+
+def test_errors(ctl):
+    Recorder.reply = (404, b'{"error": "sandbox sb-x not found"}')
+    with pytest.raises(ControllerError) as info:
+        ctl.get_sandbox("sb-x")
+    assert info.value.status == 404 and info.value.body == {"error": "sandbox sb-x not found"}
+    assert info.value.message == "sandbox sb-x not found" and info.value.url.endswith("/v1/sandboxes/sb-x")
+    Recorder.reply = (204, b"")
+    assert ctl.kill_sandbox("sb-1") is None
+
+
+def test_extras_wire(ctl):
+    ctl.delete_snapshot("py", cascade=True)
+    assert last()["path"] == "/v1/snapshots/py?cascade=true"
+    ctl.create_snapshot("py", setup="x = 1", setup_commands=[["true"]])
+    assert json.loads(last()["body"]) == {"tag": "py", "engine": "auto", "setup": "x = 1", "setup_commands": [["true"]]}
+    Recorder.reply = (200, b'{"path": "/tmp/a b", "size": 3}')
+    ctl.write_file("sb-1", "/tmp/a b", b"abc")
+    req = last()
+    assert (req["method"], req["path"], req["body"]) == ("PUT", "/v1/sandboxes/sb-1/files?path=%2Ftmp%2Fa+b", b"abc")
+    assert req["headers"]["Content-Type"] == "application/octet-stream"
+
+
+def test_unreachable_is_a_urlerror_with_a_hint():
+    ctl = Controller("http://127.0.0.1:9", token=None)  # the discard port: nothing listens
+    with pytest.raises(ServerUnreachable) as info:
+        ctl.list_sandboxes()
+    assert isinstance(info.value, urllib.error.URLError)
+    assert "no forkd server answers at http://127.0.0.1:9" in str(info.value) and "forkd serve" in str(info.value)
+
+
+def test_importing_the_client_does_not_import_jupyter_server():
+    code = ("import sys, forkd_server.client; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('jupyter_server', 'tornado', 'traitlets')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

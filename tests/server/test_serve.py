@@ -1,0 +1,379 @@
+"""Full stack: ``forkd serve`` as a real subprocess, driven by the client SDK and the ``forkd`` CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+from forkd_server.client import Controller, ControllerError, Sandbox, ServerUnreachable, Snapshot
+
+FORKD = [sys.executable, "-c", "import sys; from forkd_server.cli import main; sys.exit(main())"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, data_dir: str, env: dict | None = None):
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.log = tempfile.NamedTemporaryFile(prefix="fk-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([*FORKD, "serve", "--port", str(self.port), "--data-dir", data_dir, *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
+
+    def output(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def wait_healthy(self, scheme: str = "http", timeout: float = 30) -> None:
+        """Bounded polling of /healthz (no sleep standing in for readiness)."""
+        ctx = ssl._create_unverified_context() if scheme == "https" else None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"forkd serve exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(f"{scheme}://127.0.0.1:{self.port}/healthz", timeout=1,
+                                            context=ctx) as r:
+                    assert json.loads(r.read()) == {"ok": True}
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"forkd serve did not answer /healthz:\n{self.output()}") from None
+                time.sleep(0.05)
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self.log.name)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    path = tempfile.mkdtemp(prefix="fk")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def token_file(workdir):
+    path = os.path.join(workdir, "token")
+    with open(path, "w") as f:
+        f.write(secrets.token_hex(20) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(workdir, token_file):
+    srv = Server("--token-file", token_file, data_dir=os.path.join(workdir, "d"))
+    srv.token = open(token_file).read().strip()
+    srv.url = f"http://127.0.0.1:{srv.port}"
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        ctl = Controller(srv.url, srv.token)
+        try:
+            for sb in ctl.list_sandboxes():
+                ctl.kill_sandbox(sb["id"])
+            for snap in ctl.list_snapshots():
+                try:
+                    ctl.delete_snapshot(snap["tag"], cascade=True)
+                except ControllerError:
+                    pass
+        except ServerUnreachable:
+            pass
+        srv.stop()
+
+
+@pytest.fixture
+def ctl(server):
+    return Controller(server.url, server.token)
+
+
+def cli(server, *args: str, token: str | None = None, check: bool = True, url: str | None = None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORKD_")}
+    env.update(FORKD_URL=url or server.url, FORKD_TOKEN=token if token is not None else server.token)
+    done = subprocess.run([*FORKD, *args], capture_output=True, text=True, env=env, timeout=120)
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+# --- the SDK ------------------------------------------------------------------------------------
+
+def test_sdk_snapshot_fork_branch_grandchildren(ctl):
+    snap = Snapshot.create("sdk", controller=ctl, setup="import random\nbase = [1, 2, 3]")
+    assert snap.status == "ready" and snap.tag == "sdk"
+    kids = snap.fork(2)
+    assert len(kids) == 2 and all(isinstance(k, Sandbox) for k in kids)
+    with kids[0] as sb:
+        assert sb.ping()["pong"] is True
+        result = sb.commands.run("echo $((6 * 7))")
+        assert (result.stdout, result.exit_code) == ("42\n", 0)
+        assert sb.commands.run(["/bin/sh", "-c", "exit 4"]).exit_code == 4
+        sb.files.write("/tmp/notes.txt", "hello")
+        assert sb.files.read("/tmp/notes.txt") == "hello"
+        assert sb.files.read("/tmp/notes.txt", format="bytes") == b"hello"
+        assert "notes.txt" in [e["name"] for e in sb.files.list("/tmp")]
+        assert sb.files.exists("/tmp/notes.txt") and not sb.files.exists("/tmp/none")
+        run = sb.run_code("base.append(4)\nprint('appended')\nsum(base)")
+        assert (run.stdout, run.text, run.error) == ("appended\n", "10", None)
+        assert sb.eval("len(base)") == "4"
+        with pytest.raises(RuntimeError, match="forkd eval: NameError"):
+            sb.eval("nope")
+        child = sb.branch("sdk-b", mode="live", wait=False)
+        assert child.branched_from == sb.id and child.pause_ms is not None
+        child.wait(30)
+        assert child.status == "ready"
+        grandkids = child.fork(2)
+        assert [g.eval("base") for g in grandkids] == ["[1, 2, 3, 4]"] * 2
+        assert kids[1].eval("base") == "[1, 2, 3]"  # the sibling is untouched
+        for g in grandkids:
+            g.kill()
+    # `with` killed it
+    with pytest.raises(ControllerError) as info:
+        ctl.get_sandbox(kids[0].id)
+    assert info.value.status == 404
+    kids[1].kill()
+    details = child.details()
+    assert details["ancestors"] == ["sdk", kids[0].id]
+    snap.delete(cascade=True)
+    assert [s["tag"] for s in ctl.list_snapshots() if s["tag"].startswith("sdk")] == []
+
+
+def test_sdk_forkd_method_names(ctl):
+    ctl.create_snapshot("names")
+    kid = ctl.spawn_sandboxes("names", n=1)[0]
+    assert ctl.ping_sandbox(kid["id"])["pong"] is True
+    assert ctl.exec_command(kid["id"], ["python3", "-c", "print(2+2)"]) == {"stdout": "4\n", "stderr": "", "exit_code": 0}
+    assert ctl.eval_code(kid["id"], "1+1") == {"result": "2", "error": None, "exit_code": 0}
+    info = ctl.branch_sandbox(kid["id"], tag="names-b", mode="diff")
+    assert info["status"] == "ready" and info["branched_from"] == kid["id"]
+    assert [s["id"] for s in ctl.list_sandboxes()] == [kid["id"]]
+    assert ctl.get_sandbox(kid["id"])["branch_count"] == 1
+    assert ctl.kill_sandbox(kid["id"]) is None
+    with pytest.raises(ControllerError) as info:
+        ctl.delete_snapshot("names")  # its branch depends on nothing; still there -> 204
+        ctl.delete_snapshot("names")
+    assert info.value.status == 404
+    ctl.delete_snapshot("names-b")
+
+
+def test_sdk_events_stream(ctl):
+    ctl.create_snapshot("evs")
+    stream = ctl.events(timeout=20)
+    try:
+        kid = ctl.spawn_sandboxes("evs")[0]
+        event = next(stream)
+        assert (event["kind"], event["action"], event["id"]) == ("sandbox", "created", kid["id"])
+        ctl.kill_sandbox(kid["id"])
+        event = next(stream)
+        assert (event["kind"], event["action"], event["id"]) == ("sandbox", "killed", kid["id"])
+    finally:
+        stream.close()
+    ctl.delete_snapshot("evs")
+
+
+def test_sdk_wrong_token(server):
+    with pytest.raises(ControllerError) as info:
+        Controller(server.url, "wrong-token-wrong-token").list_sandboxes()
+    assert (info.value.status, info.value.body) == (401, {"error": "invalid bearer token"})
+    with pytest.raises(ControllerError) as info:
+        Controller(server.url, "").list_sandboxes()
+    assert (info.value.status, info.value.body) == (401, {"error": "missing bearer token"})
+    assert Controller(server.url, "").healthz() == {"ok": True}
+
+
+def test_jupyter_host_services_are_not_served(server):
+    req = urllib.request.Request(f"{server.url}/api/contents", headers={"Authorization": f"Bearer {server.token}"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=5)
+    assert info.value.code == 404
+    req = urllib.request.Request(f"{server.url}/api/kernels", data=b"{}", method="POST",
+                                 headers={"Authorization": f"Bearer {server.token}"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=5)
+    assert info.value.code in (404, 405)
+
+
+# --- the CLI ------------------------------------------------------------------------------------
+
+def test_cli_round_trip(server, ctl):
+    out = cli(server, "snapshot", "--tag", "cli", "--setup", "v = 7", "--json")
+    assert json.loads(out.stdout)["status"] == "ready"
+    kids = json.loads(cli(server, "spawn", "--tag", "cli", "-n", "2", "--json").stdout)
+    assert len(kids) == 2
+    listed = json.loads(cli(server, "ls", "--json").stdout)
+    assert sorted(k["id"] for k in kids) == [b["id"] for b in listed]
+    table = cli(server, "ls").stdout
+    assert kids[0]["id"] in table and "sandbox" in table
+    sid = kids[0]["id"]
+    done = cli(server, "exec", sid, "--", "sh", "-c", "echo out; echo err >&2; exit 3", check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
+    assert cli(server, "eval", sid, "v * 6").stdout.strip() == "42"
+    assert "pong from " + sid in cli(server, "ping", sid).stdout
+    assert cli(server, "run", sid, "w = v + 1\nw").stdout.strip() == "8"
+    branch = json.loads(cli(server, "snapshot", "--from-sandbox", sid, "--tag", "cli-b", "--live", "--no-wait",
+                            "--json").stdout)
+    assert branch["branched_from"] == sid and branch["status"] in ("writing", "ready")
+    ctl.wait_snapshot("cli-b", 30)
+    info = json.loads(cli(server, "snapshot-info", "cli-b", "--json").stdout)
+    assert info["ancestors"] == ["cli", sid]
+    snaps = json.loads(cli(server, "ls", "--snapshots", "--json").stdout)
+    assert {"cli", "cli-b"} <= {s["tag"] for s in snaps}
+    killed = json.loads(cli(server, "kill", "--tag", "cli", "--json").stdout)
+    assert sorted(killed["killed"]) == sorted(k["id"] for k in kids)
+    assert json.loads(cli(server, "ls", "--json").stdout) == []
+    done = cli(server, "rmi", "cli", "--cascade", "--force", check=False)
+    assert done.returncode != 0 and "mutually exclusive" in done.stderr
+    assert json.loads(cli(server, "rmi", "cli", "--cascade", "--json").stdout) == {"removed": ["cli"], "failed": {}}
+    assert [s for s in json.loads(cli(server, "ls", "-s", "--json").stdout) if s["tag"].startswith("cli")] == []
+
+
+def test_cli_errors(server):
+    done = cli(server, "snapshot", "--from-sandbox", "sb-x", "--diff", "--live", check=False)
+    assert done.returncode == 2 and "not allowed with" in done.stderr
+    done = cli(server, "snapshot", "--tag", "x", "--no-wait", check=False)
+    assert done.returncode != 0 and "--from-sandbox" in done.stderr
+    done = cli(server, "kill", "sb-nope", check=False)
+    assert done.returncode == 1 and "sandbox sb-nope not found" in done.stdout
+    done = cli(server, "ls", token="wrong-token-wrong-token", check=False)
+    assert done.returncode == 1 and "invalid bearer token" in done.stderr and "FORKD_TOKEN" in done.stderr
+    port = free_port()
+    done = cli(server, "ls", url=f"http://127.0.0.1:{port}", check=False)
+    assert done.returncode == 2
+    assert f"no forkd server answers at http://127.0.0.1:{port}" in done.stderr and "forkd serve" in done.stderr
+
+
+def test_cli_doctor_json(server):
+    rows = json.loads(cli(server, "doctor", "--json", "--data-dir", server.data_dir).stdout)
+    checks = {r["check"]: r for r in rows}
+    assert {"privileges", "namespaces", "cgroups", "seccomp", "kvm", "pvm", "qemu", "userfaultfd", "free disk",
+            "reflink", "server"} <= set(checks)
+    assert all(r["status"] in ("ok", "warn", "fail", "info") for r in rows)
+    assert checks["server"]["status"] == "ok" and server.url in checks["server"]["detail"]
+    assert all(r["fix"] for r in rows if r["status"] in ("warn", "fail"))
+
+
+def test_cli_bench_json(server):
+    figures = json.loads(cli(server, "bench", "--n", "3", "--json").stdout)
+    for key in ("snapshot_ms", "spawn_n1_ms", "exec_ms", "ping_ms", "branch_full_ms", "fanout_ms", "cleanup_ms"):
+        assert figures[key] > 0, key
+    assert figures["branch_live_pause_ms"] >= 0
+
+
+# --- serve's own rules --------------------------------------------------------------------------
+
+def test_restart_keeps_sandboxes(workdir, token_file):
+    """A server restart re-attaches to the sandboxes (they outlive the server by design)."""
+    data = os.path.join(workdir, "restart")
+    first = Server("--token-file", token_file, data_dir=data)
+    token = open(token_file).read().strip()
+    first.wait_healthy()
+    ctl = Controller(f"http://127.0.0.1:{first.port}", token)
+    ctl.create_snapshot("keep", setup="kept = 'yes'")
+    kid = ctl.spawn_sandboxes("keep")[0]
+    assert first.stop() == 0  # SIGTERM: a clean shutdown
+    second = Server("--token-file", token_file, data_dir=data)
+    try:
+        second.wait_healthy()
+        ctl = Controller(f"http://127.0.0.1:{second.port}", token)
+        assert [s["id"] for s in ctl.list_sandboxes()] == [kid["id"]]
+        assert ctl.eval_code(kid["id"], "kept")["result"] == "'yes'"
+        ctl.kill_sandbox(kid["id"])
+        ctl.delete_snapshot("keep")
+    finally:
+        second.stop()
+
+
+def test_generated_token_is_shown_once_and_works(workdir):
+    srv = Server(data_dir=os.path.join(workdir, "gen"))
+    try:
+        srv.wait_healthy()
+        deadline = time.monotonic() + 10
+        while "FORKD_TOKEN=" not in srv.output() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out = srv.output()
+        token = out.split("FORKD_TOKEN=", 1)[1].split()[0]
+        assert len(token) >= 32 and out.count(token) == 1
+        ctl = Controller(f"http://127.0.0.1:{srv.port}", token)
+        assert ctl.list_sandboxes() == []
+        with pytest.raises(ControllerError) as info:
+            Controller(f"http://127.0.0.1:{srv.port}", "").list_sandboxes()
+        assert info.value.status == 401
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--host", "0.0.0.0"], "refusing to listen on 0.0.0.0"),
+    (["--host", "0.0.0.0", "--no-token"], "refusing to listen on 0.0.0.0"),
+    (["--tls-cert", "/nope.pem"], "--tls-cert and --tls-key go together"),
+])
+def test_serve_refuses(workdir, args, message):
+    done = subprocess.run([*FORKD, "serve", "--port", str(free_port()), "--data-dir", os.path.join(workdir, "r"),
+                           *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
+
+
+@pytest.mark.parametrize("content,message", [("short", "too short"), ("REPLACE_ME-0123456789abcdef", "placeholder"),
+                                             ("  \n", "is empty")])
+def test_serve_refuses_bad_token_files(workdir, content, message):
+    path = os.path.join(workdir, "badtoken")
+    with open(path, "w") as f:
+        f.write(content)
+    done = subprocess.run([*FORKD, "serve", "--port", str(free_port()), "--data-dir", os.path.join(workdir, "r"),
+                           "--token-file", path], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_non_loopback_bind_with_token(workdir, token_file):
+    srv = Server("--host", "0.0.0.0", "--token-file", token_file, data_dir=os.path.join(workdir, "wide"))
+    try:
+        srv.wait_healthy()
+        token = open(token_file).read().strip()
+        assert Controller(f"http://127.0.0.1:{srv.port}", token).list_sandboxes() == []
+    finally:
+        srv.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_tls(workdir, token_file):
+    cert, key = os.path.join(workdir, "cert.pem"), os.path.join(workdir, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    srv = Server("--token-file", token_file, "--tls-cert", cert, "--tls-key", key, data_dir=os.path.join(workdir, "tls"))
+    try:
+        srv.wait_healthy(scheme="https")
+        ctx = ssl.create_default_context(cafile=cert)
+        ctx.check_hostname = False
+        req = urllib.request.Request(f"https://127.0.0.1:{srv.port}/v1/sandboxes",
+                                     headers={"Authorization": f"Bearer {open(token_file).read().strip()}"})
+        with urllib.request.urlopen(req, context=ctx, timeout=5) as r:
+            assert json.loads(r.read()) == []
+        with pytest.raises(OSError):  # plain HTTP is not served
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/healthz", timeout=5)
+    finally:
+        srv.stop()
