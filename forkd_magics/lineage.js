@@ -2,10 +2,10 @@
 // model.get("tree") is {id: {kind, parent, status, history, created, pause_ms, info}}.
 
 const SVG = "http://www.w3.org/2000/svg";
-const COL = 270;   // horizontal distance between generations
-const ROW = 58;    // vertical distance between leaves
-const W = 236;     // node box
-const H = 46;
+const COL = 236;   // horizontal distance between generations
+const ROW = 70;    // vertical distance between leaves
+const W = 212;     // node box
+const H = 60;
 const PAD = 12;
 
 function svg(tag, attrs, parent) {
@@ -109,15 +109,16 @@ function render({ model, el }) {
       }, s);
       svg("rect", { width: W, height: H, rx: node.kind === "snapshot" ? 4 : 14, class: "forkd-box" }, g);
       const title = svg("text", { x: 10, y: 17, class: "forkd-id" }, g);
-      title.textContent = (node.kind === "snapshot" ? "◆ " : "● ") + (id.length > 30 ? id.slice(0, 29) + "…" : id);
+      title.textContent = (node.kind === "snapshot" ? "◆ " : "● ") + (id.length > 27 ? id.slice(0, 26) + "…" : id);
       const hist = node.history && node.history.length > 1 ? node.history.join(" → ") : node.status;
       const bw = 8 + hist.length * 6.4;
-      svg("rect", { x: 8, y: 25, width: bw, height: 15, rx: 7, class: `forkd-badge status-${node.status}` }, g);
-      const bt = svg("text", { x: 8 + bw / 2, y: 36, "text-anchor": "middle", class: "forkd-badge-text" }, g);
+      svg("rect", { x: 8, y: 23, width: bw, height: 15, rx: 7, class: `forkd-badge status-${node.status}` }, g);
+      const bt = svg("text", { x: 8 + bw / 2, y: 34, "text-anchor": "middle", class: "forkd-badge-text" }, g);
       bt.textContent = hist;
-      const meta = svg("text", { x: W - 8, y: 36, "text-anchor": "end", class: "forkd-meta" }, g);
-      const pause = node.pause_ms !== null && node.pause_ms !== undefined ? `⏸ ${fmtMs(node.pause_ms)} · ` : "";
-      meta.textContent = pause + age(node.created, now);
+      const meta = svg("text", { x: 10, y: 52, class: "forkd-meta" }, g);
+      const pause = node.pause_ms !== null && node.pause_ms !== undefined ? `paused ${fmtMs(node.pause_ms)} · ` : "";
+      // age: how long ago it was made (ticks every second, see the timer below)
+      meta.textContent = pause + age(node.created, now) + " old";
       meta.setAttribute("data-created", node.created ?? "");
       meta.setAttribute("data-pause", pause);
       g.addEventListener("click", () => {
@@ -187,7 +188,7 @@ function render({ model, el }) {
     const now = Date.now() / 1000;
     for (const t of canvas.querySelectorAll("text.forkd-meta")) {
       const c = t.getAttribute("data-created");
-      if (c) t.textContent = t.getAttribute("data-pause") + age(Number(c), now);
+      if (c) t.textContent = t.getAttribute("data-pause") + age(Number(c), now) + " old";
     }
   }, 1000);
 

@@ -1,0 +1,146 @@
+"""Headless Chromium (Debian's) opens the quickstart in JupyterLab, runs it, and photographs the
+lineage widget after the branch it shows went ``writing`` -> ``ready`` live.
+
+The screenshot goes to ``build/screenshots/quickstart-lineage.png`` (``$FORKD_SCREENSHOT_DIR``
+to change the folder), with the whole page next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from .conftest import free_port
+
+CHROMIUM = "/usr/bin/chromium"
+REPO = Path(__file__).parents[2]
+SHOTS = Path(os.environ.get("FORKD_SCREENSHOT_DIR") or REPO / "build" / "screenshots")
+
+playwright_sync = pytest.importorskip("playwright.sync_api")
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                                reason="Debian's chromium is not installed (scripts/setup.sh test installs it)")
+
+
+@pytest.fixture
+def lab(forkd):
+    """JupyterLab on a copy of the quickstart (outputs cleared), its kernels pointed at ``forkd``."""
+    root = tempfile.mkdtemp(prefix="fklab")
+    nb = nbformat.read(REPO / "notebooks" / "quickstart.ipynb", as_version=4)
+    for c in nb.cells:
+        if c.cell_type == "code":
+            c.outputs, c.execution_count = [], None
+    nb.metadata.pop("widgets", None)
+    nbformat.write(nb, os.path.join(root, "quickstart.ipynb"))
+    # no "would you like news?" toast over the widget
+    settings = Path(root, "settings", "@jupyterlab", "apputils-extension")
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
+    token, port = os.urandom(12).hex(), free_port()
+    log = open(os.path.join(root, "lab.log"), "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}",
+         "--ServerApp.port_retries=0", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
+         f"--LabApp.workspaces_dir={root}/ws", f"--LabApp.user_settings_dir={root}/settings",
+         "--ServerApp.disable_check_xsrf=True"],
+        env={**forkd.env, "JUPYTER_RUNTIME_DIR": os.path.join(root, "rt")},
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:  # bounded polling of the server's status route
+        try:
+            with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log.flush()
+            pytest.fail("jupyter lab did not start:\n" + Path(root, "lab.log").read_text()[-3000:])
+        time.sleep(0.1)
+    try:
+        yield {"url": url, "token": token, "root": root, "cells": nb.cells}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
+    cells = lab["cells"]
+    before_cleanup = next(i for i, c in enumerate(cells) if "cleanup" in c.metadata.get("tags", []))
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SHOTS / "quickstart-lineage.png"
+    for old in (shot, SHOTS / "quickstart-page.png"):
+        old.unlink(missing_ok=True)
+    with playwright_sync.sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{lab['url']}/lab/tree/quickstart.ipynb?token={lab['token']}")
+            page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+            # the kernel is up once the status bar says so
+            page.wait_for_function("document.body.innerText.includes('(ipykernel) | Idle')", timeout=60_000)
+            # run every cell up to the clean-up, as a person would: Shift+Enter from the top; the
+            # first code cell alone, until its prompt shows it ran, then the rest
+            page.locator(".jp-NotebookPanel .jp-Cell").first.click()
+            page.keyboard.press("Escape")
+            first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
+            for _ in range(first_code + 1):
+                page.keyboard.press("Shift+Enter")
+            page.locator(".jp-NotebookPanel .jp-InputPrompt", has_text="[1]:").wait_for(timeout=60_000)
+            for _ in range(before_cleanup - first_code - 1):
+                page.keyboard.press("Shift+Enter")
+            widget = page.locator(".forkd-lineage")
+            widget.wait_for(timeout=60_000)
+            branch = widget.locator("g.forkd-node[data-id='quickstart-b1'][data-status='ready']")
+            branch.wait_for(timeout=60_000)
+            # the last cell before the clean-up ran (the listing shows the grandchildren)
+            page.get_by_text("5 sandbox(es)").first.wait_for(timeout=60_000)
+            badge = branch.locator("text.forkd-badge-text").text_content()
+            assert badge == "writing → ready"  # the live stream carried both states to the page
+            # the tree cell ran before the branch existed: the node arrived without re-running it
+            tree_cell = next(i for i, c in enumerate(cells) if c.source.startswith("tree = %forkd tree"))
+            assert tree_cell < next(i for i, c in enumerate(cells) if "%forkd branch" in c.source)
+            ids = widget.locator("g.forkd-node").evaluate_all("els => els.map(e => e.dataset.id)")
+            assert len(ids) == 2 + 5 and "quickstart" in ids
+            # click shows details and the actions
+            branch.click()
+            details = widget.locator(".forkd-details")
+            assert "snapshot quickstart-b1" in details.text_content()
+            assert "writing → ready" in details.text_content()
+            assert widget.locator("button.forkd-fork").count() == 1
+            assert widget.locator("button.forkd-delete").count() == 1
+            widget.scroll_into_view_if_needed()
+            widget.screenshot(path=str(shot))
+            page.screenshot(path=str(SHOTS / "quickstart-page.png"), full_page=False)
+        except BaseException:
+            page.screenshot(path=str(SHOTS / "failure-page.png"))
+            raise
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 5000
+    with open(shot, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # what the page showed is what the server has
+    snaps = {s["tag"]: s for s in forkd.controller().list_snapshots()}
+    assert snaps["quickstart-b1"]["status"] == "ready"
+    json.dumps(snaps)  # plain data
