@@ -20,14 +20,10 @@ import pytest
 
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
-from ..conftest import requires_root
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
 
 @dataclass
 class ForkdServer:
@@ -61,7 +57,6 @@ class ForkdServer:
             except ControllerError as exc:
                 if exc.status != 404:  # gone with its parent (cascade) is fine
                     raise
-
 
 @pytest.fixture(scope="session")
 def forkd_server():
@@ -100,7 +95,6 @@ def forkd_server():
         log.close()
         shutil.rmtree(root, ignore_errors=True)
 
-
 @pytest.fixture
 def forkd(forkd_server):
     """The session's server, empty at the start and cleaned at the end of the test."""
@@ -108,5 +102,4 @@ def forkd(forkd_server):
     yield forkd_server
     forkd_server.clean()
 
-
-__all__ = ["ForkdServer", "free_port", "requires_root"]
+__all__ = ["ForkdServer", "free_port"]
