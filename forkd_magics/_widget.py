@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pathlib
 import threading
-import time
 
 import anywidget
 import traitlets
@@ -174,16 +173,18 @@ class LineageWidget(anywidget.AnyWidget):
                 self.message = f"event stream interrupted: {exc}"
             if self._stopped:
                 break
-            # the server closed the stream (restart, shutdown): reconnect a few times, then give up
+            # the server closed the stream (restart, shutdown): wait for it to answer /healthz again
+            # (bounded), subscribe anew and re-read the tree; give up after a few tries
             retries += 1
-            if retries > 5:
+            if retries > 3:
                 break
-            time.sleep(0.2 * retries)  # back-off between reconnects, not a readiness check
             try:
+                self.controller.wait_ready(timeout=10)
                 stream = self._stream = self.controller.events()
                 self.refresh()
             except (ServerUnreachable, ControllerError, OSError) as exc:
                 self.message = f"event stream lost: {exc}"
+                break
         self.live = False
 
     # --- actions from the buttons ---------------------------------------------------------------

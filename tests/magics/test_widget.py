@@ -193,3 +193,18 @@ def test_javascript_layout_and_ages():
     assert pos["br"]["y"] == (pos["g1"]["y"] + pos["g2"]["y"]) / 2
     assert pos["py"]["y"] == (pos["a"]["y"] + pos["b"]["y"]) / 2
     assert ages == ["5s", "2m 5s", "2h 1m", ""]
+
+
+def test_widget_resubscribes_when_the_stream_drops(forkd, comms):
+    ctl = forkd.controller()
+    ctl.create_snapshot("wr")
+    w = LineageWidget(ctl)
+    try:
+        dropped = w._stream
+        dropped.close()  # as if the server had closed the connection
+        wait_for(lambda: w._stream is not dropped, what="a new subscription")
+        sb = ctl.spawn_sandboxes("wr", 1)[0]["id"]
+        wait_for(lambda: sb in w.tree, what="the sandbox made after the drop")
+        assert w.live
+    finally:
+        w.close()
