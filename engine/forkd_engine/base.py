@@ -39,6 +39,7 @@ class SnapshotSpec:
     setup_commands: list[list[str]] = field(default_factory=list)
     host_network: bool = False                     # default: loopback only
     mem_size_mib: int | None = None                # a VM's RAM; the process engine ignores it
+    disk_mib: int | None = None                    # a VM's ext4 data disk at /data; process ignores it
     setup_timeout: float = 600.0
 
 

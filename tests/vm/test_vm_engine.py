@@ -168,3 +168,31 @@ def test_reattach_from_a_new_engine_instance(vm_engine, parent, kids):
 def test_snapshot_from_another_qemu_is_refused(vm_engine, parent):
     with pytest.raises(EngineError, match="not portable"):
         vm_engine.spawn(dict(parent, qemu="QEMU emulator version 9.9.9"), [ChildSpec(id="never")])
+
+
+def test_disk_overlays_isolate_siblings_and_carry_through_branches(vm_engine, kids):
+    from forkd_engine import SnapshotSpec
+    snap = vm_engine.create_snapshot(SnapshotSpec(
+        tag="withdisk", mem_size_mib=256, disk_mib=64,
+        setup="import os\nopen('/data/base.txt', 'w').write('base')\nos.sync()"))
+    try:
+        assert os.path.exists(snap["disk"])
+        a, b = spawn(vm_engine, snap, kids, n=2)
+        assert ev(vm_engine, a, "open('/data/base.txt').read()") == "'base'"
+        run(vm_engine, a, "open('/data/a.txt', 'w').write('only a')\nos.sync()")
+        assert ev(vm_engine, b, "os.listdir('/data')").count("a.txt") == 0
+        # the disk layer follows the branch, in every mode; the source goes on writing its own
+        for mode in ("full", "diff", "live"):
+            s2 = vm_engine.branch(a, f"disk-{mode}", ["withdisk", "a", mode], mode).ready.result(120)
+            run(vm_engine, a, f"open('/data/after-{mode}.txt', 'w').write('x')\nos.sync()")
+            (g,) = spawn(vm_engine, s2, kids, prefix="gd")
+            files = ast.literal_eval(ev(vm_engine, g, "sorted(os.listdir('/data'))"))
+            assert "a.txt" in files and "base.txt" in files and f"after-{mode}.txt" not in files
+            # after a drop of the guest's page cache the files still read back from the disk
+            run(vm_engine, g, "os.sync()\nopen('/proc/sys/vm/drop_caches', 'w').write('3')")
+            assert ev(vm_engine, g, "open('/data/a.txt').read()") == "'only a'"
+            vm_engine.kill(g)
+            kids.remove(g)
+            vm_engine.delete_snapshot(s2)
+    finally:
+        vm_engine.delete_snapshot(snap)

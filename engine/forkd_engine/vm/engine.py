@@ -59,6 +59,7 @@ QEMU = "qemu-system-x86_64"
 DEFAULT_MEM_MIB = 256
 MAX_SOCKET_PATH = 107
 MACHINE = "microvm"
+DISK_ID = "d0"
 
 
 # --- host checks ---------------------------------------------------------------------------------
@@ -278,7 +279,7 @@ class VMEngine:
         return os.path.join(self.run_dir, hashlib.sha1(name.encode()).hexdigest()[:16])
 
     def _command(self, image: dict, mem_path: str, mem_mib: int, share: bool, qmp_fd: int, agent_fd: int,
-                 console: str, incoming: str | None) -> list[str]:
+                 console: str, incoming: str | None, disk: tuple[str, str] | None = None) -> list[str]:
         append = "console=ttyS0 quiet panic=-1"
         if self.tsc_khz:
             append += f" tsc_early_khz={self.tsc_khz}"
@@ -298,15 +299,21 @@ class VMEngine:
                           f"share={'on' if share else 'off'}",
                # Device state files carry no configuration section (xen-save-devices-state format).
                "-global", "migration.send-configuration=off"]
+        if disk:
+            path, fmt = disk
+            cmd += ["-drive", f"file={path},if=none,id={DISK_ID},format={fmt}",
+                    "-device", f"virtio-blk-device,drive={DISK_ID}"]
         if incoming:
             cmd += ["-incoming", incoming]
         return cmd
 
     def _launch(self, name: str, image: dict, mem_path: str, mem_mib: int, share: bool,
-                incoming_file: str | None = None) -> Handle:
+                incoming_file: str | None = None, disk: tuple[str, str] | None = None,
+                vm_dir_ready: bool = False, defer: bool = False) -> Handle:
         vm_dir = self._vm_dir(name)
-        shutil.rmtree(vm_dir, ignore_errors=True)
-        os.makedirs(vm_dir, mode=0o700)
+        if not vm_dir_ready:
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            os.makedirs(vm_dir, mode=0o700)
         socks = []
         state_fd = -1
         try:
@@ -314,14 +321,14 @@ class VMEngine:
             if incoming_file:
                 # The device state goes in as an open file (``fd:``), no shell or cat per child.
                 state_fd = os.open(incoming_file, os.O_RDONLY)
-                incoming = f"fd:{state_fd}"
+                incoming = "defer" if defer else f"fd:{state_fd}"
             for sock_name in ("qmp.sock", "agent.sock"):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.bind(os.path.join(vm_dir, sock_name))
                 s.listen(8)
                 socks.append(s)
             cmd = self._command(image, mem_path, mem_mib, share, socks[0].fileno(), socks[1].fileno(),
-                                os.path.join(vm_dir, "console.log"), incoming)
+                                os.path.join(vm_dir, "console.log"), incoming, disk)
             with open(os.path.join(vm_dir, "qemu.log"), "wb") as log:
                 fds = [s.fileno() for s in socks] + ([state_fd] if state_fd >= 0 else [])
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -339,6 +346,10 @@ class VMEngine:
         handle = {"engine": self.name, "kind": "vm", "name": name, "pid": proc.pid, "start_time": start,
                   "dir": vm_dir, "qmp": os.path.join(vm_dir, "qmp.sock"),
                   "socket": os.path.join(vm_dir, "agent.sock"), "mem_mib": mem_mib}
+        if disk:
+            handle["disk"] = disk[0]
+        if defer:
+            handle["incoming_fd"] = state_fd  # QEMU's copy keeps this number
         with open(os.path.join(vm_dir, "pid"), "w") as f:
             json.dump({"pid": proc.pid, "start_time": start}, f)
         return handle
@@ -351,6 +362,19 @@ class VMEngine:
                 if text:
                     parts.append(f"{name}: {text}")
         return "; ".join(parts) or "no output"
+
+    @staticmethod
+    def _tool(cmd: list[str]) -> None:
+        try:
+            subprocess.run(cmd, check=True, capture_output=True)
+        except FileNotFoundError as exc:
+            raise EngineError(f"{cmd[0]} is not installed (scripts/setup.sh installs it)") from exc
+        except subprocess.CalledProcessError as exc:
+            raise EngineError(f"{' '.join(cmd)} failed: {exc.stderr.decode(errors='replace').strip()[-800:]}") from exc
+
+    @classmethod
+    def _overlay(cls, backing: str, fmt: str, path: str) -> None:
+        cls._tool(["qemu-img", "create", "-q", "-f", "qcow2", "-b", backing, "-F", fmt, path])
 
     # --- agent -----------------------------------------------------------------------------------
 
@@ -391,7 +415,7 @@ class VMEngine:
 
     def alive(self, handle: Handle) -> bool:
         if handle.get("kind") == "snapshot":
-            return all(os.path.exists(handle[k]) for k in ("memory", "devices")) and \
+            return all(os.path.exists(handle[k]) for k in ("memory", "devices", "disk") if k in handle) and \
                 os.path.exists(os.path.join(handle["dir"], "meta.json"))
         return handle.get("start_time") is not None and \
             linux.process_start_time(handle["pid"]) == handle["start_time"]
@@ -474,9 +498,12 @@ class VMEngine:
         with open(os.path.join(snap, "meta.json.tmp"), "w") as f:
             json.dump(meta, f)
         os.rename(os.path.join(snap, "meta.json.tmp"), os.path.join(snap, "meta.json"))
-        return {"engine": self.name, "kind": "snapshot", "tag": tag, "dir": snap, "memory": mem_path,
-                "devices": os.path.join(snap, "devices.bin"), "mem_mib": mem_mib, "image": image,
-                "qemu": self.qemu_version, "accel": self.accel}
+        handle = {"engine": self.name, "kind": "snapshot", "tag": tag, "dir": snap, "memory": mem_path,
+                  "devices": os.path.join(snap, "devices.bin"), "mem_mib": mem_mib, "image": image,
+                  "qemu": self.qemu_version, "accel": self.accel}
+        if os.path.exists(os.path.join(snap, "disk.raw")):
+            handle["disk"] = os.path.join(snap, "disk.raw")
+        return handle
 
     def create_snapshot(self, spec: SnapshotSpec) -> Handle:
         mem_mib = spec.mem_size_mib or DEFAULT_MEM_MIB
@@ -484,8 +511,16 @@ class VMEngine:
         snap, mem_path = self._snapshot_paths(spec.tag)
         handle = None
         try:
+            disk = None
+            if spec.disk_mib:
+                # The parent writes the raw ext4 image directly; after it is discarded the file is
+                # the snapshot's frozen disk layer, and children get qcow2 overlays on it.
+                disk = (os.path.join(snap, "disk.raw"), "raw")
+                with open(disk[0], "wb") as f:
+                    f.truncate(spec.disk_mib << 20)
+                self._tool(["mkfs.ext4", "-q", "-F", "-L", "forkd-data", disk[0]])
             t0 = time.monotonic()
-            handle = self._launch("snap:" + spec.tag, image, mem_path, mem_mib, share=True)
+            handle = self._launch("snap:" + spec.tag, image, mem_path, mem_mib, share=True, disk=disk)
             channel = self._channel(handle)
             try:
                 channel.call({"action": "ping"}, timeout=self.boot_timeout)
@@ -543,10 +578,29 @@ class VMEngine:
     def spawn(self, snapshot: Handle, children: list[ChildSpec]) -> list[Handle]:
         self._check_snapshot(snapshot)
         started: list[tuple[ChildSpec, Handle, list]] = []
+        overlays: dict[str, tuple[str, str]] = {}
+        if snapshot.get("disk"):
+            # One qcow2 overlay per child over the snapshot's frozen disk, made in parallel.
+            procs = []
+            for child in children:
+                vm_dir = self._vm_dir(child.id)
+                shutil.rmtree(vm_dir, ignore_errors=True)
+                os.makedirs(vm_dir, mode=0o700)
+                overlays[child.id] = (os.path.join(vm_dir, "disk-0.qcow2"), "qcow2")
+                procs.append(subprocess.Popen(["qemu-img", "create", "-q", "-f", "qcow2", "-b", snapshot["disk"],
+                                               "-F", "raw", overlays[child.id][0]], stderr=subprocess.PIPE))
+            failed = [p.stderr.read().decode(errors="replace") for p in procs if p.wait() != 0]
+            for p in procs:
+                p.stderr.close()
+            if failed:
+                for child in children:
+                    shutil.rmtree(self._vm_dir(child.id), ignore_errors=True)
+                raise EngineError(f"qemu-img create of a child's disk overlay failed: {failed[0].strip()}")
         try:
             for child in children:
                 h = self._launch(child.id, snapshot["image"], snapshot["memory"], snapshot["mem_mib"],
-                                 share=False, incoming_file=snapshot["devices"])
+                                 share=False, incoming_file=snapshot["devices"], disk=overlays.get(child.id),
+                                 vm_dir_ready=child.id in overlays, defer=bool(snapshot.get("paused")))
                 h["snapshot"] = snapshot["tag"]
                 h["base_memory"] = snapshot["memory"]
                 if child.memory_limit_mib:
@@ -556,6 +610,8 @@ class VMEngine:
                 slot = ch.send(self._restore_request({"id": child.id, "role": "sandbox",
                                                       "lineage": child.lineage}))
                 started.append((child, h, slot))
+                if "incoming_fd" in h:
+                    self._incoming_and_cont(h, h.pop("incoming_fd"))
             out = []
             for child, h, slot in started:
                 try:
@@ -572,6 +628,20 @@ class VMEngine:
                 with contextlib.suppress(Exception):
                     self.kill(h)
             raise
+
+    def _incoming_and_cont(self, handle: Handle, fd: int) -> None:
+        """Load device state saved from a stopped source (its children stay paused) and start it."""
+        with QMP(handle["qmp"]) as qmp:
+            qmp.execute("migrate-set-capabilities", {"capabilities": [{"capability": "events", "state": True}]})
+            qmp.execute("migrate-incoming", {"uri": f"fd:{fd}"})
+            while True:
+                ev = qmp.wait_event("MIGRATION", timeout=self.restore_timeout)
+                status = ev.get("data", {}).get("status")
+                if status == "completed":
+                    break
+                if status in ("failed", "cancelled"):
+                    raise EngineError(f"loading the device state failed: {self._log_tail(handle)}")
+            qmp.execute("cont")
 
     # --- branch ----------------------------------------------------------------------------------
 
@@ -634,6 +704,24 @@ class VMEngine:
         threading.Thread(target=complete, name=f"vm-branch-{tag}", daemon=True).start()
         return BranchResult(pause_ms=pause_ms, ready=ready, prepare_ms=prepare_ms)
 
+    def _freeze_disk(self, qmp: QMP, sandbox: Handle) -> str | None:
+        """While the VM is stopped: move it onto a fresh overlay; returns the layer now frozen."""
+        if not sandbox.get("disk"):
+            return None
+        top = next((b["inserted"]["file"] for b in qmp.execute("query-block")
+                    if b.get("device") == DISK_ID and b.get("inserted")), None)
+        if top is None:
+            raise EngineError("the sandbox's disk is not attached")
+        n = len([f for f in os.listdir(sandbox["dir"]) if f.startswith("disk-") and f.endswith(".qcow2")])
+        new = os.path.join(sandbox["dir"], f"disk-{n}.qcow2")
+        qmp.execute("blockdev-snapshot-sync", {"device": DISK_ID, "snapshot-file": new, "format": "qcow2"})
+        return top
+
+    def _flatten_disk(self, frozen: str | None, snap: str) -> None:
+        """The branch's disk as one standalone raw file (snapshots never depend on each other)."""
+        if frozen:
+            self._tool(["qemu-img", "convert", "-U", "-O", "raw", frozen, os.path.join(snap, "disk.raw")])
+
     def _branch_stopped(self, sandbox: Handle, mode: str, snap: str, mem_path: str, mem_size: int):
         """full / diff: returns (pause_ms, finish) where finish() completes memory.bin afterwards."""
         pid = sandbox["pid"]
@@ -683,6 +771,7 @@ class VMEngine:
                 steps["read_ms"] = (clock() - t) * 1000
                 t = clock()
                 qmp.execute("xen-save-devices-state", {"filename": devices, "live": False})
+                frozen = self._freeze_disk(qmp, sandbox)
                 steps["devices_ms"] = (clock() - t) * 1000
                 qmp.execute("cont")
                 resumed = True
@@ -698,6 +787,7 @@ class VMEngine:
         dirty = sum(c for _f, c in runs) * vmem.PAGE
 
         def finish() -> None:
+            self._flatten_disk(frozen, snap)
             with open(os.path.join(snap, "branch.json"), "w") as f:
                 json.dump({"mode": mode, "pause_ms": pause_ms, "prepare_ms": prepare_ms, "dirty_bytes": dirty,
                            "steps_ms": {k: round(v, 2) for k, v in steps.items()}}, f)
@@ -718,6 +808,12 @@ class VMEngine:
             qmp.execute("getfd", {"fdname": "forkd-live"}, fds=[wfd])
             os.close(wfd)
             wfd = -1
+            frozen = None
+            if sandbox.get("disk"):
+                # The disk is switched at the same instant: stop, new overlay, then the background
+                # snapshot (which saves device state and starts the VM itself).
+                qmp.execute("stop")
+                frozen = self._freeze_disk(qmp, sandbox)
             qmp.execute("migrate", {"uri": "fd:forkd-live"})
             stop_ev = qmp.wait_event("STOP", timeout=30)
             resume_ev = qmp.wait_event("RESUME", timeout=60)
@@ -730,6 +826,8 @@ class VMEngine:
             with contextlib.suppress(QMPError):
                 qmp.execute("migrate-set-capabilities", {"capabilities": [
                     {"capability": "background-snapshot", "state": False}]})
+            with contextlib.suppress(QMPError):
+                qmp.execute("cont")  # never leave the source stopped
             qmp.close()
             if isinstance(exc, EngineError):
                 raise
@@ -755,11 +853,15 @@ class VMEngine:
                                       f"{status and status.get('error-desc')}")
                 with open(os.path.join(snap, "devices.bin"), "wb") as f:
                     f.write(device_state)
+                self._flatten_disk(frozen, snap)
                 with open(os.path.join(snap, "branch.json"), "w") as f:
                     json.dump({"mode": "live", "pause_ms": pause_ms,
                                "qemu_downtime_ms": status.get("downtime")}, f)
-                ready.set_result(self._snapshot_handle(*finish_args, branched_from=sandbox["name"], mode="live",
-                                                       pause_ms=pause_ms))
+                result = self._snapshot_handle(*finish_args, branched_from=sandbox["name"], mode="live",
+                                               pause_ms=pause_ms)
+                if frozen:
+                    result["paused"] = True  # saved from a stopped source: children need a cont
+                ready.set_result(result)
             except BaseException as exc:  # noqa: BLE001
                 shutil.rmtree(snap, ignore_errors=True)
                 shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)

@@ -172,6 +172,7 @@ mount -t tmpfs tmp /tmp
 mount -t tmpfs shm /dev/shm
 for m in {modules}; do insmod "$m" || echo "forkd init: insmod $m failed"; done
 ip link set lo up 2>/dev/null
+if [ -b /dev/vda ]; then mkdir -p /data && mount -t ext4 /dev/vda /data || echo "forkd init: mount /data failed"; fi
 hostname forkd
 export PATH=/usr/local/bin:/usr/bin:/bin:/sbin HOME=/root LANG=C.UTF-8 PYTHONHOME=/usr PYTHONPATH=/opt/forkd
 export PYTHONDONTWRITEBYTECODE=1 FORKD_SANDBOX=1
