@@ -236,7 +236,7 @@ class Controller:
 
     def create_snapshot(self, tag, *, engine: str = "auto", setup: str | None = None,
                         setup_commands: list | None = None, mem_size_mib: int | None = None,
-                        host_network: bool = False) -> dict:
+                        host_network: bool = False, disk_mib: int | None = None) -> dict:
         check_tag(tag)
         if engine not in ENGINES:
             raise BadRequest(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -248,7 +248,11 @@ class Controller:
             raise BadRequest("setup_commands must be a list of argv lists, e.g. [[\"pip\", \"install\", \"x\"]]")
         if mem_size_mib is not None:
             _int_field(mem_size_mib, "mem_size_mib", 64, 1 << 20)
+        if disk_mib is not None:
+            _int_field(disk_mib, "disk_mib", 16, 1 << 20)
         name, eng = self._engine(engine)
+        if disk_mib is not None and name != "vm":
+            raise BadRequest("disk_mib needs engine vm (a process sandbox's files live in its private layer)")
         with self._lock:
             if tag in self._in_flight:
                 raise Conflict(f"snapshot {tag} is already being written")
@@ -257,11 +261,12 @@ class Controller:
             self._in_flight.add(tag)
         try:
             spec = SnapshotSpec(tag=tag, setup=setup, setup_commands=commands, host_network=bool(host_network),
-                                mem_size_mib=mem_size_mib)
+                                mem_size_mib=mem_size_mib, disk_mib=disk_mib)
             self.registry.insert_snapshot({
                 "tag": tag, "engine": name, "status": "writing", "created_at": time.time(),
                 "lineage": [tag], "spec": {"setup": setup, "setup_commands": commands,
-                                           "host_network": bool(host_network), "mem_size_mib": mem_size_mib}})
+                                           "host_network": bool(host_network), "mem_size_mib": mem_size_mib,
+                                           "disk_mib": disk_mib}})
             self._emit("snapshot", "created", tag=tag, status="writing")
             try:
                 handle = eng.create_snapshot(spec)

@@ -74,3 +74,10 @@ def test_sigkill_of_qemu_mid_branch_leaves_nothing_ready(ctl):
     assert counts["sandboxes_dropped"] >= 1
     assert ctl.get_snapshot("killed")["status"] == "failed"
     assert ctl.get_snapshot("vmbase")["status"] == "ready"
+
+
+def test_disk_needs_the_vm_engine(ctl):
+    with pytest.raises(BadRequest, match="disk_mib must be"):
+        ctl.create_snapshot("tiny-disk", engine="vm", disk_mib=1)
+    with pytest.raises(BadRequest, match="not available|needs engine vm"):
+        ctl.create_snapshot("proc-disk", engine="process", disk_mib=64)
