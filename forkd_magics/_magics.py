@@ -236,6 +236,12 @@ class ForkdMagics(Magics):
                     raise UsageError(f"forkd: {name} is a {type(item).__name__}, not a sandbox")
         return ids
 
+    def _one_sandbox(self, name: str) -> str:
+        ids = self._sandbox_ids([name])
+        if len(ids) != 1:
+            raise UsageError(f"forkd: {name} names {len(ids)} sandboxes; give exactly one")
+        return ids[0]
+
     def _targets(self, args) -> list[str]:
         if args.all or args.tag:
             sandboxes = self.controller.list_sandboxes()
@@ -261,7 +267,7 @@ class ForkdMagics(Magics):
     def _branch(self, args, cell):
         if args.diff and args.live:
             raise UsageError("forkd branch: --diff and --live exclude each other")
-        (sandbox,) = self._sandbox_ids([args.sandbox]) or [args.sandbox]
+        sandbox = self._one_sandbox(args.sandbox)
         mode = "diff" if args.diff else "live" if (args.live or args.no_wait) else None
         info = self.controller.branch_sandbox(sandbox, args.tag, mode=mode, wait=not args.no_wait)
         return Snapshot(info, self.controller)
@@ -286,7 +292,7 @@ class ForkdMagics(Magics):
     def _exec(self, args, cell):
         if not args.command:
             raise UsageError("forkd exec: give a command: %forkd exec SB -- cmd args")
-        (sandbox,) = self._sandbox_ids([args.sandbox])
+        sandbox = self._one_sandbox(args.sandbox)
         cmd = " ".join(args.command)
         r = self.controller.exec_command(sandbox, ["/bin/sh", "-c", cmd], args.timeout)
         return ExecResult(r.get("stdout", ""), r.get("stderr", ""), r.get("exit_code", 1), r.get("error"))

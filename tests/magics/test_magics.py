@@ -138,8 +138,10 @@ def test_delete_snapshot(ip, forkd):
     ("branch sb-x --diff --live", "UsageError: forkd branch: --diff and --live exclude each other"),
     ("run sb-x", "UsageError: forkd run is a cell magic"),
     ("exec sb-x", "UsageError: forkd exec: give a command"),
+    ("branch two", "UsageError: forkd: two names 2 sandboxes; give exactly one"),
 ])
 def test_errors_are_one_line_not_a_traceback(ip, line, message):
+    ip.user_ns["two"] = [Sandbox({"id": "sb-a", "snapshot_tag": "t"}), Sandbox({"id": "sb-b", "snapshot_tag": "t"})]
     res, out = cell(ip, f"%forkd {line}")
     assert not res.success
     assert out.stderr.startswith(message), out.stderr
