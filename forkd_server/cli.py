@@ -412,8 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=os.environ.get("FORKD_TLS_KEY"))
     p.add_argument("--branch-concurrency", type=int, default=None,
                    help="branches in flight at once (default 4)")
-    p.add_argument("jupyter_args", nargs="*", help="extra jupyter-server options, e.g. --ServerApp.log_level=DEBUG")
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, jupyter_args=[])
+    p.epilog = "Other jupyter-server options pass through, e.g. --ServerApp.log_level=DEBUG."
 
     p = sub.add_parser("snapshot", parents=[client], help="create a snapshot, or branch a sandbox with --from-sandbox")
     p.add_argument("--tag", help="the snapshot's tag (optional with --from-sandbox)")
@@ -505,7 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .client import ControllerError, ServerUnreachable
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "serve" or not all(a.startswith(("--ServerApp.", "--ForkdApp.", "--IdentityProvider."))
+                                               for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.jupyter_args = extra
     try:
         return args.func(args)
     except ServerUnreachable as exc:

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 what="${1:-demo}"
 
 # Debian packages the engines and tests use (skipped when all are present already).
-debs=(iproute2 qemu-system-x86 qemu-utils busybox-static lz4 e2fsprogs chromium chromium-driver)
+debs=(iproute2 qemu-system-x86 qemu-utils busybox-static lz4 e2fsprogs chromium chromium-driver openssl)
 missing=()
 for p in "${debs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then

@@ -1,0 +1,186 @@
+"""What the REST layer costs: forkd serve + HTTP versus a direct, in-process controller call.
+
+Two operations, as issue 5's target states them (REST adds <= 2 ms p50):
+  * ``POST /v1/sandboxes/{id}/ping`` versus ``Controller.ping(id)``, on one real sandbox;
+  * ``GET /v1/sandboxes`` versus ``Controller.list_sandboxes()`` with 1000 registered sandboxes.
+
+Method. One data dir, a Controller in this process (the direct calls) and ``forkd serve`` on the
+same data dir (a subprocess, as users run it; it attaches to the same sandbox). Each round times
+every way once, in turn, so the load of a busy machine falls on all ways alike; the overhead is the
+median of the paired differences (REST minus direct), and the p50s are reported too. REST ways:
+the client SDK (urllib, a new TCP connection per call: what ``forkd_server.client`` users get),
+one keep-alive connection (http.client: what a long-lived client such as a browser gets) with the
+JSON reply parsed, and for the list also unparsed (the server's share alone).
+
+The 1000 sandboxes: one is real; the other 999 are rows inserted straight into the registry
+(status running) that carry the real sandbox's handle. Listing reads the registry and checks each
+row's process is alive (one /proc read per row), so every row costs what a real sandbox costs; no
+other call touches them. They are deleted from the registry before anything else runs.
+
+Usage: python3 bench/api.py [--json] [--iterations 500] [--sandboxes 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from forkd_server.client import Controller as Client  # noqa: E402
+from forkd_server.controller import Controller  # noqa: E402
+from forkd_server.registry import Registry  # noqa: E402
+
+
+def stats(samples_s: list[float]) -> dict:
+    ms = sorted(s * 1000 for s in samples_s)
+    return {"p50_ms": round(statistics.median(ms), 4), "p90_ms": round(ms[int(len(ms) * 0.9) - 1], 4),
+            "mean_ms": round(statistics.fmean(ms), 4), "n": len(ms)}
+
+
+def timeit(fn, n: int, warmup: int = 20) -> dict:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return stats(samples)
+
+
+def fake_rows(count: int, real: dict) -> list[dict]:
+    """Registry rows that look like ``real`` (same handle, so the liveness check passes)."""
+    now = time.time()
+    return [{"id": f"sb-fffffff0-{i:04x}", "snapshot_tag": real["snapshot_tag"], "engine": real["engine"],
+             "status": "running", "created_at": now, "lineage": [real["snapshot_tag"], f"sb-fffffff0-{i:04x}"],
+             "memory_limit_mib": None, "handle": real["handle"]} for i in range(count)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--iterations", type=int, default=500, help="samples of ping (list: a fifth of it)")
+    parser.add_argument("--sandboxes", type=int, default=1000, help="registered sandboxes for the list test")
+    args = parser.parse_args()
+    n_list = max(50, args.iterations // 5)
+
+    data = tempfile.mkdtemp(prefix="fkb")
+    out: dict = {"iterations_ping": args.iterations, "iterations_list": n_list, "registered_sandboxes": args.sandboxes,
+                 "real_sandboxes": 1, "registry_rows_inserted_directly": args.sandboxes - 1,
+                 "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()[0]}
+    fakes: list[dict] = []
+    server = ctl = None
+    try:
+        ctl = Controller(data)
+        ctl.create_snapshot("bench", setup="x = 1")
+        sid = ctl.spawn("bench", 1)[0]["id"]
+        token = secrets.token_hex(20)
+        token_file = os.path.join(data, "token")
+        with open(token_file, "w") as f:
+            f.write(token)
+        port = free_port()
+        server = subprocess.Popen([sys.executable, "-c", "import sys; from forkd_server.cli import main; "
+                                   "sys.exit(main())", "serve", "--port", str(port), "--data-dir", data,
+                                   "--token-file", token_file, "--ServerApp.log_level=WARN"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = Client(f"http://127.0.0.1:{port}", token)
+        client.wait_ready(60)
+        assert [s["id"] for s in client.list_sandboxes()] == [sid], "the server does not see the sandbox"
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        headers = {"Authorization": f"Bearer {token}"}
+
+        def keepalive(method: str, path: str) -> bytes:
+            conn.request(method, path, headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+            assert resp.status == 200, (resp.status, body)
+            return body
+
+        def measure(ways: dict, n: int, warmup: int) -> dict:
+            """Interleaved samples (each round runs every way once), so load noise hits all alike."""
+            for fn in ways.values():
+                for _ in range(warmup):
+                    fn()
+            samples: dict = {name: [] for name in ways}
+            for _ in range(n):
+                for name, fn in ways.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    samples[name].append(time.perf_counter() - t0)
+            result = {name: stats(s) for name, s in samples.items()}
+            for name in ways:
+                if name != "direct":
+                    result[f"overhead_p50_ms_{name}"] = round(result[name]["p50_ms"] - result["direct"]["p50_ms"], 4)
+                    paired = [r - d for r, d in zip(samples[name], samples["direct"])]
+                    result[f"overhead_paired_median_ms_{name}"] = round(statistics.median(paired) * 1000, 4)
+            return result
+
+        ping_path = f"/v1/sandboxes/{sid}/ping"
+        out["ping"] = measure({
+            "direct": lambda: ctl.ping(sid),
+            "rest_sdk": lambda: client.ping_sandbox(sid),
+            "rest_keepalive": lambda: json.loads(keepalive("POST", ping_path)),
+        }, args.iterations, 20)
+        fakes = fake_rows(args.sandboxes - 1, ctl.registry.get_sandbox(sid))
+        ctl.registry.insert_sandboxes(fakes)
+        try:
+            assert len(ctl.list_sandboxes()) == args.sandboxes == len(client.list_sandboxes())
+            out["list_sandboxes"] = measure({
+                "direct": ctl.list_sandboxes,
+                "rest_sdk": client.list_sandboxes,
+                "rest_keepalive": lambda: json.loads(keepalive("GET", "/v1/sandboxes")),
+                "rest_keepalive_unparsed": lambda: keepalive("GET", "/v1/sandboxes"),
+            }, n_list, 5)
+            out["list_sandboxes"]["response_bytes"] = len(keepalive("GET", "/v1/sandboxes"))
+        finally:
+            ctl.registry.delete_sandboxes([r["id"] for r in fakes])
+        conn.close()
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            server.wait(30)
+        if ctl is not None:  # nothing may outlive the bench
+            ctl.registry.delete_sandboxes([r["id"] for r in fakes])
+            for sb in ctl.list_sandboxes():
+                ctl.kill_sandbox(sb["id"])
+            for snap in ctl.list_snapshots():
+                ctl.delete_snapshot(snap["tag"])
+            ctl.close()
+        shutil.rmtree(data, ignore_errors=True)
+
+    out["target_ms"] = 2.0
+    out["target_met"] = {op: {k.removeprefix("overhead_paired_median_ms_"): v <= 2.0 for k, v in out[op].items()
+                              if k.startswith("overhead_paired_median_ms_")} for op in ("ping", "list_sandboxes")}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for op in ("ping", "list_sandboxes"):
+            o = out[op]
+            print(f"{op}: direct p50 {o['direct']['p50_ms']:.3f} ms")
+            for k, v in o.items():
+                if k.startswith("overhead_paired_median_ms_"):
+                    way = k.removeprefix("overhead_paired_median_ms_")
+                    print(f"  {way:24s} p50 {o[way]['p50_ms']:8.3f} ms   adds {v:7.3f} ms (paired median)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
