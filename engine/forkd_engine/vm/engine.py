@@ -280,7 +280,7 @@ class VMEngine:
 
     def _command(self, image: dict, mem_path: str, mem_mib: int, share: bool, qmp_fd: int, agent_fd: int,
                  console: str, incoming: str | None, disk: tuple[str, str] | None = None) -> list[str]:
-        append = "console=ttyS0 quiet panic=-1"
+        append = "console=ttyS0 quiet panic=-1 tsc=reliable"
         if self.tsc_khz:
             append += f" tsc_early_khz={self.tsc_khz}"
         cpu = "max" if self.accel == "tcg" else "host,-arch-capabilities"
