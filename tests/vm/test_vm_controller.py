@@ -81,3 +81,26 @@ def test_disk_needs_the_vm_engine(ctl):
         ctl.create_snapshot("tiny-disk", engine="vm", disk_mib=1)
     with pytest.raises(BadRequest, match="not available|needs engine vm"):
         ctl.create_snapshot("proc-disk", engine="process", disk_mib=64)
+
+
+@pytest.mark.parametrize("mode", ["full", "diff"])
+def test_sigkill_of_qemu_inside_the_pause_leaves_nothing(ctl, vm_engine, monkeypatch, mode):
+    from forkd_engine.vm import memory as vmem
+    (sb,) = ctl.spawn("vmbase", 1)
+    pid = ctl.get_sandbox(sb["id"])["pid"]
+    real = vmem.private_runs
+    calls = []
+
+    def crash_then_scan(p, start, size):
+        calls.append(p)
+        if len(calls) == (2 if mode == "diff" else 1):  # diff scans once before the pause
+            os.kill(p, 9)
+            os.waitpid(p, 0) if p in vm_engine._children else None
+        return real(p, start, size)
+
+    monkeypatch.setattr(vmem, "private_runs", crash_then_scan)
+    with pytest.raises(Exception):
+        ctl.branch(sb["id"], f"crashed-{mode}", mode=mode)
+    assert all(s["tag"] != f"crashed-{mode}" for s in ctl.list_snapshots())
+    assert not os.path.exists(os.path.join(vm_engine.snap_dir, f"crashed-{mode}"))
+    assert pid == calls[-1]
