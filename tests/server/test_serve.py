@@ -86,7 +86,10 @@ def token_file(workdir):
 
 @pytest.fixture(scope="module")
 def server(workdir, token_file):
-    srv = Server("--token-file", token_file, data_dir=os.path.join(workdir, "d"))
+    runtime = os.path.join(workdir, "runtime")  # Jupyter's runtime files: this server's alone
+    srv = Server("--token-file", token_file, data_dir=os.path.join(workdir, "d"),
+                 env={**os.environ, "JUPYTER_RUNTIME_DIR": runtime})
+    srv.runtime_dir = runtime
     srv.token = open(token_file).read().strip()
     srv.url = f"http://127.0.0.1:{srv.port}"
     try:
@@ -204,6 +207,19 @@ def test_sdk_wrong_token(server):
         Controller(server.url, "").list_sandboxes()
     assert (info.value.status, info.value.body) == (401, {"error": "missing bearer token"})
     assert Controller(server.url, "").healthz() == {"ok": True}
+
+
+def test_sdk_and_cli_find_the_running_server(server, monkeypatch):
+    """No FORKD_URL / FORKD_TOKEN: the server is found from Jupyter's runtime files, token included."""
+    for name in ("FORKD_URL", "FORKD_TOKEN", "JPY_PARENT_PID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", server.runtime_dir)
+    ctl = Controller()
+    assert (ctl.base_url, ctl.token) == (server.url, server.token)
+    assert ctl.list_sandboxes() == []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORKD_")}
+    done = subprocess.run([*FORKD, "ls", "--json"], capture_output=True, text=True, env=env, timeout=60)
+    assert (done.returncode, json.loads(done.stdout or "null")) == (0, []), done.stderr
 
 
 def test_jupyter_host_services_are_not_served(server):
