@@ -88,6 +88,8 @@ def test_fork_hygiene_entropy_clock_identity(vm_engine, parent, kids):
     assert abs(ra[4] - time.time()) < 2 and abs(rb[4] - time.time()) < 2
     pa = vm_engine.call(a, {"action": "ping"})
     assert pa["sandbox_id"] == a["name"] and pa["role"] == "sandbox"
+    hosts = {ev(vm_engine, h, "__import__('socket').gethostname()") for h in (a, b)}
+    assert len(hosts) == 2
 
 
 def test_exec_and_memory_sharing(vm_engine, parent, kids):

@@ -81,8 +81,13 @@ class SerialAgent:
             stepped = host_time - time.time()
             if abs(stepped) > float(request.get("max_drift", 0.5)):
                 time.clock_settime(time.CLOCK_REALTIME, host_time)
-        self.runtime.after_fork(request.get("identity") or {})
+        identity = request.get("identity") or {}
+        self.runtime.after_fork(identity)
         reseed_random_generators()
+        hostname = identity.get("hostname")
+        if isinstance(hostname, str) and hostname:
+            with open("/proc/sys/kernel/hostname", "w") as f:
+                f.write(hostname[:64])
         self.restores += 1
         return {"restored": True, "clock_step_s": round(stepped, 3), "restores": self.restores,
                 "identity": self.runtime.identity}

@@ -408,8 +408,9 @@ class VMEngine:
         return self._channel(handle).call(request, timeout or 30.0)
 
     def _restore_request(self, identity: dict) -> dict:
+        name = re.sub(r"[^A-Za-z0-9-]", "-", str(identity.get("id", "forkd")))[-63:].strip("-") or "forkd"
         return {"action": "restore", "entropy_b64": base64.b64encode(os.urandom(64)).decode(),
-                "time": time.time(), "identity": identity}
+                "time": time.time(), "identity": dict(identity, hostname=name)}
 
     # --- liveness and memory ---------------------------------------------------------------------
 
