@@ -53,9 +53,11 @@ class RunResults(dict):
                 parts.append(_pre(ex.stderr, "background:#fff5f5"))
             if ex.error:
                 parts.append(_pre(_error_text(ex.error), "color:#cf222e;font-weight:600"))
-            cols.append('<div style="flex:1 1 0;min-width:160px;border:1px solid #d0d7de;border-radius:4px;'
+            cols.append('<div style="min-width:0;border:1px solid #d0d7de;border-radius:4px;'
                         f'padding:4px 6px;overflow-x:auto">{"".join(parts)}</div>')
-        return f'<div class="forkd-run" style="display:flex;gap:8px;align-items:flex-start">{"".join(cols)}</div>'
+        # side by side, as many columns as fit (8 sandboxes wrap into rows on a narrow page)
+        return ('<div class="forkd-run" style="display:grid;grid-template-columns:repeat(auto-fill,minmax(200px,1fr));'
+                f'gap:8px;align-items:start">{"".join(cols)}</div>')
 
     def _repr_pretty_(self, p, cycle) -> None:
         blocks = []
