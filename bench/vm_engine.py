@@ -173,9 +173,11 @@ def main(argv=None) -> int:
         image = engine.image()
         result = {"engine": "vm", "accel": engine.accel, "accel_reason": engine.accel_reason,
                   "qemu": engine.qemu_version, "kernel": image.kernel_version, "cpus": os.cpu_count(),
-                  "image_ready_s": round(time.monotonic() - t, 1), "sizes": []}
+                  "image_ready_s": round(time.monotonic() - t, 1), "loadavg_start": os.getloadavg()[0],
+                  "sizes": []}
         for m in (int(x) for x in args.mem.split(",")):
             result["sizes"].append(bench_size(engine, m, [float(x) for x in args.dirty.split(",")], args.reps, log))
+        result["loadavg_end"] = os.getloadavg()[0]
     finally:
         engine.close()
         if not args.data_dir:

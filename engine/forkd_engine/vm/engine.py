@@ -628,6 +628,8 @@ class VMEngine:
             for _c, h, _s in started:
                 with contextlib.suppress(Exception):
                     self.kill(h)
+            for child_id in overlays:  # children that never started keep no overlay behind
+                shutil.rmtree(self._vm_dir(child_id), ignore_errors=True)
             raise
 
     def _incoming_and_cont(self, handle: Handle, fd: int) -> None:
