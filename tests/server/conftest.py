@@ -7,7 +7,10 @@ import tempfile
 
 import pytest
 
-pytest_plugins = ("pytest_jupyter.jupyter_server",)
+# pytest_jupyter's server fixtures and its coroutine-test hooks, for this directory only: a
+# non-root conftest may not set pytest_plugins, and the plugin's autouse fixtures (a private HOME
+# and Jupyter paths per test) must not reach the other suites.
+from pytest_jupyter.jupyter_server import *  # noqa: E402,F401,F403
 
 
 @pytest.fixture

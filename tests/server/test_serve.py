@@ -393,3 +393,23 @@ def test_tls(workdir, token_file):
             urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/healthz", timeout=5)
     finally:
         srv.stop()
+
+
+def test_no_token_on_loopback(workdir):
+    """forkd's default without --token-file: no auth, loopback only; bodies must be JSON (no CSRF by form)."""
+    srv = Server("--no-token", data_dir=os.path.join(workdir, "open"))
+    try:
+        srv.wait_healthy()
+        ctl = Controller(f"http://127.0.0.1:{srv.port}", "")
+        assert ctl.list_sandboxes() == []
+        assert "no token" in srv.output()
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/v1/sandboxes", method="POST",
+                                     data=b'{"snapshot_tag": "x"}', headers={"Content-Type": "text/plain"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=5)
+        assert info.value.code == 415
+        with pytest.raises(ControllerError) as info:
+            ctl.spawn_sandboxes("nope")
+        assert (info.value.status, info.value.body) == (404, {"error": "snapshot nope not found"})
+    finally:
+        srv.stop()
