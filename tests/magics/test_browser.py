@@ -132,6 +132,12 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
             widget.scroll_into_view_if_needed()
             widget.screenshot(path=str(shot))
             page.screenshot(path=str(SHOTS / "quickstart-page.png"), full_page=False)
+            # a button goes page -> kernel -> server, and the new sandboxes come back over the events
+            widget.locator("input.forkd-n").fill("2")
+            widget.locator("button.forkd-fork").click()
+            widget.locator(".forkd-message", has_text="forked 2 sandboxes from quickstart-b1").wait_for(timeout=30_000)
+            page.wait_for_function(
+                "document.querySelectorAll('.forkd-lineage g.forkd-node').length === 9", timeout=30_000)
         except BaseException:
             page.screenshot(path=str(SHOTS / "failure-page.png"))
             raise
@@ -143,4 +149,5 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
     # what the page showed is what the server has
     snaps = {s["tag"]: s for s in forkd.controller().list_snapshots()}
     assert snaps["quickstart-b1"]["status"] == "ready"
-    json.dumps(snaps)  # plain data
+    from_branch = [b for b in forkd.controller().list_sandboxes() if b["snapshot_tag"] == "quickstart-b1"]
+    assert len(from_branch) == 4  # two from the notebook, two from the button
