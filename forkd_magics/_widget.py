@@ -93,8 +93,9 @@ class LineageWidget(anywidget.AnyWidget):
         counts = {}
         for node in self.tree.values():
             counts[node["kind"]] = counts.get(node["kind"], 0) + 1
-        return (f"LineageWidget({self.server!r}: {counts.get('snapshot', 0)} snapshots, "
-                f"{counts.get('sandbox', 0)} sandboxes{', live' if self.live else ''})")
+        snaps, sbs = counts.get("snapshot", 0), counts.get("sandbox", 0)
+        return (f"LineageWidget({self.server!r}: {snaps} snapshot{'' if snaps == 1 else 's'}, "
+                f"{sbs} sandbox{'' if sbs == 1 else 'es'}{', live' if self.live else ''})")
 
     # --- state ---------------------------------------------------------------------------------
 
