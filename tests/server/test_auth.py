@@ -108,3 +108,9 @@ def test_every_verb_is_authenticated():
 def test_route_patterns_compile():
     for pattern, _ in route_table("forkd/") + route_table(""):
         re.compile(pattern)
+
+
+def test_jupyter_server_finds_no_undecorated_endpoint(jp_web_app, forkd_app):
+    """jupyter_server's own check (what raises JupyterServerAuthWarning) passes for every forkd route."""
+    for pattern, handler in route_table("forkd/"):
+        assert jp_web_app._check_handler_auth(pattern, handler) == [], handler.__name__
