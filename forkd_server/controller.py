@@ -373,8 +373,19 @@ class Controller:
         return out
 
     def list_sandboxes(self) -> list[dict]:
-        return [self.sandbox_info(r) for r in self.registry.list_sandboxes()
-                if r["status"] == "running" and self._sandbox_alive(r)]
+        rows = [r for r in self.registry.list_sandboxes() if r["status"] == "running"]
+        alive = self._alive_many(rows)
+        return [self.sandbox_info(r) for r in rows if alive[r["id"]] or self._sandbox_alive(r)]
+
+    def _alive_many(self, rows: list[dict]) -> dict[str, bool]:
+        """Liveness of many sandboxes, asking each engine once when it can answer in bulk."""
+        out: dict[str, bool] = {}
+        for name, engine in self.engines.items():
+            mine = [r for r in rows if r["engine"] == name and r["handle"]]
+            bulk = getattr(engine, "alive_many", None)
+            flags = bulk([r["handle"] for r in mine]) if bulk else [engine.alive(r["handle"]) for r in mine]
+            out.update((r["id"], f) for r, f in zip(mine, flags))
+        return {r["id"]: out.get(r["id"], False) for r in rows}
 
     def get_sandbox(self, sandbox_id) -> dict:
         return self.sandbox_info(self._sandbox_row(sandbox_id))

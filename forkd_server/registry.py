@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+
+import orjson
 import threading
 from typing import Iterator
 
@@ -49,7 +51,7 @@ def _decode(row: sqlite3.Row | None) -> dict | None:
     out = dict(row)
     for key in _JSON & out.keys():
         if out[key] is not None:
-            out[key] = json.loads(out[key])
+            out[key] = orjson.loads(out[key])
     return out
 
 

@@ -13,6 +13,8 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
+import select
 import signal
 import socket
 import subprocess
@@ -90,6 +92,11 @@ class ProcessEngine:
         self.tmp_size_mib = tmp_size_mib
         self.pids_max = pids_max
         self.spawn_timeout = spawn_timeout
+        self._pidfds: dict[tuple[int, int], int] = {}  # (pid, start time) -> pidfd
+        self._pidfd_lock = threading.Lock()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one pidfd per live process
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         self.cgroups = Cgroups()
         self.cgroups.sweep()
         self._busy_leaves: set[str] = set()
@@ -151,7 +158,39 @@ class ProcessEngine:
             raise AgentUnreachable(str(exc)) from exc
 
     def alive(self, handle: Handle) -> bool:
-        return linux.process_start_time(handle["pid"]) == handle["start_time"]
+        return self.alive_many([handle])[0]
+
+    def alive_many(self, handles: list[Handle]) -> list[bool]:
+        """Liveness of many processes in one poll(): each is watched through a pidfd, opened once.
+
+        The pidfd is kept only if the process it names has the recorded start time, so it stays
+        bound to that exact process even if its pid is later reused.
+        """
+        with self._pidfd_lock:
+            fds = []
+            for h in handles:
+                key = (h["pid"], h["start_time"])
+                fd = self._pidfds.get(key)
+                if fd is None:
+                    try:
+                        fd = os.pidfd_open(h["pid"])
+                    except OSError:
+                        fd = -1
+                    if fd >= 0 and linux.process_start_time(h["pid"]) != h["start_time"]:
+                        os.close(fd)
+                        fd = -1
+                    if fd >= 0:
+                        self._pidfds[key] = fd
+                fds.append(fd)
+            poller = select.poll()
+            for fd in {f for f in fds if f >= 0}:
+                poller.register(fd, select.POLLIN)
+            exited = {fd for fd, _ in poller.poll(0)}  # a pidfd turns readable when its process exits
+            for key, fd in list(self._pidfds.items()):
+                if fd in exited:
+                    os.close(fd)
+                    del self._pidfds[key]
+            return [fd >= 0 and fd not in exited for fd in fds]
 
     def memory(self, handle: Handle) -> dict:
         if not self.alive(handle):
@@ -298,7 +337,6 @@ class ProcessEngine:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 # Wait for the exit itself: its pid namespace (and every process in it) is gone then.
-                import select
                 select.select([pidfd], [], [], 10)
         finally:
             os.close(pidfd)
@@ -359,4 +397,8 @@ class ProcessEngine:
                             prepare_ms=float(reply.get("prepare_ms", 0.0)))
 
     def close(self) -> None:
-        """Nothing to stop: templates and sandboxes outlive the server by design."""
+        """Templates and sandboxes outlive the server by design: only our watchers are closed."""
+        with self._pidfd_lock:
+            for fd in self._pidfds.values():
+                os.close(fd)
+            self._pidfds.clear()
