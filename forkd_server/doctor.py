@@ -45,15 +45,21 @@ def check_kvm() -> dict:
                     "check `dmesg | grep -i kvm`")
     finally:
         os.close(fd)
-    return _row("kvm", "ok", f"/dev/kvm usable (API version {version})")
+    from forkd_engine.vm.engine import kvm_status
+
+    usable, why = kvm_status()  # the VM engine's own verdict: the one it acts on
+    if usable:
+        return _row("kvm", "ok", f"/dev/kvm usable (API version {version}): {why}")
+    return _row("kvm", "warn", f"/dev/kvm answers (API version {version}) but the VM engine will not use it: "
+                f"{why}", "VMs run under TCG here (correct, slower); for KVM use a host with vmx/svm")
 
 
 def check_pvm() -> dict:
-    loaded = os.path.exists("/sys/module/kvm_pvm")
-    if loaded:
-        return _row("pvm", "ok", "kvm_pvm module loaded (KVM without hardware virtualization)")
-    return _row("pvm", "info", "kvm_pvm not loaded (only needed on cloud VMs without nested virtualization)",
-                "on a PVM-enabled host kernel: `modprobe kvm_pvm`")
+    if os.path.exists("/sys/module/kvm_pvm"):
+        return _row("pvm", "warn", "this host's KVM is PVM (kvm_pvm loaded, no hardware virtualization): "
+                    "stock guest kernels crash under it, so the VM engine uses TCG",
+                    "a guest kernel built with CONFIG_PVM_GUEST would be needed for KVM here")
+    return _row("pvm", "ok", "not a PVM host")
 
 
 def check_qemu() -> dict:

@@ -235,3 +235,16 @@ def collapse_anonymous_memory() -> int:
 def set_parent_death_signal(sig: int) -> None:
     PR_SET_PDEATHSIG = 1
     _check(_libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0), "prctl(PDEATHSIG)")
+
+
+def smaps_memory(pid: int) -> dict:
+    """Rss, Pss and USS (Private_Clean + Private_Dirty) of one process, in KiB."""
+    out = {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                out[key.lower() + "_kib"] = int(rest.split()[0])
+            elif key in ("Private_Clean", "Private_Dirty"):
+                out["uss_kib"] += int(rest.split()[0])
+    return out

@@ -53,19 +53,6 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def smaps_memory(pid: int) -> dict:
-    """Rss, Pss and USS (Private_Clean + Private_Dirty) of one process, in KiB."""
-    out = {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("Rss", "Pss"):
-                out[key.lower() + "_kib"] = int(rest.split()[0])
-            elif key in ("Private_Clean", "Private_Dirty"):
-                out["uss_kib"] += int(rest.split()[0])
-    return out
-
-
 class ProcessEngine:
     name = "process"
 
@@ -195,7 +182,7 @@ class ProcessEngine:
     def memory(self, handle: Handle) -> dict:
         if not self.alive(handle):
             raise EngineError(f"process {handle['pid']} is gone")
-        return smaps_memory(handle["pid"])
+        return linux.smaps_memory(handle["pid"])
 
     # --- snapshots -------------------------------------------------------------------------------
 

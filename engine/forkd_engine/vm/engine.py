@@ -106,18 +106,6 @@ def host_tsc_khz() -> int | None:
     return None
 
 
-def smaps_memory(pid: int) -> dict:
-    out = {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("Rss", "Pss"):
-                out[key.lower() + "_kib"] = int(rest.split()[0])
-            elif key in ("Private_Clean", "Private_Dirty"):
-                out["uss_kib"] += int(rest.split()[0])
-    return out
-
-
 # --- the host side of the agent channel ----------------------------------------------------------
 
 class AgentChannel:
@@ -428,7 +416,7 @@ class VMEngine:
                     "size_kib": st.st_size // 1024}
         if not self.alive(handle):
             raise EngineError(f"QEMU process {handle['pid']} is gone")
-        return smaps_memory(handle["pid"])
+        return linux.smaps_memory(handle["pid"])
 
     # --- killing ---------------------------------------------------------------------------------
 
