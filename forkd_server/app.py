@@ -20,14 +20,10 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from traitlets import Int, Unicode, default, validate
 
 from . import __version__
+from .controller import default_data_dir
 
 EVENT_SCHEMA_ID = "https://events.jupyter.org/forkd/change/v1"
 EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "change" / "v1.yaml"
-
-
-def default_data_dir() -> str:
-    return os.environ.get("FORKD_DATA_DIR") or os.path.join(
-        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "forkd")
 
 
 class Metrics:

@@ -287,7 +287,9 @@ def cmd_snapshot_info(args) -> int:
 def cmd_doctor(args) -> int:
     from .doctor import run_checks
 
-    data_dir = args.data_dir or os.environ.get("FORKD_DATA_DIR") or os.path.expanduser("~/.local/share/forkd")
+    from .controller import default_data_dir
+
+    data_dir = args.data_dir or default_data_dir()
     rows = run_checks(data_dir, url=args.url or os.environ.get("FORKD_URL"), token=args.token)
     if args.json:
         _emit_json(rows)
@@ -331,38 +333,9 @@ def cmd_image_build(args) -> int:
 
     from forkd_engine.vm.image import ImageError, build_image
 
-    data_dir = os.path.expanduser(args.data_dir or os.environ.get("FORKD_DATA_DIR")
-                                  or os.path.join(os.path.expanduser("~"), ".local", "share", "forkd"))
-    t0 = time.monotonic()
-    try:
-        image = build_image(os.path.join(data_dir, "vm", "cache"),
-                            log=None if args.json else lambda msg: print(msg, file=sys.stderr))
-    except ImageError as exc:
-        print(f"forkd image build: {exc}", file=sys.stderr)
-        return 1
-    out = dict(image.to_dict(), seconds=round(time.monotonic() - t0, 2))
-    print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
-    return 0
+    from .controller import default_data_dir
 
-
-def add_image_command(sub) -> None:
-    image = sub.add_parser("image", help="the VM engine's guest image").add_subparsers(dest="image_command",
-                                                                                      required=True)
-    p = image.add_parser("build", help="build (or reuse, when its inputs are unchanged) the guest kernel and "
-                                       "initramfs from Debian's packages, cached under the data dir")
-    p.add_argument("--data-dir", help="state directory (default: $FORKD_DATA_DIR or ~/.local/share/forkd)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.set_defaults(func=cmd_image_build)
-
-
-def cmd_image_build(args) -> int:
-    """Build (or reuse) the VM engine's guest image under the data dir: kernel + initramfs."""
-    import time
-
-    from forkd_engine.vm.image import ImageError, build_image
-
-    data_dir = os.path.expanduser(args.data_dir or os.environ.get("FORKD_DATA_DIR")
-                                  or os.path.join(os.path.expanduser("~"), ".local", "share", "forkd"))
+    data_dir = os.path.expanduser(args.data_dir or default_data_dir())
     t0 = time.monotonic()
     try:
         image = build_image(os.path.join(data_dir, "vm", "cache"),

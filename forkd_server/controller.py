@@ -26,6 +26,12 @@ BRANCH_MODES = ("full", "diff", "live")
 ENGINES = ("auto", "process", "vm")
 
 
+def default_data_dir() -> str:
+    """``$FORKD_DATA_DIR``, else ``$XDG_DATA_HOME/forkd``, else ``~/.local/share/forkd``."""
+    return os.environ.get("FORKD_DATA_DIR") or os.path.join(
+        os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "forkd")
+
+
 def check_tag(tag, what: str = "tag") -> str:
     if not isinstance(tag, str) or not TAG_RE.match(tag):
         raise BadRequest(f"invalid {what} {tag!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, "

@@ -16,7 +16,8 @@ import sys
 
 from jupyter_server.serverapp import ServerApp
 
-from .app import ForkdApp, default_data_dir
+from .app import ForkdApp
+from .controller import default_data_dir
 
 PLACEHOLDER_PREFIXES = ("REPLACE_ME", "CHANGE_ME")
 
