@@ -142,29 +142,38 @@ def read_runs(pid: int, start: int, runs: list[tuple[int, int]]) -> list[tuple[i
     buf = bytearray(total)
     view = memoryview(buf)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    out = []
+    packed = []  # where each run lands in buf: one after the other
+    pos = 0
+    for _first, count in runs:
+        packed.append(pos)
+        pos += count * PAGE
     try:
-        pos = 0
-        for i in range(0, len(runs), IOV_MAX):
-            chunk = runs[i:i + IOV_MAX]
-            local = (_IOVec * len(chunk))()
-            remote = (_IOVec * len(chunk))()
-            want = 0
-            for j, (first, count) in enumerate(chunk):
-                n = count * PAGE
-                local[j].base, local[j].len = base + pos + want, n
-                remote[j].base, remote[j].len = start + first * PAGE, n
-                want += n
-            got = _libc.process_vm_readv(pid, local, len(chunk), remote, len(chunk), 0)
-            if got != want:
-                raise OSError(ctypes.get_errno(), f"process_vm_readv read {got} of {want} bytes")
-            for first, count in chunk:
-                out.append((first * PAGE, view[pos:pos + count * PAGE]))
-                pos += count * PAGE
-        return out
+        _readv_runs(pid, start, runs, [base + off for off in packed])
     except OSError:
-        del out
         return _read_runs_procmem(pid, start, runs)
+    return [(first * PAGE, view[off:off + count * PAGE]) for (first, count), off in zip(runs, packed)]
+
+
+def _readv_runs(pid: int, start: int, runs: list[tuple[int, int]], local: list[int]) -> int:
+    """process_vm_readv each run of pages at ``start`` into the local address beside it, IOV_MAX
+    runs per call; returns the bytes read, raises OSError on a short read."""
+    done = 0
+    for i in range(0, len(runs), IOV_MAX):
+        chunk = runs[i:i + IOV_MAX]
+        liov = (_IOVec * len(chunk))()
+        riov = (_IOVec * len(chunk))()
+        want = 0
+        for j, (first, count) in enumerate(chunk):
+            n = count * PAGE
+            liov[j].base, liov[j].len = local[i + j], n
+            riov[j].base, riov[j].len = start + first * PAGE, n
+            want += n
+        got = _libc.process_vm_readv(pid, liov, len(chunk), riov, len(chunk), 0)
+        if got != want:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv of VM RAM: {os.strerror(err)} ({got} of {want} bytes)")
+        done += want
+    return done
 
 
 MADV_POPULATE_WRITE = 23
@@ -192,23 +201,7 @@ class FileView:
 
     def read_from(self, pid: int, start: int, runs: list[tuple[int, int]]) -> int:
         """Copy ``runs`` of process ``pid``'s memory at ``start`` to the same offsets of the file."""
-        done = 0
-        for i in range(0, len(runs), IOV_MAX):
-            chunk = runs[i:i + IOV_MAX]
-            local = (_IOVec * len(chunk))()
-            remote = (_IOVec * len(chunk))()
-            want = 0
-            for j, (first, count) in enumerate(chunk):
-                n = count * PAGE
-                local[j].base, local[j].len = self.addr + first * PAGE, n
-                remote[j].base, remote[j].len = start + first * PAGE, n
-                want += n
-            got = _libc.process_vm_readv(pid, local, len(chunk), remote, len(chunk), 0)
-            if got != want:
-                err = ctypes.get_errno()
-                raise OSError(err, f"process_vm_readv of VM RAM: {os.strerror(err)} ({got} of {want} bytes)")
-            done += want
-        return done
+        return _readv_runs(pid, start, runs, [self.addr + first * PAGE for first, _count in runs])
 
     def close(self) -> None:
         del self._anchor
