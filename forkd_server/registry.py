@@ -62,6 +62,10 @@ def _encode(fields: dict) -> dict:
 class Registry:
     def __init__(self, path: str):
         self._lock = threading.RLock()
+        # Decoded rows of whole tables, reused until a commit: ours clears it, another connection's
+        # (another process sharing the data dir) shows in PRAGMA data_version. Rows are read-only.
+        self._tables: dict[str, list[dict]] = {}
+        self._version = None
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -83,6 +87,7 @@ class Registry:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+            self._tables.clear()
 
     def next_counter(self, name: str, count: int = 1) -> int:
         """Reserve ``count`` values of a persistent counter; returns the first."""
@@ -114,7 +119,15 @@ class Registry:
 
     def _all(self, table: str, order: str) -> list[dict]:
         with self._lock:
-            return [_decode(r) for r in self._db.execute(f"SELECT * FROM {table} ORDER BY {order}")]
+            version = self._db.execute("PRAGMA data_version").fetchone()[0]
+            if version != self._version:
+                self._tables.clear()
+                self._version = version
+            rows = self._tables.get(table)
+            if rows is None:
+                rows = [_decode(r) for r in self._db.execute(f"SELECT * FROM {table} ORDER BY {order}")]
+                self._tables[table] = rows
+            return [dict(r) for r in rows]
 
     # --- snapshots --------------------------------------------------------------------------------
 

@@ -1,0 +1,40 @@
+"""The registry's table cache never serves stale rows."""
+
+from __future__ import annotations
+
+import os
+
+from forkd_server.registry import Registry
+
+
+def row(i: int) -> dict:
+    return {"id": f"sb-{i}", "snapshot_tag": "t", "engine": "process", "status": "running",
+            "created_at": 1.0, "lineage": ["t", f"sb-{i}"], "handle": {"pid": i, "start_time": 1}}
+
+
+def test_cache_follows_commits_of_this_and_other_connections(short_dir):
+    path = os.path.join(short_dir, "r.sqlite3")
+    a, b = Registry(path), Registry(path)
+    try:
+        assert b.list_sandboxes() == []
+        a.insert_sandboxes([row(1)])                 # another connection (another process, say)
+        assert [r["id"] for r in b.list_sandboxes()] == ["sb-1"]
+        b.update_sandbox("sb-1", branch_count=3)     # this connection's own commit
+        assert b.list_sandboxes()[0]["branch_count"] == 3
+        assert a.list_sandboxes()[0]["branch_count"] == 3
+        a.delete_sandboxes(["sb-1"])
+        assert b.list_sandboxes() == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_callers_cannot_change_what_the_next_reader_sees(short_dir):
+    reg = Registry(os.path.join(short_dir, "r.sqlite3"))
+    try:
+        reg.insert_sandboxes([row(1)])
+        first = reg.list_sandboxes()[0]
+        first["status"] = "scribbled"
+        assert reg.list_sandboxes()[0]["status"] == "running"
+    finally:
+        reg.close()
