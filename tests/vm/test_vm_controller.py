@@ -104,3 +104,24 @@ def test_sigkill_of_qemu_inside_the_pause_leaves_nothing(ctl, vm_engine, monkeyp
     assert all(s["tag"] != f"crashed-{mode}" for s in ctl.list_snapshots())
     assert not os.path.exists(os.path.join(vm_engine.snap_dir, f"crashed-{mode}"))
     assert pid == calls[-1]
+
+
+def test_memory_limit_caps_the_vm_and_an_overgrown_guest_is_killed(ctl):
+    from forkd_server.errors import NotFound
+
+    (sb,) = ctl.spawn("vmbase", 1, memory_limit_mib=96)
+    leaves = ctl.registry.get_sandbox(sb["id"])["handle"]["cgroups"]
+    leaf = next(p for p in leaves if "memory" in p)
+    with open(os.path.join(leaf, "memory.max" if os.path.exists(os.path.join(leaf, "memory.max"))
+                           else "memory.limit_in_bytes")) as f:
+        assert int(f.read()) == 96 * 2**20
+    with open(os.path.join(leaf, "cgroup.procs")) as f:
+        assert str(sb["pid"]) in f.read().split()
+    assert ctl.eval(sb["id"], "value")["result"] == "7"      # within its limit it works
+    # The guest writes 160 MiB: copies of memory.bin pages charged to its QEMU, past the limit.
+    with pytest.raises(Exception):
+        ctl.run_code(sb["id"], "blob = bytearray(160 * 2**20)\nfor i in range(0, len(blob), 4096):\n"
+                               "    blob[i] = 1\nlen(blob)", timeout=120)
+    with pytest.raises(NotFound):                            # the OOM killer ended that VM only
+        ctl.ping(sb["id"])
+    assert not os.path.exists(leaf)                          # its cgroup went with it

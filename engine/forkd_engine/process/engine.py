@@ -27,7 +27,7 @@ from .. import linux
 from ..agent.client import AgentClient, AgentUnavailable
 from ..base import AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, SnapshotSpec
 from . import rootfs
-from .cgroups import CgroupError, Cgroups
+from ..cgroups import CgroupError, Cgroups
 
 SPAWN_BATCH = 200  # under the kernel's 253 fds per message
 _UCRED = "3i"

@@ -49,6 +49,7 @@ import time
 from concurrent.futures import Future
 
 from .. import linux
+from ..cgroups import Cgroups
 from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle,
                     SnapshotSpec, UnsupportedMode)
 from . import memory as vmem
@@ -240,6 +241,7 @@ class VMEngine:
         self.accel_opts = os.environ.get("FORKD_VM_ACCEL_OPTS", "")
         self.boot_timeout = boot_timeout
         self.restore_timeout = restore_timeout
+        self.cgroups = Cgroups(group="forkd-vm")
         self.smp = smp
         self.qemu_version = qemu_version(self.qemu)
         self.tsc_khz = host_tsc_khz()
@@ -445,6 +447,7 @@ class VMEngine:
         self._drop_channel(handle)
         self._stop_process(handle["pid"], handle.get("start_time"))
         shutil.rmtree(handle["dir"], ignore_errors=True)
+        self.cgroups.remove(handle.get("cgroups") or [])
 
     def abandon(self, name: str) -> None:
         """End what an interrupted start left under ``name`` (no handle was recorded)."""
@@ -593,7 +596,14 @@ class VMEngine:
                 h["snapshot"] = snapshot["tag"]
                 h["base_memory"] = snapshot["memory"]
                 if child.memory_limit_mib:
-                    h["memory_limit_mib"] = child.memory_limit_mib  # recorded; not enforced for VMs
+                    # The limit caps what this VM's QEMU process adds to what it shares with its
+                    # snapshot: guest pages it writes (copies of memory.bin), TCG's code, QEMU's heap.
+                    h["memory_limit_mib"] = child.memory_limit_mib
+                    try:
+                        h["cgroups"] = self.cgroups.apply(child.id, h["pid"], child.memory_limit_mib, None)
+                    except OSError as exc:
+                        self.kill(h)
+                        raise EngineError(str(exc)) from exc
                 # Connect before the guest runs: it then sees its host connected throughout.
                 ch = self._channel(h)
                 slot = ch.send(self._restore_request({"id": child.id, "role": "sandbox",
