@@ -206,36 +206,30 @@ class Controller:
         """Re-attach to what survived a restart; record what did not. Returns counts."""
         counts = {"snapshots_attached": 0, "snapshots_failed": 0, "sandboxes_attached": 0, "sandboxes_dropped": 0}
         for row in self.registry.list_snapshots():
-            engine = self.engines.get(row["engine"])
-            if row["status"] == "failed":
-                continue
-            if row["handle"] and engine is not None and engine.alive(row["handle"]):
-                if row["status"] == "ready":
-                    counts["snapshots_attached"] += 1
-                    continue
-            if engine is not None:
-                if row["handle"]:
-                    engine.delete_snapshot(row["handle"])
-                else:
-                    engine.abandon("snap:" + row["tag"])
-            why = ("interrupted by a server restart while it was being written" if row["status"] == "writing"
-                   else "its template process is gone (was the host restarted?)")
-            self.registry.update_snapshot(row["tag"], status="failed", warning=f"snapshot is not bootable: {why}")
-            counts["snapshots_failed"] += 1
-        dropped = []
+            if row["status"] == "ready":
+                ready = self._snapshot_checked(row)["status"] == "ready"
+                counts["snapshots_attached" if ready else "snapshots_failed"] += 1
+            elif row["status"] == "writing":
+                # Its writer (this server, before the restart) is gone: end what it left, record why.
+                engine = self.engines.get(row["engine"])
+                if engine is not None:
+                    if row["handle"]:
+                        engine.delete_snapshot(row["handle"])
+                    else:
+                        engine.abandon("snap:" + row["tag"])
+                self.registry.update_snapshot(row["tag"], status="failed", warning="snapshot is not bootable: "
+                                              "interrupted by a server restart while it was being written")
+                counts["snapshots_failed"] += 1
         for row in self.registry.list_sandboxes():
-            engine = self.engines.get(row["engine"])
-            if row["status"] == "running" and engine is not None and engine.alive(row["handle"]):
-                counts["sandboxes_attached"] += 1
+            if row["status"] == "running" and row["handle"]:
+                alive = self._sandbox_alive(row)  # drops (and cleans up after) the dead
+                counts["sandboxes_attached" if alive else "sandboxes_dropped"] += 1
                 continue
+            engine = self.engines.get(row["engine"])  # a spawn the restart interrupted
             if engine is not None:
-                if row["handle"]:
-                    engine.kill(row["handle"])
-                else:
-                    engine.abandon(row["id"])
-            dropped.append(row["id"])
-        self.registry.delete_sandboxes(dropped)
-        counts["sandboxes_dropped"] = len(dropped)
+                engine.abandon(row["id"])
+            self.registry.delete_sandboxes([row["id"]])
+            counts["sandboxes_dropped"] += 1
         return counts
 
     # --- snapshots -------------------------------------------------------------------------------

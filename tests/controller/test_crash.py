@@ -162,3 +162,22 @@ def test_a_reused_pid_is_not_mistaken_for_the_sandbox(short_dir):
     finally:
         cleanup(c)
         c.close()
+
+
+def test_killing_sandboxes_releases_the_engines_watchers(short_dir):
+    """Every killed sandbox gives back its pidfd and socket: a long-lived server does not leak fds."""
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("w", setup="x = 1")
+        c.list_sandboxes()
+        baseline = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            for sb in c.spawn("w", 10):
+                c.ping(sb["id"])
+                c.kill_sandbox(sb["id"])
+        assert len(os.listdir("/proc/self/fd")) <= baseline + 1
+        assert os.listdir(os.path.join(short_dir, "process", "run")) == [
+            os.path.basename(c.registry.get_snapshot("w")["handle"]["socket"])]
+    finally:
+        cleanup(c)
+        c.close()

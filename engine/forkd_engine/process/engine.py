@@ -338,7 +338,12 @@ class ProcessEngine:
             self._forget({"socket": path})
 
     def _forget(self, handle: Handle) -> None:
+        """Release what we hold for a process we are done with: its socket and its pidfd."""
         _unlink(handle["socket"])
+        with self._pidfd_lock:
+            fd = self._pidfds.pop((handle.get("pid"), handle.get("start_time")), None)
+        if fd is not None:
+            os.close(fd)
 
     # --- branch ----------------------------------------------------------------------------------
 
