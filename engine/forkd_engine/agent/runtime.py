@@ -267,7 +267,7 @@ def reseed_random_generators() -> None:
     generator is reseeded here when numpy is loaded. A VM restore calls this too, where nothing
     reseeds by itself. Generators the user seeded on purpose (``random.Random(42)``) are left alone.
     """
-    random.seed(os.urandom(32))
+    random.seed(int.from_bytes(os.urandom(32), "little"))  # an int seeds directly: no sha512
     np = sys.modules.get("numpy")
     if np is not None:
         with contextlib.suppress(Exception):

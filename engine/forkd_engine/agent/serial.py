@@ -5,10 +5,17 @@ carries ``_rid`` and its reply echoes it, so a reply that outlives its caller (a
 a VM that was branched meanwhile) is recognised and dropped by the host. Every request runs in its
 own thread; replies are written whole under a lock.
 
-One VM-only action lives here, ``restore``: run first after every restore from a snapshot, before the
-host lets anyone else talk to the child. It credits host entropy to the guest kernel and forces a
-CRNG reseed, steps the wall clock to the host's, reseeds Python's generators and takes the child's
-identity. A child whose ``restore`` failed is never handed out (the host fails closed).
+Two VM-only actions live here:
+
+- ``restore``: run first after every restore from a snapshot, before the host lets anyone else talk
+  to the child. It credits host entropy to the guest kernel and forces a CRNG reseed, steps the wall
+  clock to the host's, reseeds Python's generators and takes the child's identity. A child whose
+  ``restore`` failed is never handed out (the host fails closed). Under TCG every guest instruction
+  a child runs for the first time is translated again in that child's QEMU, so this path is kept
+  short: raw fds, no file objects, no hashing.
+- ``settle``: asked for just before a snapshot is saved. It waits until the threads of finished
+  requests have left the kernel; a snapshot taken while one is still exiting would make every child
+  finish that exit again, thousands of fresh translations per restore.
 
 Run as ``python3 -m forkd_engine.agent.serial`` (the guest's /init does).
 """
@@ -24,11 +31,11 @@ import sys
 import threading
 import time
 
-from .runtime import Runtime, reseed_random_generators
+from .runtime import Runtime
 from .server import MAX_LINE, install_reaper
 
 PORT_NAME = "agent"
-INLINE = ("ping", "restore")  # answered on the reader thread; everything else gets its own thread
+INLINE = ("ping", "restore", "settle")  # answered on the reader thread; everything else gets its own thread
 RNDADDENTROPY = 0x40085203   # _IOW('R', 0x03, int[2])
 RNDRESEEDCRNG = 0x5207       # _IO('R', 0x07)
 
@@ -75,24 +82,40 @@ class SerialAgent:
         if len(seed) < 32:
             return {"error": "restore needs at least 32 bytes of entropy", "exit_code": 1}
         add_entropy(seed)
-        stepped = 0.0
-        host_time = request.get("time")
-        if isinstance(host_time, (int, float)):
-            stepped = host_time - time.time()
-            if abs(stepped) > float(request.get("max_drift", 0.5)):
-                time.clock_settime(time.CLOCK_REALTIME, host_time)
+        # Integer nanoseconds both ways: float parsing and printing are code a fresh child would
+        # otherwise translate just for this.
+        stepped_ns = 0
+        host_ns = request.get("time_ns")
+        if isinstance(host_ns, int):
+            stepped_ns = host_ns - time.time_ns()
+            if abs(stepped_ns) > int(request.get("max_drift_ns", 500_000_000)):
+                time.clock_settime_ns(time.CLOCK_REALTIME, host_ns)
         identity = request.get("identity") or {}
-        self.runtime.after_fork(identity)
-        reseed_random_generators()
+        self.runtime.after_fork(identity)  # reseeds Python's generators from the reseeded CRNG
         hostname = identity.get("hostname")
         if isinstance(hostname, str) and hostname:
-            with open("/proc/sys/kernel/hostname", "w") as f:
-                f.write(hostname[:64])
+            fd = os.open("/proc/sys/kernel/hostname", os.O_WRONLY)
+            try:
+                os.write(fd, hostname[:64].encode())
+            finally:
+                os.close(fd)
         self.restores += 1
-        return {"restored": True, "clock_step_s": round(stepped, 3), "restores": self.restores,
+        return {"restored": True, "clock_step_ms": stepped_ns // 1_000_000, "restores": self.restores,
                 "identity": self.runtime.identity}
 
+    @staticmethod
+    def settle(request: dict) -> dict:
+        """Wait (bounded) until this process has no thread left beyond Python's live ones."""
+        deadline = time.monotonic() + min(float(request.get("timeout", 2.0)), 10.0)
+        while True:
+            tasks = len(os.listdir("/proc/self/task"))
+            if tasks <= threading.active_count() or time.monotonic() > deadline:
+                return {"settled": tasks <= threading.active_count(), "tasks": tasks}
+            time.sleep(0.001)  # an exiting thread gives no event to wait on; its task entry goes
+
     def handle(self, request: dict) -> dict:
+        if request.get("action") == "settle":
+            return self.settle(request)
         if request.get("action") == "restore":
             try:
                 return self.restore(request)
@@ -126,13 +149,17 @@ class SerialAgent:
 
     def serve_forever(self) -> None:
         buf = bytearray()
+        # One buffer for every read: os.read(fd, big) would mmap, mremap and munmap per call, and
+        # after a restore each of those kernel paths is translated again.
+        chunk = bytearray(1 << 16)
         idle = 0.001
         while True:
             try:
-                data = os.read(self.fd, 1 << 20)
+                n = os.readv(self.fd, [chunk])
             except InterruptedError:
                 continue
-            if not data:
+            data = memoryview(chunk)[:n]
+            if not n:
                 # No host is connected: the port reads EOF until one is. Drop any partial line.
                 buf.clear()
                 time.sleep(idle)

@@ -400,7 +400,7 @@ class VMEngine:
     def _restore_request(self, identity: dict) -> dict:
         name = re.sub(r"[^A-Za-z0-9-]", "-", str(identity.get("id", "forkd")))[-63:].strip("-") or "forkd"
         return {"action": "restore", "entropy_b64": base64.b64encode(os.urandom(64)).decode(),
-                "time": time.time(), "identity": dict(identity, hostname=name)}
+                "time_ns": time.time_ns(), "identity": dict(identity, hostname=name)}
 
     # --- liveness and memory ---------------------------------------------------------------------
 
@@ -532,6 +532,9 @@ class VMEngine:
                     err = reply["error"]
                     detail = f"{err.get('ename')}: {err.get('evalue')}" if isinstance(err, dict) else err
                     raise EngineError(f"setup failed: {detail}")
+            # Threads of the requests above may still be exiting: let them finish here, once, rather
+            # than in every child after every restore.
+            channel.call({"action": "settle"})
             devices = os.path.join(snap, "devices.bin")
             with QMP(handle["qmp"]) as qmp:
                 qmp.execute("stop")
