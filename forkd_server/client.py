@@ -32,6 +32,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+try:  # optional: parses a large listing several times faster; the standard library is enough
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - exercised where orjson is absent
+    _loads = json.loads
+
 DEFAULT_URL = "http://127.0.0.1:8889"
 
 __all__ = ["Controller", "ControllerError", "ServerUnreachable", "Sandbox", "Snapshot", "CommandResult",
@@ -173,7 +178,7 @@ class Controller:
     def _request(self, method: str, path: str, body: Any = None, **kw) -> Any:
         with self._open(method, path, body, **kw) as resp:
             text = resp.read()
-        return json.loads(text) if text else None
+        return _loads(text) if text else None
 
     # -- forkd's methods (wire-identical) --
 

@@ -191,6 +191,9 @@ async def test_spawn_and_list(jp_fetch, snap):
     assert code == 200 and [s["id"] for s in listed] == sorted(k["id"] for k in kids)
     code, one = await call(jp_fetch, "GET", "sandboxes", kids[0]["id"])
     assert code == 200 and one["id"] == kids[0]["id"]
+    # live state is never revalidated: no ETag is computed (a hash of every reply, for nothing)
+    resp = await jp_fetch("forkd", "v1", "sandboxes", method="GET")
+    assert "Etag" not in resp.headers
 
 
 async def test_spawn_errors_in_forkd_order(jp_fetch, snap):
