@@ -127,6 +127,7 @@ class ForkdApp(ExtensionApp):
         return value + "/" if value else ""
 
     controller = None
+    listing_json: tuple | None = None  # (registry generation, each sandbox's encoded JSON)
 
     def initialize_settings(self) -> None:
         from .controller import Controller

@@ -64,6 +64,7 @@ class Controller:
         self._branches = 0                    # branches holding a concurrency slot
         self._changed = threading.Condition()
         self._listeners: list[Callable[[dict], None]] = []
+        self._listing: tuple | None = None    # (registry generation, running rows, their infos)
         self.reconcile()
 
     def _default_engines(self) -> dict:
@@ -373,9 +374,21 @@ class Controller:
         return out
 
     def list_sandboxes(self) -> list[dict]:
-        rows = [r for r in self.registry.list_sandboxes() if r["status"] == "running"]
-        alive = self._alive_many(rows)
-        return [self.sandbox_info(r) for r in rows if alive[r["id"]] or self._sandbox_alive(r)]
+        _gen, infos, live = self.sandbox_listing()
+        return [dict(info) for info, ok in zip(infos, live) if ok]
+
+    def sandbox_listing(self) -> tuple[int, list[dict], list[bool]]:
+        """(generation, infos, alive) of every running sandbox: ``infos`` are shared and read-only
+        and stay the same objects while ``generation`` does (the registry did not change), so a
+        caller may cache what it derives from them; ``alive`` is checked on every call."""
+        gen, rows = self.registry.sandbox_table()
+        listing = self._listing
+        if listing is None or listing[0] != gen:
+            running = [r for r in rows if r["status"] == "running"]
+            listing = self._listing = (gen, running, [self.sandbox_info(r) for r in running])
+        _gen, running, infos = listing
+        alive = self._alive_many(running)
+        return gen, infos, [alive[r["id"]] or self._sandbox_alive(r) for r in running]
 
     def _alive_many(self, rows: list[dict]) -> dict[str, bool]:
         """Liveness of many sandboxes, asking each engine once when it can answer in bulk."""

@@ -349,7 +349,13 @@ class SandboxesHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.send(await self.call(self.controller.list_sandboxes))
+        gen, infos, live = await self.call(self.controller.sandbox_listing)
+        # Each sandbox's JSON is encoded once per registry generation and reused until it changes.
+        cached = self.app.listing_json
+        if cached is None or cached[0] != gen:
+            cached = self.app.listing_json = (gen, [dumps(info) for info in infos])
+        self.set_status(200)
+        self.finish(b"[" + b",".join(part for part, ok in zip(cached[1], live) if ok) + b"]")
 
     @web.authenticated
     @authorized(action="execute")

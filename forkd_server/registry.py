@@ -64,7 +64,8 @@ class Registry:
         self._lock = threading.RLock()
         # Decoded rows of whole tables, reused until a commit: ours clears it, another connection's
         # (another process sharing the data dir) shows in PRAGMA data_version. Rows are read-only.
-        self._tables: dict[str, list[dict]] = {}
+        self._tables: dict[str, tuple[int, list[dict]]] = {}  # table -> (generation, rows)
+        self._generation = 0
         self._version = None
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
@@ -117,17 +118,23 @@ class Registry:
         with self._lock:
             return _decode(self._db.execute(f"SELECT * FROM {table} WHERE {key}=?", (value,)).fetchone())
 
-    def _all(self, table: str, order: str) -> list[dict]:
+    def _table(self, table: str, order: str) -> tuple[int, list[dict]]:
+        """The decoded table, shared and read-only, with a generation number that changes whenever
+        the table may have changed: callers can cache what they derive from it."""
         with self._lock:
             version = self._db.execute("PRAGMA data_version").fetchone()[0]
             if version != self._version:
                 self._tables.clear()
                 self._version = version
-            rows = self._tables.get(table)
-            if rows is None:
+            entry = self._tables.get(table)
+            if entry is None:
+                self._generation += 1
                 rows = [_decode(r) for r in self._db.execute(f"SELECT * FROM {table} ORDER BY {order}")]
-                self._tables[table] = rows
-            return [dict(r) for r in rows]
+                entry = self._tables[table] = (self._generation, rows)
+            return entry
+
+    def _all(self, table: str, order: str) -> list[dict]:
+        return [dict(r) for r in self._table(table, order)[1]]
 
     # --- snapshots --------------------------------------------------------------------------------
 
@@ -167,6 +174,10 @@ class Registry:
 
     def list_sandboxes(self) -> list[dict]:
         return self._all("sandboxes", "id")
+
+    def sandbox_table(self) -> tuple[int, list[dict]]:
+        """(generation, rows) of the sandboxes table; the rows must not be modified."""
+        return self._table("sandboxes", "id")
 
     def delete_sandboxes(self, ids: list[str]) -> None:
         with self.tx() as db:

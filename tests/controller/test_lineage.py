@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 
@@ -197,3 +200,21 @@ def test_deep_lineage_until_the_kernel_limit_gives_a_clear_error(short_dir):
     finally:
         cleanup(c)
         c.close()
+
+
+def test_listing_follows_branches_kills_and_deaths(ctl, snap):
+    a, b = (s["id"] for s in ctl.spawn(snap, 2))
+    before = {s["id"]: s for s in ctl.list_sandboxes()}
+    assert before[a]["branch_count"] == 0 and not before[a]["has_branched"]
+    ctl.branch(a)
+    after = {s["id"]: s for s in ctl.list_sandboxes()}
+    assert after[a]["branch_count"] == 1 and after[a]["has_branched"]
+    after[a]["branch_count"] = 99                 # a caller's copy, not the cache
+    assert {s["id"]: s for s in ctl.list_sandboxes()}[a]["branch_count"] == 1
+    os.kill(after[b]["pid"], signal.SIGKILL)      # dies outside forkd: the registry does not know yet
+    deadline = time.monotonic() + 10
+    while b in {s["id"] for s in ctl.list_sandboxes()}:
+        assert time.monotonic() < deadline, "a dead sandbox stayed listed"
+        time.sleep(0.02)
+    ctl.kill_sandbox(a)
+    assert a not in {s["id"] for s in ctl.list_sandboxes()}

@@ -38,3 +38,21 @@ def test_callers_cannot_change_what_the_next_reader_sees(short_dir):
         assert reg.list_sandboxes()[0]["status"] == "running"
     finally:
         reg.close()
+
+
+def test_generation_changes_with_every_commit_and_only_then(short_dir):
+    path = os.path.join(short_dir, "r.sqlite3")
+    a, b = Registry(path), Registry(path)
+    try:
+        a.insert_sandboxes([row(1)])
+        gen, rows = b.sandbox_table()
+        assert b.sandbox_table()[0] == gen and b.sandbox_table()[1] is rows  # unchanged: same objects
+        b.update_sandbox("sb-1", branch_count=1)     # own commit
+        gen2, rows2 = b.sandbox_table()
+        assert gen2 != gen and rows2[0]["branch_count"] == 1
+        a.insert_sandboxes([row(2)])                 # another connection's commit
+        gen3, rows3 = b.sandbox_table()
+        assert gen3 not in (gen, gen2) and [r["id"] for r in rows3] == ["sb-1", "sb-2"]
+    finally:
+        a.close()
+        b.close()
