@@ -211,3 +211,22 @@ def test_settle_waits_for_exiting_threads_not_live_ones(vm_engine, parent, kids)
     assert time.monotonic() - t0 < 1.5
     run(vm_engine, a, "stop.set()\nbg.join()")
     assert vm_engine.call(a, {"action": "settle"})["settled"] is True
+
+
+def test_snapshot_waits_for_an_idle_guest(vm_engine, parent, kids):
+    (a,) = spawn(vm_engine, parent, kids)
+    assert vm_engine._vcpu_ns(a["pid"]) > 0          # the vCPU threads are found by name
+    run(vm_engine, a, "x = sum(range(10))")
+    assert vm_engine._wait_idle(a) is True            # an idle guest's vCPU sleeps
+    busy = threading.Thread(target=vm_engine.call, args=(a, {
+        "action": "run_code",
+        "code": "open('/tmp/spinning', 'w').close()\nt_end = time.time() + 3\nwhile time.time() < t_end: pass"}, 30))
+    busy.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "spinning" not in {e["name"] for e in
+                                 vm_engine.call(a, {"action": "files", "op": "list", "path": "/tmp"})["entries"]}:
+            assert time.monotonic() < deadline, "the busy loop never started"
+        assert vm_engine._wait_idle(a, limit=0.5) is False   # a spinning guest never goes quiet
+    finally:
+        busy.join()

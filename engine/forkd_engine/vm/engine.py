@@ -274,7 +274,7 @@ class VMEngine:
         if self.tsc_khz:
             append += f" tsc_early_khz={self.tsc_khz}"
         cpu = "max" if self.accel == "tcg" else "host,-arch-capabilities"
-        cmd = [self.qemu, "-nodefaults", "-no-user-config", "-nographic", "-accel", self.accel + self.accel_opts, "-cpu", cpu,
+        cmd = [self.qemu, "-nodefaults", "-no-user-config", "-nographic", "-name", "forkd,debug-threads=on", "-accel", self.accel + self.accel_opts, "-cpu", cpu,
                "-m", f"{mem_mib}M", "-smp", str(self.smp)]
         if not incoming:
             # A restored child's RAM already holds the running kernel: loading the 50 MB ELF and the
@@ -403,6 +403,36 @@ class VMEngine:
                 "time_ns": time.time_ns(), "identity": dict(identity, hostname=name)}
 
     # --- liveness and memory ---------------------------------------------------------------------
+
+    @staticmethod
+    def _vcpu_ns(pid: int) -> int:
+        """CPU time (schedstat, ns) of a QEMU's vCPU threads, named "CPU n/ACCEL" (debug-threads)."""
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    if not f.read().startswith("CPU "):
+                        continue
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+        return total
+
+    def _wait_idle(self, handle: Handle, quiet: float = 0.03, limit: float = 1.0) -> bool:
+        """Wait until the guest is idle: its vCPUs ran no guest code for ``quiet`` seconds (a halted
+        vCPU thread sleeps). A snapshot saved mid-work (a thread still exiting, the agent still on
+        its way back to read) makes every child finish that work again, translated afresh: ~10 % of
+        a restore's CPU. Bounded by ``limit``; returns whether the guest went quiet."""
+        pid = handle["pid"]
+        start = quiet_since = time.monotonic()
+        last = self._vcpu_ns(pid)
+        while time.monotonic() - start < limit:
+            time.sleep(0.002)  # the sampling interval of the CPU counter, not a guess at readiness
+            now, used = time.monotonic(), self._vcpu_ns(pid)
+            if used != last:
+                last, quiet_since = used, now
+            elif now - quiet_since >= quiet:
+                return True
+        return False
 
     def alive(self, handle: Handle) -> bool:
         if handle.get("kind") == "snapshot":
@@ -535,6 +565,7 @@ class VMEngine:
             # Threads of the requests above may still be exiting: let them finish here, once, rather
             # than in every child after every restore.
             channel.call({"action": "settle"})
+            self._wait_idle(handle)
             devices = os.path.join(snap, "devices.bin")
             with QMP(handle["qmp"]) as qmp:
                 qmp.execute("stop")
