@@ -40,6 +40,9 @@ class SnapshotSpec:
     host_network: bool = False                     # default: loopback only
     mem_size_mib: int | None = None                # a VM's RAM; the process engine ignores it
     disk_mib: int | None = None                    # a VM's ext4 data disk at /data; process ignores it
+    # Debian packages (and their dependencies) added to a VM's guest on a read-only disk, e.g.
+    # ["python3-numpy"]; the process engine ignores it (its sandboxes see the host's files).
+    packages: list[str] = field(default_factory=list)
     setup_timeout: float = 600.0
 
 

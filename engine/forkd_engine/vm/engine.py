@@ -53,7 +53,8 @@ from ..cgroups import Cgroups
 from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle,
                     SnapshotSpec, UnsupportedMode)
 from . import memory as vmem
-from .image import Image, ImageError, build_image
+from .image import (DATA_SERIAL, PACKAGES_FILE, PACKAGES_SERIAL, Image, ImageError, build_image,
+                    build_packages_image)
 from .qmp import QMP, QMPError, event_time
 
 QEMU = "qemu-system-x86_64"
@@ -61,6 +62,7 @@ DEFAULT_MEM_MIB = 256
 MAX_SOCKET_PATH = 107
 MACHINE = "microvm"
 DISK_ID = "d0"
+PACKAGES_ID = "p0"  # the read-only packages disk (SnapshotSpec.packages), shared by every child
 
 
 # --- host checks ---------------------------------------------------------------------------------
@@ -269,7 +271,8 @@ class VMEngine:
         return os.path.join(self.run_dir, hashlib.sha1(name.encode()).hexdigest()[:16])
 
     def _command(self, image: dict, mem_path: str, mem_mib: int, share: bool, qmp_fd: int, agent_fd: int,
-                 console: str, incoming: str | None, disk: tuple[str, str] | None = None) -> list[str]:
+                 console: str, incoming: str | None, disk: tuple[str, str] | None = None,
+                 packages: str | None = None) -> list[str]:
         append = "console=ttyS0 quiet panic=-1 tsc=reliable"
         if self.tsc_khz:
             append += f" tsc_early_khz={self.tsc_khz}"
@@ -292,14 +295,19 @@ class VMEngine:
         if disk:
             path, fmt = disk
             cmd += ["-drive", f"file={path},if=none,id={DISK_ID},format={fmt}",
-                    "-device", f"virtio-blk-device,drive={DISK_ID}"]
+                    "-device", f"virtio-blk-device,drive={DISK_ID},serial={DATA_SERIAL}"]
+        if packages:
+            # Read-only and never written: every child of the snapshot opens the same file. The guest
+            # finds it by its serial, whatever vdX it became.
+            cmd += ["-drive", f"file={packages.replace(',', ',,')},if=none,id={PACKAGES_ID},format=raw,readonly=on",
+                    "-device", f"virtio-blk-device,drive={PACKAGES_ID},serial={PACKAGES_SERIAL}"]
         if incoming:
             cmd += ["-incoming", incoming]
         return cmd
 
     def _launch(self, name: str, image: dict, mem_path: str, mem_mib: int, share: bool,
                 incoming_file: str | None = None, disk: tuple[str, str] | None = None,
-                vm_dir_ready: bool = False, defer: bool = False) -> Handle:
+                vm_dir_ready: bool = False, defer: bool = False, packages: str | None = None) -> Handle:
         vm_dir = self._vm_dir(name)
         if not vm_dir_ready:
             shutil.rmtree(vm_dir, ignore_errors=True)
@@ -318,7 +326,7 @@ class VMEngine:
                 s.listen(8)
                 socks.append(s)
             cmd = self._command(image, mem_path, mem_mib, share, socks[0].fileno(), socks[1].fileno(),
-                                os.path.join(vm_dir, "console.log"), incoming, disk)
+                                os.path.join(vm_dir, "console.log"), incoming, disk, packages)
             with open(os.path.join(vm_dir, "qemu.log"), "wb") as log:
                 fds = [s.fileno() for s in socks] + ([state_fd] if state_fd >= 0 else [])
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -338,6 +346,8 @@ class VMEngine:
                   "socket": os.path.join(vm_dir, "agent.sock"), "mem_mib": mem_mib}
         if disk:
             handle["disk"] = disk[0]
+        if packages:
+            handle["packages_image"] = packages
         if defer:
             handle["incoming_fd"] = state_fd  # QEMU's copy keeps this number
         with open(os.path.join(vm_dir, "pid"), "w") as f:
@@ -436,7 +446,8 @@ class VMEngine:
 
     def alive(self, handle: Handle) -> bool:
         if handle.get("kind") == "snapshot":
-            return all(os.path.exists(handle[k]) for k in ("memory", "devices", "disk") if k in handle) and \
+            return all(os.path.exists(handle[k]) for k in ("memory", "devices", "disk", "packages_image")
+                       if k in handle) and \
                 os.path.exists(os.path.join(handle["dir"], "meta.json"))
         return handle.get("start_time") is not None and \
             linux.process_start_time(handle["pid"]) == handle["start_time"]
@@ -514,9 +525,11 @@ class VMEngine:
         return snap, os.path.join(mem, "memory.bin")
 
     def _snapshot_handle(self, tag: str, snap: str, mem_path: str, mem_mib: int, image: dict,
-                         lineage: list[str], **extra) -> Handle:
+                         lineage: list[str], packages: list[str] | None = None, **extra) -> Handle:
         meta = {"tag": tag, "qemu": self.qemu_version, "machine": MACHINE, "accel": self.accel,
                 "mem_mib": mem_mib, "image": image, "lineage": lineage, "created_at": time.time(), **extra}
+        if packages:
+            meta["packages"] = packages
         with open(os.path.join(snap, "meta.json.tmp"), "w") as f:
             json.dump(meta, f)
         os.rename(os.path.join(snap, "meta.json.tmp"), os.path.join(snap, "meta.json"))
@@ -525,14 +538,58 @@ class VMEngine:
                   "qemu": self.qemu_version, "accel": self.accel}
         if os.path.exists(os.path.join(snap, "disk.raw")):
             handle["disk"] = os.path.join(snap, "disk.raw")
+        if os.path.exists(os.path.join(snap, PACKAGES_FILE)):
+            handle["packages_image"] = os.path.join(snap, PACKAGES_FILE)
+            handle["packages"] = packages or []
         return handle
+
+    # --- the packages disk -----------------------------------------------------------------------
+
+    def _packages_image(self, packages: list[str]) -> str | None:
+        """The cached read-only ext4 image of ``packages`` (built on first use)."""
+        try:
+            return build_packages_image(self.cache_dir, packages)
+        except ImageError as exc:
+            raise EngineError(f"packages {' '.join(map(str, packages))}: {exc}") from exc
+
+    @staticmethod
+    def _pin_packages(source: str, snap: str) -> None:
+        """Give the snapshot its own name for the packages image (a hard link): its children's page
+        caches hold blocks of exactly this file, so a rebuilt or removed cache entry must not change
+        what they see. A copy where a link is impossible (another filesystem, a deleted file)."""
+        dest = os.path.join(snap, PACKAGES_FILE)
+        try:
+            os.link(source, dest)
+        except OSError:
+            vmem.sparse_copy(source, dest, os.path.getsize(source))
+            os.chmod(dest, 0o444)
+
+    @staticmethod
+    def _held_file(handle: Handle, path: str) -> str:
+        """The file the VM's QEMU opened as ``path``: ``path`` while it still names that file, else
+        /proc/PID/fd/N (the snapshot that named it was deleted, or its tag reused since)."""
+        fd_dir = f"/proc/{handle['pid']}/fd"
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(fd_dir):
+                held = os.path.join(fd_dir, fd)
+                with contextlib.suppress(OSError):
+                    if os.readlink(held) in (path, path + " (deleted)"):
+                        with contextlib.suppress(OSError):
+                            if os.path.samefile(held, path):
+                                return path
+                        return held
+        raise EngineError(f"the sandbox's QEMU does not hold its packages disk {path} open")
 
     def create_snapshot(self, spec: SnapshotSpec) -> Handle:
         mem_mib = spec.mem_size_mib or DEFAULT_MEM_MIB
         image = self.image().to_dict()
+        packages = self._packages_image(spec.packages) if spec.packages else None
         snap, mem_path = self._snapshot_paths(spec.tag)
         handle = None
         try:
+            if packages:
+                self._pin_packages(packages, snap)
+                packages = os.path.join(snap, PACKAGES_FILE)
             disk = None
             if spec.disk_mib:
                 # The parent writes the raw ext4 image directly; after it is discarded the file is
@@ -542,7 +599,8 @@ class VMEngine:
                     f.truncate(spec.disk_mib << 20)
                 self._tool(["mkfs.ext4", "-q", "-F", "-L", "forkd-data", disk[0]])
             t0 = time.monotonic()
-            handle = self._launch("snap:" + spec.tag, image, mem_path, mem_mib, share=True, disk=disk)
+            handle = self._launch("snap:" + spec.tag, image, mem_path, mem_mib, share=True, disk=disk,
+                                  packages=packages)
             channel = self._channel(handle)
             try:
                 channel.call({"action": "ping"}, timeout=self.boot_timeout)
@@ -576,7 +634,7 @@ class VMEngine:
             self.kill(handle)
             handle = None
             return self._snapshot_handle(spec.tag, snap, mem_path, mem_mib, image, [spec.tag],
-                                         boot_to_agent_ms=round(boot_ms, 1))
+                                         sorted(set(spec.packages)) or None, boot_to_agent_ms=round(boot_ms, 1))
         except BaseException as exc:
             if handle is not None:
                 self.kill(handle)
@@ -626,8 +684,11 @@ class VMEngine:
             for child in children:
                 h = self._launch(child.id, snapshot["image"], snapshot["memory"], snapshot["mem_mib"],
                                  share=False, incoming_file=snapshot["devices"], disk=overlays.get(child.id),
-                                 vm_dir_ready=child.id in overlays, defer=bool(snapshot.get("paused")))
+                                 vm_dir_ready=child.id in overlays, defer=bool(snapshot.get("paused")),
+                                 packages=snapshot.get("packages_image"))
                 h["snapshot"] = snapshot["tag"]
+                if snapshot.get("packages"):
+                    h["packages"] = snapshot["packages"]
                 h["base_memory"] = snapshot["memory"]
                 if child.memory_limit_mib:
                     # The limit caps what this VM's QEMU process adds to what it shares with its
@@ -710,7 +771,11 @@ class VMEngine:
                 image = json.load(f)["image"]
             if image is None:
                 image = self.image().to_dict()
-            finish_args = (tag, snap, mem_path, sandbox["mem_mib"], image, lineage)
+            if sandbox.get("packages_image"):
+                # The branch's children need the very disk the source runs with (device state and
+                # the guest's page cache refer to it).
+                self._pin_packages(self._held_file(sandbox, sandbox["packages_image"]), snap)
+            finish_args = (tag, snap, mem_path, sandbox["mem_mib"], image, lineage, sandbox.get("packages"))
             if mode == "live":
                 return self._branch_live(sandbox, lock, finish_args, mem_size)
             pause_ms, prepare_ms, finish = self._branch_stopped(sandbox, mode, snap, mem_path, mem_size)

@@ -8,7 +8,8 @@ new image; an unchanged one is reused at once.
 
 ``build_packages_image(cache_dir, packages)`` makes the optional second disk: a read-only ext4 image
 holding more Debian packages (e.g. ``python3-numpy``) and everything they depend on that the base
-image lacks, cached under ``cache_dir/packages/<key>``.
+image lacks, cached under ``cache_dir/packages/<key>``. The guest's /init finds it by its virtio
+serial and lays it under ``/`` with overlayfs.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ BUSYBOX_PACKAGE = "busybox-static"
 LZ4_MAGIC = b"\x02\x21\x4c\x18"  # LZ4 legacy frame
 # Modules the guest needs (virtio over MMIO, the agent's serial port, disks, the entropy device).
 GUEST_MODULES = ("virtio_mmio", "virtio_console", "virtio_blk", "virtio-rng")
+# Loaded by /init only when a packages disk is attached.
+PACKAGES_MODULES = ("overlay",)
+# virtio-blk serials the engine gives its disks; /init tells them apart by these, not by vdX order.
+DATA_SERIAL = "forkd-data"
 PACKAGES_SERIAL = "forkd-pkgs"
 PACKAGES_FILE = "packages.ext4"  # the packages disk, in its cache entry and in every snapshot using it
 PY_DROP_DIRS = {"test", "idlelib", "tkinter", "ensurepip", "lib2to3", "pydoc_data", "dist-packages",
@@ -180,10 +185,43 @@ mount -t tmpfs tmp /tmp
 mount -t tmpfs shm /dev/shm
 for m in {modules}; do insmod "$m" || echo "forkd init: insmod $m failed"; done
 ip link set lo up 2>/dev/null
-if [ -b /dev/vda ]; then mkdir -p /data && mount -t ext4 /dev/vda /data || echo "forkd init: mount /data failed"; fi
+pkgs=
+for b in /sys/block/vd*; do
+  [ -e "$b/serial" ] || continue
+  case "$(cat "$b/serial")" in
+    {data_serial}) mkdir -p /data && mount -t ext4 "/dev/${{b##*/}}" /data || echo "forkd init: mount /data failed";;
+    {pkgs_serial}) pkgs="/dev/${{b##*/}}";;
+  esac
+done
 hostname forkd
 export PATH=/usr/local/bin:/usr/bin:/bin:/sbin HOME=/root LANG=C.UTF-8 PYTHONHOME=/usr PYTHONPATH=/opt/forkd
 export PYTHONDONTWRITEBYTECODE=1 FORKD_SANDBOX=1
+if [ -n "$pkgs" ]; then
+  # The packages disk (read-only ext4): each of its top-level directories goes under the initramfs's
+  # own as an overlayfs lower layer, writable through a tmpfs upper layer.
+  r=/run/forkd-pkgs
+  mkdir -p $r/ro $r/rw
+  if ! mount -t ext4 -o ro,noload "$pkgs" $r/ro; then
+    echo "forkd init: mount of the packages disk $pkgs failed"
+  elif for m in {pkgs_modules}; do insmod "$m"; done; grep -qw overlay /proc/filesystems &&
+       mount -t tmpfs -o mode=0755 pkgs $r/rw; then
+    for d in $r/ro/*; do
+      n=${{d##*/}}
+      case "$n" in lost+found|proc|sys|dev|run|tmp|data) continue;; esac
+      [ -d "$d" ] && [ ! -L "$d" ] || continue
+      mkdir -p "/$n" "$r/rw/$n/u" "$r/rw/$n/w"
+      mount -t overlay "pkgs-$n" -o "lowerdir=$d:/$n,upperdir=$r/rw/$n/u,workdir=$r/rw/$n/w" "/$n" ||
+        echo "forkd init: overlay of /$n failed"
+    done
+    export PYTHONPATH=$PYTHONPATH:/usr/lib/python3/dist-packages
+  else
+    # No overlayfs: use the disk where it is mounted.
+    echo "forkd init: no overlayfs, packages stay under $r/ro"
+    a=/usr/lib/x86_64-linux-gnu
+    export PATH=$PATH:$r/ro/usr/bin:$r/ro/bin PYTHONPATH=$PYTHONPATH:$r/ro/usr/lib/python3/dist-packages
+    export LD_LIBRARY_PATH=$r/ro$a:$r/ro/lib/x86_64-linux-gnu:$r/ro$a/blas:$r/ro$a/lapack
+  fi
+fi
 cd /root
 exec /usr/bin/python3.11 -S -u -m {agent}
 """
@@ -317,6 +355,8 @@ def build_image(cache_dir: str, *, log=None) -> Image:
         modules = _module_order(os.path.join(root, "lib", "modules", kver), GUEST_MODULES)
         if not any(m.endswith("virtio_console.ko") for m in modules):
             raise ImageError(f"kernel {kver} has no virtio_console module")
+        pkgs_modules = [m for m in _module_order(os.path.join(root, "lib", "modules", kver), PACKAGES_MODULES)
+                        if m not in modules]
         busybox = os.path.join(root, "bin", "busybox")
         applets = _run([busybox, "--list-full"]).stdout.decode().split()
 
@@ -350,18 +390,21 @@ def build_image(cache_dir: str, *, log=None) -> Image:
                         cpio.file(lib, b.read(), 0o755)
                     seen.add(lib)
             mod_paths = []
-            for m in modules:
+            for m in modules + pkgs_modules:
                 dest = "/lib/modules/" + os.path.basename(m)
                 with open(m, "rb") as b:
                     cpio.file(dest, b.read())
                 mod_paths.append(dest)
+            pkgs_mod_paths, mod_paths = mod_paths[len(modules):], mod_paths[:len(modules)]
             cpio.file("/opt/forkd/forkd_engine/__init__.py", b'"""forkd guest agent (stub package)."""\n')
             for name, data in _agent_sources().items():
                 cpio.file(f"/opt/forkd/forkd_engine/agent/{name}", data)
             cpio.file("/etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
             cpio.file("/etc/group", b"root:x:0:\n")
             cpio.file("/etc/hostname", b"forkd\n")
-            cpio.file("/init", INIT.format(modules=" ".join(mod_paths), agent=AGENT_MODULE).encode(), 0o755)
+            init = INIT.format(modules=" ".join(mod_paths), agent=AGENT_MODULE, data_serial=DATA_SERIAL,
+                               pkgs_serial=PACKAGES_SERIAL, pkgs_modules=" ".join(pkgs_mod_paths))
+            cpio.file("/init", init.encode(), 0o755)
             cpio.close()
         info = Image(key=key, dir=out_dir, kernel=os.path.join(out_dir, "vmlinux"),
                      initrd=os.path.join(out_dir, "initrd.cpio"), kernel_version=kver)
@@ -426,16 +469,33 @@ def _deb822(text: str) -> list[list[tuple[str, str]]]:
     return records
 
 
+_status_memo: dict[str, str] = {}
+
+
 def _base_status(path: str) -> None:
     """A dpkg status file in which exactly the base image's packages are installed (no dependencies
-    listed, so apt sees nothing to repair)."""
-    out = _run(["apt-cache", "show", "--no-all-versions", *BASE_PROVIDES]).stdout.decode()
+    listed, so apt sees nothing to repair). Remembered while apt's lists stay as they are."""
+    lists = _lists_fingerprint()
+    text = _status_memo.get(lists)
+    if text is None:
+        out = _run(["apt-cache", "show", "--no-all-versions", *BASE_PROVIDES]).stdout.decode()
+        text = "".join("".join(f"{name}: {value}\n" for name, value in rec if name in STATUS_FIELDS)
+                       + "Status: install ok installed\n\n" for rec in _deb822(out))
+        _status_memo.clear()
+        _status_memo[lists] = text
     with open(path, "w") as f:
-        for rec in _deb822(out):
-            for name, value in rec:
-                if name in STATUS_FIELDS:
-                    f.write(f"{name}: {value}\n")
-            f.write("Status: install ok installed\n\n")
+        f.write(text)
+
+
+def _lists_fingerprint() -> str:
+    """Names, sizes and times of apt's package lists: changes whenever ``apt-get update`` changed them."""
+    h = hashlib.sha256()
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(APT_LISTS)):
+            st = os.stat(os.path.join(APT_LISTS, name))
+            if stat.S_ISREG(st.st_mode) and name != "lock":
+                h.update(f"{name} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
 
 
 def _lists_present() -> bool:
@@ -597,12 +657,7 @@ def _remember(request: str, key: str | None) -> None:
 def _request_file(root: str, names: list[str]) -> str:
     """Where the answer for ``names`` is remembered while apt's package lists stay as they are (so an
     unchanged request skips apt's ~2 s of resolving)."""
-    h = hashlib.sha256(f"{PACKAGES_BUILDER_VERSION}\0{' '.join(names)}\0".encode())
-    with contextlib.suppress(OSError):
-        for name in sorted(os.listdir(APT_LISTS)):
-            st = os.stat(os.path.join(APT_LISTS, name))
-            if stat.S_ISREG(st.st_mode) and name != "lock":
-                h.update(f"{name} {st.st_size} {st.st_mtime_ns}\n".encode())
+    h = hashlib.sha256(f"{PACKAGES_BUILDER_VERSION}\0{' '.join(names)}\0{_lists_fingerprint()}".encode())
     return os.path.join(root, "requests", h.hexdigest()[:24] + ".json")
 
 
