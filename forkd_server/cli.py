@@ -79,9 +79,10 @@ def _snapshot_rows(snaps: list[dict]) -> list[list]:
 def cmd_snapshot(args) -> int:
     ctl = _client(args)
     if args.from_sandbox:
-        if args.setup or args.setup_file or args.setup_command or args.kernel or args.rootfs:
+        if args.setup or args.setup_file or args.setup_command or args.kernel or args.rootfs or args.package \
+                or args.disk_mib:
             raise SystemExit("forkd snapshot: --from-sandbox branches a running sandbox; it takes no "
-                             "--setup/--setup-file/--setup-command/--kernel/--rootfs")
+                             "--setup/--setup-file/--setup-command/--package/--disk-mib/--kernel/--rootfs")
         mode = "live" if args.live else "diff" if args.diff else None
         with _console(stderr=True).status(f"branching {args.from_sandbox}", spinner="dots") if not args.json \
                 else _nullcontext():
@@ -107,7 +108,8 @@ def cmd_snapshot(args) -> int:
             with _console(stderr=True).status(f"building snapshot {args.tag}", spinner="dots") if not args.json \
                     else _nullcontext():
                 info = ctl.create_snapshot(args.tag, setup=setup, setup_commands=commands or None,
-                                           engine=args.engine, mem_size_mib=args.mem_size_mib)
+                                           engine=args.engine, mem_size_mib=args.mem_size_mib,
+                                           disk_mib=args.disk_mib, packages=args.package)
     if args.json:
         _emit_json(info)
     else:
@@ -396,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a command run first, e.g. 'pip install numpy' (repeatable)")
     p.add_argument("--engine", default="auto", choices=("auto", "process", "vm"))
     p.add_argument("--mem-size-mib", type=int)
+    p.add_argument("--disk-mib", type=int, help="VM engine: an ext4 data disk of this size at /data")
+    p.add_argument("--package", action="append", metavar="DEB",
+                   help="VM engine: a Debian package for the guest, e.g. python3-numpy (repeatable)")
     p.add_argument("--kernel", help="forkd's form: a guest kernel (selects the VM engine)")
     p.add_argument("--rootfs", help="forkd's form: a root filesystem image")
     p.add_argument("--boot-wait-secs", type=int)

@@ -258,8 +258,13 @@ class Controller:
 
     def create_snapshot(self, tag: str, setup: str | None = None, setup_commands: list[list[str]] | None = None,
                         engine: str = "auto", mem_size_mib: int | None = None, host_network: bool = False,
+                        disk_mib: int | None = None, packages: list[str] | None = None,
                         timeout: float = 900) -> dict:
         body: dict = {"tag": tag, "engine": engine}
+        if disk_mib is not None:
+            body["disk_mib"] = disk_mib
+        if packages:
+            body["packages"] = list(packages)
         if setup is not None:
             body["setup"] = setup
         if setup_commands:

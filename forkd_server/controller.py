@@ -15,7 +15,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
-from forkd_engine import AgentUnreachable, ChildSpec, EngineError, SnapshotSpec, UnsupportedMode
+from forkd_engine import AgentUnreachable, ChildSpec, EngineError, InvalidSpec, SnapshotSpec, UnsupportedMode
 
 from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
 from .registry import Registry
@@ -24,6 +24,7 @@ TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
 MAX_CHILDREN = 1000
 BRANCH_MODES = ("full", "diff", "live")
 ENGINES = ("auto", "process", "vm")
+
 
 
 def default_data_dir() -> str:
@@ -237,7 +238,8 @@ class Controller:
 
     def create_snapshot(self, tag, *, engine: str = "auto", setup: str | None = None,
                         setup_commands: list | None = None, mem_size_mib: int | None = None,
-                        host_network: bool = False, disk_mib: int | None = None) -> dict:
+                        host_network: bool = False, disk_mib: int | None = None,
+                        packages: list[str] | None = None) -> dict:
         check_tag(tag)
         if engine not in ENGINES:
             raise BadRequest(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -251,9 +253,19 @@ class Controller:
             _int_field(mem_size_mib, "mem_size_mib", 64, 1 << 20)
         if disk_mib is not None:
             _int_field(disk_mib, "disk_mib", 16, 1 << 20)
+        if packages:
+            from forkd_engine.vm.image import ImageError, validate_packages
+            try:
+                packages = validate_packages(packages)
+            except ImageError as exc:
+                raise BadRequest(str(exc)) from None
+        packages = list(packages or [])
         name, eng = self._engine(engine)
         if disk_mib is not None and name != "vm":
             raise BadRequest("disk_mib needs engine vm (a process sandbox's files live in its private layer)")
+        if packages and name != "vm":
+            raise BadRequest("packages need engine vm (a process sandbox runs the host's Python environment; "
+                             "add software there with setup_commands)")
         with self._lock:
             if tag in self._in_flight:
                 raise Conflict(f"snapshot {tag} is already being written")
@@ -262,18 +274,20 @@ class Controller:
             self._in_flight.add(tag)
         try:
             spec = SnapshotSpec(tag=tag, setup=setup, setup_commands=commands, host_network=bool(host_network),
-                                mem_size_mib=mem_size_mib, disk_mib=disk_mib)
+                                mem_size_mib=mem_size_mib, disk_mib=disk_mib, packages=packages)
             self.registry.insert_snapshot({
                 "tag": tag, "engine": name, "status": "writing", "created_at": time.time(),
                 "lineage": [tag], "spec": {"setup": setup, "setup_commands": commands,
                                            "host_network": bool(host_network), "mem_size_mib": mem_size_mib,
-                                           "disk_mib": disk_mib}})
+                                           "disk_mib": disk_mib, "packages": packages}})
             self._emit("snapshot", "created", tag=tag, status="writing")
             try:
                 handle = eng.create_snapshot(spec)
             except EngineError as exc:
                 self.registry.delete_snapshot(tag)
                 self._emit("snapshot", "deleted", tag=tag)
+                if isinstance(exc, InvalidSpec):  # e.g. an unknown package: the request's fault
+                    raise BadRequest(str(exc)) from None
                 raise EngineFailure(str(exc)) from exc
             self.registry.update_snapshot(tag, status="ready", handle=handle)
             self._emit("snapshot", "status", tag=tag, status="ready")

@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover
 SNAPSHOT_CREATE = {
     "tag": ("string", True), "engine": ("string", False), "setup": ("string", False),
     "setup_commands": ("string[][]", False), "mem_size_mib": ("integer", False),
-    "host_network": ("boolean", False), "disk_mib": ("integer", False),
+    "host_network": ("boolean", False), "disk_mib": ("integer", False), "packages": ("string[]", False),
     # forkd's own form (kernel + rootfs) selects the VM engine
     "kernel": ("string", False), "rootfs": ("string", False), "rw": ("boolean", False),
     "tap": ("string", False), "boot_wait_secs": ("integer", False),
@@ -312,11 +312,11 @@ class SnapshotsHandler(ForkdHandler):
         info = await self.call(self.controller.create_snapshot, body["tag"], engine=engine,
                                setup=body.get("setup"), setup_commands=body.get("setup_commands"),
                                mem_size_mib=body.get("mem_size_mib"), host_network=body.get("host_network", False),
-                               disk_mib=body.get("disk_mib"))
+                               disk_mib=body.get("disk_mib"), packages=body.get("packages"))
         if "kernel" in body or "rootfs" in body:
             # Say so rather than pretend: the VM runs forkd's own guest (its agent speaks our protocol).
             info["warning"] = ("kernel and rootfs were checked, but the VM boots this server's guest image "
-                               "(`forkd image build`); add software with setup_commands or disk_mib")
+                               "(`forkd image build`); add software with packages, setup_commands or disk_mib")
         self.send(info, 201)
 
 

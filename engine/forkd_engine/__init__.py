@@ -1,7 +1,7 @@
 """forkd_engine: the sandbox engines and the guest agent. Knows nothing of HTTP or Jupyter."""
 
 from .base import (AgentUnreachable, BranchResult, ChildSpec, Engine, EngineError, EngineUnavailable,
-                   SnapshotSpec, UnsupportedMode)
+                   InvalidSpec, SnapshotSpec, UnsupportedMode)
 
 __all__ = ["AgentUnreachable", "BranchResult", "ChildSpec", "Engine", "EngineError",
-           "EngineUnavailable", "SnapshotSpec", "UnsupportedMode"]
+           "EngineUnavailable", "InvalidSpec", "SnapshotSpec", "UnsupportedMode"]

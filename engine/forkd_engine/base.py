@@ -27,6 +27,11 @@ class AgentUnreachable(EngineError):
     """The sandbox's agent did not answer."""
 
 
+class InvalidSpec(EngineError):
+    """The request names something that cannot exist as given (e.g. an unknown Debian package): the
+    caller's mistake, answered as such, not an engine failure."""
+
+
 class UnsupportedMode(EngineError):
     """The request is valid but this host or engine cannot do it (e.g. a branch mode); the message
     names the reason. Never silently downgraded to something else."""

@@ -73,6 +73,21 @@ def test_bad_snapshot_specs(ctl):
         ctl.create_snapshot("e3", setup=42)
 
 
+@pytest.mark.parametrize("packages, match", [
+    (["Python3-NumPy"], "not a Debian package name"),
+    (["python3-numpy; rm -rf /"], "not a Debian package name"),
+    (["-o"], "not a Debian package name"),
+    ([42], "not a Debian package name"),
+    (["p%d" % i for i in range(65)], "at most 64"),
+    (["a" * 101], "not a Debian package name"),
+    (["python3-numpy"], "packages need engine vm"),
+])
+def test_packages_are_checked_before_anything_runs(ctl, packages, match):
+    with pytest.raises(BadRequest, match=match):
+        ctl.create_snapshot("pk", engine="process", packages=packages)
+    assert ctl.registry.get_snapshot("pk") is None
+
+
 def test_failing_setup_is_reported_and_not_registered(ctl):
     from forkd_server.errors import EngineFailure
     with pytest.raises(EngineFailure, match="ZeroDivisionError"):

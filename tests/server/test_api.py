@@ -177,6 +177,16 @@ async def test_delete_snapshot(jp_fetch, sandbox):
     assert listed == []  # the branch went with its ancestor
 
 
+async def test_snapshot_packages_field(jp_fetch):
+    code, body = await call(jp_fetch, "POST", "snapshots", body={"tag": "pk", "packages": "python3-numpy"})
+    assert code == 422 and "packages" in body["error"]
+    code, body = await call(jp_fetch, "POST", "snapshots",
+                            body={"tag": "pk", "engine": "process", "packages": ["python3-numpy"]})
+    assert code == 400 and "engine vm" in body["error"]
+    code, body = await call(jp_fetch, "POST", "snapshots", body={"tag": "pk", "packages": ["Bad Name"]})
+    assert code == 400 and "Debian package name" in body["error"]
+
+
 # --- sandboxes ----------------------------------------------------------------------------------
 
 async def test_spawn_and_list(jp_fetch, snap):

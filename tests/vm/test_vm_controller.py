@@ -125,3 +125,16 @@ def test_memory_limit_caps_the_vm_and_an_overgrown_guest_is_killed(ctl):
     with pytest.raises(NotFound):                            # the OOM killer ended that VM only
         ctl.ping(sb["id"])
     assert not os.path.exists(leaf)                          # its cgroup went with it
+
+
+def test_packages_through_the_controller(ctl):
+    info = ctl.create_snapshot("vmpkgs", engine="vm", packages=["python3-six"],
+                               setup="import six\nflavour = six.PY3")
+    assert info["status"] == "ready"
+    assert ctl.registry.get_snapshot("vmpkgs")["spec"]["packages"] == ["python3-six"]
+    (sb,) = ctl.spawn("vmpkgs", 1)
+    assert ctl.eval(sb["id"], "(flavour, six.__file__.startswith('/usr/lib/python3/'))")["result"] == "(True, True)"
+    ctl.kill_sandbox(sb["id"])
+    with pytest.raises(BadRequest, match="apt-cache search"):
+        ctl.create_snapshot("vmpkgs-bad", engine="vm", packages=["no-such-package-forkd"])
+    assert ctl.registry.get_snapshot("vmpkgs-bad") is None

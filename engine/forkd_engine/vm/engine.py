@@ -51,10 +51,10 @@ from concurrent.futures import Future
 from .. import linux
 from ..cgroups import Cgroups
 from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle,
-                    SnapshotSpec, UnsupportedMode)
+                    InvalidSpec, SnapshotSpec, UnsupportedMode)
 from . import memory as vmem
-from .image import (DATA_SERIAL, PACKAGES_FILE, PACKAGES_SERIAL, Image, ImageError, build_image,
-                    build_packages_image)
+from .image import (DATA_SERIAL, PACKAGES_FILE, PACKAGES_SERIAL, Image, ImageError, PackageNotFound,
+                    build_image, build_packages_image)
 from .qmp import QMP, QMPError, event_time
 
 QEMU = "qemu-system-x86_64"
@@ -549,6 +549,8 @@ class VMEngine:
         """The cached read-only ext4 image of ``packages`` (built on first use)."""
         try:
             return build_packages_image(self.cache_dir, packages)
+        except PackageNotFound as exc:
+            raise InvalidSpec(str(exc)) from exc
         except ImageError as exc:
             raise EngineError(f"packages {' '.join(map(str, packages))}: {exc}") from exc
 

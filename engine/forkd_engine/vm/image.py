@@ -52,6 +52,10 @@ class ImageError(Exception):
     """The guest image could not be built; the message says which step failed."""
 
 
+class PackageNotFound(ImageError):
+    """A requested package name is malformed, unknown, virtual or not installable here."""
+
+
 @dataclass
 class Image:
     key: str
@@ -440,12 +444,12 @@ ALT_INSTALL = re.compile(r"update-alternatives\s+(?:--\S+\s+)*?--install\s+(\S+)
 def validate_packages(packages) -> list[str]:
     """The Debian package names in ``packages``, sorted and unique; ImageError names a bad one."""
     if isinstance(packages, (str, bytes)) or not isinstance(packages, (list, tuple)):
-        raise ImageError('packages must be a list of Debian package names, e.g. ["python3-numpy"]')
+        raise PackageNotFound('packages must be a list of Debian package names, e.g. ["python3-numpy"]')
     if len(packages) > MAX_PACKAGES:
-        raise ImageError(f"at most {MAX_PACKAGES} packages (their dependencies come along by themselves)")
+        raise PackageNotFound(f"at most {MAX_PACKAGES} packages (their dependencies come along by themselves)")
     for name in packages:
         if not isinstance(name, str) or len(name) > 100 or not PACKAGE_NAME.fullmatch(name):
-            raise ImageError(f"{name!r} is not a Debian package name: lower-case letters, digits, '+', '-' "
+            raise PackageNotFound(f"{name!r} is not a Debian package name: lower-case letters, digits, '+', '-' "
                              "and '.', at least two characters, starting with a letter or a digit, no "
                              "version or architecture (find names with `apt-cache search WORD`)")
     return sorted(set(packages))
@@ -524,17 +528,17 @@ def resolve_packages(packages: list[str]) -> list[tuple[str, str, str]]:
         out = proc.stdout + proc.stderr
         unknown = re.findall(r"Unable to locate package (\S+)", out)
         if unknown:
-            raise ImageError(f"unknown Debian package {unknown[0]!r}: apt has no package of that name on this "
+            raise PackageNotFound(f"unknown Debian package {unknown[0]!r}: apt has no package of that name on this "
                              "host (find names with `apt-cache search WORD`; run `apt-get update` if the "
                              "package lists are old)")
         m = re.search(r"Package (\S+) is a virtual package provided by:\n((?:  .*\n)+)", out)
         if m:
             providers = ", ".join(line.split()[0] for line in m.group(2).splitlines())
-            raise ImageError(f"{m.group(1)!r} is a virtual package; name one of the packages that provide it: "
+            raise PackageNotFound(f"{m.group(1)!r} is a virtual package; name one of the packages that provide it: "
                              f"{providers}")
         m = re.search(r"Package '?([^' ]+)'? has no installation candidate", out)
         if m:
-            raise ImageError(f"Debian package {m.group(1)!r} has no installable version on this host")
+            raise PackageNotFound(f"Debian package {m.group(1)!r} has no installable version on this host")
         raise ImageError(f"apt could not resolve {' '.join(names)}: {out.strip()[-1500:]}")
     found = []
     for m in re.finditer(r"^Inst (\S+) (?:\[[^\]]*\] )?\((\S+) .*\[([^\]]+)\]\)", proc.stdout, re.M):
