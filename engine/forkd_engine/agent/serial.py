@@ -12,7 +12,8 @@ Two VM-only actions live here:
   clock to the host's, reseeds Python's generators and takes the child's identity. A child whose
   ``restore`` failed is never handed out (the host fails closed). Under TCG every guest instruction
   a child runs for the first time is translated again in that child's QEMU, so this path is kept
-  short: raw fds, no file objects, no hashing.
+  short: it is one plain line, not JSON (see ``parse_restore``), answered by a formatted line; raw
+  fds, no file objects, no hashing, no floats.
 - ``settle``: asked for just before a snapshot is saved. It waits until the threads of finished
   requests have left the kernel; a snapshot taken while one is still exiting would make every child
   finish that exit again, thousands of fresh translations per restore.
@@ -22,7 +23,7 @@ Run as ``python3 -m forkd_engine.agent.serial`` (the guest's /init does).
 
 from __future__ import annotations
 
-import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -35,7 +36,7 @@ from .runtime import Runtime
 from .server import MAX_LINE, install_reaper
 
 PORT_NAME = "agent"
-INLINE = ("ping", "restore", "settle")  # answered on the reader thread; everything else gets its own thread
+INLINE = ("ping", "settle")  # answered on the reader thread; everything else gets its own thread
 RNDADDENTROPY = 0x40085203   # _IOW('R', 0x03, int[2])
 RNDRESEEDCRNG = 0x5207       # _IO('R', 0x07)
 
@@ -70,6 +71,20 @@ def add_entropy(seed: bytes) -> None:
         os.close(fd)
 
 
+RESTORE = b"restore "
+
+
+def parse_restore(line: bytes) -> tuple[str, bytes, int, dict]:
+    """``restore RID ENTROPY TIME_NS ID ROLE HOSTNAME LINEAGE``: ENTROPY and the four strings are hex
+    (the strings UTF-8, LINEAGE joined by newlines), TIME_NS the host's wall clock in integer ns.
+    Returns (rid, entropy, time_ns, identity)."""
+    rid, entropy, time_ns, sid, role, hostname, lineage = line[len(RESTORE):].split(b" ")
+    text = [bytes.fromhex(f.decode()).decode() for f in (sid, role, hostname, lineage)]
+    identity = {"id": text[0], "role": text[1], "hostname": text[2],
+                "lineage": text[3].split("\n") if text[3] else []}
+    return rid.decode(), bytes.fromhex(entropy.decode()), int(time_ns), identity
+
+
 class SerialAgent:
     def __init__(self, fd: int, runtime: Runtime):
         self.fd = fd
@@ -77,31 +92,40 @@ class SerialAgent:
         self.write_lock = threading.Lock()
         self.restores = 0
 
-    def restore(self, request: dict) -> dict:
-        seed = base64.b64decode(request.get("entropy_b64", ""))
+    def restore(self, seed: bytes, host_ns: int, identity: dict, max_drift_ns: int = 500_000_000) -> int:
+        """Fork hygiene after a restore; returns how far the clock was stepped (ns)."""
         if len(seed) < 32:
-            return {"error": "restore needs at least 32 bytes of entropy", "exit_code": 1}
+            raise ValueError("restore needs at least 32 bytes of entropy")
         add_entropy(seed)
-        # Integer nanoseconds both ways: float parsing and printing are code a fresh child would
-        # otherwise translate just for this.
-        stepped_ns = 0
-        host_ns = request.get("time_ns")
-        if isinstance(host_ns, int):
-            stepped_ns = host_ns - time.time_ns()
-            if abs(stepped_ns) > int(request.get("max_drift_ns", 500_000_000)):
-                time.clock_settime_ns(time.CLOCK_REALTIME, host_ns)
-        identity = request.get("identity") or {}
+        stepped_ns = host_ns - time.time_ns()
+        if abs(stepped_ns) > max_drift_ns:
+            time.clock_settime_ns(time.CLOCK_REALTIME, host_ns)
         self.runtime.after_fork(identity)  # reseeds Python's generators from the reseeded CRNG
-        hostname = identity.get("hostname")
-        if isinstance(hostname, str) and hostname:
+        hostname = identity["hostname"]
+        if hostname:
             fd = os.open("/proc/sys/kernel/hostname", os.O_WRONLY)
             try:
                 os.write(fd, hostname[:64].encode())
             finally:
                 os.close(fd)
         self.restores += 1
-        return {"restored": True, "clock_step_ms": stepped_ns // 1_000_000, "restores": self.restores,
-                "identity": self.runtime.identity}
+        return stepped_ns
+
+    def serve_restore(self, line: bytes) -> None:
+        rid = None
+        try:
+            rid, seed, host_ns, identity = parse_restore(line)
+            stepped_ns = self.restore(seed, host_ns, identity)
+        except Exception as exc:  # noqa: BLE001 - the host fails closed on an error reply
+            reply = {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1}
+            if rid is not None:
+                reply["_rid"] = rid
+            with contextlib.suppress(OSError):
+                self.reply(reply)
+            return
+        with contextlib.suppress(OSError):  # the host went away; it will not wait for this reply
+            self.write(b'{"_rid":"%s","restored":true,"clock_step_ms":%d,"restores":%d}\n'
+                       % (rid.encode(), stepped_ns // 1_000_000, self.restores))
 
     @staticmethod
     def settle(request: dict) -> dict:
@@ -116,15 +140,12 @@ class SerialAgent:
     def handle(self, request: dict) -> dict:
         if request.get("action") == "settle":
             return self.settle(request)
-        if request.get("action") == "restore":
-            try:
-                return self.restore(request)
-            except Exception as exc:  # noqa: BLE001 - the host fails closed on an error reply
-                return {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1}
         return self.runtime.handle(request)
 
     def reply(self, reply: dict) -> None:
-        data = json.dumps(reply, separators=(",", ":")).encode() + b"\n"
+        self.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+
+    def write(self, data: bytes) -> None:
         with self.write_lock:
             view = memoryview(data)
             while view:
@@ -175,6 +196,9 @@ class SerialAgent:
                     break
                 line = bytes(buf[:nl])
                 del buf[:nl + 1]
+                if line.startswith(RESTORE):
+                    self.serve_restore(line)  # first after a restore: on this thread, no JSON
+                    continue
                 if not line.strip():
                     continue
                 try:

@@ -29,7 +29,6 @@ not confirm it is killed, never handed out.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import io
@@ -170,15 +169,19 @@ class AgentChannel:
     def broken(self) -> bool:
         return self.error is not None
 
-    def send(self, request: dict) -> list:
-        """Send without waiting; returns the slot ``wait`` takes."""
+    def send(self, request) -> list:
+        """Send without waiting; returns the slot ``wait`` takes. ``request`` is a dict (sent as JSON)
+        or a function of the request id returning the whole line (the restore line)."""
         rid = f"{self.token}-{next(self.ids)}"
         slot = [threading.Event(), None, rid]
         with self.lock:
             if self.error:
                 raise AgentUnreachable(self.error)
             self.pending[rid] = slot
-        data = json.dumps({**request, "_rid": rid}, separators=(",", ":")).encode() + b"\n"
+        if callable(request):
+            data = request(rid)
+        else:
+            data = json.dumps({**request, "_rid": rid}, separators=(",", ":")).encode() + b"\n"
         try:
             with self.send_lock:
                 self.sock.sendall(data)
@@ -407,10 +410,15 @@ class VMEngine:
             raise EngineError("restore is the engine's own action")
         return self._channel(handle).call(request, timeout or 30.0)
 
-    def _restore_request(self, identity: dict) -> dict:
+    @staticmethod
+    def _restore_request(identity: dict):
+        """The agent's ``restore`` line (``forkd_engine.agent.serial.parse_restore``): plain text, so
+        a fresh child answers it without running (and translating) a JSON decoder first."""
         name = re.sub(r"[^A-Za-z0-9-]", "-", str(identity.get("id", "forkd")))[-63:].strip("-") or "forkd"
-        return {"action": "restore", "entropy_b64": base64.b64encode(os.urandom(64)).decode(),
-                "time_ns": time.time_ns(), "identity": dict(identity, hostname=name)}
+        texts = (str(identity.get("id", "")), str(identity.get("role", "")), name,
+                 "\n".join(str(t) for t in identity.get("lineage") or []))
+        tail = "%s %d %s\n" % (os.urandom(64).hex(), time.time_ns(), " ".join(t.encode().hex() for t in texts))
+        return lambda rid: f"restore {rid} {tail}".encode()
 
     # --- liveness and memory ---------------------------------------------------------------------
 

@@ -1,0 +1,32 @@
+"""The VM restore line: what the host builds is what the guest agent parses (no JSON on that path)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from forkd_engine.agent.serial import parse_restore
+from forkd_engine.vm.engine import VMEngine
+
+
+def test_round_trip_of_identity_entropy_and_clock():
+    identity = {"id": "sb-0001-ü", "role": "sandbox", "lineage": ["base", "branch-sb-1-0", "sb-0001-ü"]}
+    before = time.time_ns()
+    line = VMEngine._restore_request(identity)("a1b2c3d4-7")
+    assert line.endswith(b"\n") and b"{" not in line
+    rid, entropy, host_ns, got = parse_restore(line.rstrip(b"\n"))
+    assert rid == "a1b2c3d4-7" and len(entropy) == 64
+    assert before <= host_ns <= time.time_ns()
+    assert got == {"id": "sb-0001-ü", "role": "sandbox", "hostname": "sb-0001", "lineage": identity["lineage"]}
+
+
+def test_every_line_draws_fresh_entropy_and_empty_lineage_survives():
+    a = parse_restore(VMEngine._restore_request({"id": "t", "role": "template"})("r-1").rstrip(b"\n"))
+    b = parse_restore(VMEngine._restore_request({"id": "t", "role": "template"})("r-2").rstrip(b"\n"))
+    assert a[1] != b[1] and a[3]["lineage"] == [] and a[3]["hostname"] == "t"
+
+
+def test_a_malformed_line_is_an_error():
+    with pytest.raises(ValueError):
+        parse_restore(b"restore r-1 zz 12 00 00 00 00")
