@@ -200,6 +200,24 @@ def test_disk_overlays_isolate_siblings_and_carry_through_branches(vm_engine, ki
         vm_engine.delete_snapshot(snap)
 
 
+def test_a_child_keeps_its_disk_when_its_snapshot_is_deleted(vm_engine, kids):
+    from forkd_engine import SnapshotSpec
+    snap = vm_engine.create_snapshot(SnapshotSpec(
+        tag="gone-disk", mem_size_mib=256, disk_mib=32,
+        setup="import os\nopen('/data/base.txt', 'w').write('base')\nos.sync()"))
+    (a,) = spawn(vm_engine, snap, kids)
+    vm_engine.delete_snapshot(snap)               # children outlive their snapshot, disk included
+    run(vm_engine, a, "open('/data/a.txt', 'w').write('a')\nos.sync()\n"
+                      "open('/proc/sys/vm/drop_caches', 'w').write('3')")
+    assert ev(vm_engine, a, "open('/data/base.txt').read()") == "'base'"
+    s2 = vm_engine.branch(a, "gone-disk-b", ["gone-disk", "a", "b"], "full").ready.result(120)
+    try:
+        (g,) = spawn(vm_engine, s2, kids, prefix="gg")
+        assert ast.literal_eval(ev(vm_engine, g, "sorted(os.listdir('/data'))"))[:2] == ["a.txt", "base.txt"]
+    finally:
+        vm_engine.delete_snapshot(s2)
+
+
 def test_settle_waits_for_exiting_threads_not_live_ones(vm_engine, parent, kids):
     (a,) = spawn(vm_engine, parent, kids)
     run(vm_engine, a, "import threading\nstop = threading.Event()\n"

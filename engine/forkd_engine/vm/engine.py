@@ -575,6 +575,18 @@ class VMEngine:
             os.chmod(dest, 0o444)
 
     @staticmethod
+    def _pin_base_disk(disk: str, vm_dir: str) -> str:
+        """The child's own name for its snapshot's frozen disk (a hard link in its directory): its
+        overlay chain is opened by path again at every branch, and the snapshot may be deleted
+        while the child lives. The snapshot's path where a link is impossible."""
+        pinned = os.path.join(vm_dir, "disk-base.raw")
+        try:
+            os.link(disk, pinned)
+        except OSError:
+            return disk
+        return pinned
+
+    @staticmethod
     def _held_file(handle: Handle, path: str) -> str:
         """The file the VM's QEMU opened as ``path``: ``path`` while it still names that file, else
         /proc/PID/fd/N (the snapshot that named it was deleted, or its tag reused since)."""
@@ -681,7 +693,8 @@ class VMEngine:
                 shutil.rmtree(vm_dir, ignore_errors=True)
                 os.makedirs(vm_dir, mode=0o700)
                 overlays[child.id] = (os.path.join(vm_dir, "disk-0.qcow2"), "qcow2")
-                procs.append(subprocess.Popen(["qemu-img", "create", "-q", "-f", "qcow2", "-b", snapshot["disk"],
+                procs.append(subprocess.Popen(["qemu-img", "create", "-q", "-f", "qcow2", "-b",
+                                               self._pin_base_disk(snapshot["disk"], vm_dir),
                                                "-F", "raw", overlays[child.id][0]], stderr=subprocess.PIPE))
             failed = [p.stderr.read().decode(errors="replace") for p in procs if p.wait() != 0]
             for p in procs:
