@@ -13,10 +13,11 @@ one keep-alive connection (http.client: what a long-lived client such as a brows
 JSON reply parsed, and for the list also unparsed (the server's share alone).
 
 The 1000 sandboxes: one is real; the other 999 are rows inserted straight into the registry
-(status running) that carry the real sandbox's handle. Listing reads and decodes every row and
-checks that its process is alive; the engine watches each process through a pidfd and polls them
-all in one call, so the 999 copies share the real one's pidfd (one fd polled instead of 1000, one
-syscall either way). No other call touches them; they are deleted before anything else runs.
+(status running) that carry the real sandbox's handle. Listing checks on every call that each
+row's process is alive; the engine watches each process through a pidfd and polls them all in one
+call, so the 999 copies share the real one's pidfd (one fd polled instead of 1000, one syscall
+either way). Decoded rows, sandbox infos and their JSON are reused while the registry is unchanged
+(its generation), on both sides alike, as between two polls of a UI. No other call touches them; they are deleted before anything else runs.
 
 Usage: python3 bench/api.py [--json] [--iterations 500] [--sandboxes 1000]
 """
