@@ -248,3 +248,21 @@ def test_snapshot_waits_for_an_idle_guest(vm_engine, parent, kids):
         assert vm_engine._wait_idle(a, limit=0.5) is False   # a spinning guest never goes quiet
     finally:
         busy.join()
+
+
+def test_a_failing_child_takes_down_the_whole_spawn_and_leaves_nothing(vm_engine, parent, tmp_path):
+    bad = dict(parent, devices=str(tmp_path / "devices.bin"))
+    with open(parent["devices"], "rb") as f:
+        (tmp_path / "devices.bin").write_bytes(f.read()[:64])     # a torn device state
+    ids = [f"bad{i}-{time.monotonic_ns()}" for i in range(4)]
+    with pytest.raises(EngineError, match="did not come up"):
+        vm_engine.spawn(bad, [ChildSpec(id=i) for i in ids])
+    assert not any(os.path.exists(vm_engine._vm_dir(i)) for i in ids)
+    cmdlines = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdlines.append(f.read().decode(errors="replace"))
+        except OSError:
+            pass  # it exited meanwhile
+    assert not any(vm_engine._vm_dir(i) in c for i in ids for c in cmdlines)  # no QEMU of theirs is left

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
 from ..cgroups import Cgroups
@@ -215,7 +215,7 @@ class VMEngine:
 
     def __init__(self, data_dir: str, *, mem_root: str | None = None, cache_dir: str | None = None,
                  accel: str | None = None, boot_timeout: float = 120.0, restore_timeout: float = 60.0,
-                 smp: int = 1):
+                 smp: int = 1, restore_parallelism: int | None = None):
         self.qemu = qemu_binary()
         if self.qemu is None:
             raise EngineUnavailable(f"{QEMU} is not installed (Debian: apt-get install qemu-system-x86; "
@@ -248,6 +248,7 @@ class VMEngine:
         self.restore_timeout = restore_timeout
         self.cgroups = Cgroups(group="forkd-vm")
         self.smp = smp
+        self.restore_parallelism = restore_parallelism or len(os.sched_getaffinity(0))
         self.qemu_version = qemu_version(self.qemu)
         self.tsc_khz = host_tsc_khz()
         self._image: Image | None = None
@@ -683,7 +684,6 @@ class VMEngine:
 
     def spawn(self, snapshot: Handle, children: list[ChildSpec]) -> list[Handle]:
         self._check_snapshot(snapshot)
-        started: list[tuple[ChildSpec, Handle, list]] = []
         overlays: dict[str, tuple[str, str]] = {}
         if snapshot.get("disk"):
             # One qcow2 overlay per child over the snapshot's frozen disk, made in parallel.
@@ -703,50 +703,70 @@ class VMEngine:
                 for child in children:
                     shutil.rmtree(self._vm_dir(child.id), ignore_errors=True)
                 raise EngineError(f"qemu-img create of a child's disk overlay failed: {failed[0].strip()}")
-        try:
-            for child in children:
-                h = self._launch(child.id, snapshot["image"], snapshot["memory"], snapshot["mem_mib"],
-                                 share=False, incoming_file=snapshot["devices"], disk=overlays.get(child.id),
-                                 vm_dir_ready=child.id in overlays, defer=bool(snapshot.get("paused")),
-                                 packages=snapshot.get("packages_image"))
-                h["snapshot"] = snapshot["tag"]
-                if snapshot.get("packages"):
-                    h["packages"] = snapshot["packages"]
-                h["base_memory"] = snapshot["memory"]
-                if child.memory_limit_mib:
-                    # The limit caps what this VM's QEMU process adds to what it shares with its
-                    # snapshot: guest pages it writes (copies of memory.bin), TCG's code, QEMU's heap.
-                    h["memory_limit_mib"] = child.memory_limit_mib
-                    try:
-                        h["cgroups"] = self.cgroups.apply(child.id, h["pid"], child.memory_limit_mib, None)
-                    except OSError as exc:
-                        self.kill(h)
-                        raise EngineError(str(exc)) from exc
-                # Connect before the guest runs: it then sees its host connected throughout.
-                ch = self._channel(h)
-                slot = ch.send(self._restore_request({"id": child.id, "role": "sandbox",
-                                                      "lineage": child.lineage}))
-                started.append((child, h, slot))
-                if "incoming_fd" in h:
-                    self._incoming_and_cont(h, h.pop("incoming_fd"))
-            out = []
-            for child, h, slot in started:
+        started: list[Handle] = []      # every QEMU launched: all are killed if the spawn fails
+        started_lock = threading.Lock()
+        abandon = threading.Event()
+
+        def restore(child: ChildSpec) -> Handle:
+            if abandon.is_set():
+                raise EngineError("spawn abandoned: another child failed")
+            h = self._launch(child.id, snapshot["image"], snapshot["memory"], snapshot["mem_mib"],
+                             share=False, incoming_file=snapshot["devices"], disk=overlays.get(child.id),
+                             vm_dir_ready=child.id in overlays, defer=bool(snapshot.get("paused")),
+                             packages=snapshot.get("packages_image"))
+            with started_lock:
+                started.append(h)
+            h["snapshot"] = snapshot["tag"]
+            if snapshot.get("packages"):
+                h["packages"] = snapshot["packages"]
+            h["base_memory"] = snapshot["memory"]
+            if child.memory_limit_mib:
+                # The limit caps what this VM's QEMU process adds to what it shares with its
+                # snapshot: guest pages it writes (copies of memory.bin), TCG's code, QEMU's heap.
+                h["memory_limit_mib"] = child.memory_limit_mib
                 try:
-                    reply = self._channel(h).wait(slot, self.restore_timeout)
-                except AgentUnreachable as exc:
-                    raise EngineError(f"sandbox {child.id} did not come up: {exc}; {self._log_tail(h)}") from exc
-                if not reply.get("restored"):
-                    raise EngineError(f"sandbox {child.id} refused its restore (entropy/clock/identity), "
-                                      f"not serving it: {reply.get('error')}")
-                out.append(h)
-            return out
+                    h["cgroups"] = self.cgroups.apply(child.id, h["pid"], child.memory_limit_mib, None)
+                except OSError as exc:
+                    raise EngineError(str(exc)) from exc
+            # Connect before the guest runs: it then sees its host connected throughout.
+            ch = self._channel(h)
+            slot = ch.send(self._restore_request({"id": child.id, "role": "sandbox", "lineage": child.lineage}))
+            if "incoming_fd" in h:
+                self._incoming_and_cont(h, h.pop("incoming_fd"))
+            try:
+                reply = ch.wait(slot, self.restore_timeout)
+            except AgentUnreachable as exc:
+                raise EngineError(f"sandbox {child.id} did not come up: {exc}; {self._log_tail(h)}") from exc
+            if not reply.get("restored"):
+                raise EngineError(f"sandbox {child.id} refused its restore (entropy/clock/identity), "
+                                  f"not serving it: {reply.get('error')}")
+            return h
+
+        # A restore is CPU-bound (under TCG: translating the guest's first code afresh). At most one
+        # per CPU at a time: more would only share the CPUs, and each guest would then see more of
+        # its own timer interrupts while it waits, costing more CPU in all.
+        workers = max(1, min(self.restore_parallelism, len(children)))
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vm-restore") if workers > 1 else None
+        try:
+            if pool is None:
+                return [restore(child) for child in children]
+            futures = [pool.submit(restore, child) for child in children]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                abandon.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
         except BaseException:
-            for _c, h, _s in started:
+            for h in started:
                 with contextlib.suppress(Exception):
                     self.kill(h)
             for child_id in overlays:  # children that never started keep no overlay behind
                 shutil.rmtree(self._vm_dir(child_id), ignore_errors=True)
             raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False)
 
     def _incoming_and_cont(self, handle: Handle, fd: int) -> None:
         """Load device state saved from a stopped source (its children stay paused) and start it."""
