@@ -24,6 +24,8 @@ TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
 MAX_CHILDREN = 1000
 BRANCH_MODES = ("full", "diff", "live")
 ENGINES = ("auto", "process", "vm")
+# A workspace's state snapshot is ``ws-<name>-state`` (forkd's name); it must itself be a valid tag.
+WORKSPACE_NAME_MAX = 64 - len("ws--state")
 
 
 
@@ -63,6 +65,7 @@ class Controller:
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()     # tags being written (create or branch)
         self._branches = 0                    # branches holding a concurrency slot
+        self._ws_busy: dict[str, str] = {}    # workspace name -> the operation holding it
         self._changed = threading.Condition()
         self._listeners: list[Callable[[dict], None]] = []
         self._listing: tuple | None = None    # (registry generation, running rows, their infos)
@@ -232,6 +235,7 @@ class Controller:
                 engine.abandon(row["id"])
             self.registry.delete_sandboxes([row["id"]])
             counts["sandboxes_dropped"] += 1
+        counts.update(self._reconcile_workspaces())
         return counts
 
     # --- snapshots -------------------------------------------------------------------------------
@@ -340,6 +344,13 @@ class Controller:
         victims = [row]
         if cascade:
             victims += [r for r in self.registry.list_snapshots() if r["tag"] != tag and tag in r["lineage"]]
+        states = {w["current_state_tag"]: w["name"] for w in self.registry.list_workspaces() if w["current_state_tag"]}
+        for victim in victims:
+            if victim["tag"] in states:
+                name = states[victim["tag"]]
+                raise Conflict(f"snapshot {victim['tag']} holds the state of workspace {name}"
+                               + (f" (cascade from {tag} would delete it)" if victim["tag"] != tag else "")
+                               + f"; delete the workspace instead (DELETE /v1/workspaces/{name})")
         for victim in reversed(victims):
             engine = self.engines.get(victim["engine"])
             if victim["handle"] and engine is not None:
@@ -492,23 +503,7 @@ class Controller:
             seq = self.registry.next_counter(f"branch:{sandbox_id}") if known else 0
             tag = f"branch-{sandbox_id}-{seq}"
         check_tag(tag)
-        with self._lock:
-            if tag in self._in_flight:
-                raise Conflict(f"a branch to {tag} is already in flight")
-            if self._branches >= self.branch_cap:
-                raise Busy(f"branch concurrency limit reached ({self.branch_cap} in flight); retry shortly")
-            self._in_flight.add(tag)
-            self._branches += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                with self._lock:
-                    self._in_flight.discard(tag)
-                    self._branches -= 1
-
+        release = self._take_slot(tag)
         try:
             if mode is not None and (diff or live):
                 raise BadRequest("mode cannot be combined with diff or live")
@@ -526,24 +521,60 @@ class Controller:
                 raise BadRequest(f"parent_tag {parent_tag!r} is not the source's snapshot {row['snapshot_tag']!r}")
             if parent_tag is not None and not diff:
                 raise BadRequest("parent_tag needs diff mode")
-            mode_name = "live" if live else "diff" if diff else "full"
+        except BaseException:
+            release()
+            raise
+        return self._branch_into(row, tag, "live" if live else "diff" if diff else "full", release, wait=wait)
+
+    def _take_slot(self, tag: str) -> Callable[[], None]:
+        """Reserve a branch concurrency slot for writing ``tag``: 409 if ``tag`` is in flight, 503 at
+        the cap. Returns the release (idempotent; ``_branch_into`` calls it when the write ends)."""
+        with self._lock:
+            if tag in self._in_flight:
+                raise Conflict(f"a branch to {tag} is already in flight")
+            if self._branches >= self.branch_cap:
+                raise Busy(f"branch concurrency limit reached ({self.branch_cap} in flight); retry shortly")
+            self._in_flight.add(tag)
+            self._branches += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self._in_flight.discard(tag)
+                    self._branches -= 1
+
+        return release
+
+    def _branch_into(self, row: dict, tag: str, mode: str, release: Callable[[], None], *, wait: bool = True,
+                     lineage: list[str] | None = None, branched_from: str | None = None, spec: dict | None = None,
+                     record_pause: bool = True) -> dict:
+        """Branch the running sandbox ``row`` into snapshot ``tag`` while holding the slot ``release``
+        frees: the slot goes back when the snapshot is ready or failed, or at once on an error."""
+        try:
             engine = self.engines[row["engine"]]
-            lineage = row["lineage"] + [tag]
+            lineage = lineage or row["lineage"] + [tag]
+            branched_from = branched_from or row["id"]
             self.registry.insert_snapshot({
                 "tag": tag, "engine": row["engine"], "status": "writing", "created_at": time.time(),
-                "branched_from": row["id"], "lineage": lineage,
-                "spec": {"branched_from": row["id"], "mode": mode_name}})
+                "branched_from": branched_from, "lineage": lineage,
+                "spec": spec or {"branched_from": row["id"], "mode": mode}})
             try:
-                result = engine.branch(row["handle"], tag, lineage, mode_name)
-            except (EngineError, AgentUnreachable) as exc:
+                result = engine.branch(row["handle"], tag, lineage, mode)
+            except BaseException as exc:  # nothing was written: no row, and the slot goes back
                 self.registry.delete_snapshot(tag)
                 if isinstance(exc, UnsupportedMode):  # valid request, impossible here: a 4xx naming why
                     raise BadRequest(f"branch: {exc}") from exc
-                raise EngineFailure(f"branch: {exc}") from exc
-            self.registry.update_snapshot(tag, pause_ms=result.pause_ms, prepare_ms=result.prepare_ms)
+                if isinstance(exc, (EngineError, AgentUnreachable)):
+                    raise EngineFailure(f"branch: {exc}") from exc
+                raise
+            if record_pause:
+                self.registry.update_snapshot(tag, pause_ms=result.pause_ms, prepare_ms=result.prepare_ms)
             self.registry.update_sandbox(row["id"], branch_count=row["branch_count"] + 1)
-            self._emit("snapshot", "created", tag=tag, status="writing", branched_from=row["id"],
-                       pause_ms=result.pause_ms)
+            self._emit("snapshot", "created", tag=tag, status="writing", branched_from=branched_from,
+                       **({"pause_ms": result.pause_ms} if record_pause else {}))
 
             settled = threading.Event()
 
@@ -569,10 +600,59 @@ class Controller:
                 settled.wait()  # the done-callback may still be running in the engine's thread
             return self.snapshot_info(self.registry.get_snapshot(tag))
         except BaseException:
-            row = self.registry.get_snapshot(tag)
-            if row is None or row["status"] != "writing":
+            written = self.registry.get_snapshot(tag)
+            if written is None or written["status"] != "writing":
                 release()
             raise
+
+    def compact_snapshot(self, tag, to) -> dict:
+        """An independent copy of snapshot ``tag`` under ``to`` (forkd's compact), in forkd's order:
+        unsafe tag 400, unsafe ``to`` 400, ``to == tag`` 400, the branch slot (409 in flight, 503 at
+        the cap), ``to`` exists 409, unknown ``tag`` 404, engine failure 500.
+
+        Snapshots here never form diff chains, so compacting is a copy: a sandbox of ``tag`` is
+        branched (mode full) into ``to`` and killed. The copy is a root of its own lineage: deleting
+        ``tag``, even with cascade, leaves it. No engine API beyond spawn, branch and kill.
+        """
+        check_tag(tag)
+        check_tag(to, "to")
+        if to == tag:
+            raise BadRequest(f"to must differ from the snapshot being compacted ({tag!r})")
+        release = self._take_slot(to)
+        helper = None
+        try:
+            try:
+                if self.registry.get_snapshot(to) is not None:
+                    raise Conflict(f"snapshot {to} already exists; DELETE first")
+                if self.registry.get_snapshot(tag) is None:
+                    raise NotFound(f"snapshot {tag} not found")
+                helper = self.spawn(tag, 1)[0]["id"]
+                row = self.registry.get_sandbox(helper)
+                if row is None or not self._sandbox_alive(row):
+                    raise EngineFailure(f"compact: the sandbox of {tag} to copy from ended before the copy")
+            except BaseException:
+                release()
+                raise
+            return self._branch_into(row, to, "full", release, lineage=[to], branched_from=f"compact:{tag}",
+                                     spec={"compacted_from": tag, "mode": "full"}, record_pause=False)
+        finally:
+            if helper is not None:
+                self._kill_quietly(helper)
+
+    def _kill_quietly(self, sandbox_id: str) -> bool:
+        """Kill a sandbox we started for our own purposes; True when it is gone (or was already)."""
+        row = self.registry.get_sandbox(sandbox_id)
+        if row is None:
+            return True
+        engine = self.engines.get(row["engine"])
+        try:
+            if engine is not None and row["handle"]:
+                engine.kill(row["handle"])
+        except Exception:  # noqa: BLE001 - the caller's result stands; reconcile retries where it records the duty
+            return False
+        self.registry.delete_sandboxes([sandbox_id])
+        self._emit("sandbox", "killed", id=sandbox_id)
+        return True
 
     def wait_snapshot(self, tag, timeout: float = 60.0) -> dict:
         """Block until a snapshot is ``ready`` or ``failed``; returns its info."""
@@ -589,6 +669,308 @@ class Controller:
                 if left <= 0:
                     raise ForkdError(f"snapshot {tag} is still writing after {timeout:g} s")
                 self._changed.wait(left)
+
+    # --- workspaces ------------------------------------------------------------------------------
+    # A workspace is a named, long-lived sandbox that can be suspended into a snapshot
+    # (``ws-<name>-state``) and resumed from it. Its row lives in the registry, so it survives a
+    # restart; at start-up a running workspace whose sandbox is gone becomes ``stale``.
+    #
+    # Suspend never loses state: the new state is written under a pending tag first, while the
+    # sandbox keeps running; one transaction then makes it ``ws-<name>-state`` (dropping the previous
+    # state's row) and records what is left to retire (the sandbox, the previous state's engine
+    # objects) in the workspace row, and only then are those killed and deleted. A crash at any
+    # point leaves the old state or the new one, and reconcile finishes or undoes what was pending.
+
+    @staticmethod
+    def state_tag(name: str) -> str:
+        return f"ws-{name}-state"
+
+    @staticmethod
+    def workspace_info(row: dict) -> dict:
+        info = {
+            "id": row["id"],
+            "name": row["name"],
+            "source_snapshot_tag": row["source_snapshot_tag"],
+            "status": row["status"],
+            "created_at_unix": int(row["created_at"]),
+            "last_active_unix": int(row["last_active"]),
+            "memory_limit_mib": row["memory_limit_mib"],
+        }
+        for key in ("current_state_tag", "live_sandbox_id", "last_branch_memory_path"):
+            if row[key]:
+                info[key] = row[key]
+        return info
+
+    def _ws_row(self, name) -> dict:
+        row = self.registry.get_workspace(name) if isinstance(name, str) else None
+        if row is None:
+            raise NotFound(f"workspace {name} not found")
+        return row
+
+    def _ws_acquire(self, name: str, op: str, *, try_only: bool = False) -> bool:
+        """Hold workspace ``name`` for one operation (never blocks): True, or 409 Conflict when
+        another operation holds it (False instead with ``try_only``)."""
+        with self._lock:
+            holder = self._ws_busy.get(name)
+            if holder is None:
+                self._ws_busy[name] = op
+                return True
+        if try_only:
+            return False
+        raise Conflict(f"workspace {name} is busy ({holder} in progress); retry when it is done")
+
+    def _ws_release(self, name: str) -> None:
+        with self._lock:
+            self._ws_busy.pop(name, None)
+
+    def _ws_sandbox(self, row: dict) -> dict | None:
+        """The workspace's live sandbox row, or None when it is gone."""
+        sb = self.registry.get_sandbox(row["live_sandbox_id"]) if row["live_sandbox_id"] else None
+        if sb is None or sb["status"] != "running" or not sb["handle"] or not self._sandbox_alive(sb):
+            return None
+        return sb
+
+    def _ws_mark_stale(self, row: dict) -> dict:
+        if self.registry.mark_workspace_stale(row["name"], row["live_sandbox_id"]):
+            self._emit("workspace", "status", name=row["name"], status="stale")
+        return dict(row, status="stale", live_sandbox_id=None)
+
+    def _ws_checked(self, row: dict) -> dict:
+        """A running workspace whose sandbox died (killed through the sandbox API, say) is stale.
+        Skipped while an operation holds the workspace: it is changing the sandbox itself."""
+        if row["status"] != "running" or not self._ws_acquire(row["name"], "a status check", try_only=True):
+            return row
+        try:
+            row = self.registry.get_workspace(row["name"]) or row
+            if row["status"] == "running" and self._ws_sandbox(row) is None:
+                row = self._ws_mark_stale(row)
+            return row
+        finally:
+            self._ws_release(row["name"])
+
+    def list_workspaces(self) -> list[dict]:
+        return [self.workspace_info(self._ws_checked(r)) for r in self.registry.list_workspaces()]
+
+    def get_workspace(self, name) -> dict:
+        return self.workspace_info(self._ws_checked(self._ws_row(name)))
+
+    def create_workspace(self, name, snapshot_tag, *, memory_limit_mib=None, **_forkd_options) -> dict:
+        """A workspace running one sandbox of ``snapshot_tag``, in forkd's order: unsafe name 400,
+        unsafe snapshot_tag 400, the name exists 409, then the spawn's own answers (404 unknown
+        snapshot, 409 not bootable, 500). forkd's ``per_child_netns`` is accepted and ignored."""
+        check_tag(name, "name")
+        if len(name) > WORKSPACE_NAME_MAX:
+            raise BadRequest(f"invalid name {name!r}: a workspace name has at most {WORKSPACE_NAME_MAX} "
+                             f"characters (its state snapshot ws-<name>-state must be a valid tag)")
+        check_tag(snapshot_tag, "snapshot_tag")
+        if memory_limit_mib is not None:
+            _int_field(memory_limit_mib, "memory_limit_mib", 16)
+        self._ws_acquire(name, "create")
+        try:
+            if self.registry.get_workspace(name) is not None:
+                raise Conflict(f"workspace {name} already exists")
+            state_tag = self.state_tag(name)
+            if self.registry.get_snapshot(state_tag) is not None:
+                raise Conflict(f"snapshot {state_tag} already exists and is not this workspace's; the workspace "
+                               f"would keep its state under that tag: delete the snapshot or choose another name")
+            kid = self.spawn(snapshot_tag, 1, memory_limit_mib=memory_limit_mib)[0]
+            now = time.time()
+            try:
+                self.registry.insert_workspace({
+                    "name": name, "id": "ws-" + kid["id"][:16], "source_snapshot_tag": snapshot_tag,
+                    "status": "running", "live_sandbox_id": kid["id"], "memory_limit_mib": memory_limit_mib,
+                    "created_at": now, "last_active": now})
+            except BaseException:
+                self._kill_quietly(kid["id"])
+                raise
+            self._emit("workspace", "created", name=name, status="running", live_sandbox_id=kid["id"])
+            return self.workspace_info(self.registry.get_workspace(name))
+        finally:
+            self._ws_release(name)
+
+    def suspend_workspace(self, name, *, diff: bool = False) -> dict:
+        """Snapshot the workspace's sandbox into ``ws-<name>-state`` (mode full, or diff) and kill it,
+        in forkd's order: unknown 404, not running 400, busy 409 / 503, sandbox gone 404."""
+        row = self._ws_row(name)
+        if row["status"] != "running":
+            raise BadRequest(f"workspace {name} is not running (status {row['status']})")
+        state_tag = self.state_tag(name)
+        self._ws_acquire(name, "suspend")
+        try:
+            with self._lock:
+                if state_tag in self._in_flight:
+                    raise Conflict(f"a branch to {state_tag} is already in flight")
+                self._in_flight.add(state_tag)
+            try:
+                return self._suspend(name, state_tag, "diff" if diff else "full")
+            finally:
+                with self._lock:
+                    self._in_flight.discard(state_tag)
+        finally:
+            self._ws_release(name)
+
+    def _suspend(self, name: str, state_tag: str, mode: str) -> dict:
+        row = self._ws_row(name)  # again, now that we hold it
+        if row["status"] != "running":
+            raise BadRequest(f"workspace {name} is not running (status {row['status']})")
+        # The pending tag carries '@', which no user tag may: nobody else can take it, and the
+        # engines' objects (named by the tag they were written under) are never reused.
+        pending = f"{state_tag}@{self.registry.next_counter('workspace-state')}"
+        release = self._take_slot(pending)
+        try:
+            sb = self._ws_sandbox(row)
+            if sb is None:
+                self._ws_mark_stale(row)
+                raise NotFound(f"sandbox {row['live_sandbox_id']} not found: workspace {name}'s sandbox is gone "
+                               f"(the workspace is now stale; resume it to start again from its last state)")
+            previous = self.registry.get_snapshot(state_tag)
+            if previous is not None and not (row["current_state_tag"] == state_tag
+                                             and (previous["spec"] or {}).get("workspace") == name):
+                raise Conflict(f"snapshot {state_tag} exists and is not workspace {name}'s state; delete it "
+                               f"to let the workspace suspend")
+        except BaseException:
+            release()
+            raise
+        # [source's lineage..., the sandbox, state]: a resumed sandbox's own earlier generations
+        # (previous sandbox, previous state) are left out, so the lineage stays this short.
+        ancestors = sb["lineage"][:-1]
+        if state_tag in ancestors:
+            ancestors = ancestors[:max(0, ancestors.index(state_tag) - 1)]
+        lineage = ancestors + [sb["id"]]
+        spec = {"branched_from": sb["id"], "mode": mode, "workspace": name}
+        self._branch_into(sb, pending, mode, release, lineage=lineage + [pending],
+                          spec=dict(spec, workspace_pending=True, engine_tag=pending))
+        # The new state is safe under `pending`; the sandbox still runs. Swap, then retire.
+        self._ws_commit_state(row, self.registry.get_snapshot(pending), previous, lineage + [state_tag], spec)
+        self._ws_retire(name)
+        self._emit("workspace", "suspended", name=name, status="suspended", current_state_tag=state_tag)
+        return self.workspace_info(self.registry.get_workspace(name))
+
+    def _ws_commit_state(self, row: dict, pending: dict, previous: dict | None, lineage: list[str],
+                         spec: dict) -> None:
+        """Make snapshot ``pending`` the workspace's state in one transaction, recording the sandbox
+        and the previous state's engine objects as what is left to retire."""
+        name, state_tag = row["name"], self.state_tag(row["name"])
+        retiring = {"sandbox": row["live_sandbox_id"],
+                    "snapshot": {"engine": previous["engine"], "handle": previous["handle"]}
+                    if previous is not None and previous["handle"] else None}
+        # Whatever still names the previous state (a sandbox forked from it, a branch below one)
+        # keeps working (snapshots are standalone, a sandbox outlives its snapshot) and names it by
+        # the tag it was written under, so the tree never hangs it under the new state.
+        retired_as = None if previous is None else (previous["spec"] or {}).get("engine_tag") or f"{state_tag}@retired"
+        self.registry.commit_workspace_state(
+            name, pending["tag"], state_tag, lineage=lineage, retired_as=retired_as,
+            spec=dict(spec, engine_tag=pending["tag"]),
+            workspace={"status": "suspended", "live_sandbox_id": None, "current_state_tag": state_tag,
+                       "last_active": time.time(), "retiring": retiring,
+                       "last_branch_memory_path": (pending["handle"] or {}).get("memory")})
+        self._emit("snapshot", "deleted", tag=pending["tag"])
+        if previous is not None:
+            self._emit("snapshot", "deleted", tag=state_tag)
+        self._emit("snapshot", "created", tag=state_tag, status="ready", branched_from=pending["branched_from"])
+
+    def _ws_retire(self, name: str) -> None:
+        """Kill and delete what a suspend left to retire; kept for reconcile if anything fails."""
+        row = self.registry.get_workspace(name)
+        duty = (row or {}).get("retiring") or {}
+        done = True
+        if duty.get("sandbox"):
+            done = self._kill_quietly(duty["sandbox"])
+        snap = duty.get("snapshot")
+        if snap:
+            engine = self.engines.get(snap["engine"])
+            try:
+                if engine is not None:
+                    engine.delete_snapshot(snap["handle"])
+            except Exception:  # noqa: BLE001 - retried by reconcile
+                done = False
+        if duty and done:
+            self.registry.update_workspace(name, retiring=None)
+
+    def resume_workspace(self, name) -> dict:
+        """Fork the workspace's sandbox again from its state (or its source snapshot if it was never
+        suspended), with its memory limit: unknown 404, already running 400, busy 409, then the
+        spawn's answers (404 when the snapshot is gone, 409 not bootable, 500)."""
+        row = self._ws_row(name)
+        if row["status"] == "running":
+            raise BadRequest(f"workspace {name} is already running")
+        self._ws_acquire(name, "resume")
+        try:
+            row = self._ws_row(name)
+            if row["status"] == "running":
+                raise BadRequest(f"workspace {name} is already running")
+            kid = self.spawn(row["current_state_tag"] or row["source_snapshot_tag"], 1,
+                             memory_limit_mib=row["memory_limit_mib"])[0]
+            try:
+                self.registry.update_workspace(name, status="running", live_sandbox_id=kid["id"],
+                                               last_active=time.time())
+            except BaseException:
+                self._kill_quietly(kid["id"])
+                raise
+            self._emit("workspace", "resumed", name=name, status="running", live_sandbox_id=kid["id"])
+            return self.workspace_info(self.registry.get_workspace(name))
+        finally:
+            self._ws_release(name)
+
+    def delete_workspace(self, name) -> None:
+        """Kill the live sandbox, delete the state snapshot, forget the workspace (404 unknown, 409 busy)."""
+        self._ws_row(name)
+        self._ws_acquire(name, "delete")
+        try:
+            row = self._ws_row(name)
+            if row["live_sandbox_id"] and not self._kill_quietly(row["live_sandbox_id"]):
+                raise EngineFailure(f"workspace {name}: could not kill sandbox {row['live_sandbox_id']}")
+            self._ws_retire(name)
+            state = self.registry.get_snapshot(row["current_state_tag"]) if row["current_state_tag"] else None
+            if state is not None and (state["spec"] or {}).get("workspace") == name:
+                engine = self.engines.get(state["engine"])
+                if engine is not None and state["handle"]:
+                    engine.delete_snapshot(state["handle"])
+                self.registry.delete_snapshot_renaming_references(
+                    state["tag"], (state["spec"] or {}).get("engine_tag") or f"{state['tag']}@retired")
+                self._emit("snapshot", "deleted", tag=state["tag"])
+            self.registry.delete_workspace(name)
+            self._emit("workspace", "deleted", name=name)
+        finally:
+            self._ws_release(name)
+
+    def _reconcile_workspaces(self) -> dict:
+        """After a restart: finish retirements, settle suspends that were cut short, mark running
+        workspaces whose sandbox is gone ``stale``."""
+        counts = {"workspaces_stale": 0, "workspace_suspends_finished": 0, "workspace_suspends_undone": 0}
+        for ws in self.registry.list_workspaces():
+            if ws["retiring"]:
+                self._ws_retire(ws["name"])
+        for snap in self.registry.list_snapshots():
+            spec = snap["spec"] or {}
+            if not spec.get("workspace_pending"):
+                continue
+            ws = self.registry.get_workspace(spec.get("workspace"))
+            if (snap["status"] == "ready" and ws is not None and ws["status"] in ("running", "stale")
+                    and ws["live_sandbox_id"] in (spec.get("branched_from"), None)
+                    and self._ws_sandbox(ws) is None):
+                # The state was written and the sandbox is gone since: the suspend finishes.
+                state_tag = self.state_tag(ws["name"])
+                previous = self.registry.get_snapshot(state_tag)
+                lineage = snap["lineage"][:-1] + [state_tag]
+                self._ws_commit_state(dict(ws, live_sandbox_id=spec.get("branched_from")), snap, previous, lineage,
+                                      {k: v for k, v in spec.items() if k not in ("workspace_pending", "engine_tag")})
+                self._ws_retire(ws["name"])
+                counts["workspace_suspends_finished"] += 1
+                continue
+            engine = self.engines.get(snap["engine"])  # the sandbox still runs (or the write failed)
+            if engine is not None:
+                if snap["handle"]:
+                    engine.delete_snapshot(snap["handle"])
+                else:
+                    engine.abandon("snap:" + snap["tag"])
+            self.registry.delete_snapshot(snap["tag"])
+            counts["workspace_suspends_undone"] += 1
+        for ws in self.registry.list_workspaces():
+            if ws["status"] == "running" and self._ws_sandbox(ws) is None:
+                self._ws_mark_stale(ws)
+                counts["workspaces_stale"] += 1
+        return counts
 
     # --- lineage ---------------------------------------------------------------------------------
 

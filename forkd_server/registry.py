@@ -1,4 +1,4 @@
-"""The crash-safe record of every snapshot and sandbox: SQLite in WAL mode.
+"""The crash-safe record of every snapshot, sandbox and workspace: SQLite in WAL mode.
 
 Each change is one transaction with ``synchronous=FULL``, so a ``kill -9`` of the server (or a power
 cut) leaves either the old or the new record, never half of one. Engine handles are stored as JSON
@@ -41,8 +41,23 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     handle TEXT
 );
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS workspaces (
+    name TEXT PRIMARY KEY,
+    id TEXT NOT NULL,
+    source_snapshot_tag TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('running', 'suspended', 'stale')),
+    live_sandbox_id TEXT,
+    current_state_tag TEXT,
+    memory_limit_mib INTEGER,
+    created_at REAL NOT NULL,
+    last_active REAL NOT NULL,
+    last_branch_memory_path TEXT,
+    retiring TEXT
+);
 """
-_JSON = {"lineage", "spec", "handle"}
+# Tables are only ever added (CREATE TABLE IF NOT EXISTS), so a registry written by an older
+# version opens unchanged and gains the new tables empty.
+_JSON = {"lineage", "spec", "handle", "retiring"}
 
 
 def _decode(row: sqlite3.Row | None) -> dict | None:
@@ -191,3 +206,61 @@ class Registry:
                 return 0
             db.execute("UPDATE sandboxes SET branch_count=? WHERE id=?", (row[0] + 1, sandbox_id))
             return row[0]
+
+    # --- workspaces -------------------------------------------------------------------------------
+
+    def insert_workspace(self, row: dict) -> None:
+        self._insert("workspaces", [row])
+
+    def update_workspace(self, name: str, **fields) -> None:
+        self._update("workspaces", "name", name, fields)
+
+    def get_workspace(self, name: str) -> dict | None:
+        return self._get("workspaces", "name", name)
+
+    def list_workspaces(self) -> list[dict]:
+        return self._all("workspaces", "name")
+
+    def delete_workspace(self, name: str) -> None:
+        with self.tx() as db:
+            db.execute("DELETE FROM workspaces WHERE name=?", (name,))
+
+    def mark_workspace_stale(self, name: str, sandbox_id: str) -> bool:
+        """running -> stale, only if it still runs ``sandbox_id``; True if this call changed it."""
+        with self.tx() as db:
+            cur = db.execute("UPDATE workspaces SET status='stale', live_sandbox_id=NULL "
+                             "WHERE name=? AND status='running' AND live_sandbox_id=?", (name, sandbox_id))
+            return cur.rowcount == 1
+
+    @staticmethod
+    def _rename_references(db: sqlite3.Connection, tag: str, new: str) -> None:
+        """Inside a transaction: every lineage entry and sandbox ``snapshot_tag`` naming ``tag``
+        names ``new`` instead (the snapshot called ``tag`` is going, and another may take the tag)."""
+        needle = json.dumps(tag)  # tags hold no characters JSON escapes: the quoted form is exact
+        for table, key in (("snapshots", "tag"), ("sandboxes", "id")):
+            rows = db.execute(f"SELECT {key}, lineage FROM {table} WHERE instr(lineage, ?) > 0", (needle,)).fetchall()
+            for key_value, lineage in rows:
+                renamed = [new if t == tag else t for t in orjson.loads(lineage)]
+                db.execute(f"UPDATE {table} SET lineage=? WHERE {key}=?", (json.dumps(renamed), key_value))
+        db.execute("UPDATE sandboxes SET snapshot_tag=? WHERE snapshot_tag=?", (new, tag))
+
+    def commit_workspace_state(self, name: str, pending: str, state_tag: str, *, lineage: list[str], spec: dict,
+                               retired_as: str | None, workspace: dict) -> None:
+        """One transaction that makes snapshot ``pending`` a workspace's state: the previous
+        ``state_tag`` row (if any) goes, references to it are renamed ``retired_as``, ``pending`` is
+        renamed ``state_tag`` (with ``lineage`` and ``spec``) and the workspace row gets ``workspace``."""
+        with self.tx() as db:
+            if retired_as is not None:
+                db.execute("DELETE FROM snapshots WHERE tag=?", (state_tag,))
+                self._rename_references(db, state_tag, retired_as)
+            db.execute("UPDATE snapshots SET tag=?, lineage=?, spec=? WHERE tag=?",
+                       (state_tag, json.dumps(lineage), json.dumps(spec), pending))
+            enc = _encode(workspace)
+            db.execute(f"UPDATE workspaces SET {', '.join(f'{k}=?' for k in enc)} WHERE name=?",
+                       (*enc.values(), name))
+
+    def delete_snapshot_renaming_references(self, tag: str, retired_as: str) -> None:
+        """Delete a snapshot row; lineages and sandboxes that name it name ``retired_as`` instead."""
+        with self.tx() as db:
+            db.execute("DELETE FROM snapshots WHERE tag=?", (tag,))
+            self._rename_references(db, tag, retired_as)

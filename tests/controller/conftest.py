@@ -19,6 +19,8 @@ open('/tmp/from-setup.txt', 'w').write('setup')
 
 
 def cleanup(ctl: Controller) -> None:
+    for ws in ctl.list_workspaces():  # first: a workspace's state snapshot refuses a plain delete
+        ctl.delete_workspace(ws["name"])
     for sb in ctl.list_sandboxes():
         ctl.kill_sandbox(sb["id"])
     for snap in ctl.list_snapshots():

@@ -40,6 +40,8 @@ def forkd_app(jp_serverapp):
     ctl = app.controller
     if ctl is None:
         return
+    for ws in ctl.list_workspaces():  # first: a workspace's state snapshot refuses a plain delete
+        ctl.delete_workspace(ws["name"])
     for sb in ctl.list_sandboxes():
         ctl.kill_sandbox(sb["id"])
     for snap in sorted(ctl.list_snapshots(), key=lambda s: -len(s.get("lineage", []))):
