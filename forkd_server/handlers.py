@@ -65,6 +65,10 @@ BRANCH = {
     "tag": ("string", False), "mode": ("string", False), "diff": ("boolean", False), "live": ("boolean", False),
     "measure_diff": ("boolean", False), "wait": ("boolean", False), "parent_tag": ("string", False),
 }
+COMPACT = {"to": ("string", True)}
+WORKSPACE_CREATE = {"name": ("string", True), "snapshot_tag": ("string", True),
+                    "per_child_netns": ("boolean", False), "memory_limit_mib": ("integer", False)}
+SUSPEND = {"diff": ("boolean", False)}
 
 
 def _is(kind: str, value) -> bool:
@@ -340,6 +344,17 @@ class SnapshotInfoHandler(ForkdHandler):
         self.send(await self.call(self.controller.snapshot_detail, tag))
 
 
+class SnapshotCompactHandler(ForkdHandler):
+    auth_resource = "forkd:snapshots"
+    body_spec = COMPACT  # the JSON body of post
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, tag: str) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.call(self.controller.compact_snapshot, tag, body["to"]))  # 200, as in forkd
+
+
 # --- sandboxes ----------------------------------------------------------------------------------
 
 class SandboxesHandler(ForkdHandler):
@@ -500,6 +515,62 @@ class FilesHandler(ForkdHandler):
         self.no_content()
 
 
+# --- workspaces ---------------------------------------------------------------------------------
+
+class WorkspacesHandler(ForkdHandler):
+    auth_resource = "forkd:workspaces"
+    body_spec = WORKSPACE_CREATE  # the JSON body of post
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.send(await self.call(self.controller.list_workspaces))
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.call(self.controller.create_workspace, body["name"], body["snapshot_tag"],
+                                  memory_limit_mib=body.get("memory_limit_mib")), 201)
+
+
+class WorkspaceHandler(ForkdHandler):
+    auth_resource = "forkd:workspaces"
+
+    @web.authenticated
+    @authorized
+    async def get(self, name: str) -> None:
+        self.send(await self.call(self.controller.get_workspace, name))
+
+    @web.authenticated
+    @authorized
+    async def delete(self, name: str) -> None:
+        await self.call(self.controller.delete_workspace, name)
+        self.no_content()
+
+
+class WorkspaceSuspendHandler(ForkdHandler):
+    auth_resource = "forkd:workspaces"
+    body_spec = SUSPEND  # the JSON body of post
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, name: str) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.call(self.controller.suspend_workspace, name, diff=body.get("diff", False)))
+
+
+class WorkspaceResumeHandler(ForkdHandler):
+    """No body, like ping: whatever is sent is ignored."""
+
+    auth_resource = "forkd:workspaces"
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, name: str) -> None:
+        self.send(await self.call(self.controller.resume_workspace, name))
+
+
 class NotFoundHandler(ForkdHandler):
     """Unknown paths under v1/: 401 without a token (forkd authenticates before routing), else 404."""
 
@@ -527,6 +598,7 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (r"v1/snapshots", SnapshotsHandler),
         (rf"v1/snapshots/{ID}", SnapshotHandler),
         (rf"v1/snapshots/{ID}/info", SnapshotInfoHandler),
+        (rf"v1/snapshots/{ID}/compact", SnapshotCompactHandler),
         (r"v1/sandboxes", SandboxesHandler),
         (rf"v1/sandboxes/{ID}", SandboxHandler),
         (rf"v1/sandboxes/{ID}/ping", PingHandler),
@@ -536,6 +608,10 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/sandboxes/{ID}/branch", BranchHandler),
         (rf"v1/sandboxes/{ID}/memory", MemoryHandler),
         (rf"v1/sandboxes/{ID}/files", FilesHandler),
+        (r"v1/workspaces", WorkspacesHandler),
+        (rf"v1/workspaces/{ID}", WorkspaceHandler),
+        (rf"v1/workspaces/{ID}/suspend", WorkspaceSuspendHandler),
+        (rf"v1/workspaces/{ID}/resume", WorkspaceResumeHandler),
         (r"v1/.*", NotFoundHandler),
     ]
     return [("/" + prefix + pattern, handler) for pattern, handler in routes]

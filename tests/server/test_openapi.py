@@ -24,7 +24,8 @@ def handler_ops() -> dict[tuple[str, str], type]:
         if handler is NotFoundHandler:
             continue
         path = pattern.replace("/?", "").replace(r"\.", ".")
-        param = "{tag}" if path.startswith("/v1/snapshots/") else "{id}"
+        param = "{tag}" if path.startswith("/v1/snapshots/") else \
+            "{name}" if path.startswith("/v1/workspaces/") else "{id}"
         path = path.replace("([^/]+)", param)
         assert not re.search(r"[()\[\]*+?\\]", path), f"untranslated pattern {pattern}"
         for verb in VERBS:
