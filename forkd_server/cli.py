@@ -286,6 +286,86 @@ def cmd_snapshot_info(args) -> int:
     return 0
 
 
+def cmd_snapshot_compact(args) -> int:
+    ctl = _client(args)
+    with _console(stderr=True).status(f"compacting {args.source} into {args.to}", spinner="dots") if not args.json \
+            else _nullcontext():
+        info = ctl.compact_snapshot(args.source, args.to)
+    if args.json:
+        _emit_json(info)
+    else:
+        _console().print(_table("snapshot", ["tag", "status", "engine", "branched from", "pause", "created",
+                                             "warning"], _snapshot_rows([info])))
+    return 0
+
+
+def _workspace_rows(workspaces: list[dict]) -> list[list]:
+    return [[w["name"], w["status"], w.get("live_sandbox_id"), w.get("current_state_tag"),
+             w["source_snapshot_tag"], _ago(w.get("last_active_unix"))] for w in workspaces]
+
+
+# The id (ws- and its first sandbox's id) is in --json; a table for people fits 80 columns without it.
+WORKSPACE_COLUMNS = ["name", "status", "sandbox", "state", "source", "active"]
+
+
+def cmd_workspace(args) -> int:
+    ctl = _client(args)
+    action = args.workspace_action
+    if action == "list":
+        workspaces = ctl.list_workspaces()
+        if args.json:
+            _emit_json(workspaces)
+        else:
+            _console().print(_table(f"{len(workspaces)} workspace(s)", WORKSPACE_COLUMNS, _workspace_rows(workspaces)))
+        return 0
+    if action == "delete":
+        ctl.delete_workspace(args.name)
+        if args.json:
+            _emit_json({"deleted": args.name})
+        else:
+            _console().print(f"deleted workspace {args.name} (its sandbox and its state snapshot)")
+        return 0
+    busy = {"create": f"creating workspace {args.name}", "suspend": f"suspending {args.name}",
+            "resume": f"resuming {args.name}"}[action]
+    with _console(stderr=True).status(busy, spinner="dots") if not args.json else _nullcontext():
+        if action == "create":
+            info = ctl.create_workspace(args.name, args.snapshot, memory_limit_mib=args.memory_limit_mib)
+        elif action == "suspend":
+            info = ctl.suspend_workspace(args.name, diff=args.diff)
+        else:
+            info = ctl.resume_workspace(args.name)
+    if args.json:
+        _emit_json(info)
+    else:
+        _console().print(_table("workspace", WORKSPACE_COLUMNS, _workspace_rows([info])))
+    return 0
+
+
+def add_workspace_command(sub, client) -> None:
+    ws = sub.add_parser("workspace", help="named sandboxes that suspend into a snapshot and resume from it")
+    wsub = ws.add_subparsers(dest="workspace_command", required=True, metavar="ACTION")
+    p = wsub.add_parser("create", parents=[client], help="start a workspace from a snapshot")
+    p.add_argument("name", help="the workspace's name (its state snapshot is ws-NAME-state)")
+    p.add_argument("--snapshot", "-t", required=True, metavar="TAG", help="the snapshot to start from")
+    p.add_argument("--memory-limit-mib", type=int, help="memory limit of its sandbox, kept across resumes")
+    p.add_argument("--per-child-netns", action="store_true", help="forkd VM option (accepted and ignored)")
+    p.set_defaults(workspace_action="create")
+    p = wsub.add_parser("suspend", parents=[client], help="snapshot the workspace into ws-NAME-state, stop its sandbox")
+    p.add_argument("name")
+    p.add_argument("--diff", action="store_true", help="diff branch instead of full")
+    p.set_defaults(workspace_action="suspend")
+    p = wsub.add_parser("resume", parents=[client], help="start the workspace again from its state")
+    p.add_argument("name")
+    p.set_defaults(workspace_action="resume")
+    p = wsub.add_parser("list", aliases=["ls"], parents=[client], help="list workspaces")
+    p.set_defaults(workspace_action="list")
+    p = wsub.add_parser("delete", aliases=["rm"], parents=[client],
+                        help="kill the workspace's sandbox and delete its state snapshot")
+    p.add_argument("name")
+    p.set_defaults(workspace_action="delete")
+    ws.set_defaults(func=cmd_workspace)
+
+
 def cmd_doctor(args) -> int:
     from .doctor import run_checks
 
@@ -459,6 +539,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("snapshot-info", parents=[client], help="details of one snapshot")
     p.add_argument("tag")
     p.set_defaults(func=cmd_snapshot_info)
+
+    p = sub.add_parser("snapshot-compact", parents=[client],
+                       help="copy a snapshot into an independent one (branched_from compact:TAG)")
+    p.add_argument("--from", dest="source", required=True, metavar="TAG", help="the snapshot to copy")
+    p.add_argument("--to", required=True, metavar="TAG", help="the new snapshot's tag")
+    p.set_defaults(func=cmd_snapshot_compact)
+
+    add_workspace_command(sub, client)
 
     p = sub.add_parser("doctor", parents=[client], help="check this host: engines, kernel features, disk")
     p.add_argument("--data-dir", help="the data directory to check (default: $FORKD_DATA_DIR or ~/.local/share/forkd)")

@@ -278,6 +278,33 @@ class Controller:
     def snapshot_info(self, tag: str) -> dict:
         return self._request("GET", f"/v1/snapshots/{tag}/info")
 
+    def compact_snapshot(self, tag: str, to: str, timeout: float = 900) -> dict:
+        """An independent copy of snapshot ``tag`` under ``to`` (``branched_from: "compact:<tag>"``)."""
+        return self._request("POST", f"/v1/snapshots/{tag}/compact", {"to": to}, timeout=timeout)
+
+    # -- workspaces: named sandboxes that suspend into ws-<name>-state and resume from it --
+
+    def list_workspaces(self) -> list[dict]:
+        return self._request("GET", "/v1/workspaces")
+
+    def create_workspace(self, name: str, snapshot_tag: str, memory_limit_mib: int | None = None) -> dict:
+        body: dict = {"name": name, "snapshot_tag": snapshot_tag}
+        if memory_limit_mib is not None:
+            body["memory_limit_mib"] = memory_limit_mib
+        return self._request("POST", "/v1/workspaces", body)
+
+    def get_workspace(self, name: str) -> dict:
+        return self._request("GET", f"/v1/workspaces/{name}")
+
+    def suspend_workspace(self, name: str, diff: bool = False, timeout: float = 900) -> dict:
+        return self._request("POST", f"/v1/workspaces/{name}/suspend", {"diff": bool(diff)}, timeout=timeout)
+
+    def resume_workspace(self, name: str) -> dict:
+        return self._request("POST", f"/v1/workspaces/{name}/resume")  # no body, like ping
+
+    def delete_workspace(self, name: str) -> None:
+        return self._request("DELETE", f"/v1/workspaces/{name}")
+
     def run_code(self, sandbox_id: str, code: str, timeout: float | None = None) -> dict:
         body: dict = {"code": code}
         if timeout is not None:

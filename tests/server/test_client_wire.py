@@ -129,6 +129,30 @@ def test_errors(ctl):
     assert ctl.kill_sandbox("sb-1") is None
 
 
+WORKSPACE_CASES = [
+    (lambda c: c.compact_snapshot("py", "py2"), "POST", "/v1/snapshots/py/compact", b'{"to": "py2"}'),
+    (lambda c: c.list_workspaces(), "GET", "/v1/workspaces", None),
+    (lambda c: c.create_workspace("w1", "py"), "POST", "/v1/workspaces", b'{"name": "w1", "snapshot_tag": "py"}'),
+    (lambda c: c.create_workspace("w1", "py", memory_limit_mib=256), "POST", "/v1/workspaces",
+     b'{"name": "w1", "snapshot_tag": "py", "memory_limit_mib": 256}'),
+    (lambda c: c.get_workspace("w1"), "GET", "/v1/workspaces/w1", None),
+    (lambda c: c.suspend_workspace("w1"), "POST", "/v1/workspaces/w1/suspend", b'{"diff": false}'),
+    (lambda c: c.suspend_workspace("w1", diff=True), "POST", "/v1/workspaces/w1/suspend", b'{"diff": true}'),
+    (lambda c: c.resume_workspace("w1"), "POST", "/v1/workspaces/w1/resume", None),
+    (lambda c: c.delete_workspace("w1"), "DELETE", "/v1/workspaces/w1", None),
+]
+
+
+@pytest.mark.parametrize("fn,method,path,body", WORKSPACE_CASES,
+                         ids=[f"{m} {p} {i}" for i, (_, m, p, _b) in enumerate(WORKSPACE_CASES)])
+def test_compact_and_workspace_wire(ctl, fn, method, path, body):
+    fn(ctl)
+    req = last()
+    assert (req["method"], req["path"], req["body"]) == (method, path, body or b"")
+    assert req["headers"]["Authorization"] == "Bearer t0k3n"
+    assert ("Content-Type" in req["headers"]) == (body is not None)
+
+
 def test_extras_wire(ctl):
     ctl.delete_snapshot("py", cascade=True)
     assert last()["path"] == "/v1/snapshots/py?cascade=true"

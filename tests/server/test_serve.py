@@ -98,6 +98,8 @@ def server(workdir, token_file):
     finally:
         ctl = Controller(srv.url, srv.token)
         try:
+            for ws in ctl.list_workspaces():  # first: a workspace's state refuses a plain delete
+                ctl.delete_workspace(ws["name"])
             for sb in ctl.list_sandboxes():
                 ctl.kill_sandbox(sb["id"])
             for snap in ctl.list_snapshots():
@@ -266,6 +268,34 @@ def test_cli_round_trip(server, ctl):
     assert done.returncode != 0 and "mutually exclusive" in done.stderr
     assert json.loads(cli(server, "rmi", "cli", "--cascade", "--json").stdout) == {"removed": ["cli"], "failed": {}}
     assert [s for s in json.loads(cli(server, "ls", "-s", "--json").stdout) if s["tag"].startswith("cli")] == []
+
+
+def test_cli_compact_and_workspaces(server, ctl):
+    ctl.create_snapshot("cliw", setup="v = 1")
+    copy = json.loads(cli(server, "snapshot-compact", "--from", "cliw", "--to", "cliw-copy", "--json").stdout)
+    assert (copy["tag"], copy["branched_from"], copy["status"]) == ("cliw-copy", "compact:cliw", "ready")
+    assert "compact:cliw" in cli(server, "ls", "--snapshots").stdout
+
+    ws = json.loads(cli(server, "workspace", "create", "wcli", "--snapshot", "cliw", "--memory-limit-mib", "256",
+                        "--json").stdout)
+    assert ws["status"] == "running" and ws["memory_limit_mib"] == 256
+    ctl.run_code(ws["live_sandbox_id"], "v = 2")
+    info = json.loads(cli(server, "workspace", "suspend", "wcli", "--diff", "--json").stdout)
+    assert (info["status"], info["current_state_tag"]) == ("suspended", "ws-wcli-state")
+    table = cli(server, "workspace", "list").stdout
+    assert "wcli" in table and "suspended" in table and "ws-wcli-state" in table
+    assert [w["name"] for w in json.loads(cli(server, "workspace", "ls", "--json").stdout)] == ["wcli"]
+    done = cli(server, "workspace", "suspend", "wcli", check=False)
+    assert done.returncode == 1 and "workspace wcli is not running (status suspended) (HTTP 400)" in done.stderr
+    info = json.loads(cli(server, "workspace", "resume", "wcli", "--json").stdout)
+    assert info["status"] == "running" and ctl.eval_code(info["live_sandbox_id"], "v")["result"] == "2"
+    assert "running" in cli(server, "workspace", "resume", "wcli", check=False).stderr
+    assert json.loads(cli(server, "workspace", "delete", "wcli", "--json").stdout) == {"deleted": "wcli"}
+    done = cli(server, "workspace", "rm", "wcli", check=False)
+    assert done.returncode == 1 and "workspace wcli not found" in done.stderr
+    assert ctl.list_workspaces() == []
+    ctl.delete_snapshot("cliw")
+    ctl.delete_snapshot("cliw-copy")
 
 
 def test_cli_errors(server):
