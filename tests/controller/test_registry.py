@@ -56,3 +56,27 @@ def test_generation_changes_with_every_commit_and_only_then(short_dir):
     finally:
         a.close()
         b.close()
+
+
+def test_a_registry_from_before_workspaces_gains_the_table(short_dir):
+    """The schema only adds tables (CREATE TABLE IF NOT EXISTS): an older registry opens unchanged."""
+    import sqlite3
+
+    path = os.path.join(short_dir, "old.sqlite3")
+    db = sqlite3.connect(path)
+    db.executescript("CREATE TABLE sandboxes (id TEXT PRIMARY KEY, snapshot_tag TEXT NOT NULL, engine TEXT NOT NULL, "
+                     "status TEXT NOT NULL, created_at REAL NOT NULL, lineage TEXT NOT NULL, memory_limit_mib INTEGER, "
+                     "branch_count INTEGER NOT NULL DEFAULT 0, handle TEXT);")
+    db.execute("INSERT INTO sandboxes (id, snapshot_tag, engine, status, created_at, lineage) "
+               "VALUES ('sb-1', 't', 'process', 'running', 1.0, '[\"t\", \"sb-1\"]')")
+    db.commit()
+    db.close()
+    reg = Registry(path)
+    try:
+        assert [r["id"] for r in reg.list_sandboxes()] == ["sb-1"]
+        assert reg.list_workspaces() == []
+        reg.insert_workspace({"name": "w", "id": "ws-sb-1", "source_snapshot_tag": "t", "status": "running",
+                              "live_sandbox_id": "sb-1", "created_at": 1.0, "last_active": 1.0})
+        assert reg.get_workspace("w")["live_sandbox_id"] == "sb-1"
+    finally:
+        reg.close()
