@@ -112,7 +112,10 @@ SUBCOMMANDS = {
         A("--tag", "-t", required=True, help="the snapshot's tag"),
         A("--setup", default=None, help="Python code run before the interpreter is frozen"),
         A("--engine", default="auto", help="auto, process or vm"),
-        A("--mem-size-mib", type=int, default=None, help="memory size (VM engine)")),
+        A("--mem-size-mib", type=int, default=None, help="memory size (VM engine)"),
+        A("--disk-mib", type=int, default=None, help="an ext4 data disk at /data (VM engine)"),
+        A("--package", action="append", default=None, metavar="DEB",
+          help="a Debian package for the guest, e.g. python3-numpy (VM engine; repeatable)")),
     "fork": _args(
         "fork", "Fork sandboxes (copy-on-write children) from a snapshot. Returns a list of Sandbox.",
         A("--tag", "-t", required=True, help="the snapshot to fork from"),
@@ -255,7 +258,8 @@ class ForkdMagics(Magics):
     def _snapshot(self, args, cell):
         setup = cell if cell is not None and cell.strip() else args.setup
         info = self.controller.create_snapshot(args.tag, setup=setup, engine=args.engine,
-                                               mem_size_mib=args.mem_size_mib)
+                                               mem_size_mib=args.mem_size_mib, disk_mib=args.disk_mib,
+                                               packages=args.package)
         return Snapshot(info, self.controller)
 
     def _fork(self, args, cell):

@@ -139,6 +139,8 @@ def test_delete_snapshot(ip, forkd):
     ("run sb-x", "UsageError: forkd run is a cell magic"),
     ("exec sb-x", "UsageError: forkd exec: give a command"),
     ("branch two", "UsageError: forkd: two names 2 sandboxes; give exactly one"),
+    ("snapshot -t pk --engine process --package python3-numpy", "UsageError: forkd snapshot: packages need engine vm"),
+    ("snapshot -t pk --package Bad_Name", "UsageError: forkd snapshot: 'Bad_Name' is not a Debian package name"),
 ])
 def test_errors_are_one_line_not_a_traceback(ip, line, message):
     ip.user_ns["two"] = [Sandbox({"id": "sb-a", "snapshot_tag": "t"}), Sandbox({"id": "sb-b", "snapshot_tag": "t"})]
