@@ -264,6 +264,8 @@ class Controller:
             except ImageError as exc:
                 raise BadRequest(str(exc)) from None
         packages = list(packages or [])
+        if engine == "auto" and (packages or disk_mib is not None):
+            engine = "vm"  # what was asked for exists only in a VM guest (as forkd's kernel/rootfs form)
         name, eng = self._engine(engine)
         if disk_mib is not None and name != "vm":
             raise BadRequest("disk_mib needs engine vm (a process sandbox's files live in its private layer)")

@@ -128,9 +128,9 @@ def test_memory_limit_caps_the_vm_and_an_overgrown_guest_is_killed(ctl):
 
 
 def test_packages_through_the_controller(ctl):
-    info = ctl.create_snapshot("vmpkgs", engine="vm", packages=["python3-six"],
+    info = ctl.create_snapshot("vmpkgs", packages=["python3-six"],   # engine auto: packages mean vm
                                setup="import six\nflavour = six.PY3")
-    assert info["status"] == "ready"
+    assert info["status"] == "ready" and info["engine"] == "vm"
     assert ctl.registry.get_snapshot("vmpkgs")["spec"]["packages"] == ["python3-six"]
     (sb,) = ctl.spawn("vmpkgs", 1)
     assert ctl.eval(sb["id"], "(flavour, six.__file__.startswith('/usr/lib/python3/'))")["result"] == "(True, True)"
