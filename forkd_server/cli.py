@@ -76,6 +76,15 @@ def _snapshot_rows(snaps: list[dict]) -> list[list]:
              s.get("warning")] for s in snaps]
 
 
+def _print_snapshot(args, info: dict) -> int:
+    if args.json:
+        _emit_json(info)
+    else:
+        _console().print(_table("snapshot", ["tag", "status", "engine", "branched from", "pause", "created",
+                                             "warning"], _snapshot_rows([info])))
+    return 0
+
+
 def cmd_snapshot(args) -> int:
     ctl = _client(args)
     if args.from_sandbox:
@@ -110,12 +119,7 @@ def cmd_snapshot(args) -> int:
                 info = ctl.create_snapshot(args.tag, setup=setup, setup_commands=commands or None,
                                            engine=args.engine, mem_size_mib=args.mem_size_mib,
                                            disk_mib=args.disk_mib, packages=args.package)
-    if args.json:
-        _emit_json(info)
-    else:
-        _console().print(_table("snapshot", ["tag", "status", "engine", "branched from", "pause", "created",
-                                             "warning"], _snapshot_rows([info])))
-    return 0
+    return _print_snapshot(args, info)
 
 
 class _nullcontext:
@@ -291,12 +295,7 @@ def cmd_snapshot_compact(args) -> int:
     with _console(stderr=True).status(f"compacting {args.source} into {args.to}", spinner="dots") if not args.json \
             else _nullcontext():
         info = ctl.compact_snapshot(args.source, args.to)
-    if args.json:
-        _emit_json(info)
-    else:
-        _console().print(_table("snapshot", ["tag", "status", "engine", "branched from", "pause", "created",
-                                             "warning"], _snapshot_rows([info])))
-    return 0
+    return _print_snapshot(args, info)
 
 
 def _workspace_rows(workspaces: list[dict]) -> list[list]:

@@ -12,19 +12,7 @@ import pytest
 
 from forkd_server.app import EVENT_SCHEMA_ID
 
-JSON = {"Content-Type": "application/json"}
-
-
-async def call(jp_fetch, method, *parts, body=None, headers=None):
-    hdrs = dict(JSON)
-    hdrs.update(headers or {})
-    if body is not None and not isinstance(body, (str, bytes)):
-        body = json.dumps(body)
-    r = await jp_fetch("forkd", "v1", *parts, method=method, body=body, headers=hdrs, raise_error=False,
-                       allow_nonstandard_methods=True)
-    ctype = r.headers.get("Content-Type", "")
-    return r.code, (json.loads(r.body) if r.body and ctype.startswith("application/json") else r.body)
-
+from .test_api import JSON, call
 
 @pytest.fixture
 def snap(forkd_app):
