@@ -32,6 +32,17 @@ class InvalidSpec(EngineError):
     caller's mistake, answered as such, not an engine failure."""
 
 
+class LossyFork(EngineError):
+    """A fork would silently leave behind running work it cannot carry (threads, child processes,
+    an event loop's tasks, shared sockets...). ``items`` names each, one line a thing; the caller
+    may retry with ``lossy=True`` to fork anyway (each item then becomes a warning) or use an engine
+    that carries them (the VM engine copies the whole machine)."""
+
+    def __init__(self, items: list[str], what: str = "a fork"):
+        self.items = list(items)
+        super().__init__(f"{what} would lose what a fork() cannot carry: " + "; ".join(self.items))
+
+
 class UnsupportedMode(EngineError):
     """The request is valid but this host or engine cannot do it (e.g. a branch mode); the message
     names the reason. Never silently downgraded to something else."""
@@ -49,6 +60,8 @@ class SnapshotSpec:
     # ["python3-numpy"]; the process engine ignores it (its sandboxes see the host's files).
     packages: list[str] = field(default_factory=list)
     setup_timeout: float = 600.0
+    # Fork children even though setup left running work they cannot carry (else LossyFork).
+    lossy: bool = False
 
 
 @dataclass
@@ -63,6 +76,17 @@ class BranchResult:
     pause_ms: float  # how long the source was frozen
     ready: Future    # resolves to the new snapshot's handle, or raises EngineError
     prepare_ms: float = 0.0  # work done before the freeze while the source kept running
+    # What the new snapshot does not carry (a lossy branch on the process engine), one line each.
+    warnings: list[str] = field(default_factory=list)
+
+
+class Session(Protocol):
+    """A streaming conversation with a sandbox's agent: line-JSON messages both ways (execute,
+    complete, interrupt, input_reply, comm_msg... in; stream, display_data, execute_reply... out)."""
+
+    def send(self, message: dict) -> None: ...
+    def recv(self, timeout: float | None = None) -> dict | None: ...  # None: the session has ended
+    def close(self) -> None: ...
 
 
 class Engine(Protocol):
@@ -70,7 +94,10 @@ class Engine(Protocol):
 
     def create_snapshot(self, spec: SnapshotSpec) -> Handle: ...
     def spawn(self, snapshot: Handle, children: list[ChildSpec]) -> list[Handle]: ...
-    def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str) -> BranchResult: ...
+    def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str,
+               lossy: bool = False) -> BranchResult: ...
+    def inventory(self, handle: Handle) -> list[str]: ...  # what a branch now would not carry
+    def open_session(self, handle: Handle) -> Session: ...
     def call(self, handle: Handle, request: dict, timeout: float | None = None) -> dict: ...
     def kill(self, handle: Handle) -> None: ...
     def delete_snapshot(self, handle: Handle) -> None: ...

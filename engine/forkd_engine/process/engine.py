@@ -347,7 +347,8 @@ class ProcessEngine:
 
     # --- branch ----------------------------------------------------------------------------------
 
-    def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str = "full") -> BranchResult:
+    def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str = "full",
+               lossy: bool = False) -> BranchResult:
         # Every mode is a copy-on-write fork(): the source pauses only for the fork itself and all
         # modes capture the same state. full and diff fork at once (pause ~ page tables of the
         # source's memory); live first compacts the source into huge pages while it keeps running,

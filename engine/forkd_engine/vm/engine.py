@@ -788,7 +788,12 @@ class VMEngine:
         with self._channels_lock:
             return self._vm_locks.setdefault(self._key(handle), threading.Lock())
 
-    def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str = "full") -> BranchResult:
+    def inventory(self, handle: Handle) -> list[str]:
+        """Nothing: a VM branch copies the whole machine, threads, processes and sockets included."""
+        return []
+
+    def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str = "full",
+               lossy: bool = False) -> BranchResult:
         if sandbox.get("kind") != "vm":
             raise EngineError("only a running sandbox can be branched")
         if mode not in ("full", "diff", "live"):
