@@ -15,7 +15,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
 
-from forkd_engine import AgentUnreachable, ChildSpec, EngineError, InvalidSpec, SnapshotSpec, UnsupportedMode
+from forkd_engine import AgentUnreachable, ChildSpec, EngineError, InvalidSpec, LossyFork, SnapshotSpec, UnsupportedMode
 
 from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
 from .registry import Registry
@@ -40,6 +40,14 @@ def check_tag(tag, what: str = "tag") -> str:
         raise BadRequest(f"invalid {what} {tag!r}: use 1-64 characters from A-Z a-z 0-9 _ . -, "
                          f"not starting with '.' or '-'")
     return tag
+
+
+def lossy_refusal(exc: LossyFork, what: str) -> Conflict:
+    """409: what a fork would lose, and the two ways out."""
+    items = "".join(f"\n  - {item}" for item in exc.items)
+    return Conflict(f"{what} would lose what a fork() cannot carry:{items}\nPass \"lossy\": true to fork anyway "
+                    f"(the snapshot then carries these as warnings), or use the VM engine (engine \"vm\"), "
+                    f"which copies the whole machine: threads, processes and sockets included")
 
 
 def _int_field(value, name: str, lo: int, hi: int | None = None) -> int:
@@ -243,7 +251,7 @@ class Controller:
     def create_snapshot(self, tag, *, engine: str = "auto", setup: str | None = None,
                         setup_commands: list | None = None, mem_size_mib: int | None = None,
                         host_network: bool = False, disk_mib: int | None = None,
-                        packages: list[str] | None = None) -> dict:
+                        packages: list[str] | None = None, lossy: bool = False) -> dict:
         check_tag(tag)
         if engine not in ENGINES:
             raise BadRequest(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -280,7 +288,7 @@ class Controller:
             self._in_flight.add(tag)
         try:
             spec = SnapshotSpec(tag=tag, setup=setup, setup_commands=commands, host_network=bool(host_network),
-                                mem_size_mib=mem_size_mib, disk_mib=disk_mib, packages=packages)
+                                mem_size_mib=mem_size_mib, disk_mib=disk_mib, packages=packages, lossy=bool(lossy))
             self.registry.insert_snapshot({
                 "tag": tag, "engine": name, "status": "writing", "created_at": time.time(),
                 "lineage": [tag], "spec": {"setup": setup, "setup_commands": commands,
@@ -294,6 +302,8 @@ class Controller:
                 self._emit("snapshot", "deleted", tag=tag)
                 if isinstance(exc, InvalidSpec):  # e.g. an unknown package: the request's fault
                     raise BadRequest(str(exc)) from None
+                if isinstance(exc, LossyFork):
+                    raise lossy_refusal(exc, f"snapshot {tag}: every sandbox is a fork of it, and its setup") from None
                 raise EngineFailure(str(exc)) from exc
             self.registry.update_snapshot(tag, status="ready", handle=handle)
             self._emit("snapshot", "status", tag=tag, status="ready")
@@ -494,7 +504,7 @@ class Controller:
     # --- branch ----------------------------------------------------------------------------------
 
     def branch(self, sandbox_id, tag=None, *, mode=None, diff=False, live=False, measure_diff=False,
-               wait=True, parent_tag=None) -> dict:
+               wait=True, parent_tag=None, lossy=False) -> dict:
         """Turn a running sandbox into a new snapshot, in forkd's check order.
 
         Returns SnapshotInfo; with ``wait=False`` it has status ``writing`` and turns ``ready`` or
@@ -526,7 +536,8 @@ class Controller:
         except BaseException:
             release()
             raise
-        return self._branch_into(row, tag, "live" if live else "diff" if diff else "full", release, wait=wait)
+        return self._branch_into(row, tag, "live" if live else "diff" if diff else "full", release, wait=wait,
+                                 lossy=bool(lossy))
 
     def _take_slot(self, tag: str) -> Callable[[], None]:
         """Reserve a branch concurrency slot for writing ``tag``: 409 if ``tag`` is in flight, 503 at
@@ -552,7 +563,7 @@ class Controller:
 
     def _branch_into(self, row: dict, tag: str, mode: str, release: Callable[[], None], *, wait: bool = True,
                      lineage: list[str] | None = None, branched_from: str | None = None, spec: dict | None = None,
-                     record_pause: bool = True) -> dict:
+                     record_pause: bool = True, lossy: bool = False) -> dict:
         """Branch the running sandbox ``row`` into snapshot ``tag`` while holding the slot ``release``
         frees: the slot goes back when the snapshot is ready or failed, or at once on an error."""
         try:
@@ -564,9 +575,11 @@ class Controller:
                 "branched_from": branched_from, "lineage": lineage,
                 "spec": spec or {"branched_from": row["id"], "mode": mode}})
             try:
-                result = engine.branch(row["handle"], tag, lineage, mode)
+                result = engine.branch(row["handle"], tag, lineage, mode, lossy=lossy)
             except BaseException as exc:  # nothing was written: no row, and the slot goes back
                 self.registry.delete_snapshot(tag)
+                if isinstance(exc, LossyFork):
+                    raise lossy_refusal(exc, f"branch of {row['id']}") from None
                 if isinstance(exc, UnsupportedMode):  # valid request, impossible here: a 4xx naming why
                     raise BadRequest(f"branch: {exc}") from exc
                 if isinstance(exc, (EngineError, AgentUnreachable)):
@@ -600,7 +613,10 @@ class Controller:
                 except EngineError as exc:
                     raise EngineFailure(f"branch: {exc}") from exc
                 settled.wait()  # the done-callback may still be running in the engine's thread
-            return self.snapshot_info(self.registry.get_snapshot(tag))
+            info = self.snapshot_info(self.registry.get_snapshot(tag))
+            if result.warnings:
+                info["warnings"] = list(result.warnings)
+            return info
         except BaseException:
             written = self.registry.get_snapshot(tag)
             if written is None or written["status"] != "writing":

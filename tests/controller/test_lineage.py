@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from forkd_server.errors import ForkdError
+
 from .conftest import ev, sh
 
 from ..conftest import requires_root
@@ -120,18 +122,25 @@ def test_children_draw_different_random_numbers(ctl, snap):
     assert len(seeded) == 1
 
 
-def test_branching_a_busy_source_leaves_it_running_with_unchanged_result(ctl, snap):
+def test_branching_a_busy_source_is_refused_unless_lossy_and_leaves_it_running(ctl, snap):
     source, reference = (s["id"] for s in ctl.spawn(snap, 2))
     loop = ("open('/tmp/started', 'w').close()\n"
-            "acc = 0\nfor i in range(10_000_000):\n    acc = (acc * 31 + i) % 1_000_003\nacc")
+            "acc = 0\nfor i in range(20_000_000):\n    acc = (acc * 31 + i) % 1_000_003\nacc")
     busy: dict = {}
     worker = threading.Thread(target=lambda: busy.update(ctl.run_code(source, loop)))
     worker.start()
     while worker.is_alive() and "started" not in {e["name"] for e in ctl.files(source, "list", "/tmp")["entries"]}:
         pass
     assert worker.is_alive(), "the loop finished before the branch: make it longer"
-    branch = ctl.branch(source, "busy-branch")
-    assert worker.is_alive()  # the branch returned while the source was still computing (~3 s loop)
+    # The cell would not go on running in the branch: refused, saying so and how to go on.
+    with pytest.raises(ForkdError) as refused:
+        ctl.branch(source, "busy-branch")
+    assert refused.value.status == 409
+    assert "a cell has been running" in refused.value.message and '"lossy": true' in refused.value.message
+    assert worker.is_alive()
+    branch = ctl.branch(source, "busy-branch", lossy=True)
+    assert worker.is_alive()  # the branch returned while the source was still computing
+    assert any("a cell has been running" in w for w in branch["warnings"])
     worker.join()
     assert busy["exit_code"] == 0
     expected = ctl.run_code(reference, loop)["result"]["text/plain"]

@@ -1,25 +1,31 @@
 """What the guest agent does, independent of how requests reach it.
 
-One ``Runtime`` per sandbox: a persistent Python namespace shared by ``eval`` and ``run_code`` (so a
-branch of a mid-thought agent keeps its variables), subprocess ``exec`` with process-group timeouts,
-and a small file API. Replies follow forkd's agent protocol where forkd has the action.
+One ``Runtime`` per sandbox: a persistent Python namespace shared by ``eval``, ``run_code`` and
+streaming sessions (so a branch of a mid-thought agent keeps its variables), subprocess ``exec`` with
+process-group timeouts, and a small file API. Replies follow forkd's agent protocol where forkd has
+the action.
+
+User code runs on the main thread when an ``Executor`` serves it there (every process-engine
+sandbox), so it can be interrupted; without one (tests, a plain embedding) it runs in the caller.
 """
 
 from __future__ import annotations
 
-import ast
 import base64
 import contextlib
-import io
 import os
 import random
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
+
+from .cells import PlainRunner, collect, mime_bundle  # noqa: F401 - mime_bundle: part of this API
+from .executor import Busy, Executor
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 _START = time.monotonic()
@@ -33,32 +39,6 @@ def _error_reply(exc: BaseException) -> dict:
     return {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1}
 
 
-def mime_bundle(obj) -> dict:
-    """Jupyter-style representations of ``obj``: text/plain always, richer ones when offered."""
-    data: dict = {}
-    if hasattr(obj, "_repr_mimebundle_"):
-        with contextlib.suppress(Exception):
-            bundle = obj._repr_mimebundle_()
-            if isinstance(bundle, tuple):
-                bundle = bundle[0]
-            data.update(bundle or {})
-    for method, mime in (("_repr_html_", "text/html"), ("_repr_markdown_", "text/markdown"),
-                         ("_repr_svg_", "image/svg+xml"), ("_repr_png_", "image/png"),
-                         ("_repr_jpeg_", "image/jpeg"), ("_repr_json_", "application/json"),
-                         ("_repr_latex_", "text/latex")):
-        fn = getattr(obj, method, None)
-        if callable(fn) and mime not in data:
-            with contextlib.suppress(Exception):
-                value = fn()
-                if value is not None:
-                    data[mime] = value
-    for mime, value in list(data.items()):
-        if isinstance(value, bytes):
-            data[mime] = base64.b64encode(value).decode()
-    data.setdefault("text/plain", repr(obj))
-    return data
-
-
 class Runtime:
     def __init__(self, identity: dict | None = None):
         self.identity = dict(identity or {})
@@ -68,6 +48,37 @@ class Runtime:
         self.procs: dict[int, subprocess.Popen] = {}  # live exec children, by pid
         self.cwd = os.getcwd()
         self.started = time.time()
+        self.executor: Executor | None = None
+        self.plain = PlainRunner(self.namespace)
+        self.shell = None        # the IPython shell, once a session asked for one (shell.py)
+        self.history: list[dict] = []  # cells run through sessions: {n, code, sandbox, time}; forks keep it
+        self.queue_wait = 10.0   # how long a call waits for a busy main thread before it is refused
+
+    @property
+    def runner(self):
+        return self.shell if self.shell is not None else self.plain
+
+    def start_session(self, request: dict, session) -> dict:
+        """A streaming session opens: make the IPython shell if it asks for one; say what it gets."""
+        if request.get("shell") == "ipython" and self.shell is None:
+            from .shell import ForkdShell  # imported only where asked for: IPython is heavy
+            self.on_main(lambda: setattr(self, "shell", self.shell or ForkdShell.start(self)),
+                         "starting IPython", user_code=False, wait=120)
+        if self.shell is not None:
+            self.on_main(lambda: self.shell.attach(session), "attaching a session", user_code=False, wait=120)
+        ipython = sys.modules.get("IPython")
+        return {"status": "ok", "shell": "ipython" if self.shell is not None else "plain",
+                "sandbox": self.identity.get("id"), "lineage": self.identity.get("lineage", []),
+                "python": sys.version.split()[0], "ipython": getattr(ipython, "__version__", None),
+                "execution_count": self.runner.execution_count, "history_length": len(self.history)}
+
+    def on_main(self, fn, what: str, *, user_code: bool = True, wait: float | None = None):
+        """Run ``fn`` where user code runs: the main thread's executor, else right here."""
+        if self.executor is None:
+            with self.eval_lock:
+                return fn()
+        return self.executor.call(fn, what, user_code=user_code,
+                                  start_within=self.queue_wait if wait is None else wait)
 
     # --- identity and fork hygiene --------------------------------------------------------------
 
@@ -79,6 +90,9 @@ class Runtime:
         self.procs_lock = threading.Lock()
         self.procs = {}
         reseed_random_generators()
+        reset_per_process_names()
+        if self.shell is not None:
+            self.shell.after_fork()
 
     # --- dispatch --------------------------------------------------------------------------------
 
@@ -92,6 +106,8 @@ class Runtime:
             return handler(request)
         except AgentError as exc:
             return {"error": str(exc), "exit_code": 1}
+        except Busy as exc:
+            return {"error": str(exc), "busy": True, "exit_code": 1}
         except Exception as exc:  # noqa: BLE001 - the agent must answer, never die
             reply = _error_reply(exc)
             reply["traceback"] = traceback.format_exc()
@@ -165,51 +181,25 @@ class Runtime:
         code = request.get("code")
         if not isinstance(code, str):
             raise AgentError("eval needs code: a string")
-        with self.eval_lock:
+
+        def run() -> dict:
             try:
                 value = eval(compile(code, "<eval>", "eval"), self.namespace)  # noqa: S307
             except Exception as exc:  # noqa: BLE001
                 reply = _error_reply(exc)
                 reply["traceback"] = traceback.format_exc()
                 return reply
-        return {"result": repr(value), "exit_code": 0}
+            return {"result": repr(value), "exit_code": 0}
+
+        return self.on_main(run, "an eval", wait=request.get("queue_wait"))
 
     def run_code(self, request: dict) -> dict:
         """Run statements like a notebook cell; the last expression's value is the result."""
         code = request.get("code")
         if not isinstance(code, str):
             raise AgentError("run_code needs code: a string")
-        outputs: list[dict] = []
-
-        def display(*objs):
-            for obj in objs:
-                outputs.append({"type": "display_data", "data": mime_bundle(obj)})
-
-        out, err = io.StringIO(), io.StringIO()
-        result = error = None
-        with self.eval_lock:
-            self.namespace["display"] = display
-            try:
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    tree = ast.parse(code, "<cell>", "exec")
-                    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-                    exec(compile(tree, "<cell>", "exec"), self.namespace)  # noqa: S102
-                    if last is not None:
-                        value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), self.namespace)  # noqa: S307
-                        if value is not None:
-                            self.namespace["_"] = value
-                            result = mime_bundle(value)
-            except BaseException as exc:  # noqa: BLE001 - SystemExit in a cell must not end the agent
-                # Show the user's frames only: the cell and what it called, not the agent's.
-                frames = traceback.extract_tb(exc.__traceback__)
-                first = next((i for i, f in enumerate(frames) if f.filename == "<cell>"), len(frames))
-                lines = (["Traceback (most recent call last):\n"] + traceback.format_list(frames[first:])
-                         + traceback.format_exception_only(type(exc), exc))
-                error = {"ename": type(exc).__name__, "evalue": str(exc), "traceback": lines}
-        if result is not None:
-            outputs.append({"type": "execute_result", "data": result})
-        return {"stdout": out.getvalue(), "stderr": err.getvalue(), "outputs": outputs,
-                "result": result, "error": error, "exit_code": 1 if error else 0}
+        return self.on_main(lambda: collect(lambda emit: self.runner.execute(code, emit, store_history=False)),
+                            "a cell", wait=request.get("queue_wait"))
 
     # --- files -----------------------------------------------------------------------------------
 
@@ -258,6 +248,15 @@ class Runtime:
                 os.remove(path)
             return {"path": path, "removed": True}
         raise AgentError(f"unknown files op: {op!r} (read, write, list, remove)")
+
+
+def reset_per_process_names() -> None:
+    """Per-process name state that keys on the pid, which a fork here keeps (every fork is pid 1 of
+    its namespace, every VM child a copy of one process): ``tempfile`` would draw its siblings' names."""
+    seq = getattr(tempfile, "_name_sequence", None)
+    if seq is not None:
+        seq._rng_pid = None  # its next use reseeds from os.urandom
+    tempfile._name_sequence = None
 
 
 def reseed_random_generators() -> None:

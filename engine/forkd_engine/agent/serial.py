@@ -32,8 +32,11 @@ import sys
 import threading
 import time
 
+from . import children
+from .executor import Executor
 from .runtime import Runtime
-from .server import MAX_LINE, install_reaper
+from .server import MAX_LINE
+from .session import Session
 
 PORT_NAME = "agent"
 INLINE = ("ping", "settle")  # answered on the reader thread; everything else gets its own thread
@@ -86,11 +89,16 @@ def parse_restore(line: bytes) -> tuple[str, bytes, int, dict]:
 
 
 class SerialAgent:
+    """Requests carry ``_rid`` (replies echo it). A streaming session shares the port: it is opened
+    by ``{"action": "session", "_sid": S}``, its messages and events carry ``_sid``, and
+    ``{"_sid": S, "type": "close"}`` ends it."""
+
     def __init__(self, fd: int, runtime: Runtime):
         self.fd = fd
         self.runtime = runtime
         self.write_lock = threading.Lock()
         self.restores = 0
+        self.sessions: dict[str, Session] = {}
 
     def restore(self, seed: bytes, host_ns: int, identity: dict, max_drift_ns: int = 500_000_000) -> int:
         """Fork hygiene after a restore; returns how far the clock was stepped (ns)."""
@@ -152,6 +160,34 @@ class SerialAgent:
                 n = os.write(self.fd, view)
                 view = view[n:]
 
+    def open_session(self, request: dict) -> None:
+        sid = str(request.get("_sid"))
+        old = self.sessions.pop(sid, None)
+        if old is not None:
+            old.close()
+        session = Session(self.runtime, lambda event: self.reply({**event, "_sid": sid}))
+        try:
+            hello = self.runtime.start_session(request, session)
+        except Exception as exc:  # noqa: BLE001
+            hello = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc), "traceback": []}
+        else:
+            self.sessions[sid] = session
+        session.emit({"type": "session_reply", "content": hello}, request.get("id"))
+
+    def session_message(self, message: dict) -> None:
+        sid = str(message.pop("_sid"))
+        session = self.sessions.get(sid)
+        if message.get("type") == "close":
+            if session is not None:
+                self.sessions.pop(sid, None)
+                session.close()
+        elif session is not None:
+            session.handle(message)
+        else:
+            with contextlib.suppress(OSError):
+                self.reply({"_sid": sid, "type": "session_closed", "id": message.get("id"),
+                            "content": {"status": "error", "evalue": f"no session {sid} in this VM"}})
+
     def serve_one(self, request) -> None:
         rid = None
         try:
@@ -205,12 +241,19 @@ class SerialAgent:
                     request = json.loads(line)
                 except ValueError as exc:
                     request = exc
-                if isinstance(request, dict) and request.get("action") in INLINE:
+                if isinstance(request, dict) and "_sid" in request:
+                    if request.get("action") == "session":  # starting IPython may take a while
+                        threading.Thread(target=self.open_session, args=(request,), name="forkd-session",
+                                         daemon=True).start()
+                    else:
+                        self.session_message(request)  # quick: hands it to the main thread or a queue
+                elif isinstance(request, dict) and request.get("action") in INLINE:
                     self.serve_one(request)  # quick and first after a restore: no thread start
                 elif isinstance(request, Exception):
                     self.reply({"error": f"{type(request).__name__}: {request}", "exit_code": 1})
                 else:
-                    threading.Thread(target=self.serve_one, args=(request,), daemon=True).start()
+                    threading.Thread(target=self.serve_one, args=(request,), name="forkd-request",
+                                     daemon=True).start()
 
 
 def main() -> int:
@@ -218,9 +261,13 @@ def main() -> int:
     fd = os.open(path, os.O_RDWR)
     runtime = Runtime({"role": "vm"})
     if os.getpid() == 1:
-        install_reaper(lambda pid: pid in runtime.procs, guard=runtime.procs_lock)
+        children.install()  # reap orphans, never a status the user's code waits for
+    # User code runs on the main thread (so an interrupt is a KeyboardInterrupt); the port is read
+    # on another.
+    runtime.executor = Executor()
     print(f"forkd agent: serving on {path}", file=sys.stderr, flush=True)
-    SerialAgent(fd, runtime).serve_forever()
+    threading.Thread(target=SerialAgent(fd, runtime).serve_forever, name="forkd-serial", daemon=True).start()
+    runtime.executor.run_forever()
     return 0
 
 

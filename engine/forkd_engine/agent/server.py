@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import json
 import os
-import selectors
-import signal
 import socket
 import threading
 from typing import Callable
 
 from .runtime import Runtime
+from .session import Session
 
 MAX_LINE = 96 * 1024 * 1024
 MAX_FDS = 253  # the kernel's SCM_MAX_FD
@@ -56,7 +56,13 @@ def send_reply(conn: socket.socket, reply: dict) -> None:
 
 
 class AgentServer:
-    """Serve ``runtime`` (plus engine actions) on a listening socket."""
+    """Serve ``runtime`` (plus engine actions) on a listening socket.
+
+    ``threaded``: each connection gets a thread (a sandbox: user code runs on the main thread's
+    executor meanwhile); else connections are served one by one on the accepting thread (a frozen
+    template, which only spawns). A connection whose first request is ``{"action": "session"}``
+    becomes a streaming session (``session.py``) until the client closes it.
+    """
 
     def __init__(self, runtime: Runtime, listener: socket.socket, actions: dict[str, Action] | None = None,
                  threaded: bool = True):
@@ -64,6 +70,16 @@ class AgentServer:
         self.listener = listener
         self.actions = dict(actions or {})
         self.threaded = threaded
+        self._conns: set[socket.socket] = set()
+        self._held: set[int] = set()  # descriptors received with requests whose actions still run
+        self._conns_lock = threading.Lock()
+
+    def agent_fds(self) -> set[int]:
+        """The descriptors this server holds (its listener, its connections, descriptors received
+        with requests in progress): the agent's, never the user's."""
+        with self._conns_lock:
+            fds = {c.fileno() for c in self._conns} | set(self._held)
+        return {fd for fd in fds | {self.listener.fileno()} if fd >= 0}
 
     def dispatch(self, request: dict, fds: list[int]) -> dict:
         action = self.actions.get(request.get("action")) if isinstance(request, dict) else None
@@ -73,82 +89,97 @@ class AgentServer:
             if not isinstance(request, dict):
                 return {"error": "request must be a JSON object", "exit_code": 1}
             return self.runtime.handle(request)
+        with self._conns_lock:
+            self._held.update(fds)
         try:
             return action(request, fds)
         except Exception as exc:  # noqa: BLE001 - answer, never die
             return {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1}
+        finally:
+            with self._conns_lock:
+                self._held.difference_update(fds)
 
     def serve_connection(self, conn: socket.socket) -> None:
         buf = bytearray()
-        with conn:
-            while True:
+        with self._conns_lock:
+            self._conns.add(conn)
+        try:
+            with conn:
+                while True:
+                    try:
+                        request, fds = recv_request(conn, buf)
+                    except (ValueError, json.JSONDecodeError) as exc:
+                        with contextlib.suppress(OSError):
+                            send_reply(conn, {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1})
+                        return
+                    except OSError:
+                        return
+                    if request is None:
+                        return
+                    if isinstance(request, dict) and request.get("action") == "session":
+                        for fd in fds:
+                            os.close(fd)
+                        self.serve_session(conn, buf, request)
+                        return
+                    reply = self.dispatch(request, fds)
+                    then = reply.pop("_then", None)
+                    try:
+                        send_reply(conn, reply)
+                    except OSError:
+                        pass
+                    if then is not None:
+                        then()
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+
+    def serve_session(self, conn: socket.socket, buf: bytearray, request: dict) -> None:
+        """This connection is now a streaming session: lines in are messages, lines out events."""
+        conn.settimeout(None)
+        session = Session(self.runtime, lambda event: send_reply(conn, event))
+        try:
+            hello = self.runtime.start_session(request, session)
+        except Exception as exc:  # noqa: BLE001
+            with contextlib.suppress(OSError):
+                send_reply(conn, {"type": "session_reply", "content": {
+                    "status": "error", "ename": type(exc).__name__, "evalue": str(exc), "traceback": []}})
+            return
+        session.emit({"type": "session_reply", "content": hello}, request.get("id"))
+        try:
+            while not session.closed:
                 try:
-                    request, fds = recv_request(conn, buf)
-                except (ValueError, json.JSONDecodeError) as exc:
-                    with contextlib.suppress(OSError):
-                        send_reply(conn, {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1})
+                    message, fds = recv_request(conn, buf)
+                except (ValueError, OSError):
                     return
-                except OSError:
+                for fd in fds:
+                    os.close(fd)
+                if message is None:
                     return
-                if request is None:
-                    return
-                reply = self.dispatch(request, fds)
-                then = reply.pop("_then", None)
-                try:
-                    send_reply(conn, reply)
-                except OSError:
-                    pass
-                if then is not None:
-                    then()
+                session.handle(message)
+        finally:
+            session.close()
 
     def serve_forever(self) -> None:
-        sel = selectors.DefaultSelector()
-        self.listener.setblocking(False)
-        sel.register(self.listener, selectors.EVENT_READ)
+        """Accept connections on this thread, forever."""
+        self.listener.setblocking(True)
         while True:
-            for _key, _ev in sel.select():
-                try:
-                    conn, _ = self.listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                conn.setblocking(True)
-                if self.threaded:
-                    threading.Thread(target=self.serve_connection, args=(conn,), daemon=True).start()
-                else:
-                    conn.settimeout(60)
-                    self.serve_connection(conn)
+            try:
+                conn, _ = self.listener.accept()
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.EBADF, errno.EINVAL):  # closed under us (a fork's child)
+                    return
+                continue
+            if self.threaded:
+                threading.Thread(target=self.serve_connection, args=(conn,), name="forkd-conn",
+                                 daemon=True).start()
+            else:
+                conn.settimeout(60)
+                self.serve_connection(conn)
 
-
-def reap_children(skip: Callable[[int], bool]) -> list[int]:
-    """Reap exited children of this process that nobody else waits for (we may be PID 1)."""
-    me = os.getpid()
-    reaped = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2:].split()
-        if fields[0] == b"Z" and int(fields[1]) == me and not skip(int(name)):
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(int(name), 0)
-                reaped.append(int(name))
-    return reaped
-
-
-def install_reaper(skip: Callable[[int], bool], guard: threading.Lock | None = None,
-                   on_reaped: Callable[[int], None] = lambda pid: None) -> None:
-    """Reap on SIGCHLD. ``guard`` is held while exec children are started: skip that round."""
-    def handler(_signum, _frame):
-        if guard is not None and not guard.acquire(blocking=False):
-            return
-        try:
-            for pid in reap_children(skip):
-                on_reaped(pid)
-        finally:
-            if guard is not None:
-                guard.release()
-    signal.signal(signal.SIGCHLD, handler)
+    def start(self) -> threading.Thread:
+        """Accept connections on a thread of their own (the main thread runs user code)."""
+        thread = threading.Thread(target=self.serve_forever, name="forkd-accept", daemon=True)
+        thread.start()
+        return thread

@@ -17,6 +17,7 @@ import traceback
 
 from .. import linux
 from . import rootfs
+from ..agent import inventory
 from .inside import SandboxProcess, report
 
 _PROC_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
@@ -38,7 +39,8 @@ def template_main(cfg: dict) -> None:
         os.environ.update(cfg["env"])
         linux.install_seccomp()
         proc = SandboxProcess({"id": cfg["tag"], "role": "template", "lineage": [cfg["tag"]]},
-                              {"host_network": cfg["host_network"], "tmp_size_mib": cfg["tmp_size_mib"]})
+                              {"host_network": cfg["host_network"], "tmp_size_mib": cfg["tmp_size_mib"],
+                               "lossy": bool(cfg.get("lossy"))})
         rt = proc.runtime
         for argv in cfg.get("setup_commands") or []:
             out = rt.handle({"action": "exec", "args": argv, "timeout": cfg["setup_timeout"]})
@@ -51,6 +53,13 @@ def template_main(cfg: dict) -> None:
                 err = out["error"]
                 tb = "".join(err.get("traceback", []))[-2000:] if isinstance(err, dict) else str(err)
                 raise RuntimeError(f"setup code failed: {tb.strip()}")
+        # Every sandbox is a fork of this process: what setup left running would not be in them.
+        lost = inventory.lost({report_fd, listen_fd})
+        if lost and not cfg.get("lossy"):
+            report(report_fd, {"id": cfg["tag"], "ok": False, "lost": lost,
+                               "error": "setup left running work that forks cannot carry"})
+            os._exit(1)
+        proc.config["lost"] = lost
         devnull = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
@@ -81,6 +90,9 @@ def main() -> int:
                 os.write(ready_w, b"1")
                 if os.read(maps_r, 1) != b"1":
                     os._exit(1)
+                os.close(ready_w)
+                os.close(maps_r)
+                os.close(proc_fd)  # the template keeps no descriptor of ours: a fork would share it
                 os.setgroups([])
                 os.setresgid(0, 0, 0)
                 os.setresuid(0, 0, 0)

@@ -24,8 +24,9 @@ import time
 from concurrent.futures import Future
 
 from .. import linux
-from ..agent.client import AgentClient, AgentUnavailable
-from ..base import AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, SnapshotSpec
+from ..agent.client import AgentClient, AgentSession, AgentUnavailable
+from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LossyFork,
+                    SnapshotSpec)
 from . import rootfs
 from ..cgroups import CgroupError, Cgroups
 
@@ -144,6 +145,13 @@ class ProcessEngine:
         except AgentUnavailable as exc:
             raise AgentUnreachable(str(exc)) from exc
 
+    def open_session(self, handle: Handle, **options) -> AgentSession:
+        """A streaming session with the sandbox's agent (``shell="ipython"`` for the notebook shell)."""
+        try:
+            return AgentSession(handle["socket"], options)
+        except AgentUnavailable as exc:
+            raise AgentUnreachable(str(exc)) from exc
+
     def alive(self, handle: Handle) -> bool:
         return self.alive_many([handle])[0]
 
@@ -195,7 +203,7 @@ class ProcessEngine:
             "host_network": spec.host_network, "setup_timeout": spec.setup_timeout,
             "tmp_size_mib": self.tmp_size_mib, "uid": self.uid, "gid": self.gid,
             "root_dir": self.root_dir, "hidden": [self.data_dir], "env": _sandbox_env(),
-            "listen_fd": listener.fileno(), "report_fd": theirs.fileno(),
+            "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
         }
         env = dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"])
         try:
@@ -218,6 +226,10 @@ class ProcessEngine:
             ours.close()
             listener.close()
             theirs.close()
+        if got is not None and got[0].get("lost"):
+            _unlink(path)
+            os.unlink(log_path)
+            raise LossyFork(got[0]["lost"], f"snapshot {spec.tag!r}: every sandbox is a fork of it, and its setup")
         if got is None or not got[0].get("ok"):
             _unlink(path)
             detail = got[0].get("error") if got else self._log_tail(log_path)
@@ -324,7 +336,10 @@ class ProcessEngine:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 # Wait for the exit itself: its pid namespace (and every process in it) is gone then.
-                select.select([pidfd], [], [], 10)
+                # poll(), not select(): a server with ~1000 sandboxes has descriptors past 1024.
+                waiter = select.poll()
+                waiter.register(pidfd, select.POLLIN)
+                waiter.poll(10_000)
         finally:
             os.close(pidfd)
         self._forget(handle)
@@ -356,7 +371,8 @@ class ProcessEngine:
         listener, path = self._listen("snap:" + tag)
         ours, theirs = self._report_pair()
         try:
-            reply = self.call(sandbox, {"action": "branch", "id": tag, "lineage": lineage, "mode": mode},
+            reply = self.call(sandbox, {"action": "branch", "id": tag, "lineage": lineage, "mode": mode,
+                                        "lossy": bool(lossy)},
                               fds=[theirs.fileno(), listener.fileno()])
         except BaseException:
             ours.close()
@@ -368,6 +384,8 @@ class ProcessEngine:
         if "error" in reply:
             ours.close()
             _unlink(path)
+            if reply.get("lost"):
+                raise LossyFork(reply["lost"], "this branch")
             raise EngineError(f"branch failed: {reply['error']}")
 
         ready: Future = Future()
@@ -387,7 +405,14 @@ class ProcessEngine:
 
         threading.Thread(target=finish, name=f"branch-{tag}", daemon=True).start()
         return BranchResult(pause_ms=float(reply["pause_ms"]), ready=ready,
-                            prepare_ms=float(reply.get("prepare_ms", 0.0)))
+                            prepare_ms=float(reply.get("prepare_ms", 0.0)), warnings=list(reply.get("warnings") or []))
+
+    def inventory(self, handle: Handle) -> list[str]:
+        """What a branch of this sandbox now would not carry (threads, processes, sockets...)."""
+        reply = self.call(handle, {"action": "inventory"}, timeout=10)
+        if "error" in reply:
+            raise EngineError(f"inventory failed: {reply['error']}")
+        return list(reply.get("lost") or [])
 
     def close(self) -> None:
         """Templates and sandboxes outlive the server by design: only our watchers are closed."""

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import gc
 import json
+import threading
 import os
 import shutil
 import socket
@@ -23,8 +24,10 @@ import sys
 import time
 
 from .. import linux
+from ..agent import children, inventory
+from ..agent.executor import Busy, Executor
 from ..agent.runtime import Runtime
-from ..agent.server import AgentServer, install_reaper
+from ..agent.server import AgentServer
 
 # What a retired template or sandbox executes: kill its own user processes, keep its forks alive.
 REAPER = """
@@ -59,13 +62,11 @@ def report(fd: int, message: dict) -> None:
         s.send(json.dumps(message).encode())
 
 
-def close_fds_except(keep: set[int]) -> None:
-    low = 0
-    for fd in sorted(keep | {-1}):
-        if fd > low:
-            os.closerange(low, fd)
-        low = max(low, fd + 1)
-    os.closerange(low, 65536)
+def close_agent_fds(fds: set[int], keep: set[int]) -> None:
+    """Close the agent's descriptors except ``keep``; the user's own open files stay open."""
+    for fd in fds - keep - {0, 1, 2}:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def copy_tree(src: str, dst: str) -> None:
@@ -82,13 +83,13 @@ def copy_tree(src: str, dst: str) -> None:
             shutil.copy2(s, d)
 
 
-def private_tmp(size_mib: int) -> None:
-    """Replace /tmp with a new tmpfs holding a copy of the current one (needs our own mount ns)."""
-    old = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)
+def private_copy(path: str, size_mib: int) -> None:
+    """Replace the mount at ``path`` (/tmp, /dev/shm) with a new tmpfs holding a copy of the current
+    one (needs our own mount namespace)."""
+    old = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        linux.mount("tmpfs", "/tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-                    f"mode=1777,size={size_mib}m")
-        copy_tree(f"/proc/self/fd/{old}", "/tmp")
+        linux.mount("tmpfs", path, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"mode=1777,size={size_mib}m")
+        copy_tree(f"/proc/self/fd/{old}", path)
     finally:
         os.close(old)
 
@@ -101,6 +102,9 @@ def prewarm_for_forks() -> None:
     gc.freeze()  # a fork's garbage collector then leaves the template's objects (and pages) alone
 
 
+SHM_SIZE_MIB = 64
+
+
 class SandboxProcess:
     """State of the one agent process this interpreter is. Copied by every fork, then updated."""
 
@@ -110,52 +114,77 @@ class SandboxProcess:
         self.runtime = Runtime(self.identity)
         self.fork_children: set[int] = set()
         self.pidns_fd = -1
+        self.server: AgentServer | None = None
+
+    def agent_fds(self) -> set[int]:
+        fds = children.agent_fds() | ({self.pidns_fd} if self.pidns_fd >= 0 else set())
+        return fds | (self.server.agent_fds() if self.server is not None else set())
 
     # --- becoming a template or a sandbox --------------------------------------------------------
 
     def serve(self, listen_fd: int, report_fd: int) -> None:
-        """Report ready and serve forever (never returns)."""
+        """Report ready and serve forever (never returns).
+
+        A template serves on this thread, one request at a time (it only spawns). A sandbox accepts
+        on a thread and runs user code, and its forks, on this one: the main thread."""
         try:
             role = self.identity["role"]
             self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
             listener = socket.socket(fileno=listen_fd)
+            children.install(on_reaped=lambda pid, _status: self.fork_children.discard(pid))
             if role == "template":
                 actions = {"spawn": self.spawn, "retire": self.retire}
                 for frozen in ("exec", "eval", "run_code", "files"):
                     actions[frozen] = self._frozen
+                self.runtime.executor = None
                 prewarm_for_forks()
+                self.server = AgentServer(self.runtime, listener, actions, threaded=False)
+                report(report_fd, {"id": self.identity["id"], "ok": True})
+                os.close(report_fd)
+                self.server.serve_forever()
             else:
-                actions = {"branch": self.branch, "retire": self.retire}
-            install_reaper(skip=lambda pid: pid in self.runtime.procs, guard=self.runtime.procs_lock,
-                           on_reaped=self.fork_children.discard)
-            server = AgentServer(self.runtime, listener, actions, threaded=(role == "sandbox"))
-            report(report_fd, {"id": self.identity["id"], "ok": True})
-            os.close(report_fd)
-            server.serve_forever()
+                executor = self.runtime.executor = Executor()
+                self.server = AgentServer(self.runtime, listener,
+                                          {"branch": self.branch, "retire": self.retire,
+                                           "inventory": self.inventory}, threaded=True)
+                self.server.start()
+                report(report_fd, {"id": self.identity["id"], "ok": True})
+                os.close(report_fd)
+                executor.run_forever()
         finally:
             os._exit(1)
 
-    def become(self, identity: dict, listen_fd: int, report_fd: int) -> None:
-        """In a fresh fork: take the new identity and namespaces, then serve (never returns)."""
+    def become(self, identity: dict, listen_fd: int, report_fd: int, lossy: bool = False) -> None:
+        """In a fresh fork: take the new identity, namespaces and private copies of /tmp and
+        /dev/shm, repair what the fork shares with its source, then serve (never returns)."""
         try:
-            close_fds_except({0, 1, 2, listen_fd, report_fd})
+            close_agent_fds(self.agent_fds(), keep={listen_fd, report_fd})
+            children.forget_fds()
+            self.server = None
+            self.pidns_fd = -1
             self.identity = dict(identity)
             self.fork_children = set()
+            cwd = os.getcwd()
             if identity["role"] == "sandbox":
                 flags = linux.CLONE_NEWNS | linux.CLONE_NEWUTS | linux.CLONE_NEWIPC
                 if not self.config.get("host_network"):
                     flags |= linux.CLONE_NEWNET
                 linux.unshare(flags)
-                linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
-                private_tmp(self.config["tmp_size_mib"])
-                linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=1777,size=64m")
+            else:  # a branch: a new template that owns a frozen copy of the source's files
+                linux.unshare(linux.CLONE_NEWNS)
+            linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
+            private_copy("/tmp", self.config["tmp_size_mib"])
+            private_copy("/dev/shm", SHM_SIZE_MIB)
+            # The same path now names this fork's own copy (a relative open() stays private).
+            with contextlib.suppress(OSError):
+                os.chdir(cwd)
+            if identity["role"] == "sandbox":
                 linux.sethostname(identity["id"][:64])
                 if not self.config.get("host_network"):
                     linux.loopback_up()
-            else:  # a branch: a new template that owns a frozen copy of the source's files
-                linux.unshare(linux.CLONE_NEWNS)
-                linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
-                private_tmp(self.config["tmp_size_mib"])
+            notes = inventory.repair_after_fork({listen_fd, report_fd}, lossy)
+            if notes:
+                raise OSError(f"could not give the fork its own copy of: {'; '.join(notes)}")
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
             self.runtime.after_fork(self.identity)
         except BaseException as exc:  # noqa: BLE001
@@ -184,7 +213,7 @@ class SandboxProcess:
                     "generation (spawn or branch) takes one; branch from a shallower sandbox instead") from None
             raise
         t0 = time.perf_counter()
-        pid = os.fork()
+        pid = children.raw_fork()
         elapsed = time.perf_counter() - t0
         if pid:
             # Point this thread's future children back at our own pid namespace.
@@ -193,48 +222,73 @@ class SandboxProcess:
         return pid, elapsed
 
     def spawn(self, request: dict, fds: list) -> dict:
-        children = request.get("children") or []
-        if len(fds) != len(children) + 1:
+        children_spec = request.get("children") or []
+        if len(fds) != len(children_spec) + 1:
             for fd in fds:
                 os.close(fd)
-            return {"error": f"spawn needs 1 report fd and {len(children)} listening fds, got {len(fds)}",
+            return {"error": f"spawn needs 1 report fd and {len(children_spec)} listening fds, got {len(fds)}",
                     "exit_code": 1}
         report_fd, listen_fds = fds[0], fds[1:]
         pids = []
         try:
-            for child, lfd in zip(children, listen_fds):
+            for child, lfd in zip(children_spec, listen_fds):
                 identity = {"id": child["id"], "role": "sandbox",
                             "lineage": list(child.get("lineage") or [])}
                 pid, _ = self._fork_into_new_pidns()
                 if pid == 0:
-                    self.become(identity, lfd, report_fd)
+                    # A snapshot whose setup left running work (accepted with lossy) hands it to no one.
+                    self.become(identity, lfd, report_fd, lossy=bool(self.config.get("lossy")))
                 pids.append(pid)
         finally:
             for fd in fds:
                 os.close(fd)
         return {"pids": pids}
 
+    def inventory(self, request: dict, fds: list) -> dict:
+        for fd in fds:
+            os.close(fd)
+        return {"lost": inventory.lost(self.agent_fds(), self.runtime.executor.busy())}
+
     def branch(self, request: dict, fds: list) -> dict:
+        """Fork this sandbox into a new template. On the main thread when it is idle, so the copy
+        continues with its shell and namespace; while a cell runs, only with ``lossy`` (the cell
+        does not go on in the copy)."""
         if len(fds) != 2:
             for fd in fds:
                 os.close(fd)
             return {"error": "branch needs a report fd and a listening fd", "exit_code": 1}
-        identity = {"id": request["id"], "role": "template",
-                    "lineage": list(request.get("lineage") or [])}
-        prepare = 0.0
-        if request.get("mode") == "live":
-            # Smallest pause: compact our memory into huge pages first, while we keep running.
-            t0 = time.perf_counter()
-            linux.collapse_anonymous_memory()
-            prepare = time.perf_counter() - t0
+        lossy = bool(request.get("lossy"))
+        identity = {"id": request["id"], "role": "template", "lineage": list(request.get("lineage") or [])}
         try:
-            pid, seconds = self._fork_into_new_pidns()
-            if pid == 0:
-                self.become(identity, fds[1], fds[0])
+            prepare = 0.0
+            if request.get("mode") == "live":
+                # Smallest pause: compact our memory into huge pages first, while we keep running.
+                t0 = time.perf_counter()
+                linux.collapse_anonymous_memory()
+                prepare = time.perf_counter() - t0
+
+            def fork_here(running=None) -> dict:
+                lost = inventory.lost(self.agent_fds(), running)
+                if lost and not lossy:
+                    return {"error": "lossy fork refused", "lost": lost, "exit_code": 1}
+                pid, seconds = self._fork_into_new_pidns()
+                if pid == 0:
+                    self.become(identity, fds[1], fds[0], lossy=lossy)
+                return {"pid": pid, "pause_ms": round(seconds * 1000, 3), "prepare_ms": round(prepare * 1000, 3),
+                        "warnings": lost}
+
+            executor = self.runtime.executor
+            try:
+                return executor.call(fork_here, "a branch", user_code=False, start_within=1.0)
+            except Busy:
+                running = executor.busy()
+                if not lossy:
+                    return {"error": "lossy fork refused", "exit_code": 1,
+                            "lost": inventory.lost(self.agent_fds(), running or ("a request", time.time()))}
+                return fork_here(running)  # here, on this thread: the main thread is busy
         finally:
             for fd in fds:
                 os.close(fd)
-        return {"pid": pid, "pause_ms": round(seconds * 1000, 3), "prepare_ms": round(prepare * 1000, 3)}
 
     def retire(self, request: dict, fds: list) -> dict:
         """Stop being this sandbox/template. Live forks keep a reaper in our place."""

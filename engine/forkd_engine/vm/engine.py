@@ -35,6 +35,7 @@ import io
 import itertools
 import json
 import os
+import queue
 import re
 import secrets
 import select
@@ -125,6 +126,7 @@ class AgentChannel:
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
         self.pending: dict[str, list] = {}
+        self.sessions: dict[str, queue.Queue] = {}  # streaming sessions on this port, by _sid
         self.error: str | None = None
         threading.Thread(target=self._reader, name="vm-agent-reader", daemon=True).start()
 
@@ -151,6 +153,12 @@ class AgentChannel:
                     reply = json.loads(line)
                 except ValueError:
                     continue
+                if isinstance(reply, dict) and "_sid" in reply:
+                    with self.lock:
+                        events = self.sessions.get(reply.pop("_sid"))
+                    if events is not None:
+                        events.put(reply)
+                    continue
                 rid = reply.pop("_rid", None) if isinstance(reply, dict) else None
                 with self.lock:
                     slot = self.pending.pop(rid, None)
@@ -162,8 +170,11 @@ class AgentChannel:
         with self.lock:
             self.error = why
             slots, self.pending = list(self.pending.values()), {}
+            sessions, self.sessions = list(self.sessions.values()), {}
         for slot in slots:
             slot[0].set()
+        for events in sessions:
+            events.put(None)
 
     @property
     def broken(self) -> bool:
@@ -201,6 +212,57 @@ class AgentChannel:
 
     def call(self, request: dict, timeout: float = 30.0) -> dict:
         return self.wait(self.send(request), timeout)
+
+    def write(self, message: dict) -> None:
+        data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        try:
+            with self.send_lock:
+                self.sock.sendall(data)
+        except OSError as exc:
+            self._fail(str(exc))
+            raise AgentUnreachable(f"agent port write failed: {exc}") from exc
+
+    def open_session(self, options: dict) -> "VMSession":
+        sid = f"{self.token}-s{next(self.ids)}"
+        events: queue.Queue = queue.Queue()
+        with self.lock:
+            if self.error:
+                raise AgentUnreachable(self.error)
+            self.sessions[sid] = events
+        self.write({**options, "action": "session", "_sid": sid})
+        return VMSession(self, sid, events)
+
+
+class VMSession:
+    """A streaming session multiplexed on a VM's agent port (its lines carry ``_sid``)."""
+
+    def __init__(self, channel: AgentChannel, sid: str, events: queue.Queue):
+        self.channel, self.sid, self.events = channel, sid, events
+        self.closed = False
+
+    def send(self, message: dict) -> None:
+        if self.closed:
+            raise AgentUnreachable("the session is closed")
+        self.channel.write({**message, "_sid": self.sid})
+
+    def recv(self, timeout: float | None = None) -> dict | None:
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no event from the VM's agent within {timeout:g} s") from None
+        if event is None:
+            self.closed = True
+        return event
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with self.channel.lock:
+            self.channel.sessions.pop(self.sid, None)
+        with contextlib.suppress(AgentUnreachable):
+            self.channel.write({"_sid": self.sid, "type": "close"})
+        self.events.put(None)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -402,6 +464,13 @@ class VMEngine:
         if ch is not None:
             ch.close()
 
+    def open_session(self, handle: Handle, **options) -> VMSession:
+        if handle.get("kind") != "vm":
+            raise EngineError("a VM snapshot has no running agent; spawn a sandbox from it")
+        if not self.alive(handle):
+            raise AgentUnreachable(f"QEMU process {handle['pid']} is gone")
+        return self._channel(handle).open_session(options)
+
     def call(self, handle: Handle, request: dict, timeout: float | None = None) -> dict:
         if handle.get("kind") != "vm":
             raise EngineError("a VM snapshot has no running agent; spawn a sandbox from it")
@@ -487,8 +556,10 @@ class VMEngine:
             if proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10)
-            elif pidfd is not None:
-                select.select([pidfd], [], [], 10)
+            elif pidfd is not None:  # poll(), not select(): descriptors may be past 1024
+                waiter = select.poll()
+                waiter.register(pidfd, select.POLLIN)
+                waiter.poll(10_000)
         finally:
             if pidfd is not None:
                 os.close(pidfd)

@@ -1,0 +1,177 @@
+"""Child processes of an agent that is PID 1: reap orphans, never a status someone waits for.
+
+The agent is PID 1 of its sandbox (process engine) or of its guest (VM engine), so every orphan in
+the sandbox becomes its child and must be reaped, or zombies pile up. But the user's code runs in
+the agent process too, so the processes *it* starts (``subprocess``, ``os.fork``, ``multiprocessing``,
+``os.posix_spawn``...) are also the agent's children, and their exit statuses belong to the user:
+reaping one of those would make ``Popen.poll()`` report 0 for a process that exited 3.
+
+So every way Python starts a process is wrapped to record the new pid under a lock, and the reaper
+(a thread, woken by SIGCHLD through a pipe, never blocking in the signal handler) reaps only
+zombies that nobody recorded: orphans, and processes the agent itself forked. The one gap is C
+code that calls ``fork()`` directly, bypassing Python; its children are reaped like orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+import signal
+import subprocess
+import threading
+from typing import Callable
+
+import _posixsubprocess
+
+_lock = threading.Lock()          # held while a user process is created and while the reaper decides
+_user_children: set[int] = set()  # pids user code started and may still wait for
+_raw_fork = os.fork               # the agent's own forks (spawn, branch) use this: they are reaped
+_installed = False
+_wake_r = _wake_w = -1
+_on_reaped: Callable[[int, int], None] = lambda pid, status: None
+
+
+def _recorded(start: Callable, pid_of: Callable = lambda r: r) -> Callable:
+    def wrapper(*args, **kwargs):
+        with _lock:
+            result = start(*args, **kwargs)
+            pid = pid_of(result)
+            if pid:  # 0 in a forked child (which never returns through here in the parent's role)
+                _user_children.add(pid)
+        return result
+
+    wrapper.__wrapped__ = start
+    wrapper.__name__ = getattr(start, "__name__", "start")
+    wrapper.__doc__ = getattr(start, "__doc__", None)
+    return wrapper
+
+
+def _after_fork_in_child() -> None:
+    """A fork has none of its parent's children, and the lock may have been held by another thread."""
+    global _lock
+    _lock = threading.Lock()
+    _user_children.clear()
+
+
+def install(on_reaped: Callable[[int, int], None] | None = None) -> None:
+    """Record every process user code starts; start the orphan reaper. Call on the main thread."""
+    global _installed, _wake_r, _wake_w, _on_reaped
+    if on_reaped is not None:
+        _on_reaped = on_reaped
+    if not _installed:
+        _installed = True
+        os.fork = _recorded(os.fork)
+        if hasattr(os, "forkpty"):
+            os.forkpty = _recorded(os.forkpty, lambda r: r[0])
+        for name in ("posix_spawn", "posix_spawnp"):
+            if hasattr(os, name):
+                setattr(os, name, _recorded(getattr(os, name)))
+        # subprocess and multiprocessing start processes through _posixsubprocess.fork_exec;
+        # subprocess keeps a module-level alias of it.
+        _posixsubprocess.fork_exec = _recorded(_posixsubprocess.fork_exec)
+        if hasattr(subprocess, "_fork_exec"):
+            subprocess._fork_exec = _posixsubprocess.fork_exec
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+    start_reaper()
+
+
+def start_reaper() -> None:
+    """(Re)start the reaper thread: after a fork the child has none, so it calls this again (the
+    fork closed its copy of the old wake-up pipe with the rest of the agent's descriptors)."""
+    global _wake_r, _wake_w
+    _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, _on_sigchld)
+    threading.Thread(target=_reap_forever, args=(_wake_r,), name="forkd-reaper", daemon=True).start()
+
+
+def agent_fds() -> set[int]:
+    """Descriptors this module holds (the agent's, not the user's)."""
+    return {fd for fd in (_wake_r, _wake_w) if fd >= 0}
+
+
+def forget_fds() -> None:
+    """In a fork, after the agent's descriptors were closed: their numbers are no longer ours."""
+    global _wake_r, _wake_w
+    _wake_r = _wake_w = -1
+
+
+def _on_sigchld(_signum, _frame) -> None:
+    # Only a write to a non-blocking pipe: a signal handler must never block or take a lock.
+    with contextlib.suppress(OSError):
+        os.write(_wake_w, b"c")
+
+
+def _reap_forever(wake_fd: int) -> None:
+    poller = select.poll()
+    poller.register(wake_fd, select.POLLIN)
+    while True:
+        try:
+            # Woken by SIGCHLD; the timeout covers a wake-up lost while the handler was deferred.
+            if poller.poll(2000):
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_fd, 4096)
+            reap_orphans()
+        except OSError as exc:
+            if exc.errno == errno.EBADF:  # replaced by a fresh pipe (a fork restarted the reaper)
+                return
+        except Exception:  # noqa: BLE001 - the reaper must outlive any surprise
+            pass
+
+
+def _zombie_children() -> list[int]:
+    me = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if fields[0] == b"Z" and int(fields[1]) == me:
+            found.append(int(name))
+    return found
+
+
+def reap_orphans() -> list[int]:
+    """Reap every exited child that user code did not start; returns their pids."""
+    reaped = []
+    with _lock:
+        for pid in _zombie_children():
+            if pid in _user_children:
+                continue
+            with contextlib.suppress(ChildProcessError):
+                got, status = os.waitpid(pid, os.WNOHANG)
+                if got:
+                    reaped.append(pid)
+                    _on_reaped(pid, status)
+        # A recorded pid that is no longer our child was waited for by its owner: forget it, so a
+        # later orphan that reuses the number is not skipped.
+        for pid in list(_user_children):
+            if not _is_child(pid):
+                _user_children.discard(pid)
+    return reaped
+
+
+def _is_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return int(stat[stat.rindex(b")") + 2:].split()[1]) == os.getpid()
+
+
+def user_children() -> set[int]:
+    """Pids user code started that are still our children (alive, or exited and not yet waited)."""
+    with _lock:
+        return {pid for pid in _user_children if _is_child(pid)}
+
+
+def raw_fork() -> int:
+    """fork() for the agent's own purposes: the child is reaped by the agent, not left to the user."""
+    return _raw_fork()

@@ -1,0 +1,134 @@
+"""The sandbox's main thread: user code and forks run here, one job at a time.
+
+User code must run on the main thread: only there does SIGINT become ``KeyboardInterrupt``, so an
+interrupt stops a ``time.sleep(60)`` in the user's cell. Forks run here too when the sandbox is
+idle: a fork keeps only the thread that called it, and this is the thread whose state (the shell,
+the namespace, the signal handlers) a child must continue with. Requests arrive on other threads
+(the agent's connections) and wait for their job.
+
+A job queued behind a busy main thread waits at most until its own deadline; the queue is bounded,
+so a caller behind a cell that never ends gets ``Busy`` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+
+class Busy(Exception):
+    """The main thread is running something else and the job could not start in time."""
+
+
+class Job:
+    def __init__(self, fn: Callable[[], Any], what: str, user_code: bool):
+        self.fn, self.what, self.user_code = fn, what, user_code
+        self.done = threading.Event()
+        self.started_at: float | None = None
+        self.cancelled = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._state = threading.Lock()  # guards started_at vs cancelled
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"{self.what} did not finish within {timeout:g} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Executor:
+    def __init__(self, max_queued: int = 8):
+        self.max_queued = max_queued
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.current: Job | None = None
+        self.main_ident: int | None = None
+        self._interrupting = False
+
+    # --- other threads ---------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[[], Any], what: str, *, user_code: bool = True) -> Job:
+        if self.jobs.qsize() >= self.max_queued:
+            raise Busy(self._busy_message(f"{self.max_queued} more requests are already waiting"))
+        job = Job(fn, what, user_code)
+        self.jobs.put(job)
+        return job
+
+    def call(self, fn: Callable[[], Any], what: str, *, user_code: bool = True,
+             start_within: float | None = None) -> Any:
+        """Run ``fn`` on the main thread and return its result. If it has not started within
+        ``start_within`` seconds (the main thread is busy), it is dropped and ``Busy`` raised."""
+        job = self.submit(fn, what, user_code=user_code)
+        if start_within is not None and not job.done.wait(start_within):
+            with job._state:
+                if job.started_at is None:
+                    job.cancelled = True
+                    raise Busy(self._busy_message(f"{what} could not start within {start_within:g} s"))
+        return job.wait()
+
+    def busy(self) -> tuple[str, float] | None:
+        """(what the main thread runs, since when) or None when idle."""
+        job = self.current
+        return (job.what, job.started_at or time.time()) if job is not None else None
+
+    def _busy_message(self, why: str) -> str:
+        running = self.busy()
+        if running is None:
+            return f"the sandbox is busy: {why}"
+        return (f"the sandbox is busy running {running[0]} (for {time.time() - running[1]:.1f} s): {why}; "
+                f"interrupt it or wait")
+
+    def interrupt(self) -> bool:
+        """Raise KeyboardInterrupt in the user code the main thread runs; False when there is none."""
+        job = self.current
+        if job is None or not job.user_code or self.main_ident is None:
+            return False
+        self._interrupting = True
+        signal.pthread_kill(self.main_ident, signal.SIGINT)
+        return True
+
+    # --- the main thread -------------------------------------------------------------------------
+
+    def _on_sigint(self, _signum, _frame) -> None:
+        job = self.current
+        if self._interrupting and job is not None and job.user_code:
+            self._interrupting = False
+            raise KeyboardInterrupt
+        # Between jobs, or in the agent's own work (a fork): ignored.
+
+    def run_forever(self) -> None:
+        """Serve jobs on this thread (it must be the main thread) until a None job arrives."""
+        self.main_ident = threading.get_ident()
+        signal.signal(signal.SIGINT, self._on_sigint)
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            self.run(job)
+
+    def run(self, job: Job) -> None:
+        with job._state:
+            if job.cancelled:
+                return
+            job.started_at = time.time()
+        self._interrupting = False
+        self.current = job
+        try:
+            job.result = job.fn()
+        except BaseException as exc:  # noqa: BLE001 - a late KeyboardInterrupt included: it is the job's
+            job.error = exc
+        finally:
+            self.current = None
+            self._interrupting = False
+            job.done.set()
+
+    def after_fork(self) -> None:
+        """In a fork made from the main thread: nothing queued here belongs to the child."""
+        self.jobs = queue.Queue()
+        self.current = None
+        self.main_ident = threading.get_ident()
+        self._interrupting = False
