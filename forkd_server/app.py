@@ -110,6 +110,7 @@ class ForkdApp(ExtensionApp):
     max_workers = Int(64, config=True, help="Threads running blocking controller calls (exec, branch...).")
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
+    max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
 
     @default("data_dir")
     def _default_data_dir(self) -> str:
@@ -135,6 +136,8 @@ class ForkdApp(ExtensionApp):
         self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
                                      default_engine=self.default_engine)
         self.executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="forkd")
+        from .sessions import SessionManager
+        self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)
         self.metrics = Metrics(self)
         self.events = EventHub(self)
         io_loop = getattr(self.serverapp, "io_loop", None)  # the loop the server will run
@@ -159,6 +162,7 @@ class ForkdApp(ExtensionApp):
         if self.controller is None:
             return
         self.events.close()
+        self.sessions.close_all()
         self._unsubscribe()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.controller.close()

@@ -341,6 +341,16 @@ class Controller:
     def memory(self, sandbox_id: str) -> dict:
         return self._request("GET", f"/v1/sandboxes/{sandbox_id}/memory")
 
+    def interrupt(self, sandbox_id: str) -> dict:
+        """Interrupt the cell a sandbox is running (KeyboardInterrupt in it)."""
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/interrupt")
+
+    def session(self, sandbox_id: str, shell: str = "plain", timeout: float = 120.0):
+        """A streaming session with the sandbox (``forkd_server.streaming.Session``): cells whose
+        output arrives as it is printed, input(), interrupts; ``shell="ipython"`` for IPython."""
+        from .streaming import Session
+        return Session(self, sandbox_id, shell=shell, timeout=timeout)
+
     def tree(self) -> list[dict]:
         return self._request("GET", "/v1/tree")
 
@@ -547,10 +557,40 @@ class Sandbox:
             raise RuntimeError(f"forkd eval: {reply['error']}")
         return reply.get("result")
 
-    def run_code(self, code: str, timeout: float | None = None) -> Execution:
-        r = self.controller.run_code(self.id, code, timeout)
-        return Execution(stdout=r.get("stdout", ""), stderr=r.get("stderr", ""), results=r.get("outputs", []),
-                         result=r.get("result"), error=r.get("error") or None)
+    def run_code(self, code: str, timeout: float | None = None, *, on_event=None) -> Execution:
+        """Run a cell through a streaming session: ``on_event(event)`` sees its output as it happens
+        (``{"type": "stream", "name": "stdout", "text": ...}``, ``display_data``, ``error``...).
+        After ``timeout`` seconds the cell is interrupted."""
+        out: list[str] = []
+        err: list[str] = []
+        execution = Execution()
+
+        def collect(event: dict) -> None:
+            kind = event.get("type")
+            if kind == "stream":
+                (out if event.get("name") == "stdout" else err).append(event.get("text", ""))
+            elif kind in ("display_data", "execute_result", "update_display_data"):
+                execution.results.append({"type": kind, "data": event.get("data", {})})
+                if kind == "execute_result":
+                    execution.result = event.get("data")
+            elif kind == "error":
+                execution.error = {k: event.get(k) for k in ("ename", "evalue", "traceback")}
+            if on_event is not None:
+                on_event(event)
+
+        with self.session() as session:
+            reply = session.execute(code, on_event=collect, timeout=timeout, store_history=False)
+        if reply.get("status") == "error" and execution.error is None:
+            execution.error = {k: reply.get(k) for k in ("ename", "evalue", "traceback")}
+        execution.stdout, execution.stderr = "".join(out), "".join(err)
+        return execution
+
+    def session(self, shell: str = "plain"):
+        """A streaming session with this sandbox (see ``Controller.session``)."""
+        return self.controller.session(self.id, shell=shell)
+
+    def interrupt(self) -> dict:
+        return self.controller.interrupt(self.id)
 
     def branch(self, tag: str | None = None, *, mode: str | None = None, wait: bool = True) -> "Snapshot":
         """Turn this running sandbox into a new snapshot (it keeps running)."""

@@ -139,6 +139,15 @@ class Controller:
             raise NotFound(f"sandbox {sandbox_id} not found")
         return row
 
+    def sandbox_engine(self, sandbox_id) -> tuple:
+        """(engine, handle) of a running sandbox, for managers that talk to its agent (404 if none)."""
+        row = self._sandbox_row(sandbox_id)
+        return self.engines[row["engine"]], row["handle"]
+
+    def interrupt(self, sandbox_id) -> dict:
+        """Raise KeyboardInterrupt in the cell the sandbox is running (``interrupted``: was there one)."""
+        return self._agent(sandbox_id, {"action": "interrupt"}, "interrupt", timeout=5)
+
     def _sandbox_alive(self, row: dict) -> bool:
         """True if its process lives; a sandbox that died outside our control is dropped."""
         engine = self.engines.get(row["engine"])

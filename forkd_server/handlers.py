@@ -27,6 +27,7 @@ from tornado.iostream import StreamClosedError
 from . import __version__
 from .controller import check_tag
 from .errors import BadRequest, ForkdError
+from .session_handler import SessionHandler
 
 OPENAPI_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
 
@@ -461,6 +462,17 @@ class BranchHandler(ForkdHandler):
         self.send(info, 202 if not wait else 201)
 
 
+class InterruptHandler(ForkdHandler):
+    """No body: interrupt the cell the sandbox is running (a KeyboardInterrupt in it)."""
+
+    auth_resource = "forkd:sandboxes"
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, sandbox_id: str) -> None:
+        self.send(await self.call(self.controller.interrupt, sandbox_id))
+
+
 class MemoryHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
 
@@ -606,6 +618,8 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/sandboxes/{ID}/eval", EvalHandler),
         (rf"v1/sandboxes/{ID}/run", RunHandler),
         (rf"v1/sandboxes/{ID}/branch", BranchHandler),
+        (rf"v1/sandboxes/{ID}/interrupt", InterruptHandler),
+        (rf"v1/sandboxes/{ID}/session", SessionHandler),
         (rf"v1/sandboxes/{ID}/memory", MemoryHandler),
         (rf"v1/sandboxes/{ID}/files", FilesHandler),
         (r"v1/workspaces", WorkspacesHandler),

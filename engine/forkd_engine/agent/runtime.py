@@ -98,8 +98,8 @@ class Runtime:
 
     def handle(self, request: dict) -> dict:
         action = request.get("action")
-        handler = {"ping": self.ping, "exec": self.exec, "eval": self.eval,
-                   "run_code": self.run_code, "files": self.files}.get(action)
+        handler = {"ping": self.ping, "exec": self.exec, "eval": self.eval, "run_code": self.run_code,
+                   "files": self.files, "interrupt": self.interrupt}.get(action)
         if handler is None:
             return {"error": f"unknown action: {action}", "exit_code": 1}
         try:
@@ -112,6 +112,11 @@ class Runtime:
             reply = _error_reply(exc)
             reply["traceback"] = traceback.format_exc()
             return reply
+
+    def interrupt(self, request: dict) -> dict:
+        running = self.executor.busy() if self.executor is not None else None
+        done = self.executor.interrupt() if self.executor is not None else False
+        return {"interrupted": done, "running": running[0] if running and done else None}
 
     def ping(self, request: dict) -> dict:
         np = sys.modules.get("numpy")
@@ -126,6 +131,7 @@ class Runtime:
             "sandbox_id": self.identity.get("id"),
             "role": self.identity.get("role", "sandbox"),
             "lineage": self.identity.get("lineage", []),
+            "busy": (self.executor.busy() or (None,))[0] if self.executor is not None else None,
         }
 
     # --- exec ------------------------------------------------------------------------------------
