@@ -136,8 +136,10 @@ class ForkdApp(ExtensionApp):
         self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
                                      default_engine=self.default_engine)
         self.executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="forkd")
+        from .kernels import KernelHeads
         from .sessions import SessionManager
         self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)
+        self.kernels = KernelHeads(self.controller.registry, self.controller.publish)
         self.metrics = Metrics(self)
         self.events = EventHub(self)
         io_loop = getattr(self.serverapp, "io_loop", None)  # the loop the server will run

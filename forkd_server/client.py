@@ -259,8 +259,12 @@ class Controller:
     def create_snapshot(self, tag: str, setup: str | None = None, setup_commands: list[list[str]] | None = None,
                         engine: str = "auto", mem_size_mib: int | None = None, host_network: bool = False,
                         disk_mib: int | None = None, packages: list[str] | None = None,
-                        timeout: float = 900) -> dict:
+                        timeout: float = 900, shell: str | None = None, lossy: bool = False) -> dict:
         body: dict = {"tag": tag, "engine": engine}
+        if shell is not None:
+            body["shell"] = shell
+        if lossy:
+            body["lossy"] = True
         if disk_mib is not None:
             body["disk_mib"] = disk_mib
         if packages:
@@ -340,6 +344,23 @@ class Controller:
 
     def memory(self, sandbox_id: str) -> dict:
         return self._request("GET", f"/v1/sandboxes/{sandbox_id}/memory")
+
+    # -- forkd kernels: which sandbox each notebook runs in --
+
+    def list_kernels(self) -> list[dict]:
+        return self._request("GET", "/v1/kernels")
+
+    def get_kernel(self, kernel_id: str) -> dict:
+        return self._request("GET", f"/v1/kernels/{kernel_id}")
+
+    def set_kernel_head(self, kernel_id: str, head: str, *, notebook: str | None = None,
+                        base_snapshot: str | None = None, engine: str | None = None) -> dict:
+        body = {"head": head, **{k: v for k, v in (("notebook", notebook), ("base_snapshot", base_snapshot),
+                                                    ("engine", engine)) if v is not None}}
+        return self._request("PUT", f"/v1/kernels/{kernel_id}", body)
+
+    def forget_kernel(self, kernel_id: str) -> None:
+        return self._request("DELETE", f"/v1/kernels/{kernel_id}")
 
     def interrupt(self, sandbox_id: str) -> dict:
         """Interrupt the cell a sandbox is running (KeyboardInterrupt in it)."""

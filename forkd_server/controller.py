@@ -111,6 +111,10 @@ class Controller:
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
+    def publish(self, kind: str, action: str, **data) -> None:
+        """Send a change event of a manager beside the controller (kernels) to every listener."""
+        self._emit(kind, action, **data)
+
     def _emit(self, kind: str, action: str, **data) -> None:
         event = {"kind": kind, "action": action, "time": time.time(), **data}
         for listener in list(self._listeners):
@@ -260,10 +264,12 @@ class Controller:
     def create_snapshot(self, tag, *, engine: str = "auto", setup: str | None = None,
                         setup_commands: list | None = None, mem_size_mib: int | None = None,
                         host_network: bool = False, disk_mib: int | None = None,
-                        packages: list[str] | None = None, lossy: bool = False) -> dict:
+                        packages: list[str] | None = None, lossy: bool = False, shell: str = "plain") -> dict:
         check_tag(tag)
         if engine not in ENGINES:
             raise BadRequest(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        if shell not in ("plain", "ipython"):
+            raise BadRequest(f"shell must be plain or ipython, got {shell!r}")
         if setup is not None and not isinstance(setup, str):
             raise BadRequest("setup must be a string of Python code")
         commands = setup_commands or []
@@ -297,12 +303,13 @@ class Controller:
             self._in_flight.add(tag)
         try:
             spec = SnapshotSpec(tag=tag, setup=setup, setup_commands=commands, host_network=bool(host_network),
-                                mem_size_mib=mem_size_mib, disk_mib=disk_mib, packages=packages, lossy=bool(lossy))
+                                mem_size_mib=mem_size_mib, disk_mib=disk_mib, packages=packages, lossy=bool(lossy),
+                                shell=shell)
             self.registry.insert_snapshot({
                 "tag": tag, "engine": name, "status": "writing", "created_at": time.time(),
                 "lineage": [tag], "spec": {"setup": setup, "setup_commands": commands,
                                            "host_network": bool(host_network), "mem_size_mib": mem_size_mib,
-                                           "disk_mib": disk_mib, "packages": packages}})
+                                           "disk_mib": disk_mib, "packages": packages, "shell": shell}})
             self._emit("snapshot", "created", tag=tag, status="writing")
             try:
                 handle = eng.create_snapshot(spec)

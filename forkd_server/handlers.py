@@ -49,6 +49,7 @@ SNAPSHOT_CREATE = {
     "tag": ("string", True), "engine": ("string", False), "setup": ("string", False),
     "setup_commands": ("string[][]", False), "mem_size_mib": ("integer", False),
     "host_network": ("boolean", False), "disk_mib": ("integer", False), "packages": ("string[]", False),
+    "shell": ("string", False), "lossy": ("boolean", False),
     # forkd's own form (kernel + rootfs) selects the VM engine
     "kernel": ("string", False), "rootfs": ("string", False), "rw": ("boolean", False),
     "tap": ("string", False), "boot_wait_secs": ("integer", False),
@@ -317,7 +318,8 @@ class SnapshotsHandler(ForkdHandler):
         info = await self.call(self.controller.create_snapshot, body["tag"], engine=engine,
                                setup=body.get("setup"), setup_commands=body.get("setup_commands"),
                                mem_size_mib=body.get("mem_size_mib"), host_network=body.get("host_network", False),
-                               disk_mib=body.get("disk_mib"), packages=body.get("packages"))
+                               disk_mib=body.get("disk_mib"), packages=body.get("packages"),
+                               shell=body.get("shell", "plain"), lossy=body.get("lossy", False))
         if "kernel" in body or "rootfs" in body:
             # Say so rather than pretend: the VM runs forkd's own guest (its agent speaks our protocol).
             info["warning"] = ("kernel and rootfs were checked, but the VM boots this server's guest image "
@@ -600,6 +602,7 @@ ID = r"([^/]+)"
 
 def route_table(prefix: str) -> list[tuple[str, type]]:
     """Every route, relative to base_url. ``prefix`` is 'forkd/' in jupyter lab, '' for forkd serve."""
+    from .kernel_handlers import KernelHandler, KernelsHandler  # they build on this module
     routes = [
         (r"healthz/?", HealthHandler),
         (r"version", VersionHandler),
@@ -622,6 +625,8 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/sandboxes/{ID}/session", SessionHandler),
         (rf"v1/sandboxes/{ID}/memory", MemoryHandler),
         (rf"v1/sandboxes/{ID}/files", FilesHandler),
+        (r"v1/kernels", KernelsHandler),
+        (rf"v1/kernels/{ID}", KernelHandler),
         (r"v1/workspaces", WorkspacesHandler),
         (rf"v1/workspaces/{ID}", WorkspaceHandler),
         (rf"v1/workspaces/{ID}/suspend", WorkspaceSuspendHandler),

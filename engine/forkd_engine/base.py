@@ -62,6 +62,8 @@ class SnapshotSpec:
     setup_timeout: float = 600.0
     # Fork children even though setup left running work they cannot carry (else LossyFork).
     lossy: bool = False
+    # "ipython": the snapshot holds a warmed IPython shell (the forkd kernel's); setup runs in it.
+    shell: str = "plain"
 
 
 @dataclass

@@ -45,7 +45,7 @@ def test_request_bodies_match_the_handlers():
     for (path, verb), handler in handler_ops().items():
         op = doc["paths"][path][verb]
         content = op.get("requestBody", {}).get("content", {})
-        if verb == "post" and handler.body_spec is not None:
+        if verb in ("post", "put") and handler.body_spec is not None:
             schema = content["application/json"]["schema"]
             spec = handler.body_spec
             assert set(schema["properties"]) == set(spec), path

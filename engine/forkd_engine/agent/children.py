@@ -57,7 +57,7 @@ def _after_fork_in_child() -> None:
 
 def install(on_reaped: Callable[[int, int], None] | None = None) -> None:
     """Record every process user code starts; start the orphan reaper. Call on the main thread."""
-    global _installed, _wake_r, _wake_w, _on_reaped
+    global _installed, _on_reaped
     if on_reaped is not None:
         _on_reaped = on_reaped
     if not _installed:

@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 
-from .cells import PlainRunner, collect, mime_bundle  # noqa: F401 - mime_bundle: part of this API
+from .cells import PlainRunner, collect
 from .executor import Busy, Executor
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
@@ -60,10 +60,8 @@ class Runtime:
 
     def start_session(self, request: dict, session) -> dict:
         """A streaming session opens: make the IPython shell if it asks for one; say what it gets."""
-        if request.get("shell") == "ipython" and self.shell is None:
-            from .shell import ForkdShell  # imported only where asked for: IPython is heavy
-            self.on_main(lambda: setattr(self, "shell", self.shell or ForkdShell.start(self)),
-                         "starting IPython", user_code=False, wait=120)
+        if request.get("shell") == "ipython":
+            self.ensure_shell(request)  # imported only where asked for: IPython is heavy
         if self.shell is not None:
             self.on_main(lambda: self.shell.attach(session), "attaching a session", user_code=False, wait=120)
         ipython = sys.modules.get("IPython")
@@ -99,7 +97,7 @@ class Runtime:
     def handle(self, request: dict) -> dict:
         action = request.get("action")
         handler = {"ping": self.ping, "exec": self.exec, "eval": self.eval, "run_code": self.run_code,
-                   "files": self.files, "interrupt": self.interrupt}.get(action)
+                   "files": self.files, "interrupt": self.interrupt, "shell": self.ensure_shell}.get(action)
         if handler is None:
             return {"error": f"unknown action: {action}", "exit_code": 1}
         try:
@@ -112,6 +110,14 @@ class Runtime:
             reply = _error_reply(exc)
             reply["traceback"] = traceback.format_exc()
             return reply
+
+    def ensure_shell(self, request: dict) -> dict:
+        """Make this sandbox's IPython shell now (a snapshot for the forkd kernel warms one up)."""
+        if self.shell is None:
+            from .shell import ForkdShell
+            self.on_main(lambda: setattr(self, "shell", self.shell or ForkdShell.start(self)),
+                         "starting IPython", user_code=False, wait=120)
+        return {"shell": "ipython", "execution_count": self.shell.execution_count}
 
     def interrupt(self, request: dict) -> dict:
         running = self.executor.busy() if self.executor is not None else None

@@ -17,8 +17,6 @@ import os
 import subprocess
 import sys
 
-import comm
-from comm.base_comm import BaseComm, CommManager
 from IPython.core import page, payloadpage
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
@@ -74,15 +72,25 @@ class _DisplayHook(DisplayHook):
         self._result = {}
 
 
-class _Comm(BaseComm):
-    """A comm whose messages are session events (``comm.create_comm`` makes these)."""
+def _install_comms(shell: "ForkdShell") -> None:
+    """Comms (ipywidgets) whose messages are session events; a guest without the ``comm`` package
+    (an old Debian IPython) simply has none."""
+    try:
+        import comm
+        from comm.base_comm import BaseComm, CommManager
+    except ImportError:
+        shell.comm_manager = None
+        return
 
-    def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys) -> None:
-        content = jsonable(dict(data=data or {}, comm_id=self.comm_id, **keys))
-        self.kernel_shell.emit_event({"type": msg_type, "content": content, "metadata": jsonable(metadata or {}),
-                                      "buffers": [base64.b64encode(bytes(b)).decode("ascii") for b in buffers or []]})
+    class ForkdComm(BaseComm):
+        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys) -> None:
+            content = jsonable(dict(data=data or {}, comm_id=self.comm_id, **keys))
+            shell.emit_event({"type": msg_type, "content": content, "metadata": jsonable(metadata or {}),
+                              "buffers": [base64.b64encode(bytes(b)).decode("ascii") for b in buffers or []]})
 
-    kernel_shell: "ForkdShell"
+    shell.comm_manager = CommManager()
+    comm.create_comm = lambda **kwargs: ForkdComm(**kwargs)
+    comm.get_comm_manager = lambda: shell.comm_manager
 
 
 def _msg(message: dict, msg_type: str) -> dict:
@@ -106,15 +114,7 @@ class ForkdShell(InteractiveShell):
         shell = cls.instance(config=config, user_ns=runtime.namespace)
         shell.runtime = runtime
         shell.set_hook("show_in_pager", page.as_hook(payloadpage.page), 99)
-        shell.comm_manager = CommManager()
-
-        def create_comm(**kwargs):
-            made = _Comm(**kwargs)
-            return made
-
-        _Comm.kernel_shell = shell
-        comm.create_comm = create_comm
-        comm.get_comm_manager = lambda: shell.comm_manager
+        _install_comms(shell)
         shell.warm()
         return shell
 
@@ -270,13 +270,18 @@ class ForkdShell(InteractiveShell):
     # --- comms (ipywidgets) ----------------------------------------------------------------------
 
     def comm_info(self, message: dict, session) -> dict:
+        if self.comm_manager is None:
+            return {"status": "ok", "comms": {}}
         target = (message.get("content") or {}).get("target_name", message.get("target_name"))
         comms = {cid: {"target_name": c.target_name} for cid, c in self.comm_manager.comms.items()
                  if target is None or c.target_name == target}
         return {"status": "ok", "comms": comms}
 
     def _comm(self, kind: str, message: dict, session) -> None:
-        self.attach(session) if self.session is None else None
+        if self.comm_manager is None:
+            return None
+        if self.session is None:
+            self.attach(session)
         getattr(self.comm_manager, kind)(None, None, _msg(message, kind))
         for stream in (self._stdout, self._stderr):
             if stream is not None:

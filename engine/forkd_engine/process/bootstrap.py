@@ -42,6 +42,10 @@ def template_main(cfg: dict) -> None:
                               {"host_network": cfg["host_network"], "tmp_size_mib": cfg["tmp_size_mib"],
                                "lossy": bool(cfg.get("lossy"))})
         rt = proc.runtime
+        if cfg.get("shell") == "ipython":
+            out = rt.handle({"action": "shell"})
+            if out.get("error"):
+                raise RuntimeError(f"IPython could not start: {out['error']}")
         for argv in cfg.get("setup_commands") or []:
             out = rt.handle({"action": "exec", "args": argv, "timeout": cfg["setup_timeout"]})
             if out.get("exit_code") != 0:

@@ -204,6 +204,7 @@ class ProcessEngine:
             "tmp_size_mib": self.tmp_size_mib, "uid": self.uid, "gid": self.gid,
             "root_dir": self.root_dir, "hidden": [self.data_dir], "env": _sandbox_env(),
             "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
+            "shell": spec.shell,
         }
         env = dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"])
         try:

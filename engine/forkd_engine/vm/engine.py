@@ -702,6 +702,11 @@ class VMEngine:
                 raise EngineError(f"the VM did not boot to its agent: {exc}; {self._log_tail(handle)}") from exc
             boot_ms = (time.monotonic() - t0) * 1000
             channel.call(self._restore_request({"id": spec.tag, "role": "template", "lineage": [spec.tag]}))
+            if spec.shell == "ipython":
+                reply = channel.call({"action": "shell"}, timeout=spec.setup_timeout)
+                if reply.get("error"):
+                    raise EngineError(f"IPython could not start in the guest: {reply['error']} (add the Debian "
+                                      f"package python3-ipython to the snapshot's packages)")
             for argv in spec.setup_commands:
                 reply = channel.call({"action": "exec", "args": argv, "timeout": spec.setup_timeout},
                                      timeout=spec.setup_timeout + 10)

@@ -1,0 +1,79 @@
+"""Which sandbox each forkd kernel is on (its HEAD): the lineage panel marks it, a restarted kernel
+finds the one it left.
+
+A forkd kernel registers its HEAD whenever it moves (start, checkout) and forgets itself when it
+shuts down; a restart keeps the record, so the fresh kernel can say where the old state still is.
+The record lives in the registry's database (its own table), so a server restart keeps it too.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Callable
+
+from .errors import BadRequest, NotFound
+
+KERNEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kernels (
+    kernel_id TEXT PRIMARY KEY,
+    head TEXT NOT NULL,
+    notebook TEXT,
+    base_snapshot TEXT,
+    engine TEXT,
+    updated_at REAL NOT NULL
+)"""
+FIELDS = ("kernel_id", "head", "notebook", "base_snapshot", "engine", "updated_at")
+
+
+def check_kernel_id(kernel_id) -> str:
+    if not isinstance(kernel_id, str) or not KERNEL_ID_RE.match(kernel_id):
+        raise BadRequest(f"invalid kernel id {kernel_id!r}: 1-128 characters from A-Z a-z 0-9 . _ -")
+    return kernel_id
+
+
+class KernelHeads:
+    def __init__(self, registry, emit: Callable[..., None]):
+        self.registry = registry
+        self._emit = emit
+        with registry.tx() as db:
+            db.execute(_SCHEMA)
+
+    def _rows(self, where: str = "", args: tuple = ()) -> list[dict]:
+        with self.registry.tx() as db:
+            cursor = db.execute(f"SELECT {', '.join(FIELDS)} FROM kernels {where} ORDER BY updated_at", args)
+            return [dict(zip(FIELDS, row)) for row in cursor.fetchall()]
+
+    def list(self) -> list[dict]:
+        return self._rows()
+
+    def get(self, kernel_id) -> dict:
+        rows = self._rows("WHERE kernel_id=?", (check_kernel_id(kernel_id),))
+        if not rows:
+            raise NotFound(f"kernel {kernel_id} not found (it never registered, or it shut down)")
+        return rows[0]
+
+    def set_head(self, kernel_id, head, *, notebook=None, base_snapshot=None, engine=None) -> dict:
+        check_kernel_id(kernel_id)
+        for name, value in (("head", head), ("notebook", notebook), ("base_snapshot", base_snapshot),
+                            ("engine", engine)):
+            if value is not None and (not isinstance(value, str) or len(value) > 4096):
+                raise BadRequest(f"{name} must be a string of at most 4096 characters")
+        if not head:
+            raise BadRequest("head is required: the sandbox id the kernel is on")
+        row = {"kernel_id": kernel_id, "head": head, "notebook": notebook, "base_snapshot": base_snapshot,
+               "engine": engine, "updated_at": time.time()}
+        with self.registry.tx() as db:
+            db.execute(f"INSERT OR REPLACE INTO kernels ({', '.join(FIELDS)}) VALUES ({', '.join('?' * len(FIELDS))})",
+                       tuple(row[f] for f in FIELDS))
+        self._emit("kernel", "head", kernel_id=kernel_id, head=head, notebook=notebook)
+        return row
+
+    def forget(self, kernel_id) -> None:
+        check_kernel_id(kernel_id)
+        with self.registry.tx() as db:
+            gone = db.execute("DELETE FROM kernels WHERE kernel_id=?", (kernel_id,)).rowcount
+        if not gone:
+            raise NotFound(f"kernel {kernel_id} not found")
+        self._emit("kernel", "gone", kernel_id=kernel_id)
