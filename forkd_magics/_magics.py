@@ -117,14 +117,16 @@ SUBCOMMANDS = {
         A("--package", action="append", default=None, metavar="DEB",
           help="a Debian package for the guest, e.g. python3-numpy (VM engine; repeatable)")),
     "fork": _args(
-        "fork", "Fork sandboxes (copy-on-write children) from a snapshot. Returns a list of Sandbox.",
-        A("--tag", "-t", required=True, help="the snapshot to fork from"),
+        "fork", "Fork sandboxes (copy-on-write children) from a snapshot. Returns a list of Sandbox. In the "
+                "forkd kernel, with no --tag, forks the notebook itself: n sandboxes of its current state.",
+        A("--tag", "-t", default=None, help="the snapshot to fork from"),
         A("-n", type=int, default=1, help="how many sandboxes (default 1)"),
         A("--memory-limit-mib", type=int, default=None, help="memory limit of each sandbox")),
     "branch": _args(
         "branch", "Turn a running sandbox into a new snapshot (it keeps running). Returns a Snapshot; "
-                  "with --no-wait (implies --live) its status is 'writing' until it turns 'ready'.",
-        A("sandbox", help="the sandbox id (or a variable holding a Sandbox)"),
+                  "with --no-wait (implies --live) its status is 'writing' until it turns 'ready'. In the "
+                  "forkd kernel, with no sandbox, branches the notebook itself.",
+        A("sandbox", nargs="?", default=None, help="the sandbox id (or a variable holding a Sandbox)"),
         A("--tag", "-t", default=None, help="the new snapshot's tag (default branch-<id>-<n>)"),
         A("--diff", action="store_true", help="diff branch"),
         A("--live", action="store_true", help="live branch: the shortest pause of the source"),
@@ -154,6 +156,12 @@ SUBCOMMANDS = {
         A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
         A("--all", action="store_true", help="every sandbox"),
         A("--timeout", type=float, default=None, help="seconds per sandbox")),
+    "checkout": _args(
+        "checkout", "forkd kernel: run the next cells in another sandbox (its state), a fresh child of a "
+                    "snapshot, or (-) where the notebook was before.",
+        A("target", help="a sandbox (id or variable), a snapshot tag, or - for the previous one")),
+    "head": _args("head", "forkd kernel: the sandbox this notebook runs in, and its lineage."),
+    "log": _args("log", "forkd kernel: how the notebook got where it is: the cells run since each branch."),
     "connect": _args(
         "connect", "Use another server (default: $FORKD_URL, else the server found on this host).",
         A("url", nargs="?", default=None, help="the server's URL, e.g. http://127.0.0.1:8889"),
@@ -165,6 +173,8 @@ _HELP = """Fork-on-write Python sandboxes from a notebook.
   %forkd snapshot -t py --setup "import numpy as np"     -> Snapshot
   %forkd fork -t py -n 4                                  -> [Sandbox, ...]
   %forkd branch SB [-t TAG] [--diff|--live] [--no-wait]   -> Snapshot
+  In the "Python 3 (forkd)" kernel, the notebook itself:
+  %forkd branch --live | fork -n 5 | checkout SB|TAG|- | head | log
   %forkd ls | kill (SB ... | -t TAG | --all) | delete TAG | exec SB -- cmd | tree | connect URL
   %%forkd run (SB ... | -t TAG | --all)                   -> runs the cell in each, side by side
 
@@ -239,6 +249,15 @@ class ForkdMagics(Magics):
                     raise UsageError(f"forkd: {name} is a {type(item).__name__}, not a sandbox")
         return ids
 
+    def head(self) -> str | None:
+        """The sandbox this notebook runs in: only the forkd kernel has one."""
+        return None
+
+    def _needs_kernel(self, what: str) -> UsageError:
+        return UsageError(f"forkd {what}: this notebook runs in a plain kernel, not in a sandbox; use the "
+                          f"\"Python 3 (forkd)\" kernel (Kernel > Change Kernel) for the notebook to {what} "
+                          f"itself, or name a sandbox")
+
     def _one_sandbox(self, name: str) -> str:
         ids = self._sandbox_ids([name])
         if len(ids) != 1:
@@ -265,13 +284,24 @@ class ForkdMagics(Magics):
     def _fork(self, args, cell):
         if args.n < 1:
             raise UsageError("forkd fork: -n must be at least 1")
+        if args.tag is None:
+            head = self.head()
+            if head is None:
+                raise self._needs_kernel("fork")
+            # n copies of the notebook's state: a branch of HEAD (idle between cells), forked n times
+            args.tag = self.controller.branch_sandbox(head)["tag"]
         infos = self.controller.spawn_sandboxes(args.tag, args.n, memory_limit_mib=args.memory_limit_mib)
         return [Sandbox(i, self.controller) for i in infos]
 
     def _branch(self, args, cell):
         if args.diff and args.live:
             raise UsageError("forkd branch: --diff and --live exclude each other")
-        sandbox = self._one_sandbox(args.sandbox)
+        if args.sandbox is None:
+            sandbox = self.head()
+            if sandbox is None:
+                raise self._needs_kernel("branch")
+        else:
+            sandbox = self._one_sandbox(args.sandbox)
         mode = "diff" if args.diff else "live" if (args.live or args.no_wait) else None
         info = self.controller.branch_sandbox(sandbox, args.tag, mode=mode, wait=not args.no_wait)
         return Snapshot(info, self.controller)
@@ -324,6 +354,15 @@ class ForkdMagics(Magics):
         with ThreadPoolExecutor(max_workers=min(len(targets), 16)) as pool:
             executions = list(pool.map(one, targets))
         return RunResults(zip(targets, executions))
+
+    def _checkout(self, args, cell):
+        raise self._needs_kernel("checkout")
+
+    def _head(self, args, cell):
+        raise self._needs_kernel("head")
+
+    def _log(self, args, cell):
+        raise self._needs_kernel("log")
 
     def _connect(self, args, cell):
         self._controller = Controller(args.url, args.token)

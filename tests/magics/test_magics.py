@@ -134,7 +134,10 @@ def test_delete_snapshot(ip, forkd):
     ("fork -t nope", "UsageError: forkd fork: snapshot nope not found (HTTP 404)"),
     ("kill sb-nope", "UsageError: forkd kill: sandbox sb-nope not found (HTTP 404)"),
     ("frobnicate", "UsageError: forkd: unknown subcommand 'frobnicate'"),
-    ("fork -n 2", "UsageError: the following arguments are required: --tag/-t"),
+    ("fork -n 2", 'UsageError: forkd fork: this notebook runs in a plain kernel, not in a sandbox; use the '
+                  '"Python 3 (forkd)" kernel'),
+    ("branch --live", 'UsageError: forkd branch: this notebook runs in a plain kernel'),
+    ("checkout sb-x", 'UsageError: forkd checkout: this notebook runs in a plain kernel'),
     ("branch sb-x --diff --live", "UsageError: forkd branch: --diff and --live exclude each other"),
     ("run sb-x", "UsageError: forkd run is a cell magic"),
     ("exec sb-x", "UsageError: forkd exec: give a command"),
@@ -165,4 +168,4 @@ def test_help_comes_from_magic_arguments(ip):
         assert f"\n  %forkd {name}" in doc  # magic_arguments' usage line of each subcommand
     assert "--no-wait" in doc and "--tag TAG, -t TAG" in doc
     _, out = cell(ip, "%forkd branch --help")
-    assert out.stdout.startswith("::\n\n  %forkd branch [--tag TAG] [--diff] [--live] [--no-wait] sandbox")
+    assert out.stdout.startswith("::\n\n  %forkd branch [--tag TAG] [--diff] [--live] [--no-wait] [sandbox]")

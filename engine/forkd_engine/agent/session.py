@@ -144,9 +144,16 @@ class Session:
         allow_stdin = bool(msg.get("allow_stdin", False))
         self.current = rid
         self.emit({"type": "status", "execution_state": "busy"}, rid)
+        result: list = []
+
+        def emit(event: dict) -> None:
+            if event.get("type") == "execute_result":
+                result.append((event.get("data") or {}).get("text/plain"))
+            self.emit(event, rid)
+
         try:
             content = runner.execute(
-                code, lambda event: self.emit(event, rid), silent=silent, store_history=store_history,
+                code, emit, silent=silent, store_history=store_history,
                 user_expressions=msg.get("user_expressions") or {}, execution_count=msg.get("execution_count"),
                 input_fn=(lambda prompt, password: self._input(rid, prompt, password)) if allow_stdin else None,
                 session=self)
@@ -154,6 +161,7 @@ class Session:
             self.current = None
         if store_history and not silent:
             self.runtime.history.append({"n": content.get("execution_count"), "code": code,
+                                         "output": result[-1] if result else None,
                                          "sandbox": self.runtime.identity.get("id"), "time": time.time()})
         self.emit({"type": "status", "execution_state": "idle"}, rid)
         return content
@@ -186,4 +194,11 @@ class Session:
         if access in ("tail", "search") and n:
             entries = entries[-int(n):]
         # (session, line number, input): one "session" here, the notebook's whole lineage
-        return {"status": "ok", "history": [[0, e["n"], e["code"]] for e in entries]}
+        if msg.get("output"):
+            history = [[0, e["n"], [e["code"], e.get("output")]] for e in entries]
+        else:
+            history = [[0, e["n"], e["code"]] for e in entries]
+        reply = {"status": "ok", "history": history}
+        if msg.get("detail"):  # forkd's own use (%forkd log): which sandbox ran each cell, and when
+            reply["entries"] = [dict(e) for e in entries]
+        return reply

@@ -1,0 +1,138 @@
+"""HEAD: the sandbox a forkd notebook runs its cells in, and the session the kernel keeps with it.
+
+One streaming session (``forkd_server.streaming.Session``, shell ``ipython``) is open to HEAD; a
+reader thread hands each event to the request that waits for it (by ``id``), or to ``on_other``
+for what comes between requests (a widget's update from a thread, output of a background thread).
+Moving HEAD closes the old session and opens one to the new sandbox; the session of a sandbox that
+died ends with ``ended`` saying so, and nothing is ever silently restarted in its place.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+from forkd_server.streaming import Session, SessionClosed
+
+__all__ = ["Head", "HeadGone"]
+
+
+class HeadGone(RuntimeError):
+    """The sandbox this notebook runs in is gone; its state with it. Says how to go on."""
+
+
+class Head:
+    def __init__(self, controller, on_other: Callable[[dict], None]):
+        self.controller = controller
+        self.on_other = on_other
+        self.sandbox_id: str | None = None
+        self.session: Session | None = None
+        self.hello: dict = {}
+        self.ended: str | None = None  # why HEAD's session ended (the sandbox died), else None
+        self.comms: set[str] = set()   # comm ids the sandbox opened (closed on the frontend at checkout)
+        self._waiting: dict[str, queue.Queue] = {}
+        self._lock = threading.Lock()
+
+    # --- moving ----------------------------------------------------------------------------------
+
+    def attach(self, sandbox_id: str) -> dict:
+        """Make ``sandbox_id`` HEAD: open its IPython session; returns the session's hello."""
+        session = self.controller.session(sandbox_id, shell="ipython")
+        old = self.session
+        with self._lock:
+            self.session, self.sandbox_id, self.hello, self.ended = session, sandbox_id, session.hello, None
+            self.comms = set()
+        threading.Thread(target=self._read, args=(session,), name=f"forkd-head-{sandbox_id}", daemon=True).start()
+        if old is not None:
+            old.close()
+        return session.hello
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+    # --- talking ---------------------------------------------------------------------------------
+
+    def check(self) -> Session:
+        """HEAD's session, or ``HeadGone`` that names the sandbox and the ways on."""
+        if self.session is None:
+            raise HeadGone("this notebook has no sandbox yet (the forkd kernel is still starting, or could not "
+                           "start: see the kernel's first message)")
+        if self.ended is not None:
+            raise HeadGone(f"this notebook's sandbox {self.sandbox_id} is gone ({self.ended}), and its variables "
+                           f"with it: nothing was restarted in its place. Continue from a snapshot or another "
+                           f"sandbox with %forkd checkout TAG|SB (%forkd ls lists them), or restart the kernel "
+                           f"for a fresh sandbox")
+        return self.session
+
+    def open_request(self, kind: str, **fields) -> tuple[str, queue.Queue]:
+        """Send a request; its events and its reply arrive on the returned queue (None: session ended)."""
+        session = self.check()
+        rid = session.new_id()
+        events: queue.Queue = queue.Queue()
+        with self._lock:
+            self._waiting[rid] = events
+        try:
+            session.send({"type": kind, "id": rid, **fields})
+        except SessionClosed:
+            self.finish(rid)
+            raise HeadGone(f"the session with {self.sandbox_id} closed while sending the request") from None
+        return rid, events
+
+    def finish(self, rid: str) -> None:
+        with self._lock:
+            self._waiting.pop(rid, None)
+
+    def request(self, kind: str, timeout: float = 30.0, **fields) -> dict:
+        """A request whose events are not needed (complete, inspect...): its reply's content."""
+        rid, events = self.open_request(kind, **fields)
+        try:
+            while True:
+                event = events.get(timeout=timeout)
+                if event is None:
+                    self.check()
+                    raise HeadGone(f"the session with {self.sandbox_id} ended")
+                if event.get("type") == f"{kind}_reply":
+                    return event.get("content") or {}
+        finally:
+            self.finish(rid)
+
+    def send(self, message: dict) -> None:
+        try:
+            self.check().send(message)
+        except SessionClosed:
+            raise HeadGone(f"the session with {self.sandbox_id} is closed") from None
+
+    # --- the reader ------------------------------------------------------------------------------
+
+    def _read(self, session: Session) -> None:
+        while True:
+            event = session.recv()
+            if event is None:
+                with self._lock:
+                    current = session is self.session
+                    if current:
+                        self.ended = self._why_ended()
+                    waiting = list(self._waiting.values()) if current else []
+                for events in waiting:
+                    events.put(None)
+                return
+            if event.get("type") == "comm_open":
+                self.comms.add((event.get("content") or {}).get("comm_id"))
+            elif event.get("type") == "comm_close":
+                self.comms.discard((event.get("content") or {}).get("comm_id"))
+            with self._lock:
+                events = self._waiting.get(event.get("id"))
+            if events is not None:
+                events.put(event)
+            elif session is self.session:
+                self.on_other(event)
+
+    def _why_ended(self) -> str:
+        try:
+            self.controller.get_sandbox(self.sandbox_id)
+        except Exception as exc:  # noqa: BLE001 - any failure to find it is the answer
+            status = getattr(exc, "status", None)
+            return "killed or exited: the server no longer has it" if status == 404 else f"unreachable: {exc}"
+        return "its session closed, though the server still lists it"

@@ -1,0 +1,458 @@
+"""``ForkdKernel``: the Jupyter kernel "Python 3 (forkd)". The notebook's namespace is an IPython
+shell inside a forkd sandbox (HEAD); this kernel is the thin local end of it.
+
+Cells go to HEAD over one streaming session and their output comes back as it happens: stdout,
+rich display, errors, ``input()``, widgets (comms are routed by id: the kernel's own, such as the
+lineage widget, stay here; the sandbox's go there), completion, inspection. ``%forkd`` cells run
+here, between cells, so a branch or fork always copies an idle shell; ``%forkd checkout`` moves
+HEAD. The kernel owns the execution counter, so it goes on across fork and checkout.
+
+Never silently fresh: if HEAD's sandbox dies, the next cell is an error naming it. A kernel restart
+starts in a fresh child of the base snapshot and says where the previous HEAD still runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import sys
+import threading
+
+from IPython.core.error import UsageError
+from ipykernel.kernelbase import Kernel
+from traitlets import List, Unicode, default
+
+from forkd_server.client import Controller, ControllerError, ServerUnreachable
+
+from . import __version__
+from .head import Head, HeadGone
+from .local import KernelMagics, LocalShell, is_forkd_cell
+
+# Warms what every cell would load: the shell (created by the snapshot's shell option), jedi.
+BASE_SETUP = "import os, sys, time, random\n"
+REPLIES = ("status", "interrupt_reply", "session_reply")
+
+
+def _env_list(name: str) -> list[str]:
+    return [p.strip() for p in os.environ.get(name, "").replace(",", " ").split() if p.strip()]
+
+
+class ForkdKernel(Kernel):
+    implementation = "forkd"
+    implementation_version = __version__
+    banner = (f"Python {sys.version.split()[0]} in a forkd sandbox: %forkd branch --live, "
+              f"kids = %forkd fork -n 5, %forkd checkout SB|TAG|-, %forkd head, %forkd log")
+    language_info = {
+        "name": "python", "version": sys.version.split()[0], "mimetype": "text/x-python",
+        "codemirror_mode": {"name": "ipython", "version": 3}, "pygments_lexer": "ipython3",
+        "nbconvert_exporter": "python", "file_extension": ".py",
+    }
+    help_links = [{"text": "forkd kernel", "url": "https://github.com/forkd-jupyter/forkd-jupyter#the-forkd-kernel"}]
+
+    engine = Unicode(config=True, help="Engine of the notebook's sandboxes: process or vm ($FORKD_KERNEL_ENGINE).")
+    setup = Unicode(config=True, help="Python run once in the base snapshot ($FORKD_KERNEL_SETUP).")
+    packages = List(Unicode(), config=True, help="Debian packages for a vm base ($FORKD_KERNEL_PACKAGES).")
+    base_snapshot = Unicode(config=True, help="Fork the notebook from this snapshot ($FORKD_KERNEL_BASE); "
+                                              "default: one made for these settings, shared by every kernel.")
+
+    @default("engine")
+    def _engine(self) -> str:
+        return os.environ.get("FORKD_KERNEL_ENGINE", "process")
+
+    @default("setup")
+    def _setup(self) -> str:
+        return os.environ.get("FORKD_KERNEL_SETUP", "")
+
+    @default("packages")
+    def _packages(self) -> list:
+        packages = _env_list("FORKD_KERNEL_PACKAGES")
+        if self.engine == "vm" and "python3-ipython" not in packages:
+            packages.append("python3-ipython")  # the guest's shell
+        return packages
+
+    @default("base_snapshot")
+    def _base(self) -> str:
+        return os.environ.get("FORKD_KERNEL_BASE", "")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.controller = Controller()
+        self.head = Head(self.controller, self._on_other)
+        self.stack: list[str] = []     # where %forkd checkout - goes back to
+        self.own: set[str] = set()      # sandboxes this kernel started (HEADs it moved through)
+        self._parents: dict[str, dict] = {}  # request id -> the Jupyter message it serves
+        self._last_parent: dict = {}
+        self._local_parent: dict = {}
+        self._notice: str | None = None
+        self._start_error: str | None = None
+        self._started = threading.Event()
+        self.kernel_id = self._kernel_id()
+        self.notebook = os.environ.get("JPY_SESSION_NAME") or None
+        self.local = LocalShell.make(self._publish_local)
+        self.local.register_magics(KernelMagics(self.local, self))
+        self._install_comms()
+        for kind in ("comm_open", "comm_msg", "comm_close"):
+            self.shell_handlers[kind] = getattr(self, f"_{kind}")
+        threading.Thread(target=self._start, name="forkd-kernel-start", daemon=True).start()
+
+    def _kernel_id(self) -> str:
+        connection = getattr(self.parent, "connection_file", "") or ""
+        name = os.path.basename(connection)
+        m = re.match(r"kernel-(.+)\.json$", name)
+        return m.group(1) if m else (os.path.splitext(name)[0] or f"pid-{os.getpid()}")
+
+    # --- start: a fresh child of the base snapshot becomes HEAD ----------------------------------
+
+    def base_tag(self) -> str:
+        if self.base_snapshot:
+            return self.base_snapshot
+        recipe = "\n".join([self.engine, self.setup, ",".join(sorted(self.packages)), __version__])
+        return f"forkd-kernel-{self.engine}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
+
+    def _ensure_base(self) -> str:
+        tag = self.base_tag()
+        for _attempt in range(3):
+            try:
+                info = self.controller.snapshot_info(tag)
+            except ControllerError as exc:
+                if exc.status != 404 or self.base_snapshot:
+                    raise
+                try:
+                    self.controller.create_snapshot(tag, setup=BASE_SETUP + self.setup, engine=self.engine,
+                                                    packages=self.packages or None, shell="ipython")
+                    return tag
+                except ControllerError as exc2:
+                    if exc2.status not in (400, 409):  # another kernel is making it right now
+                        raise
+                    continue
+            if info.get("status") == "writing":
+                info = self.controller.wait_snapshot(tag, timeout=900)
+            if info.get("status") == "ready":
+                return tag
+            raise RuntimeError(f"the notebook's base snapshot {tag} is {info.get('status')}: {info.get('warning', '')} "
+                               f"(delete it with %forkd delete {tag} and restart the kernel to make it again)")
+        raise RuntimeError(f"the notebook's base snapshot {tag} could not be made")
+
+    def _start(self) -> None:
+        try:
+            base = self._ensure_base()
+            previous = None
+            try:
+                previous = self.controller.get_kernel(self.kernel_id).get("head")
+            except ControllerError:
+                pass
+            sandbox = self.controller.spawn_sandboxes(base, 1)[0]["id"]
+            self.own.add(sandbox)
+            self.head.attach(sandbox)
+            self._register()
+            if previous and previous != sandbox and self._alive(previous):
+                self._notice = (f"forkd: this kernel restarted in a fresh sandbox, {sandbox} (a child of {base}). "
+                                f"The sandbox it ran in before, {previous}, still runs with its state: "
+                                f"%forkd checkout {previous} to continue there, or %forkd kill {previous} to free it.\n")
+        except (ControllerError, ServerUnreachable, RuntimeError, TimeoutError, OSError, HeadGone) as exc:
+            self._start_error = (f"the forkd kernel could not start its sandbox: {exc}. Its %forkd lines still run "
+                                 f"here; fix the cause and restart the kernel")
+        finally:
+            self._started.set()
+
+    def _alive(self, sandbox_id: str) -> bool:
+        try:
+            self.controller.get_sandbox(sandbox_id)
+            return True
+        except (ControllerError, ServerUnreachable):
+            return False
+
+    def _register(self) -> None:
+        try:
+            self.controller.set_kernel_head(self.kernel_id, self.head.sandbox_id, notebook=self.notebook,
+                                            base_snapshot=self.base_tag(), engine=self.engine)
+        except (ControllerError, ServerUnreachable) as exc:  # the panel misses a marker; the notebook works
+            self.log.warning("forkd: could not record HEAD with the server: %s", exc)
+
+    def head_id(self) -> str | None:
+        self._started.wait()
+        return self.head.sandbox_id
+
+    # --- HEAD moves ------------------------------------------------------------------------------
+
+    def checkout(self, target: str) -> str:
+        self._started.wait()
+        old = self.head.sandbox_id
+        if target == "-":
+            if not self.stack:
+                raise UsageError("forkd checkout -: there is nowhere to go back to (no checkout yet)")
+            new, back = self.stack[-1], True
+        else:
+            back = False
+            try:
+                new = self.controller.get_sandbox(target)["id"]
+            except ControllerError as exc:
+                if exc.status != 404:
+                    raise
+                try:
+                    snapshot = self.controller.snapshot_info(target)
+                except ControllerError:
+                    raise UsageError(f"forkd checkout: no sandbox or snapshot is called {target!r} "
+                                     f"(%forkd ls lists them)") from None
+                new = self.controller.spawn_sandboxes(snapshot["tag"], 1)[0]["id"]  # a fresh child of it
+                self.own.add(new)
+        if new == old:
+            return f"HEAD is already {new}"
+        self._close_sandbox_comms()
+        try:
+            self.head.attach(new)
+        except (ControllerError, ServerUnreachable) as exc:
+            raise UsageError(f"forkd checkout: could not attach to {new}: {getattr(exc, 'message', exc)}") from None
+        if back:
+            self.stack.pop()
+        elif old:
+            self.stack.append(old)
+        self._register()
+        print(f"HEAD: {old} → {new}" + (" (back)" if back else "")
+              + (f"; %forkd checkout - returns to {self.stack[-1]}" if self.stack else ""))
+        return None
+
+    def _close_sandbox_comms(self) -> None:
+        """Widgets of the sandbox being left would talk to a copy the notebook no longer runs in:
+        close them on the frontend, so they look dead rather than silently drive the wrong copy."""
+        for comm_id in list(self.head.comms):
+            self._send_iopub("comm_close", {"comm_id": comm_id, "data": {}}, self._last_parent)
+        self.head.comms.clear()
+
+    # --- execute ---------------------------------------------------------------------------------
+
+    async def do_execute(self, code, silent, store_history=True, user_expressions=None, allow_stdin=False,
+                         *, cell_meta=None, cell_id=None):
+        parent = self.get_parent("shell")
+        self._last_parent = parent
+        for stream in (sys.stdout, sys.stderr):  # the kernel's own prints (from %forkd lines) go here
+            if hasattr(stream, "set_parent"):
+                stream.set_parent(parent)
+        try:
+            local = is_forkd_cell(code)
+        except UsageError as exc:
+            return self._error(parent, "UsageError", str(exc))
+        if local:
+            return self._run_local(code, silent, parent)
+        self._started.wait()
+        if self._start_error:
+            return self._error(parent, "ForkdKernelError", self._start_error)
+        if self._notice:
+            self._send_iopub("stream", {"name": "stderr", "text": self._notice}, parent)
+            self._notice = None
+        try:
+            return self._run_remote(code, silent, store_history, user_expressions or {}, allow_stdin, parent)
+        except HeadGone as exc:
+            return self._error(parent, "SandboxGone", str(exc))
+
+    def _run_remote(self, code, silent, store_history, user_expressions, allow_stdin, parent) -> dict:
+        rid, events = self.head.open_request("execute", code=code, silent=silent, store_history=store_history,
+                                             user_expressions=user_expressions, allow_stdin=allow_stdin,
+                                             execution_count=self.execution_count)
+        self._remember(rid, parent)
+        try:
+            while True:
+                try:
+                    event = events.get()
+                except KeyboardInterrupt:  # Interrupt in the frontend: the cell in the sandbox stops
+                    self.head.send({"type": "interrupt", "id": f"{rid}-interrupt"})
+                    continue
+                if event is None:
+                    self.head.check()
+                    raise HeadGone(f"the session with {self.head.sandbox_id} ended during the cell")
+                kind = event.get("type")
+                if kind == "execute_reply":
+                    content = event.get("content") or {}
+                    content["execution_count"] = self.execution_count
+                    if content.get("status") == "error":
+                        self._explain_name_error(content, parent)
+                    return content
+                if kind == "input_request":
+                    self._answer_input(event, parent)
+                elif kind not in REPLIES:
+                    self._publish(event, parent)
+        finally:
+            self.head.finish(rid)
+
+    def _answer_input(self, event: dict, parent: dict) -> None:
+        try:
+            value = self._input_request(event.get("prompt", ""), self._get_shell_context_var(self._shell_parent_ident),
+                                        parent, password=bool(event.get("password")))
+        except KeyboardInterrupt:
+            self.head.send({"type": "interrupt", "id": "input-interrupt"})
+            return
+        except EOFError:
+            value = "\x04"
+        self.head.send({"type": "input_reply", "value": value})
+
+    def _explain_name_error(self, content: dict, parent: dict) -> None:
+        """A name bound by a %forkd line lives here, not in the sandbox: say so."""
+        m = re.match(r"name '(\w+)' is not defined", content.get("evalue", ""))
+        if content.get("ename") == "NameError" and m and m.group(1) in self.local.user_ns:
+            name = m.group(1)
+            self._send_iopub("stream", {"name": "stderr", "text": (
+                f"forkd: {name!r} was bound by a %forkd line, so it lives in the kernel, not in the notebook's "
+                f"sandbox: use it in %forkd / %%forkd lines (e.g. %%forkd run {name}), or pass what you need "
+                f"into the sandbox as a value ({name} = {self.local.user_ns[name]!r:.200}).\n")}, parent)
+
+    def _run_local(self, code: str, silent: bool, parent: dict) -> dict:
+        self._local_parent = parent
+        self.local.execution_count = self.execution_count
+        self.local.last_error = None
+        result = self.local.run_cell(code, store_history=False, silent=silent)
+        if result.success:
+            return {"status": "ok", "execution_count": self.execution_count, "payload": [], "user_expressions": {}}
+        error = self.local.last_error or {"ename": "Error", "evalue": str(result.error_in_exec), "traceback": []}
+        return {"status": "error", "execution_count": self.execution_count, **error}
+
+    def _error(self, parent: dict, ename: str, evalue: str) -> dict:
+        error = {"ename": ename, "evalue": evalue, "traceback": [f"\x1b[0;31m{ename}\x1b[0m: {evalue}"]}
+        self._send_iopub("error", error, parent)
+        return {"status": "error", "execution_count": self.execution_count, **error}
+
+    # --- IOPub -----------------------------------------------------------------------------------
+
+    def _remember(self, rid: str, parent: dict) -> None:
+        self._parents[rid] = parent
+        while len(self._parents) > 256:
+            self._parents.pop(next(iter(self._parents)))
+
+    def _publish(self, event: dict, parent: dict) -> None:
+        kind = event["type"]
+        if kind.startswith("comm_"):
+            content = event.get("content") or {}
+            buffers = [base64.b64decode(b) for b in event.get("buffers") or []]
+            self._send_iopub(kind, content, parent, buffers=buffers, metadata=event.get("metadata") or {})
+            return
+        content = {k: v for k, v in event.items() if k not in ("type", "id")}
+        self._send_iopub(kind, content, parent)
+
+    def _send_iopub(self, kind: str, content: dict, parent: dict, **extra) -> None:
+        self.session.send(self.iopub_socket, kind, content, parent=parent or None, ident=self._topic(kind), **extra)
+
+    def _on_other(self, event: dict) -> None:
+        """An event between requests (a widget's update, a background thread's print): show it
+        under the request it answers, else under the latest cell."""
+        if event.get("type") in REPLIES or event.get("type", "").endswith("_reply"):
+            return
+        self._publish(event, self._parents.get(event.get("id")) or self._last_parent)
+
+    def _publish_local(self, kind: str, content: dict) -> None:
+        self._send_iopub(kind, content, self._local_parent or self.get_parent("shell"))
+
+    # --- the rest of the protocol: forwarded to HEAD ---------------------------------------------
+
+    def _forkd_line(self, code: str, cursor_pos: int) -> bool:
+        line = code[:cursor_pos].rsplit("\n", 1)[-1]
+        return bool(re.match(r"\s*(\w+\s*=\s*)?%%?forkd\b", line))
+
+    async def do_complete(self, code, cursor_pos):
+        if self._forkd_line(code, cursor_pos) or not self._started.is_set() or self._start_error:
+            return self._local_complete(code, cursor_pos)
+        try:
+            return self.head.request("complete", code=code, cursor_pos=cursor_pos)
+        except HeadGone:
+            return self._local_complete(code, cursor_pos)
+
+    def _local_complete(self, code: str, cursor_pos: int) -> dict:
+        from IPython.core.completer import provisionalcompleter
+        with provisionalcompleter():
+            found = list(self.local.Completer.completions(code, cursor_pos))
+        return {"status": "ok", "matches": [c.text for c in found], "metadata": {},
+                "cursor_start": min((c.start for c in found), default=cursor_pos),
+                "cursor_end": max((c.end for c in found), default=cursor_pos)}
+
+    async def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
+        try:
+            return self.head.request("inspect", code=code, cursor_pos=cursor_pos, detail_level=detail_level,
+                                     omit_sections=list(omit_sections))
+        except HeadGone:
+            return {"status": "ok", "found": False, "data": {}, "metadata": {}}
+
+    async def do_is_complete(self, code):
+        try:
+            return self.head.request("is_complete", code=code)
+        except HeadGone:
+            status, indent = self.local.input_transformer_manager.check_complete(code)
+            return {"status": status, **({"indent": " " * (indent or 0)} if status == "incomplete" else {})}
+
+    async def do_history(self, hist_access_type, output, raw, session=None, start=None, stop=None, n=None,
+                         pattern=None, unique=False):
+        try:
+            return self.head.request("history", hist_access_type=hist_access_type, start=start, stop=stop, n=n,
+                                     pattern=pattern, unique=unique, output=output)
+        except HeadGone:
+            return {"status": "ok", "history": []}
+
+    # --- comms: the kernel's own stay here, the sandbox's go there -------------------------------
+
+    def _install_comms(self) -> None:
+        import comm
+        from ipykernel.comm import Comm, CommManager
+        self.comm_manager = CommManager(parent=self, kernel=self)
+        comm.create_comm = lambda *args, **kwargs: Comm(*args, kernel=self, **kwargs)
+        comm.get_comm_manager = lambda: self.comm_manager
+
+    def _is_local_comm(self, content: dict, opening: bool) -> bool:
+        if opening:
+            return content.get("target_name") in self.comm_manager.targets
+        return content.get("comm_id") in self.comm_manager.comms
+
+    def _forward_comm(self, kind: str, parent: dict) -> None:
+        try:
+            rid = self.head.check().new_id()
+            self._remember(rid, parent)
+            self.head.send({"type": kind, "id": rid, "content": parent.get("content") or {},
+                            "metadata": parent.get("metadata") or {},
+                            "buffers": [base64.b64encode(bytes(b)).decode("ascii") for b in parent.get("buffers") or []]})
+        except HeadGone as exc:
+            self.log.warning("forkd: %s for a widget of a sandbox this notebook no longer has: %s", kind, exc)
+
+    async def _comm_open(self, stream, ident, parent):
+        if self._is_local_comm(parent["content"], opening=True):
+            self.comm_manager.comm_open(stream, ident, parent)
+        else:
+            self._forward_comm("comm_open", parent)
+
+    async def _comm_msg(self, stream, ident, parent):
+        if self._is_local_comm(parent["content"], opening=False):
+            self.comm_manager.comm_msg(stream, ident, parent)
+        else:
+            self._forward_comm("comm_msg", parent)
+
+    async def _comm_close(self, stream, ident, parent):
+        if self._is_local_comm(parent["content"], opening=False):
+            self.comm_manager.comm_close(stream, ident, parent)
+        else:
+            self._forward_comm("comm_close", parent)
+
+    async def comm_info_request(self, stream, ident, parent):
+        target = parent["content"].get("target_name")
+        comms = {cid: {"target_name": c.target_name} for cid, c in self.comm_manager.comms.items()
+                 if target is None or c.target_name == target}
+        try:
+            remote = self.head.request("comm_info", content={"target_name": target})
+            comms.update(remote.get("comms") or {})
+        except HeadGone:
+            pass
+        self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": comms}, parent, ident)
+
+    # --- shutdown --------------------------------------------------------------------------------
+
+    async def do_shutdown(self, restart):
+        """A restart keeps HEAD (the fresh kernel says where it is); a shutdown frees the sandboxes
+        this kernel started. Snapshots (branches) and sandboxes made by %forkd fork stay."""
+        self.head.close()
+        if not restart:
+            for sandbox in self.own:
+                try:
+                    self.controller.kill_sandbox(sandbox)
+                except (ControllerError, ServerUnreachable):
+                    pass
+            try:
+                self.controller.forget_kernel(self.kernel_id)
+            except (ControllerError, ServerUnreachable):
+                pass
+        return {"status": "ok", "restart": restart}

@@ -1,0 +1,221 @@
+"""The kernel's own side: ``%forkd`` lines run here, between the notebook's cells.
+
+A line like ``kids = %forkd fork -n 5`` acts *on* the notebook's sandbox, so it cannot run inside
+it: it runs in a small IPython shell in the kernel process, whose namespace holds what those lines
+bind (``kids``). ``KernelMagics`` are the ``%forkd`` magics with the notebook's HEAD filled in:
+``branch`` and ``fork`` with no target act on HEAD, ``checkout`` moves it, ``head`` and ``log`` tell
+where it is and how it got there.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+from typing import Callable
+
+from IPython.core.display_trap import DisplayTrap
+from IPython.core.displayhook import DisplayHook
+from IPython.core.displaypub import DisplayPublisher
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.core.inputtransformer2 import TransformerManager
+from traitlets.config import Config
+
+from forkd_magics._magics import ForkdMagics
+from forkd_server.client import Sandbox, Snapshot
+
+__all__ = ["LocalShell", "KernelMagics", "is_forkd_cell"]
+
+_transformer = TransformerManager()
+
+
+def is_forkd_cell(code: str) -> bool:
+    """True when every statement of the cell is a ``%forkd``/``%%forkd`` magic (or binds one's result).
+    A cell that mixes them with Python is refused: the two run in different places."""
+    if not re.search(r"(^|\n)\s*(\w+\s*=\s*)?%%?forkd\b", code):
+        return False
+    try:
+        tree = ast.parse(_transformer.transform_cell(code))
+    except SyntaxError:
+        return False
+    statements = tree.body
+    forkd = [s for s in statements if _is_forkd_call(s)]
+    if statements and len(forkd) == len(statements):
+        return True
+    if forkd:
+        raise UsageError("a cell with %forkd lines runs in the kernel, between the notebook's cells, while Python "
+                         "runs in the notebook's sandbox: put the %forkd lines in a cell of their own")
+    return False
+
+
+def _is_forkd_call(stmt: ast.stmt) -> bool:
+    value = stmt.value if isinstance(stmt, (ast.Expr, ast.Assign)) else None
+    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+            and value.func.attr in ("run_line_magic", "run_cell_magic")
+            and bool(value.args) and isinstance(value.args[0], ast.Constant) and value.args[0].value == "forkd")
+
+
+class _Publisher(DisplayPublisher):
+    def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs) -> None:
+        self.shell.publish("update_display_data" if update else "display_data",
+                           {"data": data, "metadata": metadata or {}, "transient": transient or {}})
+
+    def clear_output(self, wait=False) -> None:
+        self.shell.publish("clear_output", {"wait": bool(wait)})
+
+
+class _DisplayHook(DisplayHook):
+    def start_displayhook(self) -> None:
+        self._content = {"data": {}, "metadata": {}}
+
+    def write_output_prompt(self) -> None:
+        self._content["execution_count"] = self.prompt_count
+
+    def write_format_data(self, format_dict, md_dict=None) -> None:
+        self._content["data"], self._content["metadata"] = format_dict, md_dict or {}
+
+    def finish_displayhook(self) -> None:
+        if self._content.get("data"):
+            self.shell.publish("execute_result", self._content)
+
+
+class LocalShell(InteractiveShell):
+    """A terminal-less shell whose display goes to the kernel's IOPub through ``publish``."""
+
+    publish: Callable[[str, dict], None] = staticmethod(lambda msg_type, content: None)
+    last_error: dict | None = None
+
+    @classmethod
+    def make(cls, publish: Callable[[str, dict], None]) -> "LocalShell":
+        config = Config()
+        config.HistoryManager.enabled = False
+        config.InteractiveShell.colors = "Linux"
+        shell = cls.instance(config=config)
+        shell.publish = publish
+        return shell
+
+    def init_display_pub(self) -> None:
+        self.display_pub = _Publisher(shell=self, parent=self)
+        self.configurables.append(self.display_pub)
+
+    def init_displayhook(self) -> None:
+        self.displayhook = _DisplayHook(shell=self, cache_size=self.cache_size)
+        self.configurables.append(self.displayhook)
+        self.display_trap = DisplayTrap(hook=self.displayhook)
+
+    def init_io(self) -> None:
+        pass
+
+    def init_virtualenv(self) -> None:
+        pass
+
+    def show_usage_error(self, exc) -> None:
+        self.last_error = {"ename": "UsageError", "evalue": str(exc), "traceback": [f"\x1b[0;31mUsageError\x1b[0m: {exc}"]}
+        self.publish("error", self.last_error)
+
+    def _showtraceback(self, etype, evalue, stb) -> None:
+        self.last_error = {"ename": getattr(etype, "__name__", str(etype)), "evalue": str(evalue), "traceback": list(stb)}
+        self.publish("error", self.last_error)
+
+
+class HeadInfo:
+    """What ``%forkd head`` returns: HEAD's sandbox, the snapshots it descends from, its engine."""
+
+    def __init__(self, sandbox: dict, checked_out: list[str]):
+        self.sandbox, self.checked_out = sandbox, checked_out
+
+    @property
+    def id(self) -> str:
+        return self.sandbox["id"]
+
+    def __repr__(self) -> str:
+        lineage = " → ".join(self.sandbox.get("lineage") or [])
+        lines = [f"HEAD {self.id} ({self.sandbox.get('engine')}, forked from {self.sandbox.get('snapshot_tag')})",
+                 f"lineage: {lineage}"]
+        if self.checked_out:
+            lines.append(f"%forkd checkout - goes back to {self.checked_out[-1]}")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(repr(self))
+
+
+class Log:
+    """What ``%forkd log`` returns: HEAD's lineage, newest first, with the cells run in each sandbox."""
+
+    def __init__(self, lineage: list[str], cells: list[dict], snapshots: dict[str, dict], head: str):
+        self.lineage, self.cells, self.snapshots, self.head = lineage, cells, snapshots, head
+
+    def lines(self) -> list[str]:
+        by_sandbox: dict[str, list[dict]] = {}
+        for c in self.cells:
+            by_sandbox.setdefault(c.get("sandbox") or "?", []).append(c)
+        out = []
+        for name in reversed(self.lineage):
+            if name in self.snapshots or not name.startswith("sb-"):
+                info = self.snapshots.get(name) or {}
+                pause = info.get("pause_ms")
+                out.append(f"  snapshot {name}" + (f"  (paused its source {pause} ms)" if pause is not None else ""))
+                continue
+            out.append(f"* {name}" + ("  ← HEAD" if name == self.head else ""))
+            for c in by_sandbox.get(name, []):
+                first = (c.get("code") or "").strip().splitlines() or [""]
+                when = time.strftime("%H:%M:%S", time.localtime(c.get("time") or 0))
+                out.append(f"    [{c.get('n')}] {when}  {first[0][:100]}" + (" …" if len(first) > 1 else ""))
+        return out
+
+    def __repr__(self) -> str:
+        return "\n".join(self.lines())
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(repr(self))
+
+
+class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherited %forkd
+    """``%forkd`` in the forkd kernel: HEAD is the notebook's own sandbox."""
+
+    def __init__(self, shell, kernel):
+        super().__init__(shell, controller=kernel.controller)
+        self.kernel = kernel
+
+    def head(self) -> str | None:
+        return self.kernel.head_id()
+
+    def _checkout(self, args, cell):
+        target = args.target
+        if target != "-":
+            value = self.shell.user_ns.get(target, target) if target.isidentifier() else None
+            if value is None:
+                try:
+                    value = eval(target, self.shell.user_ns)  # noqa: S307 - the user's own kernel namespace
+                except NameError as exc:
+                    raise UsageError(f"forkd checkout: {exc} (in the kernel, where %forkd lines bind names)") from None
+                except SyntaxError:
+                    value = target  # an id or a tag
+            if isinstance(value, (list, tuple)) and len(value) == 1:
+                value = value[0]
+            if isinstance(value, Sandbox):
+                target = value.id
+            elif isinstance(value, Snapshot):
+                target = value.tag
+            elif isinstance(value, str):
+                target = value
+            else:
+                raise UsageError(f"forkd checkout: {args.target} is a {type(value).__name__}, not a sandbox or snapshot")
+        return self.kernel.checkout(target)
+
+    def _head(self, args, cell):
+        sandbox = self.kernel.head_id()
+        if sandbox is None:
+            raise UsageError("forkd head: this notebook has no sandbox (see the kernel's first message)")
+        return HeadInfo(self.controller.get_sandbox(sandbox), list(self.kernel.stack))
+
+    def _log(self, args, cell):
+        sandbox = self.kernel.head_id()
+        if sandbox is None:
+            raise UsageError("forkd log: this notebook has no sandbox (see the kernel's first message)")
+        info = self.controller.get_sandbox(sandbox)
+        cells = self.kernel.head.request("history", hist_access_type="tail", n=10_000, detail=True)
+        snapshots = {s["tag"]: s for s in self.controller.list_snapshots()}
+        return Log(info.get("lineage") or [], cells.get("entries") or [], snapshots, sandbox)

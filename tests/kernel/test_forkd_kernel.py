@@ -1,0 +1,162 @@
+"""The forkd kernel on real sandboxes: the notebook itself branches, forks and checks out."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from forkd_server.client import Controller
+
+
+class Cell:
+    def __init__(self, reply: dict, messages: list[dict]):
+        self.reply, self.messages = reply, messages
+        self.content = reply["content"]
+
+    @property
+    def ok(self) -> bool:
+        return self.content["status"] == "ok"
+
+    @property
+    def count(self) -> int:
+        return self.content["execution_count"]
+
+    def of(self, kind: str) -> list[dict]:
+        return [m["content"] for m in self.messages if m["msg_type"] == kind]
+
+    @property
+    def text(self) -> str:
+        """What the cell showed as text: its streams, then its results."""
+        parts = [c["text"] for c in self.of("stream")]
+        parts += [c["data"].get("text/plain", "") for c in self.of("execute_result") + self.of("display_data")]
+        parts += [f"{c['ename']}: {c['evalue']}" for c in self.of("error")]
+        return "\n".join(parts)
+
+    @property
+    def result(self) -> str | None:
+        results = self.of("execute_result")
+        return results[-1]["data"]["text/plain"] if results else None
+
+
+def run(kc, code: str, timeout: float = 120, **options) -> Cell:
+    messages: list[dict] = []
+    reply = kc.execute_interactive(code, output_hook=messages.append, timeout=timeout, **options)
+    return Cell(reply, messages)
+
+
+@pytest.fixture
+def kernel(forkd_server):
+    km, kc = start_new_kernel(kernel_name="forkd-python")
+    yield km, kc
+    kc.stop_channels()
+    if km.is_alive():
+        km.shutdown_kernel(now=False)
+
+
+def test_branch_fork_checkout_and_back(kernel):
+    _, kc = kernel
+    first = run(kc, "x = 21")
+    assert first.ok
+    branch = run(kc, "%forkd branch --live")
+    assert branch.ok and "Snapshot(" in branch.result and "status='ready'" in branch.result
+    assert run(kc, "kids = %forkd fork -n 5").ok
+    assert run(kc, "len(kids)").content["ename"] == "NameError"  # kids lives in the kernel, and it says so
+    assert run(kc, "%forkd checkout kids[2]").ok
+    plus = run(kc, "x + 1")
+    assert plus.result == "22"
+    assert plus.count == first.count + 5  # the counter went on: nothing restarted at In[1]
+    assert run(kc, "x = 99").ok
+    assert run(kc, "grand = %forkd fork -n 1").ok
+    assert run(kc, "%forkd checkout grand[0]").ok
+    assert run(kc, "x").result == "99"
+    log = run(kc, "%forkd log").result
+    assert "x = 99" in log and "x = 21" in log and "← HEAD" in log
+    assert run(kc, "%forkd checkout -").ok
+    assert run(kc, "%forkd checkout -").ok
+    assert run(kc, "x").result == "21"
+
+
+def test_forks_of_the_notebook_draw_their_own_random_numbers(kernel):
+    _, kc = kernel
+    assert run(kc, "import random").ok
+    assert run(kc, "kids = %forkd fork -n 5").ok
+    drawn = run(kc, "%%forkd run kids\nrandom.random()")
+    assert drawn.ok, drawn.text
+    values = re.findall(r"\]\n(0\.\d+)", drawn.result)
+    assert len(values) == 5 and len(set(values)) == 5, drawn.result
+
+
+def test_interrupt_stops_a_sleeping_cell_and_keeps_the_state(kernel):
+    km, kc = kernel
+    assert run(kc, "state = 'kept'").ok
+    interrupter = threading.Timer(1.0, km.interrupt_kernel)
+    interrupter.start()
+    t0 = time.monotonic()
+    cell = run(kc, "import time\ntime.sleep(60)", timeout=30)
+    assert time.monotonic() - t0 < 30  # the sleep was cut short (bench/kernel.py measures how soon)
+    assert cell.content["status"] == "error" and cell.content["ename"] == "KeyboardInterrupt"
+    assert run(kc, "state").result == "'kept'"
+
+
+def test_input_round_trip(kernel):
+    _, kc = kernel
+    asked = []
+
+    def answer(msg):
+        asked.append(msg["content"]["prompt"])
+        kc.input("ada")
+
+    cell = run(kc, "name = input('who? ')\nname.upper()", allow_stdin=True, stdin_hook=answer)
+    assert asked == ["who? "] and cell.result == "'ADA'"
+
+
+def test_widgets_round_trip_through_comms(kernel):
+    _, kc = kernel
+    shown = run(kc, "import ipywidgets\nslider = ipywidgets.IntSlider(value=1)\nslider")
+    assert shown.ok, shown.text
+    opened = [c for c in shown.of("comm_open") if c.get("target_name") == "jupyter.widget"]
+    model = next(c for c in opened if c["data"]["state"].get("_model_name") == "IntSliderModel")
+    assert any("application/vnd.jupyter.widget-view+json" in c["data"] for c in shown.of("execute_result"))
+    # The frontend moves the slider: the value changes in the sandbox.
+    msg = kc.session.msg("comm_msg", {"comm_id": model["comm_id"],
+                                      "data": {"method": "update", "state": {"value": 7}, "buffer_paths": []}})
+    kc.shell_channel.send(msg)
+    assert run(kc, "slider.value").result == "7"
+    # Checking out another sandbox closes the widgets of the one left behind.
+    assert run(kc, "kids = %forkd fork -n 1").ok
+    moved = run(kc, "%forkd checkout kids[0]")
+    assert model["comm_id"] in {c["comm_id"] for c in moved.of("comm_close")}
+
+
+def test_a_killed_head_is_an_error_naming_it_never_a_fresh_start(kernel, forkd_server):
+    _, kc = kernel
+    assert run(kc, "y = 1").ok
+    head = run(kc, "%forkd head").result.split()[1]
+    Controller(forkd_server.url, forkd_server.token).kill_sandbox(head)
+    cell = run(kc, "y")
+    assert cell.content["status"] == "error"
+    assert head in cell.content["evalue"] and "%forkd checkout" in cell.content["evalue"]
+    assert cell.count > 2  # not In[1]
+
+
+def test_restart_starts_fresh_and_says_where_the_old_state_is(kernel, forkd_server):
+    km, kc = kernel
+    assert run(kc, "z = 'old'").ok
+    old_head = run(kc, "%forkd head").result.split()[1]
+    km.restart_kernel(now=False)
+    kc.wait_for_ready(timeout=60)
+    fresh = run(kc, "'z' in dir()")
+    assert fresh.result == "False"
+    assert old_head in fresh.text and f"%forkd checkout {old_head}" in fresh.text
+    assert run(kc, f"%forkd checkout {old_head}").ok
+    assert run(kc, "z").result == "'old'"
+
+
+def test_a_cell_mixing_forkd_lines_and_python_is_refused(kernel):
+    _, kc = kernel
+    cell = run(kc, "a = 1\n%forkd ls")
+    assert cell.content["ename"] == "UsageError" and "cell of their own" in cell.content["evalue"]
