@@ -8,16 +8,15 @@ A server error or a bad argument is one ``UsageError`` line, never a traceback.
 from __future__ import annotations
 
 import html
-from concurrent.futures import ThreadPoolExecutor
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.display import display
 
 from forkd_server.client import (CommandResult, Controller, ControllerError, Sandbox, ServerUnreachable,
                                  Snapshot)
 
-from ._render import RunResults, failed_execution
 
 __all__ = ["ForkdMagics", "ExecResult", "Listing"]
 
@@ -343,17 +342,15 @@ class ForkdMagics(Magics):
         targets = self._targets(args)
         if not targets:
             raise UsageError("forkd run: no sandboxes to run in (name them, or use --tag T or --all)")
-        ctl = self.controller
-
-        def one(sb: str):
-            try:
-                return Sandbox({"id": sb, "snapshot_tag": ""}, ctl).run_code(cell, args.timeout)
-            except ControllerError as exc:
-                return failed_execution(f"{exc.message} (HTTP {exc.status})")
-
-        with ThreadPoolExecutor(max_workers=min(len(targets), 16)) as pool:
-            executions = list(pool.map(one, targets))
-        return RunResults(zip(targets, executions))
+        from ._live import run_live
+        results = run_live(self.controller, targets, cell, args.timeout)
+        failed = results.failed
+        if failed:
+            display(results)  # every column, then the cell fails
+            first = results[failed[0]].error or {}
+            raise UsageError(f"forkd run: the cell failed in {len(failed)} of {len(results)} sandboxes "
+                             f"({failed[0]}: {first.get('ename')}: {first.get('evalue')})")
+        return results
 
     def _checkout(self, args, cell):
         raise self._needs_kernel("checkout")

@@ -36,6 +36,8 @@ class RunResults(dict):
     an ``Execution`` whose error is ``ForkdError``.
     """
 
+    running: set = frozenset()  # sandboxes still running the cell (while it is shown live)
+
     @property
     def failed(self) -> list[str]:
         return [sb for sb, ex in self.items() if ex.error]
@@ -53,6 +55,8 @@ class RunResults(dict):
                 parts.append(_pre(ex.stderr, "background:#fff5f5"))
             if ex.error:
                 parts.append(_pre(_error_text(ex.error), "color:#cf222e;font-weight:600"))
+            if sb in self.running:
+                parts.append('<div style="opacity:.6;font-style:italic">running…</div>')
             cols.append('<div style="min-width:0;border:1px solid #d0d7de;border-radius:4px;'
                         f'padding:4px 6px;overflow-x:auto">{"".join(parts)}</div>')
         # side by side, as many columns as fit (8 sandboxes wrap into rows on a narrow page)

@@ -160,3 +160,20 @@ def test_a_cell_mixing_forkd_lines_and_python_is_refused(kernel):
     _, kc = kernel
     cell = run(kc, "a = 1\n%forkd ls")
     assert cell.content["ename"] == "UsageError" and "cell of their own" in cell.content["evalue"]
+
+
+def test_forkd_run_streams_and_interrupt_stops_every_sandbox(kernel):
+    km, kc = kernel
+    assert run(kc, "import time").ok
+    assert run(kc, "kids = %forkd fork -n 3").ok
+    interrupter = threading.Timer(2.0, km.interrupt_kernel)
+    interrupter.start()
+    t0 = time.monotonic()
+    cell = run(kc, "%%forkd run kids\nprint('started', flush=True)\ntime.sleep(60)", timeout=40)
+    assert time.monotonic() - t0 < 40
+    assert cell.content["status"] == "error" and "failed in 3 of 3 sandboxes" in cell.content["evalue"]
+    assert "KeyboardInterrupt" in cell.content["evalue"]
+    # the columns were drawn while the cells ran: a live update showed 'started' before the end
+    live = [c for c in cell.of("update_display_data") if "started" in c["data"].get("text/plain", "")]
+    assert live, [m["msg_type"] for m in cell.messages]
+    assert run(kc, "%forkd exec {kids[0].id} -- true").ok  # the sandboxes serve again

@@ -213,6 +213,11 @@ class AgentChannel:
     def call(self, request: dict, timeout: float = 30.0) -> dict:
         return self.wait(self.send(request), timeout)
 
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
     def write(self, message: dict) -> None:
         data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
         try:
@@ -263,11 +268,6 @@ class VMSession:
         with contextlib.suppress(AgentUnreachable):
             self.channel.write({"_sid": self.sid, "type": "close"})
         self.events.put(None)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
 
 
 # --- the engine ----------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""``%%forkd run``'s engine room: one cell in many sandboxes at once, each column filled in as its
+sandbox prints, and Interrupt (or the kernel's stop button) stopping every one of them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from IPython.display import clear_output, display
+
+from forkd_server.client import ControllerError, Execution, Sandbox, ServerUnreachable
+
+from ._render import RunResults, failed_execution
+
+REFRESH = 0.25  # seconds between redraws of the live columns
+SHOW_AFTER = 1.0  # a run that ends sooner shows only its result: no flicker, and a saved notebook
+                  # (or nbval, which ignores display updates) sees the same output every time
+
+
+def _apply(execution: Execution, event: dict) -> None:
+    kind = event.get("type")
+    if kind == "stream":
+        if event.get("name") == "stdout":
+            execution.stdout += event.get("text", "")
+        else:
+            execution.stderr += event.get("text", "")
+    elif kind in ("display_data", "execute_result"):
+        execution.results.append({"type": kind, "data": event.get("data", {})})
+    elif kind == "error":
+        execution.error = {k: event.get(k) for k in ("ename", "evalue", "traceback")}
+
+
+def run_live(controller, targets: list[str], code: str, timeout: float | None = None) -> RunResults:
+    results = RunResults((sb, Execution()) for sb in targets)
+    results.running = set(targets)
+    changed = threading.Event()
+    lock = threading.Lock()
+
+    def one(sb: str) -> None:
+        def on_event(event: dict) -> None:
+            with lock:
+                _apply(results[sb], event)
+            changed.set()
+
+        try:
+            done = Sandbox({"id": sb, "snapshot_tag": ""}, controller).run_code(code, timeout, on_event=on_event)
+        except ControllerError as exc:
+            done = failed_execution(f"{exc.message} (HTTP {exc.status})")
+        except (ServerUnreachable, ConnectionError, TimeoutError, OSError) as exc:
+            done = failed_execution(str(exc))
+        with lock:
+            results[sb] = done
+            results.running.discard(sb)
+        changed.set()
+
+    handle = None
+    started = time.monotonic()
+    pool = ThreadPoolExecutor(max_workers=min(len(targets), 32), thread_name_prefix="forkd-run")
+    futures = [pool.submit(one, sb) for sb in targets]
+    try:
+        interrupted_at = None
+        while True:
+            try:
+                pending = wait(futures, timeout=REFRESH).not_done
+                if not pending:
+                    break
+                if handle is None and time.monotonic() - started >= SHOW_AFTER:
+                    with lock:
+                        handle = display(results, display_id=True)
+                elif handle is not None and changed.is_set():
+                    changed.clear()
+                    with lock:
+                        handle.update(results)
+                if interrupted_at is not None and time.monotonic() - interrupted_at > 10:
+                    break  # they were asked to stop; what still runs is reported as running
+            except KeyboardInterrupt:
+                interrupted_at = time.monotonic()
+                for sb in list(results.running):  # every sandbox's cell stops, not only the local wait
+                    try:
+                        controller.interrupt(sb)
+                    except (ControllerError, ServerUnreachable):
+                        pass
+    finally:
+        pool.shutdown(wait=False)
+    with lock:
+        results.running = set(results.running)
+    if handle is not None:
+        # The live columns give way to the cell's result (the same columns, final): cleared when
+        # the result arrives, so nothing flickers and a saved notebook keeps one copy.
+        clear_output(wait=True)
+    return results

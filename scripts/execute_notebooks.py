@@ -1,0 +1,42 @@
+"""Run the demo notebooks against a fresh ``forkd serve`` and store their outputs (what nbval compares).
+
+    python3 scripts/execute_notebooks.py                 # every notebook in notebooks/
+    python3 scripts/execute_notebooks.py quickstart      # one (name without .ipynb)
+
+Each notebook runs on the kernel its metadata names (``python3``, or ``forkd-python`` for the ones
+that run on the forkd kernel), then everything the server still holds is deleted and it stops.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.kernel.conftest import ServerForKernels  # noqa: E402 - after the path is set
+
+
+def main(names: list[str]) -> int:
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    if names:
+        notebooks = [p for p in notebooks if p.stem in names]
+    server = ServerForKernels()  # exports FORKD_URL / FORKD_TOKEN to the kernels started below
+    failed = 0
+    try:
+        for path in notebooks:
+            print(f"executing {path.name} ...", flush=True)
+            done = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+                                   "--inplace", "--ExecutePreprocessor.timeout=300", str(path)],
+                                  cwd=path.parent, env=os.environ.copy())
+            failed += done.returncode != 0
+    finally:
+        server.stop()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
