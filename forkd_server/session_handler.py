@@ -74,6 +74,7 @@ class SessionHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandle
 
     def open(self, sandbox_id: str) -> None:  # type: ignore[override]
         super().open()
+        self.set_nodelay(True)  # small messages both ways: no Nagle delay on a cell's round trip
         loop = asyncio.get_running_loop()
         self.write_message(json.dumps({"type": "session_reply", "content": self.hello}))
 

@@ -44,8 +44,10 @@ class Session:
         headers = [f"Authorization: Bearer {controller.token}"] if controller.token else []
         self._prefix = f"{os.getpid()}-{id(self):x}-"
         try:
+            # TCP_NODELAY: a cell's small messages must not wait for delayed ACKs (40 ms each)
             self._ws = websocket.create_connection(self.url, header=headers, timeout=timeout,
-                                                   enable_multithread=True, suppress_origin=True)
+                                                   enable_multithread=True, suppress_origin=True,
+                                                   sockopt=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),))
         except websocket.WebSocketBadStatusException as exc:
             try:
                 body = json.loads(exc.resp_body or b"{}")

@@ -16,7 +16,6 @@ import contextlib
 import errno
 import gc
 import json
-import threading
 import os
 import shutil
 import socket
@@ -28,6 +27,7 @@ from ..agent import children, inventory
 from ..agent.executor import Busy, Executor
 from ..agent.runtime import Runtime
 from ..agent.server import AgentServer
+from .compactor import Compactor
 
 # What a retired template or sandbox executes: kill its own user processes, keep its forks alive.
 REAPER = """
@@ -144,6 +144,8 @@ class SandboxProcess:
                 self.server.serve_forever()
             else:
                 executor = self.runtime.executor = Executor()
+                self.compactor = Compactor()
+                self.runtime.idle_hooks.append(self.compactor.poke)
                 self.server = AgentServer(self.runtime, listener,
                                           {"branch": self.branch, "retire": self.retire,
                                            "inventory": self.inventory}, threaded=True)
@@ -262,9 +264,10 @@ class SandboxProcess:
         try:
             prepare = 0.0
             if request.get("mode") == "live":
-                # Smallest pause: compact our memory into huge pages first, while we keep running.
+                # Smallest pause: compact our memory into huge pages first, while we keep running
+                # (after the compaction an idle notebook already did, only what is left).
                 t0 = time.perf_counter()
-                linux.collapse_anonymous_memory()
+                self.compactor.collapse()
                 prepare = time.perf_counter() - t0
 
             def fork_here(running=None) -> dict:

@@ -1,0 +1,163 @@
+"""Benchmark of the forkd kernel ("Python 3 (forkd)") against a plain ipykernel, on this machine.
+
+    python3 bench/kernel.py            # a table
+    python3 bench/kernel.py --json     # one JSON object
+
+Figures (one run; medians, and ratios of figures taken in that run):
+- execute_p50_ms: a trivial cell (``x = 1``) from execute_request to execute_reply, for the forkd
+  kernel and for ipykernel, interleaved so load falls on both alike; ``overhead_ms`` their difference.
+- branch_live: ``%forkd branch --live`` of a notebook holding 1 GiB (numpy), as the cell's round
+  trip (``call_ms``) and the source's freeze (``pause_ms``), in two cases: right after a cell
+  rewrote the whole GiB (memory shared with an earlier branch is split into 4 KiB pages), and
+  after the kernel has been idle until its background compaction finished (``idle_s`` is how long).
+- fork5_ms: ``kids = %forkd fork -n 5`` until five sandboxes answer a ping.
+- checkout_ms: ``%forkd checkout kids[0]`` plus the first cell in the new HEAD.
+- kishu (when ``bench/kishu_compare.py`` can run Kishu here): Kishu's checkpoint and checkout of
+  the same 1 GiB state, and the ratios to forkd's branch and checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from jupyter_client.manager import start_new_kernel  # noqa: E402
+
+from tests.kernel.conftest import ServerForKernels  # noqa: E402 - a forkd serve the kernels find
+
+GIB_SETUP = "import numpy as np\nbig = np.ones(2**27)  # 1 GiB of float64\n"
+
+
+def execute(kc, code: str, timeout: float = 300) -> tuple[float, dict, list[dict]]:
+    """(round trip in ms, reply content, iopub messages) of one cell."""
+    messages: list[dict] = []
+    t0 = time.perf_counter()
+    reply = kc.execute_interactive(code, output_hook=messages.append, timeout=timeout)
+    ms = (time.perf_counter() - t0) * 1000
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"{code!r} failed: {reply['content'].get('ename')}: {reply['content'].get('evalue')}")
+    return ms, reply["content"], messages
+
+
+def result_text(messages: list[dict]) -> str:
+    for m in messages:
+        if m["msg_type"] == "execute_result":
+            return m["content"]["data"]["text/plain"]
+    return ""
+
+
+def bench_execute(forkd_kc, plain_kc, rounds: int) -> dict:
+    for kc in (forkd_kc, plain_kc):
+        for _ in range(20):
+            execute(kc, "x = 1")  # warm both paths
+    forkd, plain = [], []
+    for _ in range(rounds):
+        forkd.append(execute(forkd_kc, "x = 1")[0])
+        plain.append(execute(plain_kc, "x = 1")[0])
+    f, p = statistics.median(forkd), statistics.median(plain)
+    return {"forkd_p50_ms": round(f, 3), "ipykernel_p50_ms": round(p, 3), "overhead_ms": round(f - p, 3),
+            "rounds": rounds}
+
+
+def split_mib(kc) -> float:
+    """The notebook sandbox's private memory not in huge pages (what a fork copies entry by entry)."""
+    _, _, msgs = execute(kc, "import forkd_engine.process.compactor as _c\n_c.split_anonymous_kib() / 1024")
+    return float(result_text(msgs))
+
+
+def branch_once(kc) -> dict:
+    ms, _, msgs = execute(kc, "%forkd branch --live")
+    text = result_text(msgs)
+    return {"call_ms": round(ms, 2), "snapshot": text.split("'")[1] if "'" in text else text}
+
+
+def bench_branch(kc, ctl) -> dict:
+    execute(kc, GIB_SETUP)
+    execute(kc, "%forkd branch --live")   # now the GiB is shared with a snapshot
+    out = {}
+    execute(kc, "big += 1.0")             # ...so this rewrite splits it into 4 KiB pages
+    out["split_mib_after_rewrite"] = round(split_mib(kc), 1)
+    right_after = branch_once(kc)
+    right_after["pause_ms"] = ctl.snapshot_info(right_after.pop("snapshot")).get("pause_ms")
+    out["right_after_rewrite"] = right_after
+    execute(kc, "big += 1.0")
+    t0 = time.perf_counter()
+    while split_mib(kc) > 64:             # the kernel idles; its compaction runs in the background
+        if time.perf_counter() - t0 > 120:
+            break
+        time.sleep(0.2)                   # a notebook user's pause between cells, measured
+    idle = time.perf_counter() - t0
+    after_idle = branch_once(kc)
+    after_idle["pause_ms"] = ctl.snapshot_info(after_idle.pop("snapshot")).get("pause_ms")
+    after_idle["idle_s"] = round(idle, 2)
+    out["after_idle_compaction"] = after_idle
+    return out
+
+
+def bench_fork_checkout(kc, ctl) -> dict:
+    before = {s["id"] for s in ctl.list_sandboxes()}
+    t0 = time.perf_counter()
+    execute(kc, "kids = %forkd fork -n 5")
+    kids = [s["id"] for s in ctl.list_sandboxes() if s["id"] not in before]
+    for sb in kids:
+        ctl.ping_sandbox(sb)
+    fork5 = (time.perf_counter() - t0) * 1000
+    assert len(kids) == 5, kids
+    t0 = time.perf_counter()
+    execute(kc, "%forkd checkout kids[0]")
+    execute(kc, "x = 2")
+    checkout = (time.perf_counter() - t0) * 1000
+    return {"fork5_ms": round(fork5, 1), "checkout_ms": round(checkout, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--no-kishu", action="store_true")
+    args = parser.parse_args()
+    server = ServerForKernels()
+    from forkd_server.client import Controller
+    ctl = Controller(server.url, server.token)
+    results: dict = {"machine": {"cpus": os.cpu_count(), "load": os.getloadavg()[0]}}
+    try:
+        fkm, fkc = start_new_kernel(kernel_name="forkd-python")
+        pkm, pkc = start_new_kernel(kernel_name="python3")
+        try:
+            results["execute"] = bench_execute(fkc, pkc, args.rounds)
+            results["branch_live_1gib"] = bench_branch(fkc, ctl)
+            results.update(bench_fork_checkout(fkc, ctl))
+        finally:
+            for km, kc in ((fkm, fkc), (pkm, pkc)):
+                kc.stop_channels()
+                km.shutdown_kernel(now=True)
+        if not args.no_kishu:
+            try:
+                from kishu_compare import kishu_figures  # noqa: PLC0415 - optional, heavy
+                kishu = kishu_figures(gib=1)
+            except Exception as exc:  # noqa: BLE001 - report why, keep our own figures
+                kishu = {"error": f"{type(exc).__name__}: {exc}"}
+            results["kishu"] = kishu
+            branch = results["branch_live_1gib"]["after_idle_compaction"]["call_ms"]
+            if "checkpoint_ms" in kishu:
+                kishu["checkpoint_over_forkd_branch"] = round(kishu["checkpoint_ms"] / branch, 1)
+                kishu["checkout_over_forkd_checkout"] = round(kishu["checkout_ms"] / results["checkout_ms"], 1)
+    finally:
+        server.stop()
+    results["machine"]["load_after"] = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    sys.exit(main())
