@@ -286,7 +286,10 @@ class VMEngine:
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.snap_dir = os.path.join(self.data_dir, "snapshots")
         self.run_dir = os.path.join(self.data_dir, "run")
-        self.cache_dir = os.path.realpath(cache_dir or os.path.join(self.data_dir, "cache"))
+        # Guest images and package disks are built once per cache: $FORKD_VM_CACHE shares one
+        # between data dirs (several servers, test runs), else it lives in this data dir.
+        self.cache_dir = os.path.realpath(cache_dir or os.environ.get("FORKD_VM_CACHE")
+                                          or os.path.join(self.data_dir, "cache"))
         for d in (self.snap_dir, self.run_dir, self.cache_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
         if len(os.path.join(self.run_dir, "x" * 16, "agent.sock")) > MAX_SOCKET_PATH:

@@ -42,10 +42,11 @@ PACKAGES_SERIAL = "forkd-pkgs"
 PACKAGES_FILE = "packages.ext4"  # the packages disk, in its cache entry and in every snapshot using it
 PY_DROP_DIRS = {"test", "idlelib", "tkinter", "ensurepip", "lib2to3", "pydoc_data", "dist-packages",
                 "turtledemo"}
-PY_DROP_EXT = re.compile(r"^(_test|_ctypes_test|_xxtestfuzz|xxlimited|_ssl|_hashlib|_sqlite3|_curses|"
+# _sqlite3 stays: IPython (the forkd kernel's shell in a VM) imports it even with its history off.
+PY_DROP_EXT = re.compile(r"^(_test|_ctypes_test|_xxtestfuzz|xxlimited|_ssl|_hashlib|_curses|"
                          r"_tkinter|readline|_dbm|nis|ossaudiodev|_xxsubinterpreters)")
 AGENT_MODULE = "forkd_engine.agent.serial"
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 
 
 class ImageError(Exception):
@@ -426,7 +427,7 @@ def build_image(cache_dir: str, *, log=None) -> Image:
 
 # --- the packages image (an optional read-only ext4 disk) ----------------------------------------
 
-PACKAGES_BUILDER_VERSION = "1"
+PACKAGES_BUILDER_VERSION = "2"
 PACKAGE_NAME = re.compile(r"[a-z0-9][a-z0-9+.-]+")  # Debian policy 5.6.1
 MAX_PACKAGES = 64
 # What the base image already holds. They are marked installed when resolving, so a packages image
