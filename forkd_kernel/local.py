@@ -162,7 +162,8 @@ class Log:
             for c in by_sandbox.get(name, []):
                 first = (c.get("code") or "").strip().splitlines() or [""]
                 when = time.strftime("%H:%M:%S", time.localtime(c.get("time") or 0))
-                out.append(f"    [{c.get('n')}] {when}  {first[0][:100]}" + (" …" if len(first) > 1 else ""))
+                number = f"[{c['n']}]" if c.get("n") is not None else "[·]"  # · : run by %%forkd run or the API
+                out.append(f"    {number} {when}  {first[0][:100]}" + (" …" if len(first) > 1 else ""))
         return out
 
     def __repr__(self) -> str:
@@ -181,6 +182,20 @@ class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherite
 
     def head(self) -> str | None:
         return self.kernel.head_id()
+
+    def bind_in_notebook(self, name: str, value) -> None:
+        """The notebook's code runs in HEAD: the value goes there (pickled), not into the kernel."""
+        import base64
+        import pickle
+        payload = base64.b64encode(pickle.dumps(value)).decode()
+        code = f"{name} = __import__('pickle').loads(__import__('base64').b64decode({payload!r}))"
+        self.kernel.cells_run += 1  # HEAD's state changed: a later fork -n branches it again
+        reply = self.kernel.head.request("execute", code=code, silent=True, store_history=False, timeout=300)
+        if reply.get("status") != "ok":
+            raise UsageError(f"forkd: could not bind {name} in the notebook's sandbox: {reply.get('evalue')}")
+
+    def head_state(self) -> object:
+        return (self.kernel.head.sandbox_id, self.kernel.cells_run)
 
     def _checkout(self, args, cell):
         target = args.target

@@ -31,7 +31,11 @@ def _apply(execution: Execution, event: dict) -> None:
         execution.error = {k: event.get(k) for k in ("ename", "evalue", "traceback")}
 
 
-def run_live(controller, targets: list[str], code: str, timeout: float | None = None) -> RunResults:
+def run_live(controller, targets: list[str], code: str, timeout: float | None = None,
+             preludes: list[str] | None = None) -> RunResults:
+    """Run ``code`` in every target at once; ``preludes[i]`` runs first in the i-th (``--each``)."""
+    preludes = preludes or [""] * len(targets)
+    prelude_of = dict(zip(targets, preludes))
     results = RunResults((sb, Execution()) for sb in targets)
     results.running = set(targets)
     changed = threading.Event()
@@ -44,10 +48,15 @@ def run_live(controller, targets: list[str], code: str, timeout: float | None = 
             changed.set()
 
         try:
-            done = Sandbox({"id": sb, "snapshot_tag": ""}, controller).run_code(code, timeout, on_event=on_event)
+            sandbox = Sandbox({"id": sb, "snapshot_tag": ""}, controller)
+            if prelude_of[sb]:  # its own values first, in a cell of their own (the cell may start with %%)
+                given = sandbox.run_code(prelude_of[sb], timeout)
+                if given.error:
+                    raise RuntimeError(f"--each values could not be set: {given.error.get('evalue')}")
+            done = sandbox.run_code(code, timeout, on_event=on_event)
         except ControllerError as exc:
             done = failed_execution(f"{exc.message} (HTTP {exc.status})")
-        except (ServerUnreachable, ConnectionError, TimeoutError, OSError) as exc:
+        except (ServerUnreachable, ConnectionError, TimeoutError, OSError, RuntimeError) as exc:
             done = failed_execution(str(exc))
         with lock:
             results[sb] = done

@@ -154,7 +154,17 @@ SUBCOMMANDS = {
         A("sandboxes", nargs="*", help="sandbox ids (or variables holding Sandbox objects or lists of them)"),
         A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
         A("--all", action="store_true", help="every sandbox"),
-        A("--timeout", type=float, default=None, help="seconds per sandbox")),
+        A("--timeout", type=float, default=None, help="seconds per sandbox"),
+        A("--each", action="append", default=None, metavar="NAME=VALUES",
+          help="give each sandbox its own value: NAME=EXPR, EXPR a list as long as the sandboxes, "
+               "e.g. --each \"lr=[0.01, 0.1, 1.0]\"; the i-th sandbox runs NAME = EXPR[i] first "
+               "(repeatable; values must be literals: numbers, strings, lists, dicts)")),
+    "gather": _args(
+        "gather", "Evaluate EXPR in each sandbox and bind {sandbox id: value} to NAME in the notebook "
+                  "(in the forkd kernel, in the notebook's sandbox). Values travel pickled.",
+        A("sandboxes", nargs="+", help="sandbox ids (or variables holding Sandbox objects or lists of them)"),
+        A("--expr", "-e", required=True, help="the Python expression evaluated in each sandbox"),
+        A("--out", "-o", required=True, help="the name bound in the notebook")),
     "checkout": _args(
         "checkout", "forkd kernel: run the next cells in another sandbox (its state), a fresh child of a "
                     "snapshot, or (-) where the notebook was before.",
@@ -252,6 +262,10 @@ class ForkdMagics(Magics):
         """The sandbox this notebook runs in: only the forkd kernel has one."""
         return None
 
+    def head_state(self) -> object:
+        """A token that changes whenever the notebook's state may have (a cell ran, HEAD moved)."""
+        return None
+
     def _needs_kernel(self, what: str) -> UsageError:
         return UsageError(f"forkd {what}: this notebook runs in a plain kernel, not in a sandbox; use the "
                           f"\"Python 3 (forkd)\" kernel (Kernel > Change Kernel) for the notebook to {what} "
@@ -287,8 +301,12 @@ class ForkdMagics(Magics):
             head = self.head()
             if head is None:
                 raise self._needs_kernel("fork")
-            # n copies of the notebook's state: a branch of HEAD (idle between cells), forked n times
-            args.tag = self.controller.branch_sandbox(head)["tag"]
+            # n copies of the notebook's state: its last branch if nothing ran since, else a new one
+            state, tag = getattr(self, "_head_branch", (None, None))
+            if tag is None or state != self.head_state() or not self._snapshot_ready(tag):
+                tag = self.controller.branch_sandbox(head)["tag"]
+                self._head_branch = (self.head_state(), tag)
+            args.tag = tag
         infos = self.controller.spawn_sandboxes(args.tag, args.n, memory_limit_mib=args.memory_limit_mib)
         return [Sandbox(i, self.controller) for i in infos]
 
@@ -303,6 +321,8 @@ class ForkdMagics(Magics):
             sandbox = self._one_sandbox(args.sandbox)
         mode = "diff" if args.diff else "live" if (args.live or args.no_wait) else None
         info = self.controller.branch_sandbox(sandbox, args.tag, mode=mode, wait=not args.no_wait)
+        if args.sandbox is None:
+            self._head_branch = (self.head_state(), info["tag"])  # fork -n reuses it while nothing changed
         return Snapshot(info, self.controller)
 
     def _ls(self, args, cell):
@@ -343,7 +363,8 @@ class ForkdMagics(Magics):
         if not targets:
             raise UsageError("forkd run: no sandboxes to run in (name them, or use --tag T or --all)")
         from ._live import run_live
-        results = run_live(self.controller, targets, cell, args.timeout)
+        preludes = self._each(args.each or [], len(targets))
+        results = run_live(self.controller, targets, cell, args.timeout, preludes=preludes)
         failed = results.failed
         if failed:
             display(results)  # every column, then the cell fails
@@ -351,6 +372,60 @@ class ForkdMagics(Magics):
             raise UsageError(f"forkd run: the cell failed in {len(failed)} of {len(results)} sandboxes "
                              f"({failed[0]}: {first.get('ename')}: {first.get('evalue')})")
         return results
+
+    def _gather(self, args, cell):
+        import base64
+        import pickle
+        if not args.out.isidentifier():
+            raise UsageError(f"forkd gather: --out must be a Python name, got {args.out!r}")
+        ids = self._sandbox_ids(args.sandboxes)
+        code = f"__import__('base64').b64encode(__import__('pickle').dumps(({args.expr}))).decode()"
+        values = {}
+        for sb in ids:
+            reply = self.controller.eval_code(sb, code)
+            if reply.get("error"):
+                raise UsageError(f"forkd gather: in {sb}: {reply['error']}")
+            values[sb] = pickle.loads(base64.b64decode(eval(reply["result"])))  # noqa: S307,S301 - our own repr of a str
+        self.bind_in_notebook(args.out, values)
+        print(f"{args.out} = {{{len(values)} sandbox ids: {args.expr}}}")
+
+    def bind_in_notebook(self, name: str, value) -> None:
+        """Bind a value where the notebook's code runs (here: this kernel's namespace)."""
+        self.shell.user_ns[name] = value
+
+    def _snapshot_ready(self, tag: str) -> bool:
+        try:
+            return self.controller.snapshot_info(tag).get("status") == "ready"
+        except ControllerError:
+            return False
+
+    def _each(self, specs: list[str], n: int) -> list[str]:
+        """``--each NAME=EXPR``: one line of code per sandbox binding NAME to its own value."""
+        import ast
+        lines = [""] * n
+        for spec in specs:
+            name, sep, expr = _unquote(spec).partition("=")
+            name = name.strip()
+            if not sep or not name.isidentifier():
+                raise UsageError(f"forkd run: --each takes NAME=EXPR, e.g. --each \"lr=[0.01, 0.1]\"; got {spec!r}")
+            ns = self.shell.user_ns if self.shell is not None else {}
+            try:
+                values = eval(expr, ns)  # noqa: S307 - the user's own namespace, like {expr} expansion
+            except NameError as exc:
+                raise UsageError(f"forkd run: --each {name}: {exc}") from None
+            if not isinstance(values, (list, tuple)) or len(values) != n:
+                raise UsageError(f"forkd run: --each {name} needs a list of {n} values (one per sandbox), "
+                                 f"got {type(values).__name__} of {len(values) if hasattr(values, '__len__') else '?'}")
+            for i, value in enumerate(values):
+                text = repr(value)
+                try:
+                    if ast.literal_eval(text) != value:
+                        raise ValueError
+                except (ValueError, SyntaxError):
+                    raise UsageError(f"forkd run: --each {name}: {text[:60]} is not a literal a sandbox can "
+                                     f"receive (numbers, strings, lists, dicts)") from None
+                lines[i] += f"{name} = {text}\n"
+        return lines
 
     def _checkout(self, args, cell):
         raise self._needs_kernel("checkout")

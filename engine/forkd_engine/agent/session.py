@@ -159,9 +159,11 @@ class Session:
                 session=self)
         finally:
             self.current = None
-        if store_history and not silent:
-            self.runtime.history.append({"n": content.get("execution_count"), "code": code,
-                                         "output": result[-1] if result else None,
+        if not silent:  # every cell that changed the state is in the log; Jupyter's history only stored ones
+            # Numbered only when the client owns the counter (the forkd kernel); a streamed run_code is not
+            numbered = msg.get("execution_count") is not None
+            self.runtime.history.append({"n": content.get("execution_count") if numbered else None, "code": code,
+                                         "output": result[-1] if result else None, "stored": store_history,
                                          "sandbox": self.runtime.identity.get("id"), "time": time.time()})
         self.emit({"type": "status", "execution_state": "idle"}, rid)
         for hook in self.runtime.idle_hooks:
@@ -180,7 +182,8 @@ class Session:
         return value
 
     def _history(self, msg: dict) -> dict:
-        entries = self.runtime.history
+        entries = self.runtime.history if msg.get("detail") else [e for e in self.runtime.history
+                                                                   if e.get("stored", True)]
         access = msg.get("hist_access_type", "tail")
         if access == "search":
             import fnmatch
