@@ -93,10 +93,14 @@ def run_demo(data_dir: str | None = None, children: int = 10, grandchildren: int
             while worker.is_alive() and not any(
                     e["name"] == "busy" for e in ctl.files(source, "list", "/tmp")["entries"]):
                 pass
-            branch = ctl.branch(source, f"{tag}-branch", mode="live", wait=False)
+            # The cell does not go on in the branch (a fork keeps one thread): asked for with lossy,
+            # the branch says so in its warnings; the VM engine would carry the running cell.
+            branch = ctl.branch(source, f"{tag}-branch", mode="live", wait=False, lossy=True)
+            warnings = branch.get("warnings") or []
             worker.join()
             branch = ctl.wait_snapshot(branch["tag"])
             figures["branch_pause_ms"] = branch["pause_ms"]
+            figures["branch_warnings"] = warnings
             progress.update(step, completed=1)
 
             step = progress.add_task(f"fork {grandchildren} grandchildren from the branch", total=grandchildren)
@@ -123,6 +127,8 @@ def run_demo(data_dir: str | None = None, children: int = 10, grandchildren: int
         })
 
         console.print(lineage_tree(ctl.tree(), title=f"lineage of {tag}"))
+        for warning in warnings:
+            console.print(f"[yellow]branch warning:[/yellow] {warning}")
         table = Table(title="measured on this machine")
         table.add_column("figure")
         table.add_column("value", justify="right")

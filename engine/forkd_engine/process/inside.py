@@ -281,6 +281,8 @@ class SandboxProcess:
                         "warnings": lost}
 
             executor = self.runtime.executor
+            if lossy and executor.busy() is not None:
+                return fork_here(executor.busy())  # now, mid-cell: what the cell was doing is lost, and said so
             try:
                 return executor.call(fork_here, "a branch", user_code=False, start_within=1.0)
             except Busy:
