@@ -54,11 +54,28 @@ class Head:
 
     # --- talking ---------------------------------------------------------------------------------
 
+    def reconnect(self) -> bool:
+        """After the session ended: if the server still has HEAD (it only restarted), open a new
+        session to it, state intact; False when HEAD is really gone."""
+        if self.ended is None or self.sandbox_id is None:
+            return False
+        try:
+            self.controller.get_sandbox(self.sandbox_id)
+            self.attach(self.sandbox_id)
+        except Exception:  # noqa: BLE001 - still unreachable, or gone: check() says which
+            self.ended = self._why_ended()
+            return False
+        return True
+
     def check(self) -> Session:
         """HEAD's session, or ``HeadGone`` that names the sandbox and the ways on."""
         if self.session is None:
             raise HeadGone("this notebook has no sandbox yet (the forkd kernel is still starting, or could not "
                            "start: see the kernel's first message)")
+        if self.ended is not None and self.ended.startswith("unreachable"):
+            raise HeadGone(f"the forkd server at {self.controller.base_url} does not answer, so this notebook's "
+                           f"sandbox {self.sandbox_id} cannot be reached ({self.ended}); sandboxes outlive their "
+                           f"server: start it again and run the cell again, the state is still there")
         if self.ended is not None:
             raise HeadGone(f"this notebook's sandbox {self.sandbox_id} is gone ({self.ended}), and its variables "
                            f"with it: nothing was restarted in its place. Continue from a snapshot or another "

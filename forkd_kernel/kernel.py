@@ -243,6 +243,10 @@ class ForkdKernel(Kernel):
         if self._notice:
             self._send_iopub("stream", {"name": "stderr", "text": self._notice}, parent)
             self._notice = None
+        if self.head.ended is not None and self.head.reconnect():
+            self._send_iopub("stream", {"name": "stderr", "text": (
+                f"forkd: reconnected to {self.head.sandbox_id} (the server went away and came back; "
+                f"the notebook's state is intact)\n")}, parent)
         try:
             return self._run_remote(code, silent, store_history, user_expressions or {}, allow_stdin, parent)
         except HeadGone as exc:

@@ -28,9 +28,20 @@ class Server:
     def __init__(self, *args: str, data_dir: str, env: dict | None = None):
         self.port = free_port()
         self.data_dir = data_dir
+        self.args, self.env = args, env or os.environ.copy()
         self.log = tempfile.NamedTemporaryFile(prefix="fk-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([*FORKD, "serve", "--port", str(self.port), "--data-dir", data_dir, *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen([*FORKD, "serve", "--port", str(self.port), "--data-dir", self.data_dir,
+                                      *self.args], stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+
+    def crash_and_restart(self) -> None:
+        """kill -9 the server and start it again on the same port and data dir (sandboxes outlive it)."""
+        self.proc.kill()
+        self.proc.wait()
+        self._start()
+        self.wait_healthy()
 
     def output(self) -> str:
         with open(self.log.name) as f:

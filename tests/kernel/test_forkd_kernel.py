@@ -177,3 +177,12 @@ def test_forkd_run_streams_and_interrupt_stops_every_sandbox(kernel):
     live = [c for c in cell.of("update_display_data") if "started" in c["data"].get("text/plain", "")]
     assert live, [m["msg_type"] for m in cell.messages]
     assert run(kc, "%forkd exec {kids[0].id} -- true").ok  # the sandboxes serve again
+
+
+def test_a_server_restart_loses_nothing(kernel, forkd_server):
+    _, kc = kernel
+    assert run(kc, "kept = [1, 2, 3]").ok
+    forkd_server.server.crash_and_restart()
+    cell = run(kc, "sum(kept)")
+    assert cell.result == "6" and "reconnected to" in cell.text
+    assert run(kc, "%forkd branch --live").ok  # the server side works again too
