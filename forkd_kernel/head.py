@@ -88,8 +88,13 @@ class Head:
         session = self.check()
         rid = session.new_id()
         events: queue.Queue = queue.Queue()
-        with self._lock:
-            self._waiting[rid] = events
+        with self._lock:  # the reader marks the end under this lock: we see it, or it sees us
+            ended = self.ended is not None or session is not self.session
+            if not ended:
+                self._waiting[rid] = events
+        if ended:
+            self.check()  # raises, saying why
+            raise HeadGone(f"the session with {self.sandbox_id} ended")
         try:
             session.send({"type": kind, "id": rid, **fields})
         except SessionClosed:
@@ -127,10 +132,11 @@ class Head:
         while True:
             event = session.recv()
             if event is None:
+                why = self._why_ended() if session is self.session else None
                 with self._lock:
                     current = session is self.session
                     if current:
-                        self.ended = self._why_ended()
+                        self.ended = why or "its session closed"
                     waiting = list(self._waiting.values()) if current else []
                 for events in waiting:
                     events.put(None)

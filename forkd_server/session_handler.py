@@ -82,6 +82,8 @@ class SessionHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandle
             loop.call_soon_threadsafe(self._deliver, event)
 
         self.app.sessions.pump(self.session, deliver, sandbox_id)
+        self._send = self.app.sessions.writer(
+            self.session, sandbox_id, lambda exc: loop.call_soon_threadsafe(self._deliver, None))
 
     def _deliver(self, event: dict | None) -> None:
         if self.ws_connection is None:
@@ -99,8 +101,8 @@ class SessionHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandle
             data = json.loads(message)
             if not isinstance(data, dict):
                 raise ValueError("a session message is a JSON object")
-            self.session.send(data)
-        except (ValueError, OSError) as exc:
+            self._send(data)
+        except ValueError as exc:
             try:
                 self.write_message(json.dumps({"type": "error_reply", "content": {
                     "status": "error", "ename": type(exc).__name__, "evalue": str(exc), "traceback": []}}))

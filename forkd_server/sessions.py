@@ -9,6 +9,7 @@ control routes need). The WebSocket handler (``session_handler.py``) carries the
 
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Callable
 
@@ -69,9 +70,32 @@ class SessionManager:
         thread.start()
         return thread
 
+    def writer(self, session, name: str, on_error: Callable[[Exception], None]) -> Callable[[dict], None]:
+        """A non-blocking ``send`` for the server's event loop: messages go out on a thread of their
+        own, in order, so an agent that stops reading (frozen, paused) never stalls the server."""
+        outbox: queue.Queue = queue.Queue()
+
+        def run() -> None:
+            while True:
+                message = outbox.get()
+                if message is None:
+                    return
+                try:
+                    session.send(message)
+                except (OSError, ValueError) as exc:
+                    on_error(exc)
+                    return
+
+        threading.Thread(target=run, name=f"forkd-session-out-{name}", daemon=True).start()
+        session.outbox = outbox
+        return outbox.put
+
     def close(self, session) -> None:
         with self._lock:
             self._open.discard(session)
+        outbox = getattr(session, "outbox", None)
+        if outbox is not None:
+            outbox.put(None)
         try:
             session.close()
         except OSError:
