@@ -285,7 +285,19 @@ class TreeHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.send(await self.call(self.controller.tree))
+        with_memory = _query_bool(self, "memory")
+        nodes = await self.call(self.controller.tree)
+        if with_memory:  # one request instead of one per sandbox (the lab panel shows all of them)
+            await self.call(self._add_memory, nodes)
+        self.send(nodes)
+
+    def _add_memory(self, nodes: list[dict]) -> None:
+        for node in nodes:
+            if node["kind"] == "sandbox":
+                try:
+                    node["memory"] = self.controller.memory(node["id"])
+                except ForkdError:  # gone since the listing: the event says so
+                    node["memory"] = None
 
 
 # --- snapshots ----------------------------------------------------------------------------------
