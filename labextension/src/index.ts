@@ -1,41 +1,53 @@
-// forkd-lab: the forkd extension for JupyterLab.
+// forkd-lab: the forkd sidebar (left, below git).
 
-import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { showErrorMessage } from '@jupyterlab/apputils';
+import { INotebookTracker } from '@jupyterlab/notebook';
 
-import { ForkdAPI, ForkdError } from './api';
+import { ForkdError } from './api';
+import { LineageModel } from './model';
+import { checkout, CurrentNotebook } from './notebook';
+import { LineagePanel } from './panel';
 
 /** This extension's version; the forkd server extension must report the same (like jupyterlab-git). */
 export const VERSION: string = require('../package.json').version;
 
-// Refuse to drive a server whose forkd differs from the one this extension was built with.
-async function checkVersion(api: ForkdAPI): Promise<boolean> {
+// Refuse to drive a server whose forkd differs from the one this panel was built with: the panel
+// says why and does nothing, and a dialog tells the user once.
+async function checkVersion(model: LineageModel): Promise<void> {
   let server: { version: string; api: string };
   try {
-    server = await api.version();
+    server = await model.api.version();
   } catch (err) {
     if (err instanceof ForkdError && err.status === 404) {
-      console.warn('forkd-lab: this Jupyter server has no forkd routes (install forkd-jupyter and restart it)');
+      model.fail('this Jupyter server has no forkd routes: install forkd-jupyter in its environment and restart it');
     }
-    return false;
+    return; // unreachable: the event socket shows "reconnecting" and retries
   }
   if (server.version !== VERSION || server.api !== 'v1') {
     const text =
       `forkd-lab ${VERSION} needs the forkd server extension ${VERSION} (API v1); this server runs ` +
       `${server.version} (API ${server.api}). Install matching versions (pip install forkd-jupyter==${VERSION} ` +
       `forkd_lab==${VERSION}) and restart JupyterLab.`;
-    void showErrorMessage('forkd: the extension and the server differ', text);
-    return false;
+    model.fail(text);
+    void showErrorMessage('forkd: the panel and the server differ', text);
   }
-  return true;
 }
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'forkd-lab:plugin',
-  description: 'forkd for JupyterLab.',
+  description: 'The forkd sidebar: the lineage of snapshots and sandboxes, live, with its actions.',
   autoStart: true,
-  activate: (app: JupyterFrontEnd) => {
-    void checkVersion(new ForkdAPI(app.serviceManager.serverSettings));
+  optional: [ILayoutRestorer, INotebookTracker],
+  activate: (app: JupyterFrontEnd, restorer: ILayoutRestorer | null, tracker: INotebookTracker | null) => {
+    const model = new LineageModel(app.serviceManager.serverSettings);
+    const notebook = new CurrentNotebook(tracker);
+    const panel = new LineagePanel(model, notebook, async id => {
+      await checkout(notebook, id);
+    });
+    app.shell.add(panel, 'left', { rank: 400 });
+    restorer?.add(panel, 'forkd-lineage');
+    void checkVersion(model);
   }
 };
 
