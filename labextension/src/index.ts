@@ -1,13 +1,16 @@
-// forkd-lab: the forkd sidebar (left, below git).
+// forkd-lab: the forkd sidebar (left, below git), palette commands and a status-bar item.
 
 import { ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
-import { showErrorMessage } from '@jupyterlab/apputils';
+import { ICommandPalette, showErrorMessage } from '@jupyterlab/apputils';
 import { INotebookTracker } from '@jupyterlab/notebook';
+import { IStatusBar } from '@jupyterlab/statusbar';
 
 import { ForkdError } from './api';
+import { CommandIDs, registerCommands } from './commands';
 import { LineageModel } from './model';
 import { checkout, CurrentNotebook } from './notebook';
 import { LineagePanel } from './panel';
+import { ForkdStatus } from './statusbar';
 
 /** This extension's version; the forkd server extension must report the same (like jupyterlab-git). */
 export const VERSION: string = require('../package.json').version;
@@ -38,15 +41,28 @@ const plugin: JupyterFrontEndPlugin<void> = {
   id: 'forkd-lab:plugin',
   description: 'The forkd sidebar: the lineage of snapshots and sandboxes, live, with its actions.',
   autoStart: true,
-  optional: [ILayoutRestorer, INotebookTracker],
-  activate: (app: JupyterFrontEnd, restorer: ILayoutRestorer | null, tracker: INotebookTracker | null) => {
+  optional: [ILayoutRestorer, ICommandPalette, IStatusBar, INotebookTracker],
+  activate: (
+    app: JupyterFrontEnd,
+    restorer: ILayoutRestorer | null,
+    palette: ICommandPalette | null,
+    statusBar: IStatusBar | null,
+    tracker: INotebookTracker | null
+  ) => {
     const model = new LineageModel(app.serviceManager.serverSettings);
     const notebook = new CurrentNotebook(tracker);
     const panel = new LineagePanel(model, notebook, async id => {
       await checkout(notebook, id);
     });
+    const open = () => app.shell.activateById(panel.id);
     app.shell.add(panel, 'left', { rank: 400 });
     restorer?.add(panel, 'forkd-lineage');
+    registerCommands(app, model, notebook, open, palette);
+    statusBar?.registerStatusItem('forkd-lab:status', {
+      item: new ForkdStatus(model, () => void app.commands.execute(CommandIDs.open)),
+      align: 'left',
+      rank: 5
+    });
     void checkVersion(model);
   }
 };
