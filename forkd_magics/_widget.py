@@ -9,15 +9,16 @@ a ghost there, so lineage never breaks.
 A thread in the kernel reads the event stream and reassigns ``tree`` on every change, so a status
 badge moves from ``writing`` to ``ready`` without re-running a cell. The buttons (branch, fork n,
 kill, delete) send a custom message ``{action, id, req, ...}``; the kernel runs the action through
-the SDK and answers ``{reply: req, ok, message}``. ``ping`` answers at once: the page's heartbeat,
-so a view whose kernel is gone says "disconnected" instead of waiting. ``reconnect`` follows the
-server again after the stream was lost. The output bundle also carries a static SVG of the tree
+the SDK and answers ``{reply: req, ok, message}``; a request without an answer (a kernel gone or
+stuck) times out in the page, which then says "disconnected" and offers ``ping``. ``reconnect``
+follows the server again after the stream was lost. The output bundle also carries a static SVG of the tree
 (``_static.py``) for pages that cannot run the widget.
 """
 
 from __future__ import annotations
 
 import pathlib
+import re
 import threading
 
 import anywidget
@@ -29,6 +30,15 @@ from ._static import static_svg
 
 _HERE = pathlib.Path(__file__).parent
 BRANCH_MODES = ("live", "diff", "full")
+# the drawing's modules, each importing the ones before it (the lab extension bundles the same files)
+ESM_FILES = ("lineage_tree.js", "lineage.js", "lineage_widget.js")
+_RELATIVE = re.compile(r'^(?:import\s*\{[^}]*\}\s*from|export \* from)\s*"\./[\w.]+";\n', re.M)
+
+
+def widget_esm() -> str:
+    """One ES module for anywidget, which loads a single file: the drawing's files in order, with
+    their relative imports taken out (what they import is then defined above them)."""
+    return "\n".join(_RELATIVE.sub("", (_HERE / name).read_text()) for name in ESM_FILES)
 
 
 def _warnings(info: dict) -> list[str]:
@@ -74,7 +84,7 @@ def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, 
 class LineageWidget(anywidget.AnyWidget):
     """The lineage tree of a forkd server, live. ``LineageWidget()`` finds the server like the SDK."""
 
-    _esm = _HERE / "lineage.js"
+    _esm = widget_esm()
     _css = _HERE / "lineage.css"
 
     tree = traitlets.Dict().tag(sync=True)
@@ -217,7 +227,7 @@ class LineageWidget(anywidget.AnyWidget):
         if not isinstance(content, dict) or "action" not in content:
             return
         action = content["action"]
-        if action == "ping":  # the page's heartbeat: answer at once, touch nothing
+        if action == "ping":  # is the kernel there? answer at once, touch nothing
             ok, message = True, "pong"
         elif action == "reconnect":
             ok, message = self.reconnect()

@@ -1,5 +1,5 @@
-// Types of lineage.js, the drawing shared by the widget and the JupyterLab extension (forkd-lab
-// imports the .js file; TypeScript reads this declaration next to it).
+// Types of lineage.js (the drawing, with lineage_tree.js re-exported), shared by the widget and the
+// JupyterLab extension: forkd-lab imports the .js file; TypeScript reads this declaration next to it.
 
 export interface ILineageNode {
   kind: 'snapshot' | 'sandbox';
@@ -78,6 +78,3 @@ export declare class LineageView {
   render(): void;
   dispose(): void;
 }
-
-declare const widget: { render: (ctx: { model: unknown; el: HTMLElement }) => () => void };
-export default widget;

@@ -52,7 +52,7 @@ def lab(forkd):
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}",
          "--ServerApp.port_retries=0", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
          f"--LabApp.workspaces_dir={root}/ws", f"--LabApp.user_settings_dir={root}/settings",
-         "--ServerApp.disable_check_xsrf=True"],
+         "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True"],
         env={**forkd.env, "JUPYTER_RUNTIME_DIR": os.path.join(root, "rt")},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -143,6 +143,12 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
             group.click()
             page.wait_for_function(
                 "document.querySelectorAll('.forkd-lineage .forkd-node').length === 9", timeout=30_000)
+            # the kernel that drew the widget restarts: the view says so, and its buttons stay off
+            # (nothing waits on a kernel that will never answer)
+            page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
+            widget.locator(".forkd-state[data-state='disconnected']").wait_for(timeout=10_000)
+            assert "run the cell again" in widget.locator(".forkd-state").text_content()
+            assert widget.locator("button.forkd-delete").is_disabled()  # quickstart-b1 is still selected
         except BaseException:
             page.screenshot(path=str(SHOTS / "failure-page.png"))
             raise

@@ -16,7 +16,7 @@ import pytest
 
 from forkd_magics import LineageWidget
 from forkd_magics._static import static_svg, with_ghosts
-from forkd_magics._widget import build_tree
+from forkd_magics._widget import ESM_FILES, build_tree, widget_esm
 
 
 class RecordingComm:
@@ -125,9 +125,13 @@ def test_widget_syncs_tree_and_follows_events_live(forkd, comms):
         assert w.live and set(w.tree) == {"wt", sb} and w.tree[sb]["parent"] == "wt"
         c = w.comm
         assert isinstance(c, RecordingComm) and c in comms
-        # the front end's code is the package's own file, and it loads nothing from anywhere
-        esm = (Path(__file__).parents[2] / "forkd_magics" / "lineage.js").read_text()
-        assert str(w._esm) == esm and not re.search(r"^\s*import\b|import\(", esm, re.M)
+        # the front end's code is the package's own files (the drawing the lab panel bundles too),
+        # as one module that loads nothing from anywhere
+        esm = str(w._esm)
+        assert esm == widget_esm() and not re.search(r"^\s*import\b|import\(|\bfrom\s+[\"']", esm, re.M)
+        assert ESM_FILES == ("lineage_tree.js", "lineage.js", "lineage_widget.js")
+        assert esm.index("export function withGhosts") < esm.index("export class LineageView") < esm.index("function render(")
+        assert esm.rstrip().endswith("export default { render };")
 
         # a change made elsewhere (not through the widget) arrives over /v1/events
         info = ctl.branch_sandbox(sb, "wt-b", mode="live", wait=False)
@@ -193,7 +197,7 @@ def test_buttons_run_actions_through_the_sdk(forkd, comms):
         w.close()
 
 
-def test_heartbeat_and_reconnect(forkd, comms):
+def test_ping_and_reconnect(forkd, comms):
     ctl = forkd.controller()
     ctl.create_snapshot("wh")
     w = LineageWidget(ctl)
@@ -238,14 +242,14 @@ def test_static_widget_does_not_follow(forkd, comms):
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
 def test_the_shared_drawing_pure_parts():
-    """lineage.js (the widget's and the lab panel's drawing) under node: ghosts, folded groups,
+    """The drawing's pure parts (lineage_tree.js, shared by the widget and the lab panel) under node: ghosts, folded groups,
     search and filter, what a kill or delete takes along, counts and ages."""
-    src = Path(__file__).parents[2] / "forkd_magics" / "lineage.js"
     with tempfile.TemporaryDirectory() as d:
         mod = Path(d) / "lineage.mjs"
-        mod.write_text(src.read_text())
+        mod.write_text(widget_esm())  # the module anywidget loads (the lab bundles the same files)
         script = f"""
         import * as L from {json.dumps(str(mod))};
+        if (typeof L.default.render !== "function" || typeof L.LineageView !== "function") throw new Error("exports");
         const t = {{ py: {{kind: "snapshot", parent: null, status: "ready", lineage: ["py"]}},
                      b: {{kind: "snapshot", parent: "sb-a", status: "ready", lineage: ["py", "sb-a", "b"]}},
                      c: {{kind: "snapshot", parent: "sb-x", status: "ready", lineage: ["gone", "sb-x", "c"]}},
