@@ -85,17 +85,24 @@ export class LineageModel {
     }
     this._inflight = (async () => {
       try {
-        do {
+        // A reply that crossed an event may predate it (a node created meanwhile would vanish for
+        // a moment, a status step back): read again, a few times at most; each event asks anyway.
+        for (let tries = 0; ; tries++) {
           this._dirty = false;
+          const seq = this._seq;
           // a server without forkd kernels answers 404 once; asked again when a kernel event comes
           const [nodes, kernels] = await Promise.all([
             this.api.tree(true),
             this._kernelsRoute ? this.api.kernels() : Promise.resolve(this._kernels)
           ]);
+          if ((this._seq !== seq || this._dirty) && tries < 4) {
+            continue;
+          }
           this._kernelsRoute = kernels !== null;
           this._kernels = kernels;
           this.setTree(nodes);
-        } while (this._dirty);
+          break;
+        }
         if (this._socket.state === 'open') {
           this.setState('live', '');
         }
@@ -149,12 +156,13 @@ export class LineageModel {
     if (n.warning && !warnings.includes(n.warning)) {
       warnings.push(n.warning);
     }
+    const history = this.history(n.id, n.status);
     return {
       kind: n.kind,
       parent: n.parent,
       lineage: n.lineage || null,
-      status: n.status,
-      history: this.history(n.id, n.status),
+      status: history[history.length - 1],
+      history,
       created: n.created_at,
       engine: n.engine,
       pause_ms: n.pause_ms,
@@ -165,9 +173,11 @@ export class LineageModel {
     };
   }
 
+  // The statuses a node went through. They only move forward (writing -> ready | failed, ready ->
+  // failed), so one seen before is old news from a slower reply, not a step back.
   private history(id: string, status: string): string[] {
     const seen = (this._history[id] = this._history[id] || []);
-    if (seen[seen.length - 1] !== status) {
+    if (!seen.includes(status)) {
       seen.push(status);
     }
     return [...seen];
@@ -203,6 +213,7 @@ export class LineageModel {
     if (event.schema_id !== CHANGE_SCHEMA || this._failed) {
       return;
     }
+    this._seq++;
     const { kind, action } = event;
     if (kind === 'kernel') {
       this.onKernelEvent(event);
@@ -233,10 +244,11 @@ export class LineageModel {
       if (event.warning && !warnings.includes(event.warning)) {
         warnings.push(event.warning);
       }
+      const history = this.history(id, event.status);
       tree[id] = {
         ...tree[id],
-        status: event.status,
-        history: this.history(id, event.status),
+        status: history[history.length - 1],
+        history,
         pause_ms: event.pause_ms ?? tree[id].pause_ms,
         warnings
       };
@@ -268,6 +280,7 @@ export class LineageModel {
   private _stateText = 'reading the lineage…';
   private _inflight: Promise<void> | null = null;
   private _dirty = false;
+  private _seq = 0;
   private _timer = 0;
   private _failed = false;
 }
