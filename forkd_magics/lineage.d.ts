@@ -70,7 +70,7 @@ export declare class LineageView {
   readonly root: HTMLElement;
   selected: string | null;
   update(tree: LineageTree): void;
-  setState(state: 'live' | 'reconnecting' | 'disconnected' | 'error', text?: string, reconnect?: (() => void) | null): void;
+  setState(state: 'live' | 'loading' | 'reconnecting' | 'disconnected' | 'error', text?: string, reconnect?: (() => void) | null): void;
   setMessage(text: string, error?: boolean): void;
   select(id: string | null): void;
   setOnly(only: ((id: string, node: ILineageNode) => boolean) | null, empty?: string): void;

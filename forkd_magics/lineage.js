@@ -169,7 +169,8 @@ export class LineageView {
     line.dataset.state = this.state;
     if (this.state === "live" && !this.stateText) { line.hidden = true; return; }
     line.hidden = false;
-    const label = { live: "● live", reconnecting: "○ reconnecting…", disconnected: "○ disconnected", error: "⚠" }[this.state] || this.state;
+    const label = { live: "● live", loading: "○ connecting…", reconnecting: "○ reconnecting…", disconnected: "○ disconnected",
+      error: "⚠" }[this.state] || this.state;
     el("span", { class: "forkd-state-label" }, line, label);
     if (this.stateText) el("span", { class: "forkd-state-text" }, line, " " + this.stateText);
     if (this.reconnect) {

@@ -122,7 +122,7 @@ export class LineagePanel extends Widget {
     } else if (m.state === 'reconnecting') {
       this.view.setState('reconnecting', m.stateText, () => m.reconnect());
     } else if (m.state === 'loading') {
-      this.view.setState('reconnecting', m.stateText);
+      this.view.setState('loading', m.stateText);
     } else {
       this.view.setState('error', m.stateText);
     }

@@ -171,6 +171,35 @@ def test_palette_commands_and_their_reasons(page, lab):
             "forkd: check out…"} <= set(labels)
 
 
+def test_insert_code_copy_id_and_checkout_needs_the_forkd_kernel(page, lab):
+    ctl = lab.controller()
+    ctl.create_snapshot("ins", setup="x = 1")
+    kid = ctl.spawn_sandboxes("ins", 1)[0]["id"]
+    row(page, kid).wait_for(timeout=5_000)
+    page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'python3'})")
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
+    name = page.evaluate("window.jupyterapp.shell.currentWidget.context.path")
+
+    row(page, "ins").click()
+    page.locator(f"{PANEL} button.forkd-insert").click()
+    page.locator(f"{PANEL} .forkd-message", has_text=f"inserted a cell for ins into {name}").wait_for(timeout=5_000)
+    source = page.evaluate("window.jupyterapp.shell.currentWidget.content.activeCell.model.sharedModel.getSource()")
+    assert 'snap = Snapshot("ins")' in source and "from forkd_server.client import Snapshot" in source
+    page.locator(f"{PANEL} button.forkd-copy").click()
+    page.locator(f"{PANEL} .forkd-message", has_text="copied ins").wait_for(timeout=5_000)
+
+    # a python3 notebook cannot check out: the button says why, and so does the palette
+    row(page, kid).click()
+    checkout = page.locator(f"{PANEL} button.forkd-checkout")
+    assert checkout.is_disabled() and "forkd kernel (forkd-python)" in checkout.get_attribute("title")
+    # "this notebook": nothing carries its labels yet, and the panel says what it looked for
+    page.locator(f"{PANEL} select.forkd-filter").select_option("notebook")
+    page.locator(f"{PANEL} .forkd-empty", has_text=f"labelled with {name}").wait_for(timeout=5_000)
+    page.locator(f"{PANEL} select.forkd-filter").select_option("all")
+    row(page, kid).wait_for(timeout=5_000)
+    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+
+
 def test_panel_recovers_after_a_server_restart(page, lab):
     ctl = lab.controller()
     ctl.create_snapshot("rs", setup="x = 1")
