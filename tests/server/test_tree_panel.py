@@ -1,7 +1,9 @@
 """What the JupyterLab panel reads from /v1/tree: each node's lineage, and every sandbox's memory
-in one request (``?memory=true``)."""
+and busy state in one request (``?memory=true&busy=true``)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from .test_api import call, sandbox, snap  # noqa: F401 - fixtures
 
@@ -24,6 +26,21 @@ async def test_tree_carries_lineage_and_memory_on_request(jp_fetch, forkd_app, s
     mem = {n["id"]: n.get("memory") for n in nodes}
     assert mem[kid["id"]]["uss_kib"] > 0 and mem[kid["id"]]["rss_kib"] >= mem[kid["id"]]["uss_kib"]
     assert "memory" not in {k for n in nodes if n["kind"] == "snapshot" for k in n}
+
+    code, nodes = await call(jp_fetch, "GET", "tree", params={"memory": "true", "busy": "true"})
+    assert code == 200 and {n["id"]: n.get("busy", "absent") for n in nodes if n["kind"] == "sandbox"} == {kid["id"]: None}
+    # while a cell runs, the sandbox says what it runs
+    loop = asyncio.get_running_loop()
+    cell = loop.run_in_executor(None, ctl.run_code, kid["id"], "import time\ntime.sleep(1.5)")
+    busy = None
+    for _ in range(100):  # bounded: the cell starts within a few ms
+        _, nodes = await call(jp_fetch, "GET", "tree", params={"busy": "true"})
+        busy = next(n["busy"] for n in nodes if n["id"] == kid["id"])
+        if busy:
+            break
+        await asyncio.sleep(0.02)
+    assert busy and isinstance(busy, str)
+    await cell
 
     code, body = await call(jp_fetch, "GET", "tree", params={"memory": "yes"})
     assert code == 400 and "memory" in body["error"]
