@@ -14,8 +14,9 @@ export interface ILineageNode {
   warning?: string;
   memory?: { uss_kib?: number; pss_kib?: number; rss_kib?: number } | null;
   labels?: Record<string, string>;
-  heads?: string[];
-  busy?: boolean;
+  heads?: string[]; // notebooks whose HEAD it is
+  head_kernels?: string[]; // and their kernels' ids
+  busy?: string | boolean; // what it runs (a string), false when idle
   ghost?: boolean;
   info?: Record<string, unknown>;
 }

@@ -26,6 +26,15 @@ function svgEl(tag, attrs, parent) {
   return e;
 }
 
+// An id that may not fit: the end stays visible (sb-6b04…cf50-0001), since ids differ at their end.
+function idLabel(parent, id) {
+  const box = el("span", { class: "forkd-id", title: id }, parent);
+  const cut = id.length > 12 ? id.length - 7 : id.length;
+  el("span", { class: "forkd-id-head" }, box, id.slice(0, cut));
+  if (cut < id.length) el("span", { class: "forkd-id-tail" }, box, id.slice(cut));
+  return box;
+}
+
 // The drawing with its toolbar (search, zoom, fit), connection state, details and actions.
 // Hosts pass: act(action, id, args) -> Promise<message> (throws to report an error);
 // confirm({title, body, ok, option}) -> Promise<{ok, option}> (default: inline, in the view);
@@ -224,7 +233,7 @@ export class LineageView {
     row.setAttribute("aria-label", `${node.kind} ${id}, ${node.status}${warns.length ? `, ${plural(warns.length, "warning")}` : ""}`);
     const top = el("div", { class: "forkd-line1" }, row);
     el("span", { class: "forkd-icon", "aria-hidden": "true" }, top, node.kind === "snapshot" ? "◆" : "●");
-    el("span", { class: "forkd-id", title: id }, top, id);
+    idLabel(top, id);
     if (node.heads && node.heads.length) el("span", { class: "forkd-chip forkd-head-chip", title: `HEAD of ${node.heads.join(", ")}` }, top, "HEAD");
     if (warns.length) el("span", { class: "forkd-chip forkd-warn", title: warns.join("\n") }, top, `⚠ ${warns.length}`);
     const meta = el("div", { class: "forkd-line2" }, row);
@@ -337,7 +346,7 @@ export class LineageView {
     if (node.engine) rowsT.push(["engine", node.engine]);
     if (node.pause_ms !== null && node.pause_ms !== undefined) rowsT.push(["pause", fmtMs(node.pause_ms)]);
     if (node.memory) rowsT.push(["memory", ["uss", "pss", "rss"].filter((k) => node.memory[`${k}_kib`] !== undefined).map((k) => `${k === "uss" ? "private" : k} ${fmtKib(node.memory[`${k}_kib`])}`).join(" · ")]);
-    if (node.busy !== undefined) rowsT.push(["kernel", node.busy ? "busy" : "idle"]);
+    if (node.busy !== undefined) rowsT.push(["activity", node.busy ? `busy${typeof node.busy === "string" ? `: ${node.busy}` : ""}` : "idle"]);
     if (node.heads && node.heads.length) rowsT.push(["HEAD of", node.heads.join(", ")]);
     for (const [k, v] of Object.entries(node.labels || {})) rowsT.push([`label ${k}`, v]);
     for (const key of ["branched_from", "pid", "branch_count", "memory_limit_mib", "prepare_ms"]) {

@@ -15,6 +15,7 @@ export interface ITreeNode {
   created_at: number;
   engine: string;
   memory?: { rss_kib: number; pss_kib: number; uss_kib: number } | null;
+  busy?: string | null;
   warnings?: string[];
   warning?: string;
   labels?: Record<string, string>;
@@ -82,8 +83,9 @@ export class ForkdAPI {
     return this.request('version');
   }
 
-  tree(memory = true): Promise<ITreeNode[]> {
-    return this.request(`v1/tree${memory ? '?memory=true' : ''}`);
+  /** The whole tree, with each sandbox's memory and what it runs (one request for all of them). */
+  tree(): Promise<ITreeNode[]> {
+    return this.request('v1/tree?memory=true&busy=true');
   }
 
   /** The forkd kernels' HEADs; null when this server has no such route yet (404). */

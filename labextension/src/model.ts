@@ -1,6 +1,7 @@
 // The lineage as the panel and the status bar see it: read from {base}forkd/v1/tree, kept live by
 // forkd's change events on jupyter_server's event bus, re-read whenever the bus comes back.
 
+import { PageConfig } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
@@ -10,6 +11,12 @@ import { ForkdAPI, ForkdError, IKernelHead, ITreeNode } from './api';
 import { EventSocket, SocketState } from './events';
 
 export const CHANGE_SCHEMA = 'https://events.jupyter.org/forkd/change/v1';
+
+/** A notebook path as JupyterLab names it: relative to the server's root (kernels may report it whole). */
+export function relativePath(path: string): string {
+  const root = (PageConfig.getOption('serverRoot') || '').replace(/\/+$/, '');
+  return root && path.startsWith(root + '/') ? path.slice(root.length + 1) : path;
+}
 const REFRESH_DEBOUNCE = 250; // ms: a burst of events (60 children spawned) is one re-read
 const MEMORY_EVERY = 15000; // ms: memory moves without events; re-read while the page is visible
 
@@ -92,7 +99,7 @@ export class LineageModel {
           const seq = this._seq;
           // a server without forkd kernels answers 404 once; asked again when a kernel event comes
           const [nodes, kernels] = await Promise.all([
-            this.api.tree(true),
+            this.api.tree(),
             this._kernelsRoute ? this.api.kernels() : Promise.resolve(this._kernels)
           ]);
           if ((this._seq !== seq || this._dirty) && tries < 4) {
@@ -141,11 +148,14 @@ export class LineageModel {
     this._changed.emit();
   }
 
-  private heads(): Record<string, string[]> {
-    const heads: Record<string, string[]> = {};
+  // sandbox id -> the notebooks (and their kernels) whose HEAD it is
+  private heads(): Record<string, { notebooks: string[]; kernels: string[] }> {
+    const heads: Record<string, { notebooks: string[]; kernels: string[] }> = {};
     for (const k of this._kernels || []) {
       if (k.head) {
-        (heads[k.head] = heads[k.head] || []).push(k.notebook || `kernel ${k.kernel_id.slice(0, 8)}`);
+        const h = (heads[k.head] = heads[k.head] || { notebooks: [], kernels: [] });
+        h.notebooks.push(k.notebook ? relativePath(k.notebook) : `kernel ${k.kernel_id.slice(0, 8)}`);
+        h.kernels.push(k.kernel_id);
       }
     }
     return heads;
@@ -169,6 +179,7 @@ export class LineageModel {
       warnings,
       labels: n.labels || {},
       memory: n.memory === undefined ? old?.memory : n.memory,
+      busy: n.kind === 'sandbox' && n.busy !== undefined ? n.busy || false : undefined,
       info: { ...n }
     };
   }
@@ -187,7 +198,7 @@ export class LineageModel {
     const tree: LineageTree = {};
     const heads = this.heads();
     for (const n of nodes) {
-      tree[n.id] = { ...this.node(n, this._tree[n.id]), heads: heads[n.id] || [] };
+      tree[n.id] = { ...this.node(n, this._tree[n.id]), heads: heads[n.id]?.notebooks || [], head_kernels: heads[n.id]?.kernels || [] };
     }
     for (const id of Object.keys(this._history)) {
       if (!tree[id]) {
@@ -202,7 +213,7 @@ export class LineageModel {
     const heads = this.heads();
     const tree: LineageTree = {};
     for (const [id, node] of Object.entries(this._tree)) {
-      tree[id] = { ...node, heads: heads[id] || [] };
+      tree[id] = { ...node, heads: heads[id]?.notebooks || [], head_kernels: heads[id]?.kernels || [] };
     }
     this._tree = tree;
   }

@@ -140,10 +140,10 @@ export class LineagePanel extends Widget {
     this.view.setOnly((id: string, node: ILineageNode) => {
       const labels = node.labels || {};
       return (
-        (!!path && (labels['jupyter.notebook'] === path || (node.heads || []).includes(path))) ||
-        (!!kernelId && labels['jupyter.kernel_id'] === kernelId)
+        (!!path && labels['jupyter.notebook'] === path) ||
+        (!!kernelId && (labels['jupyter.kernel_id'] === kernelId || (node.head_kernels || []).includes(kernelId)))
       );
-    }, path ? `Nothing here is labelled with ${path} (jupyter.notebook) or its kernel.` : 'No notebook is open.');
+    }, path ? `Nothing here is labelled with ${path} (jupyter.notebook) or its kernel, nor is its HEAD.` : 'No notebook is open.');
     return tree;
   }
 

@@ -27,7 +27,7 @@ import pytest
 
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
-from ..magics.conftest import free_port
+from ..serving import free_port
 
 REPO = Path(__file__).parents[2]
 LAB = REPO / "labextension"
@@ -144,7 +144,8 @@ class Lab:
         env = venv_env(self.venv, FORKD_LAB_ROOT=self.root, FORKD_LAB_PORT=str(self.port), FORKD_LAB_DATA=self.data_dir,
                        JUPYTER_RUNTIME_DIR=os.path.join(self.root, ".rt"),
                        JUPYTER_CONFIG_DIR=os.path.join(self.root, ".cfg"),
-                       JUPYTER_DATA_DIR=os.path.join(self.root, ".data"))
+                       JUPYTER_DATA_DIR=os.path.join(self.root, ".data"),
+                       JUPYTER_PATH=os.path.join(self.root, ".jupyter-path"))
         self.proc = subprocess.Popen(
             [str(self.venv / "bin" / "python"), "-m", "jupyterlab", f"--config={self.root}/lab_config.py"],
             env=env, cwd=self.root, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -206,6 +207,8 @@ def lab_server(lab_venv):
     settings = Path(root, ".settings", "@jupyterlab", "apputils-extension")
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    # the forkd kernel's spec, as forkd-jupyter's wheel installs it (the venv holds only forkd_lab)
+    shutil.copytree(REPO / "forkd_kernel" / "kernelspec", Path(root, ".jupyter-path", "kernels", "forkd-python"))
     lab = Lab(lab_venv, root, free_port(), data)
     lab.start()
     try:
@@ -246,7 +249,7 @@ def page(browser, lab, request):
     """A fresh page on JupyterLab with the forkd panel open; a failing test leaves a screenshot."""
     context = browser.new_context(viewport={"width": 1400, "height": 900})
     p = context.new_page()
-    p.goto(f"{lab.url}/lab")
+    p.goto(f"{lab.url}/lab?reset")  # a fresh layout: nothing left open by an earlier test
     p.wait_for_function("window.jupyterapp && window.jupyterapp.commands.hasCommand('forkd:open-lineage')",
                         timeout=60_000)
     p.evaluate("window.jupyterapp.restored")  # the layout is restored: opening the panel now sticks

@@ -200,6 +200,60 @@ def test_insert_code_copy_id_and_checkout_needs_the_forkd_kernel(page, lab):
     page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
 
 
+def run_cell(page, code: str) -> str:
+    """Type a cell into the current notebook, run it as a person would, return what it shows."""
+    count = page.locator(".jp-NotebookPanel .jp-OutputArea-output").count()
+    page.evaluate(f"""() => {{
+        const nb = window.jupyterapp.shell.currentWidget.content;
+        nb.activeCell.model.sharedModel.setSource({code!r});
+    }}""")
+    page.evaluate("window.jupyterapp.commands.execute('notebook:run-cell-and-insert-below')")
+    page.wait_for_function(f"document.querySelectorAll('.jp-NotebookPanel .jp-OutputArea-output').length > {count}",
+                           timeout=60_000)
+    return page.locator(".jp-NotebookPanel .jp-OutputArea-output").nth(count).text_content()
+
+
+def test_checkout_from_the_panel_moves_head_and_the_next_cell_runs_there(page, lab):
+    ctl = lab.controller()
+    page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'forkd-python'})")
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
+    name = page.evaluate("window.jupyterapp.shell.currentWidget.context.path")
+    # the kernel starts in a fresh sandbox and registers it: the panel marks it HEAD of this notebook
+    head_chip = page.locator(f"{PANEL} .forkd-node:has(.forkd-head-chip)")
+    head_chip.wait_for(timeout=90_000)
+    first = head_chip.get_attribute("data-id")
+    assert head_chip.locator(".forkd-head-chip").get_attribute("title") == f"HEAD of {name}"
+    assert run_cell(page, "x = 41; x") == "41"
+
+    # "branch this notebook" from the palette, then a child of that branch changed through REST
+    assert page.evaluate("window.jupyterapp.commands.isEnabled('forkd:branch-notebook')")
+    page.evaluate("window.jupyterapp.commands.execute('forkd:branch-notebook')")
+    page.locator(".jp-toast-message", has_text=f"Branched {name}").wait_for(timeout=30_000)
+    branch = next(s["tag"] for s in ctl.list_snapshots() if s.get("branched_from") == first)
+    kid = ctl.spawn_sandboxes(branch, 1)[0]["id"]
+    ctl.run_code(kid, "x = 99")
+    row(page, kid).wait_for(timeout=LIVE_WITHIN)
+
+    # check out from the panel: the HEAD marker moves, and the notebook's next cell runs in the child
+    row(page, kid).click()
+    page.locator(f"{PANEL} button.forkd-checkout").click()
+    page.locator(".jp-toast-message", has_text=f"Checked out {kid}").wait_for(timeout=30_000)
+    page.locator(f"{PANEL} .forkd-node[data-id='{kid}'] .forkd-head-chip").wait_for(timeout=LIVE_WITHIN)
+    assert page.locator(f"{PANEL} .forkd-head-chip").count() == 1
+    assert run_cell(page, "x + 1") == "100"
+    page.locator(f"{PANEL} .forkd-details", has_text=f"HEAD of{name}").wait_for(timeout=2_000)  # still selected
+    shot(page, "lab-checkout.png")
+    # "this notebook": its HEAD and the lineage above it, not a sibling it has nothing to do with
+    other = ctl.spawn_sandboxes(branch, 1)[0]["id"]
+    row(page, other).wait_for(timeout=LIVE_WITHIN)
+    page.locator(f"{PANEL} select.forkd-filter").select_option("notebook")
+    row(page, other).wait_for(state="detached", timeout=2_000)
+    shown = page.locator(f"{PANEL} .forkd-node").evaluate_all("els => els.map(e => e.dataset.id)")
+    assert shown[1:] == [first, branch, kid], shown  # under the kernel's base snapshot
+    page.locator(f"{PANEL} select.forkd-filter").select_option("all")
+    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+
+
 def test_panel_recovers_after_a_server_restart(page, lab):
     ctl = lab.controller()
     ctl.create_snapshot("rs", setup="x = 1")
