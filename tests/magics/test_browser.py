@@ -130,6 +130,7 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
             assert widget.locator("button.forkd-fork").count() == 1
             assert widget.locator("button.forkd-delete").count() == 1
             widget.scroll_into_view_if_needed()
+            page.mouse.move(5, 5)  # no hover highlight in the picture
             widget.screenshot(path=str(shot))
             page.screenshot(path=str(SHOTS / "quickstart-page.png"), full_page=False)
             # a button goes page -> kernel -> server, and the new sandboxes come back over the events;
