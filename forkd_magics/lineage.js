@@ -56,7 +56,7 @@ export class LineageView {
     this.root = el("div", { class: `forkd-lineage${opts.fill ? " forkd-fill" : ""}` }, host);
     const bar = el("div", { class: "forkd-bar" }, this.root);
     this.head = el("span", { class: "forkd-head" }, bar);
-    this.search = el("input", { type: "search", class: "forkd-search", placeholder: "search tag or id", "aria-label": "Search snapshots and sandboxes by tag or id" }, bar);
+    this.search = el("input", { type: "search", class: "forkd-search", placeholder: "tag or id", "aria-label": "Search snapshots and sandboxes by tag or id" }, bar);
     this.search.addEventListener("input", () => { this.query = this.search.value; this.render(); });
     if (opts.toolbar) bar.appendChild(opts.toolbar);
     const tool = (label, title, fn) => {
