@@ -1,7 +1,7 @@
 // The "forkd" sidebar: the shared lineage drawing (forkd_magics/lineage.js) over the live model,
 // with REST actions, JupyterLab dialogs and notifications, and the current notebook's kernel.
 
-import { Clipboard, Dialog, Notification, showDialog } from '@jupyterlab/apputils';
+import { Clipboard, Dialog, showDialog } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
@@ -227,8 +227,4 @@ export class LineagePanel extends Widget {
   }
 
   private filter: HTMLSelectElement;
-}
-
-export function notifyError(err: unknown): void {
-  Notification.error(`forkd: ${(err as Error).message ?? err}`, { autoClose: 5000 });
 }
