@@ -1,19 +1,24 @@
 """The lineage widget: snapshots and sandboxes as one tree that follows ``/v1/events`` live.
 
-The whole tree is one synced trait, ``tree = {id: node}``; a node is
-``{"kind", "parent", "status", "history", "created", "pause_ms", "info"}``. Edges come from the
-lineage the server records (``branched_from`` for a branch, ``snapshot_tag`` for a sandbox), so a
-branch hangs under the sandbox it was taken from and its children under it.
+The whole tree is one synced trait, ``tree = {id: node}``; a node is ``{"kind", "parent", "lineage",
+"status", "history", "created", "engine", "pause_ms", "warnings", "labels", "info"}``. ``parent`` is
+the direct parent the server records (``branched_from`` for a branch, ``snapshot_tag`` for a
+sandbox) even when it is gone: the drawing (``lineage.js``, shared with the JupyterLab panel) puts
+a ghost there, so lineage never breaks.
 
 A thread in the kernel reads the event stream and reassigns ``tree`` on every change, so a status
 badge moves from ``writing`` to ``ready`` without re-running a cell. The buttons (branch, fork n,
-kill, delete) send a custom message; the kernel runs the action through the SDK and reports the
-outcome in ``message``.
+kill, delete) send a custom message ``{action, id, req, ...}``; the kernel runs the action through
+the SDK and answers ``{reply: req, ok, message}``; a request without an answer (a kernel gone or
+stuck) times out in the page, which then says "disconnected" and offers ``ping``. ``reconnect``
+follows the server again after the stream was lost. The output bundle also carries a static SVG of the tree
+(``_static.py``) for pages that cannot run the widget.
 """
 
 from __future__ import annotations
 
 import pathlib
+import re
 import threading
 
 import anywidget
@@ -21,15 +26,27 @@ import traitlets
 
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
+from ._static import static_svg
+
 _HERE = pathlib.Path(__file__).parent
+BRANCH_MODES = ("live", "diff", "full")
+# the drawing's modules, each importing the ones before it (the lab extension bundles the same files)
+ESM_FILES = ("lineage_tree.js", "lineage.js", "lineage_widget.js")
+_RELATIVE = re.compile(r'^(?:import\s*\{[^}]*\}\s*from|export \* from)\s*"\./[\w.]+";\n', re.M)
 
 
-def _parent(lineage: list[str], present: set[str]) -> str | None:
-    """The nearest ancestor still present (a killed sandbox's branch hangs under its snapshot)."""
-    for ancestor in reversed(lineage[:-1]):
-        if ancestor in present:
-            return ancestor
-    return None
+def widget_esm() -> str:
+    """One ES module for anywidget, which loads a single file: the drawing's files in order, with
+    their relative imports taken out (what they import is then defined above them)."""
+    return "\n".join(_RELATIVE.sub("", (_HERE / name).read_text()) for name in ESM_FILES)
+
+
+def _warnings(info: dict) -> list[str]:
+    """A node's warnings: the lossy-fork ``warnings`` list, or a failed snapshot's ``warning``."""
+    found = list(info.get("warnings") or [])
+    if info.get("warning") and info["warning"] not in found:
+        found.append(info["warning"])
+    return found
 
 
 def _history(seen: list[str] | None, status: str) -> list[str]:
@@ -42,23 +59,24 @@ def _history(seen: list[str] | None, status: str) -> list[str]:
 
 def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, list[str]]) -> dict:
     """Turn the API's snapshot and sandbox lists into the widget's ``{id: node}``."""
-    present = {s["tag"] for s in snapshots} | {b["id"] for b in sandboxes}
     tree = {}
     for s in snapshots:
         lineage = s.get("lineage") or [s["tag"]]
         status = s.get("status", "ready")
         tree[s["tag"]] = {
-            "kind": "snapshot", "parent": _parent(lineage, present), "status": status,
-            "history": _history(history.get(s["tag"]), status),
-            "created": s.get("created_at_unix"), "pause_ms": s.get("pause_ms"), "info": s,
+            "kind": "snapshot", "parent": lineage[-2] if len(lineage) > 1 else None, "lineage": lineage,
+            "status": status, "history": _history(history.get(s["tag"]), status),
+            "created": s.get("created_at_unix"), "engine": s.get("engine"), "pause_ms": s.get("pause_ms"),
+            "warnings": _warnings(s), "labels": s.get("labels") or {}, "info": s,
         }
     for b in sandboxes:
         lineage = b.get("lineage") or [b["snapshot_tag"], b["id"]]
         status = b.get("status", "running")
         tree[b["id"]] = {
-            "kind": "sandbox", "parent": _parent(lineage, present), "status": status,
-            "history": _history(history.get(b["id"]), status),
-            "created": b.get("created_at_unix"), "pause_ms": None, "info": b,
+            "kind": "sandbox", "parent": b.get("snapshot_tag") or (lineage[-2] if len(lineage) > 1 else None),
+            "lineage": lineage, "status": status, "history": _history(history.get(b["id"]), status),
+            "created": b.get("created_at_unix"), "engine": b.get("engine"), "pause_ms": None,
+            "warnings": _warnings(b), "labels": b.get("labels") or {}, "info": b,
         }
     return tree
 
@@ -66,7 +84,7 @@ def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, 
 class LineageWidget(anywidget.AnyWidget):
     """The lineage tree of a forkd server, live. ``LineageWidget()`` finds the server like the SDK."""
 
-    _esm = _HERE / "lineage.js"
+    _esm = widget_esm()
     _css = _HERE / "lineage.css"
 
     tree = traitlets.Dict().tag(sync=True)
@@ -88,6 +106,17 @@ class LineageWidget(anywidget.AnyWidget):
             self.start()
         else:
             self.refresh()
+
+    def _repr_mimebundle_(self, **kwargs):
+        """The live view, plus a static SVG of the tree for pages that cannot run the widget."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if bundle is None:
+            return None
+        data, metadata = bundle if isinstance(bundle, tuple) else (bundle, {})
+        with self._lock:
+            tree = dict(self.tree)
+        data = {**data, "image/svg+xml": static_svg(tree)}
+        return data, metadata
 
     def __repr__(self) -> str:
         counts = {}
@@ -128,8 +157,9 @@ class LineageWidget(anywidget.AnyWidget):
                         history=list(self._history.get(node_id, [])))
             if event.get("pause_ms") is not None:
                 node["pause_ms"] = event["pause_ms"]
-            if event.get("warning"):
-                node["info"] = dict(node["info"], warning=event["warning"])
+            if event.get("warning") or event.get("warnings"):
+                node["info"] = dict(node["info"], **{k: event[k] for k in ("warning", "warnings") if event.get(k)})
+                node["warnings"] = _warnings(node["info"])
             if status:
                 node["info"] = dict(node["info"], status=status)
             self.tree = {**self.tree, node_id: node}
@@ -175,16 +205,19 @@ class LineageWidget(anywidget.AnyWidget):
             if self._stopped:
                 break
             # the server closed the stream (restart, shutdown): wait for it to answer /healthz again
-            # (bounded), subscribe anew and re-read the tree; give up after a few tries
+            # (bounded), subscribe anew and re-read the tree; give up after a few tries (the view
+            # then says "disconnected" and offers to reconnect)
             retries += 1
             if retries > 3:
+                self.message = f"lost the server at {self.server}; reconnect when it is back"
                 break
             try:
                 self.controller.wait_ready(timeout=10)
                 stream = self._stream = self.controller.events()
                 self.refresh()
+                self.message = ""
             except (ServerUnreachable, ControllerError, OSError) as exc:
-                self.message = f"event stream lost: {exc}"
+                self.message = f"lost the server at {self.server} ({exc}); reconnect when it is back"
                 break
         self.live = False
 
@@ -193,14 +226,41 @@ class LineageWidget(anywidget.AnyWidget):
     def _on_custom_msg(self, _widget, content, _buffers) -> None:
         if not isinstance(content, dict) or "action" not in content:
             return
-        self.message = self.act(content["action"], content.get("id", ""), n=content.get("n", 1))
+        action = content["action"]
+        if action == "ping":  # is the kernel there? answer at once, touch nothing
+            ok, message = True, "pong"
+        elif action == "reconnect":
+            ok, message = self.reconnect()
+        else:
+            message = self.act(action, content.get("id", ""), n=content.get("n", 1),
+                               mode=content.get("mode") or "live", cascade=bool(content.get("cascade")))
+            ok = not message.startswith("error")
+            self.message = message
+        if "req" in content:
+            self.send({"reply": content["req"], "ok": ok, "message": message})
 
-    def act(self, action: str, node_id: str, n: int = 1) -> str:
+    def reconnect(self) -> tuple[bool, str]:
+        """Follow the server again (after the stream was lost); (ok, what happened)."""
+        self.stop()
+        try:
+            self.start()
+        except (ServerUnreachable, ControllerError, OSError) as exc:
+            self.live = False
+            self.message = f"still cannot reach {self.server}: {exc}"
+            return False, self.message
+        self.message = ""
+        return True, f"following {self.server} again"
+
+    def act(self, action: str, node_id: str, n: int = 1, mode: str = "live", cascade: bool = False) -> str:
         """Run a button's action through the SDK; returns the line shown under the tree."""
         ctl = self.controller
         try:
             if action == "branch":
-                info = ctl.branch_sandbox(node_id, mode="live", wait=False)
+                if mode not in BRANCH_MODES:
+                    return f"error: branch {node_id}: unknown mode {mode!r} (use {', '.join(BRANCH_MODES)})"
+                # live returns while memory is still being written (writing -> ready follows as
+                # events); diff and full copy in the pause, so the server answers when they are done
+                info = ctl.branch_sandbox(node_id, mode=mode, wait=mode != "live")
                 msg = f"branched {node_id} into {info['tag']} (paused {info.get('pause_ms', 0):.1f} ms)"
             elif action == "fork":
                 n = int(n)
@@ -210,8 +270,8 @@ class LineageWidget(anywidget.AnyWidget):
                 ctl.kill_sandbox(node_id)
                 msg = f"killed {node_id}"
             elif action == "delete":
-                ctl.delete_snapshot(node_id)
-                msg = f"deleted {node_id}"
+                ctl.delete_snapshot(node_id, cascade=cascade)
+                msg = f"deleted {node_id}" + (" and the snapshots branched from it" if cascade else "")
             elif action == "refresh":
                 self.refresh()
                 return "refreshed"

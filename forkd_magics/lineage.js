@@ -1,206 +1,452 @@
-// The forkd lineage widget (anywidget ESM, no imports, plain SVG).
-// model.get("tree") is {id: {kind, parent, status, history, created, pause_ms, info}}.
+// forkd lineage: one drawing of snapshots and sandboxes, shared by the JupyterLab panel (forkd-lab
+// bundles this file) and the anywidget widget (lineage_widget.js). Plain ESM, nothing fetched.
+//
+// The drawing is an indented tree (one row per node, generations indented), which stays readable in
+// a 300 px sidebar and grows by one row per node; siblings that are alike fold into one row
+// ("20 × running"); gone ancestors are ghosts; killed and deleted nodes stay as tombstones until
+// cleared. Colours are JupyterLab's --jp-* variables (lineage.css).
 
-const SVG = "http://www.w3.org/2000/svg";
-const COL = 236;   // horizontal distance between generations
-const ROW = 70;    // vertical distance between leaves
-const W = 212;     // node box
-const H = 60;
-const PAD = 12;
+import { GONE, INDENT, MODES, ROW, age, describeDelete, describeKill, fmtKib, fmtMs, isGone, plural, rows, summary,
+  warningsOf, withGhosts } from "./lineage_tree.js";
 
-function svg(tag, attrs, parent) {
-  const e = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
-  if (parent) parent.appendChild(e);
-  return e;
-}
+export * from "./lineage_tree.js";
 
-function html(tag, attrs, parent, text) {
+function el(tag, attrs, parent, text) {
   const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+  for (const [k, v] of Object.entries(attrs || {})) if (v !== undefined && v !== null && v !== false) e.setAttribute(k, v === true ? "" : String(v));
   if (text !== undefined) e.textContent = text;
   if (parent) parent.appendChild(e);
   return e;
 }
 
-export function age(created, now) {
-  if (created === null || created === undefined) return "";
-  const s = Math.max(0, Math.floor(now - created));
-  if (s < 60) return `${s}s`;
-  if (s < 3600) return `${Math.floor(s / 60)}m ${s % 60}s`;
-  return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
+function svgEl(tag, attrs, parent) {
+  const e = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+  if (parent) parent.appendChild(e);
+  return e;
 }
 
-// Tidy enough for lineage trees: generations left to right, leaves top to bottom,
-// a parent centred on its children. Returns {id: {x, y, depth}} and the extent.
-export function layout(tree) {
-  const ids = Object.keys(tree).sort();
-  const kids = {};
-  const roots = [];
-  for (const id of ids) {
-    const p = tree[id].parent;
-    if (p && tree[p]) (kids[p] = kids[p] || []).push(id);
-    else roots.push(id);
-  }
-  const pos = {};
-  let row = 0;
-  let depthMax = 0;
-  const place = (id, depth) => {
-    depthMax = Math.max(depthMax, depth);
-    const cs = kids[id] || [];
-    let y;
-    if (cs.length === 0) y = row++;
-    else {
-      const ys = cs.map((c) => place(c, depth + 1));
-      y = (ys[0] + ys[ys.length - 1]) / 2;
-    }
-    pos[id] = { x: depth, y, depth };
-    return y;
-  };
-  for (const r of roots) place(r, 0);
-  return { pos, rows: Math.max(row, 1), cols: depthMax + 1 };
+// An id that may not fit: the end stays visible (sb-6b04…cf50-0001), since ids differ at their end.
+function idLabel(parent, id) {
+  const box = el("span", { class: "forkd-id", title: id }, parent);
+  const cut = id.length > 12 ? id.length - 7 : id.length;
+  el("span", { class: "forkd-id-head" }, box, id.slice(0, cut));
+  if (cut < id.length) el("span", { class: "forkd-id-tail" }, box, id.slice(cut));
+  return box;
 }
 
-function fmtMs(ms) {
-  if (ms === null || ms === undefined) return "";
-  return ms < 10 ? `${ms.toFixed(2)} ms` : `${ms.toFixed(0)} ms`;
-}
-
-function render({ model, el }) {
-  let selected = null;
-  const root = html("div", { class: "forkd-lineage" }, el);
-  const head = html("div", { class: "forkd-head" }, root);
-  const canvas = html("div", { class: "forkd-canvas" }, root);
-  const details = html("div", { class: "forkd-details" }, root);
-  const msg = html("div", { class: "forkd-message" }, root);
-
-  const send = (action, id, extra) => model.send({ action, id, ...(extra || {}) });
-
-  function drawHead(tree) {
-    const nodes = Object.values(tree);
-    const snaps = nodes.filter((n) => n.kind === "snapshot").length;
-    const sbs = nodes.length - snaps;
-    head.textContent = "";
-    html("span", { class: "forkd-title" }, head, "forkd lineage");
-    html("span", {}, head, ` · ${snaps} snapshot${snaps === 1 ? "" : "s"} · ${sbs} sandbox${sbs === 1 ? "" : "es"} `);
-    html("span", { class: model.get("live") ? "forkd-live on" : "forkd-live" }, head,
-      model.get("live") ? "● live" : "○ not live");
-  }
-
-  function drawTree(tree) {
-    const { pos, rows, cols } = layout(tree);
-    const now = Date.now() / 1000;
-    canvas.textContent = "";
-    const width = cols * COL - (COL - W) + 2 * PAD;
-    const height = (rows - 1) * ROW + H + 2 * PAD;
-    const s = svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, class: "forkd-svg" }, canvas);
-    const at = (id) => ({ x: PAD + pos[id].x * COL, y: PAD + pos[id].y * ROW });
-    for (const [id, node] of Object.entries(tree)) {
-      if (!node.parent || !tree[node.parent]) continue;
-      const a = at(node.parent), b = at(id);
-      const x1 = a.x + W, y1 = a.y + H / 2, x2 = b.x, y2 = b.y + H / 2, mx = (x1 + x2) / 2;
-      svg("path", { d: `M${x1},${y1} C${mx},${y1} ${mx},${y2} ${x2},${y2}`, class: "forkd-edge" }, s);
-    }
-    for (const [id, node] of Object.entries(tree)) {
-      const { x, y } = at(id);
-      const g = svg("g", {
-        transform: `translate(${x},${y})`, "data-id": id, "data-status": node.status,
-        class: `forkd-node ${node.kind} status-${node.status}${id === selected ? " selected" : ""}`,
-      }, s);
-      svg("rect", { width: W, height: H, rx: node.kind === "snapshot" ? 4 : 14, class: "forkd-box" }, g);
-      const title = svg("text", { x: 10, y: 17, class: "forkd-id" }, g);
-      title.textContent = (node.kind === "snapshot" ? "◆ " : "● ") + (id.length > 27 ? id.slice(0, 26) + "…" : id);
-      const hist = node.history && node.history.length > 1 ? node.history.join(" → ") : node.status;
-      const bw = 8 + hist.length * 6.4;
-      svg("rect", { x: 8, y: 23, width: bw, height: 15, rx: 7, class: `forkd-badge status-${node.status}` }, g);
-      const bt = svg("text", { x: 8 + bw / 2, y: 34, "text-anchor": "middle", class: "forkd-badge-text" }, g);
-      bt.textContent = hist;
-      const meta = svg("text", { x: 10, y: 52, class: "forkd-meta" }, g);
-      const pause = node.pause_ms !== null && node.pause_ms !== undefined ? `paused ${fmtMs(node.pause_ms)} · ` : "";
-      // age: how long ago it was made (ticks every second, see the timer below)
-      meta.textContent = pause + age(node.created, now) + " old";
-      meta.setAttribute("data-created", node.created ?? "");
-      meta.setAttribute("data-pause", pause);
-      g.addEventListener("click", () => {
-        selected = selected === id ? null : id;
-        redraw();
-      });
-    }
-  }
-
-  function drawDetails(tree) {
-    details.textContent = "";
-    if (!selected || !tree[selected]) {
-      html("div", { class: "forkd-hint" }, details, "Click a snapshot or sandbox for details and actions.");
-      return;
-    }
-    const node = tree[selected];
-    const info = node.info || {};
-    const now = Date.now() / 1000;
-    html("div", { class: "forkd-details-title" }, details, `${node.kind} ${selected}`);
-    const table = html("table", {}, details);
-    const rows = [
-      ["status", (node.history || [node.status]).join(" → ")],
-      ["parent", node.parent || "—"],
-      ["age", age(node.created, now)],
-      ["created", node.created ? new Date(node.created * 1000).toLocaleString() : ""],
-    ];
-    if (node.pause_ms !== null && node.pause_ms !== undefined) rows.push(["pause", fmtMs(node.pause_ms)]);
-    for (const key of ["engine", "branched_from", "snapshot_tag", "pid", "branch_count", "memory_limit_mib",
-      "prepare_ms", "warning"]) {
-      if (info[key] !== undefined && info[key] !== null) rows.push([key, String(info[key])]);
-    }
-    if (info.lineage) rows.push(["lineage", info.lineage.join(" / ")]);
-    for (const [k, v] of rows) {
-      const tr = html("tr", {}, table);
-      html("th", {}, tr, k);
-      html("td", {}, tr, v);
-    }
-    const bar = html("div", { class: "forkd-actions" }, details);
-    const button = (label, action, extra) => {
-      const b = html("button", { class: `forkd-btn forkd-${action}`, "data-action": action }, bar, label);
-      b.addEventListener("click", () => {
-        msg.textContent = `${action} ${selected}…`;
-        send(action, selected, extra ? extra() : {});
-      });
+// The drawing with its toolbar (search, zoom, fit), connection state, details and actions.
+// Hosts pass: act(action, id, args) -> Promise<message> (throws to report an error);
+// confirm({title, body, ok, option}) -> Promise<{ok, option}> (default: inline, in the view);
+// extraActions(id, node) -> [{label, title, disabled, run: () => Promise<message>}];
+// copy(text) -> Promise; toolbar: an element placed in the toolbar; fill: take the host's height.
+export class LineageView {
+  constructor(host, opts = {}) {
+    this.opts = opts;
+    this.tree = {};
+    this.tombs = {};
+    this.selected = null;
+    this.expanded = new Set();
+    this.query = "";
+    this.zoom = 1;
+    this.state = "live";
+    this.busy = false;
+    this.only = null;
+    this.onlyEmpty = "";
+    this.root = el("div", { class: `forkd-lineage${opts.fill ? " forkd-fill" : ""}` }, host);
+    const bar = el("div", { class: "forkd-bar" }, this.root);
+    this.head = el("span", { class: "forkd-head" }, bar);
+    this.search = el("input", { type: "search", class: "forkd-search", placeholder: "tag or id", "aria-label": "Search snapshots and sandboxes by tag or id" }, bar);
+    this.search.addEventListener("input", () => { this.query = this.search.value; this.render(); });
+    if (opts.toolbar) bar.appendChild(opts.toolbar);
+    const tool = (label, title, fn) => {
+      const b = el("button", { class: "forkd-tool", title, "aria-label": title, type: "button" }, bar, label);
+      b.addEventListener("click", fn);
       return b;
     };
-    if (node.kind === "sandbox") {
-      button("Branch", "branch");
-      button("Kill", "kill");
-    } else {
-      const n = html("input", { type: "number", min: 1, max: 100, value: 1, class: "forkd-n", title: "how many" }, bar);
-      button("Fork", "fork", () => ({ n: Math.max(1, parseInt(n.value, 10) || 1) }));
-      button("Delete", "delete");
-    }
+    tool("−", "Zoom out", () => this.setZoom(this.zoom / 1.25));
+    tool("+", "Zoom in", () => this.setZoom(this.zoom * 1.25));
+    tool("⤢", "Fit the whole tree", () => this.fit());
+    this.clearBtn = tool("", "Forget killed sandboxes and deleted snapshots", () => { this.tombs = {}; this.render(); });
+    this.stateLine = el("div", { class: "forkd-state", role: "status", "aria-live": "polite" }, this.root);
+    this.canvas = el("div", { class: "forkd-canvas" }, this.root);
+    this.content = el("div", { class: "forkd-content" }, this.canvas);
+    this.edges = svgEl("svg", { class: "forkd-edges", "aria-hidden": "true" }, this.content);
+    this.list = el("div", { class: "forkd-rows", role: "tree", "aria-label": "forkd lineage" }, this.content);
+    this.details = el("div", { class: "forkd-details" }, this.root);
+    this.msg = el("div", { class: "forkd-message", "aria-live": "polite" }, this.root);
+    this.list.addEventListener("keydown", (e) => this._key(e));
+    this.canvas.addEventListener("wheel", (e) => {
+      if (!e.ctrlKey) return;
+      e.preventDefault();
+      this.setZoom(this.zoom * (e.deltaY < 0 ? 1.1 : 1 / 1.1));
+    }, { passive: false });
+    this._pan();
+    this.timer = setInterval(() => this._tick(), 1000);
+    this.render();
   }
 
-  function redraw() {
-    const tree = model.get("tree") || {};
-    drawHead(tree);
-    drawTree(tree);
-    drawDetails(tree);
-    msg.textContent = model.get("message") || "";
+  dispose() {
+    clearInterval(this.timer);
+    this.root.remove();
   }
 
-  // ages tick without a round trip to the kernel
-  const timer = setInterval(() => {
+  // A new tree from the host. Nodes that left it stay as tombstones (killed / deleted), so a kill
+  // is seen, not just a row vanishing; "forget" clears them.
+  update(tree) {
     const now = Date.now() / 1000;
-    for (const t of canvas.querySelectorAll("text.forkd-meta")) {
-      const c = t.getAttribute("data-created");
-      if (c) t.textContent = t.getAttribute("data-pause") + age(Number(c), now) + " old";
+    for (const [id, node] of Object.entries(this.tree)) {
+      if (tree[id] || node.ghost || this.tombs[id]) continue;
+      const status = GONE[node.kind];
+      this.tombs[id] = { ...node, status, tomb: true, history: [...(node.history || [node.status]), status], gone_at: now };
     }
-  }, 1000);
+    for (const id of Object.keys(this.tombs)) if (tree[id]) delete this.tombs[id];
+    this.tree = tree;
+    this.render();
+  }
 
-  model.on("change:tree", redraw);
-  model.on("change:live", redraw);
-  model.on("change:message", () => { msg.textContent = model.get("message") || ""; });
-  redraw();
-  return () => {
-    clearInterval(timer);
-    model.off("change:tree", redraw);
-    model.off("change:live", redraw);
-  };
+  // The host's connection: "live", "reconnecting", "disconnected" (with a reconnect callback), "error".
+  setState(state, text = "", reconnect = null) {
+    this.state = state;
+    this.stateText = text;
+    this.reconnect = reconnect;
+    this.render();
+  }
+
+  setMessage(text, error = false) {
+    this.msg.textContent = text || "";
+    this.msg.classList.toggle("forkd-error", !!error);
+  }
+
+  setZoom(z) {
+    this.zoom = Math.min(2, Math.max(0.4, z));
+    this.content.style.zoom = String(this.zoom);
+  }
+
+  fit() {
+    this.setZoom(1);
+    const h = this.list.scrollHeight, w = this.list.scrollWidth;
+    const z = Math.min(1, this.canvas.clientHeight / Math.max(h, 1), this.canvas.clientWidth / Math.max(w, 1));
+    this.setZoom(z);
+    this.canvas.scrollTo(0, 0);
+  }
+
+  select(id) {
+    this.selected = id;
+    this.render();
+  }
+
+  // A host's filter (the panel's "this notebook"): only(id, node) -> bool, or null for all.
+  // Takes effect at the next render; `empty` is what to say when nothing passes.
+  setOnly(only, empty = "") {
+    this.only = only;
+    this.onlyEmpty = empty;
+  }
+
+  // everything drawn: the host's tree, the tombstones under it, ghosts for what is missing
+  shownTree() {
+    const t = { ...this.tombs, ...this.tree };
+    return withGhosts(t);
+  }
+
+  render() {
+    const tree = this.shownTree();
+    const all = Object.values(tree);
+    const s = summary(tree);
+    this.head.textContent = `${plural(s.snapshots, "snapshot")} · ${plural(s.sandboxes, "sandbox", "sandboxes")}` +
+      (s.memory_kib !== null ? ` · ${fmtKib(s.memory_kib)}` : "");
+    if (this.state === "live") el("span", { class: "forkd-live", title: "following the server's changes" }, this.head, " · ● live");
+    const tombs = Object.keys(this.tombs).length;
+    this.clearBtn.textContent = `clear gone (${tombs})`;
+    this.clearBtn.hidden = tombs === 0;
+    this._drawState();
+    const keep = new Set([this.selected]);
+    this.shownRows = rows(tree, { expanded: this.expanded, query: this.query, keep, only: this.only });
+    this._drawRows(tree, this.shownRows);
+    this._drawDetails(tree);
+    if (!this.shownRows.length) {
+      const why = !all.length ? this.opts.empty || "No snapshots yet."
+        : this.query.trim() ? `Nothing matches “${this.query.trim()}”.` : this.onlyEmpty || "Nothing to show.";
+      el("div", { class: "forkd-empty" }, this.list, why);
+      this.list.style.height = "auto";
+    }
+  }
+
+  _drawState() {
+    const line = this.stateLine;
+    line.textContent = "";
+    line.dataset.state = this.state;
+    if (this.state === "live" && !this.stateText) { line.hidden = true; return; }
+    line.hidden = false;
+    const label = { live: "● live", loading: "○ connecting…", reconnecting: "○ reconnecting…", disconnected: "○ disconnected",
+      error: "⚠" }[this.state] || this.state;
+    el("span", { class: "forkd-state-label" }, line, label);
+    if (this.stateText) el("span", { class: "forkd-state-text" }, line, " " + this.stateText);
+    if (this.reconnect) {
+      const b = el("button", { class: "forkd-btn forkd-reconnect", type: "button" }, line, "Reconnect");
+      b.addEventListener("click", () => this.reconnect());
+    }
+  }
+
+  _drawRows(tree, rs) {
+    const focused = this.list.contains(document.activeElement) ? document.activeElement.dataset.key : null;
+    this.list.textContent = "";
+    this.edges.textContent = "";
+    const now = Date.now() / 1000;
+    const H = ROW - 6;
+    rs.forEach((r, i) => {
+      const key = r.type === "node" ? r.id : r.key;
+      const row = el("div", {
+        class: "forkd-row", role: "treeitem", "aria-level": r.depth + 1, tabindex: "-1", "data-key": key,
+        style: `top:${i * ROW}px;left:${r.depth * INDENT}px`,
+      }, this.list);
+      if (r.up >= 0) {
+        const up = rs[r.up];
+        const x = up.depth * INDENT + 9, y0 = r.up * ROW + H, y = i * ROW + H / 2;
+        svgEl("path", { d: `M${x},${y0} V${y} H${r.depth * INDENT}`, class: "forkd-edge" }, this.edges);
+      }
+      if (r.type === "group") this._groupRow(row, r, tree);
+      else this._nodeRow(row, r.id, tree[r.id], now);
+      row.addEventListener("focus", () => this._roving(row));
+    });
+    const height = rs.length * ROW;
+    this.list.style.height = `${height}px`;
+    this.edges.setAttribute("height", String(height));
+    this.edges.setAttribute("width", String(Math.max(...rs.map((r) => r.depth * INDENT + 20), 20)));
+    const target = [...this.list.children].find((c) => c.dataset.key === (focused || this.selected)) || this.list.firstElementChild;
+    if (target && target.classList.contains("forkd-row")) {
+      target.tabIndex = 0;
+      if (focused) target.focus({ preventScroll: true });
+    }
+  }
+
+  _nodeRow(row, id, node, now) {
+    const gone = isGone(node);
+    row.classList.add("forkd-node", node.kind, `status-${node.status}`);
+    if (gone) row.classList.add("forkd-gone");
+    if (node.ghost) row.classList.add("forkd-ghost");
+    if (id === this.selected) row.classList.add("selected");
+    row.dataset.id = id;
+    row.dataset.status = node.status;
+    row.setAttribute("aria-selected", id === this.selected ? "true" : "false");
+    const warns = warningsOf(node);
+    row.setAttribute("aria-label", `${node.kind} ${id}, ${node.status}${warns.length ? `, ${plural(warns.length, "warning")}` : ""}`);
+    const top = el("div", { class: "forkd-line1" }, row);
+    el("span", { class: "forkd-icon", "aria-hidden": "true" }, top, node.kind === "snapshot" ? "◆" : "●");
+    idLabel(top, id);
+    if (node.heads && node.heads.length) el("span", { class: "forkd-chip forkd-head-chip", title: `HEAD of ${node.heads.join(", ")}` }, top, "HEAD");
+    if (warns.length) el("span", { class: "forkd-chip forkd-warn", title: warns.join("\n") }, top, `⚠ ${warns.length}`);
+    const meta = el("div", { class: "forkd-line2" }, row);
+    el("span", { class: `forkd-dot status-${node.status}`, "aria-hidden": "true" }, meta);
+    const hist = node.history && node.history.length > 1 ? node.history.join(" → ") : node.status;
+    el("span", { class: "forkd-badge" }, meta, hist);
+    const bits = [];
+    if (node.ghost) bits.push("gone; kept for lineage");
+    if (node.pause_ms !== null && node.pause_ms !== undefined) bits.push(`paused ${fmtMs(node.pause_ms)}`);
+    if (node.memory && node.memory.uss_kib !== undefined && !gone) bits.push(`${fmtKib(node.memory.uss_kib)} private`);
+    if (node.busy !== undefined && !gone) bits.push(node.busy ? "busy" : "idle");
+    if (node.engine) bits.push(node.engine);
+    if (node.created !== undefined && node.created !== null && !node.ghost) {
+      el("span", { class: "forkd-age", "data-created": node.created, title: "age" }, meta, "· " + age(node.created, now));
+    }
+    el("span", { class: "forkd-meta" }, meta, (bits.length ? "· " + bits.join(" · ") : ""));
+    row.addEventListener("click", () => this.select(this.selected === id ? null : id));
+  }
+
+  _groupRow(row, r, tree) {
+    row.classList.add("forkd-group", r.kind, `status-${r.status}`);
+    row.setAttribute("aria-expanded", r.open ? "true" : "false");
+    row.dataset.group = r.key;
+    row.dataset.count = String(r.ids.length);
+    row.dataset.status = r.status;
+    const noun = r.kind === "snapshot" ? "snapshots" : "sandboxes";
+    row.setAttribute("aria-label", `${r.ids.length} ${noun}, ${r.status}; ${r.open ? "expanded" : "collapsed"}`);
+    const top = el("div", { class: "forkd-line1" }, row);
+    el("span", { class: "forkd-icon", "aria-hidden": "true" }, top, r.open ? "▾" : "▸");
+    el("span", { class: "forkd-id" }, top, `${r.ids.length} × ${r.status}`);
+    const meta = el("div", { class: "forkd-line2" }, row);
+    el("span", { class: `forkd-dot status-${r.status}`, "aria-hidden": "true" }, meta);
+    let kib = 0, known = 0;
+    for (const id of r.ids) { const m = tree[id].memory; if (m && m.uss_kib !== undefined) { kib += m.uss_kib; known++; } }
+    el("span", { class: "forkd-meta" }, meta, `${noun}${known && !isGone(tree[r.ids[0]]) ? ` · ${fmtKib(kib)} private` : ""} · ${r.open ? "fold" : "list them"}`);
+    row.addEventListener("click", () => this._toggle(r.key));
+  }
+
+  _toggle(key, open) {
+    if (open === undefined) open = !this.expanded.has(key);
+    if (open) this.expanded.add(key);
+    else this.expanded.delete(key);
+    this.render();
+    const row = [...this.list.children].find((c) => c.dataset.key === key);
+    if (row) row.focus();
+  }
+
+  _roving(row) {
+    for (const c of this.list.children) if (c !== row) c.tabIndex = -1;
+    row.tabIndex = 0;
+  }
+
+  _key(e) {
+    const rowsEls = [...this.list.querySelectorAll(".forkd-row")];
+    const i = rowsEls.indexOf(document.activeElement);
+    if (i < 0) return;
+    const row = rowsEls[i];
+    const r = this.shownRows[i];
+    const go = (j) => { const t = rowsEls[Math.max(0, Math.min(rowsEls.length - 1, j))]; t.focus(); t.scrollIntoView({ block: "nearest" }); };
+    const keys = {
+      ArrowDown: () => go(i + 1), ArrowUp: () => go(i - 1), Home: () => go(0), End: () => go(rowsEls.length - 1),
+      ArrowRight: () => (r.type === "group" && !r.open ? this._toggle(r.key, true) : go(i + 1)),
+      ArrowLeft: () => (r.type === "group" && r.open ? this._toggle(r.key, false) : r.up >= 0 && go(r.up)),
+      Enter: () => row.click(), " ": () => row.click(),
+      "+": () => this.setZoom(this.zoom * 1.25), "-": () => this.setZoom(this.zoom / 1.25), "0": () => this.fit(),
+    };
+    if (keys[e.key]) { e.preventDefault(); keys[e.key](); }
+  }
+
+  // drag the background to pan (scrolls the canvas)
+  _pan() {
+    let from = null;
+    this.canvas.addEventListener("pointerdown", (e) => {
+      if (e.target.closest(".forkd-row") || e.button !== 0) return;
+      from = { x: e.clientX, y: e.clientY, l: this.canvas.scrollLeft, t: this.canvas.scrollTop };
+      this.canvas.setPointerCapture(e.pointerId);
+      this.canvas.classList.add("forkd-panning");
+    });
+    this.canvas.addEventListener("pointermove", (e) => {
+      if (!from) return;
+      this.canvas.scrollLeft = from.l - (e.clientX - from.x);
+      this.canvas.scrollTop = from.t - (e.clientY - from.y);
+    });
+    const end = () => { from = null; this.canvas.classList.remove("forkd-panning"); };
+    this.canvas.addEventListener("pointerup", end);
+    this.canvas.addEventListener("pointercancel", end);
+  }
+
+  _tick() {
+    const now = Date.now() / 1000;
+    for (const t of this.list.querySelectorAll(".forkd-age")) t.textContent = "· " + age(Number(t.dataset.created), now);
+  }
+
+  _drawDetails(tree) {
+    const d = this.details;
+    d.textContent = "";
+    const node = this.selected && tree[this.selected];
+    if (!node) {
+      el("div", { class: "forkd-hint" }, d, "Select a snapshot or sandbox (click, or arrows and Enter) for its details and actions.");
+      return;
+    }
+    const id = this.selected;
+    const info = node.info || {};
+    const now = Date.now() / 1000;
+    el("div", { class: "forkd-details-title" }, d, `${node.ghost ? "gone " : ""}${node.kind} ${id}`);
+    const table = el("table", {}, d);
+    const rowsT = [["status", (node.history || [node.status]).join(" → ")], ["parent", node.parent || "—"]];
+    if (node.ghost) rowsT.push(["note", "no longer exists; drawn so the lineage below it stays connected"]);
+    if (node.created) rowsT.push(["age", `${age(node.created, now)} (${new Date(node.created * 1000).toLocaleString()})`]);
+    if (node.engine) rowsT.push(["engine", node.engine]);
+    if (node.pause_ms !== null && node.pause_ms !== undefined) rowsT.push(["pause", fmtMs(node.pause_ms)]);
+    if (node.memory) rowsT.push(["memory", ["uss", "pss", "rss"].filter((k) => node.memory[`${k}_kib`] !== undefined).map((k) => `${k === "uss" ? "private" : k} ${fmtKib(node.memory[`${k}_kib`])}`).join(" · ")]);
+    if (node.busy !== undefined) rowsT.push(["activity", node.busy ? `busy${typeof node.busy === "string" ? `: ${node.busy}` : ""}` : "idle"]);
+    if (node.heads && node.heads.length) rowsT.push(["HEAD of", node.heads.join(", ")]);
+    for (const [k, v] of Object.entries(node.labels || {})) rowsT.push([`label ${k}`, v]);
+    for (const key of ["branched_from", "pid", "branch_count", "memory_limit_mib", "prepare_ms"]) {
+      if (info[key] !== undefined && info[key] !== null) rowsT.push([key, String(info[key])]);
+    }
+    if (node.lineage) rowsT.push(["lineage", node.lineage.join(" / ")]);
+    for (const w of warningsOf(node)) rowsT.push(["⚠ warning", w]);
+    for (const [k, v] of rowsT) {
+      const tr = el("tr", {}, table);
+      el("th", {}, tr, k);
+      el("td", {}, tr, v);
+    }
+    this._actions(d, id, node, tree);
+  }
+
+  _actions(d, id, node, tree) {
+    const bar = el("div", { class: "forkd-actions" }, d);
+    const off = this.state !== "live";
+    const why = off ? "not connected" : "";
+    const button = (label, action, title, run, danger) => {
+      const b = el("button", { class: `forkd-btn forkd-${action}${danger ? " forkd-danger" : ""}`, "data-action": action, type: "button", title: why || title }, bar, label);
+      b.disabled = off || this.busy;
+      b.addEventListener("click", () => this._run(action, id, run));
+      return b;
+    };
+    const gone = isGone(node);
+    if (!gone && node.kind === "sandbox") {
+      const mode = el("select", { class: "forkd-mode", "aria-label": "branch mode", title: "live: pause ~ms, copy while it runs; diff: only changed pages; full: copy all memory in the pause" }, bar);
+      for (const m of MODES) el("option", { value: m }, mode, m);
+      button("Branch", "branch", "Turn this sandbox into a new snapshot (it keeps running)", () => this.opts.act("branch", id, { mode: mode.value }));
+      button("Kill", "kill", "Stop this sandbox", async () => {
+        const c = await this._confirm(describeKill(tree, id));
+        return c.ok ? this.opts.act("kill", id, {}) : null;
+      }, true);
+    } else if (!gone) {
+      const n = el("input", { type: "number", min: 1, max: 100, value: 1, class: "forkd-n", title: "how many sandboxes", "aria-label": "how many sandboxes" }, bar);
+      const writing = node.status === "writing";
+      const f = button("Fork", "fork", "Start sandboxes from this snapshot", () => this.opts.act("fork", id, { n: Math.max(1, parseInt(n.value, 10) || 1) }));
+      if (node.status !== "ready") { f.disabled = true; f.title = `the snapshot is ${node.status}`; }
+      const del = button("Delete", "delete", "Delete this snapshot", async () => {
+        const c = await this._confirm(describeDelete(tree, id));
+        return c.ok ? this.opts.act("delete", id, { cascade: !!c.option }) : null;
+      }, true);
+      if (writing) { del.disabled = true; del.title = "being written: wait until it is ready or failed"; }
+    }
+    const copy = el("button", { class: "forkd-btn forkd-copy", "data-action": "copy", type: "button", title: "Copy the id to the clipboard" }, bar, "Copy id");
+    copy.addEventListener("click", async () => {
+      try {
+        await (this.opts.copy ? this.opts.copy(id) : navigator.clipboard.writeText(id));
+        this.setMessage(`copied ${id}`);
+      } catch (err) {
+        this.setMessage(`could not copy: ${err.message || err}`, true);
+      }
+    });
+    for (const x of (this.opts.extraActions ? this.opts.extraActions(id, node) : [])) {
+      const b = el("button", { class: `forkd-btn forkd-${x.action}`, "data-action": x.action, type: "button", title: x.title || "" }, bar, x.label);
+      b.disabled = !!x.disabled || (x.needsLive && off);
+      b.addEventListener("click", () => this._run(x.action, id, x.run));
+    }
+  }
+
+  async _run(action, id, run) {
+    this.busy = true;
+    this.setMessage(`${action} ${id}…`);
+    try {
+      const message = await run();
+      if (message !== null && message !== undefined) this.setMessage(message);
+      else this.setMessage("");
+    } catch (err) {
+      this.setMessage(`error: ${action} ${id}: ${err.message || err}`, true);
+    } finally {
+      this.busy = false;
+      this.render();
+    }
+  }
+
+  _confirm(question) {
+    return this.opts.confirm ? this.opts.confirm(question) : this._inlineConfirm(question);
+  }
+
+  // the widget's confirmation: a box in the details pane (a notebook output has no dialog host)
+  _inlineConfirm({ title, body, ok, option }) {
+    return new Promise((resolve) => {
+      const box = el("div", { class: "forkd-confirm", role: "alertdialog", "aria-label": title }, this.details);
+      el("div", { class: "forkd-confirm-title" }, box, title);
+      for (const line of body) el("p", {}, box, line);
+      let check = null;
+      if (option) {
+        const lab = el("label", { class: "forkd-option" }, box);
+        check = el("input", { type: "checkbox", name: option.name }, lab);
+        lab.appendChild(document.createTextNode(" " + option.label));
+      }
+      const bar = el("div", { class: "forkd-actions" }, box);
+      const done = (yes) => { box.remove(); resolve({ ok: yes, option: !!(check && check.checked) }); };
+      const cancel = el("button", { class: "forkd-btn forkd-cancel", type: "button" }, bar, "Cancel");
+      const go = el("button", { class: "forkd-btn forkd-danger forkd-confirm-ok", type: "button" }, bar, ok);
+      cancel.addEventListener("click", () => done(false));
+      go.addEventListener("click", () => done(true));
+      box.addEventListener("keydown", (e) => { if (e.key === "Escape") done(false); });
+      cancel.focus();
+    });
+  }
 }
-
-export default { render };

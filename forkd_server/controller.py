@@ -1009,14 +1009,16 @@ class Controller:
     # --- lineage ---------------------------------------------------------------------------------
 
     def tree(self) -> list[dict]:
-        """Every snapshot and live sandbox as nodes with a parent id (None for roots)."""
+        """Every snapshot and live sandbox as nodes with a parent id (None for roots) and the whole
+        lineage (root ... itself), so a front end can draw ancestors that are gone."""
         nodes = []
         for s in self.registry.list_snapshots():
             nodes.append({"id": s["tag"], "kind": "snapshot", "parent": s["lineage"][-2] if len(s["lineage"]) > 1 else None,
                           "status": s["status"], "pause_ms": s["pause_ms"], "created_at": s["created_at"],
-                          "engine": s["engine"]})
+                          "engine": s["engine"], "lineage": s["lineage"]})
         for b in self.registry.list_sandboxes():
             if b["status"] == "running":
                 nodes.append({"id": b["id"], "kind": "sandbox", "parent": b["snapshot_tag"], "status": "running",
-                              "pause_ms": None, "created_at": b["created_at"], "engine": b["engine"]})
+                              "pause_ms": None, "created_at": b["created_at"], "engine": b["engine"],
+                              "lineage": b["lineage"]})
         return nodes

@@ -285,7 +285,28 @@ class TreeHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.send(await self.call(self.controller.tree))
+        with_memory, with_busy = _query_bool(self, "memory"), _query_bool(self, "busy")
+        nodes = await self.call(self.controller.tree)
+        sandboxes = [n for n in nodes if n["kind"] == "sandbox"]
+        # one request for the whole tree instead of one per sandbox (the lab panel shows all of them)
+        if with_memory:
+            await self.call(self._add_memory, sandboxes)
+        if with_busy:  # one agent round trip each, side by side: a slow sandbox costs its own ping only
+            await asyncio.gather(*(self.call(self._add_busy, n) for n in sandboxes))
+        self.send(nodes)
+
+    def _add_memory(self, sandboxes: list[dict]) -> None:
+        for node in sandboxes:
+            try:
+                node["memory"] = self.controller.memory(node["id"])
+            except ForkdError:  # gone since the listing: the event says so
+                node["memory"] = None
+
+    def _add_busy(self, node: dict) -> None:
+        try:
+            node["busy"] = self.controller.ping(node["id"]).get("busy")
+        except ForkdError:
+            node["busy"] = None
 
 
 # --- snapshots ----------------------------------------------------------------------------------

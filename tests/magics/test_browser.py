@@ -52,7 +52,7 @@ def lab(forkd):
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}",
          "--ServerApp.port_retries=0", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
          f"--LabApp.workspaces_dir={root}/ws", f"--LabApp.user_settings_dir={root}/settings",
-         "--ServerApp.disable_check_xsrf=True"],
+         "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True"],
         env={**forkd.env, "JUPYTER_RUNTIME_DIR": os.path.join(root, "rt")},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -111,16 +111,16 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
                 page.keyboard.press("Shift+Enter")
             widget = page.locator(".forkd-lineage")
             widget.wait_for(timeout=60_000)
-            branch = widget.locator("g.forkd-node[data-id='quickstart-b1'][data-status='ready']")
+            branch = widget.locator(".forkd-node[data-id='quickstart-b1'][data-status='ready']")
             branch.wait_for(timeout=60_000)
             # the last cell before the clean-up ran (the listing shows the grandchildren)
             page.get_by_text("5 sandbox(es)").first.wait_for(timeout=60_000)
-            badge = branch.locator("text.forkd-badge-text").text_content()
+            badge = branch.locator(".forkd-badge").text_content()
             assert badge == "writing → ready"  # the live stream carried both states to the page
             # the tree cell ran before the branch existed: the node arrived without re-running it
             tree_cell = next(i for i, c in enumerate(cells) if c.source.startswith("tree = %forkd tree"))
             assert tree_cell < next(i for i, c in enumerate(cells) if "%forkd branch" in c.source)
-            ids = widget.locator("g.forkd-node").evaluate_all("els => els.map(e => e.dataset.id)")
+            ids = widget.locator(".forkd-node").evaluate_all("els => els.map(e => e.dataset.id)")
             assert len(ids) == 2 + 5 and "quickstart" in ids
             # click shows details and the actions
             branch.click()
@@ -130,14 +130,26 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
             assert widget.locator("button.forkd-fork").count() == 1
             assert widget.locator("button.forkd-delete").count() == 1
             widget.scroll_into_view_if_needed()
+            page.mouse.move(5, 5)  # no hover highlight in the picture
             widget.screenshot(path=str(shot))
             page.screenshot(path=str(SHOTS / "quickstart-page.png"), full_page=False)
-            # a button goes page -> kernel -> server, and the new sandboxes come back over the events
+            # a button goes page -> kernel -> server, and the new sandboxes come back over the events;
+            # four alike grandchildren now fold into one row, which a click lists
             widget.locator("input.forkd-n").fill("2")
             widget.locator("button.forkd-fork").click()
             widget.locator(".forkd-message", has_text="forked 2 sandboxes from quickstart-b1").wait_for(timeout=30_000)
+            group = widget.locator(".forkd-group[data-count='4'][data-status='running']")
+            group.wait_for(timeout=30_000)
+            assert widget.locator(".forkd-node").count() == 2 + 3  # the snapshots and the three kids
+            group.click()
             page.wait_for_function(
-                "document.querySelectorAll('.forkd-lineage g.forkd-node').length === 9", timeout=30_000)
+                "document.querySelectorAll('.forkd-lineage .forkd-node').length === 9", timeout=30_000)
+            # the kernel that drew the widget restarts: the view says so, and its buttons stay off
+            # (nothing waits on a kernel that will never answer)
+            page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
+            widget.locator(".forkd-state[data-state='disconnected']").wait_for(timeout=10_000)
+            assert "run the cell again" in widget.locator(".forkd-state").text_content()
+            assert widget.locator("button.forkd-delete").is_disabled()  # quickstart-b1 is still selected
         except BaseException:
             page.screenshot(path=str(SHOTS / "failure-page.png"))
             raise

@@ -15,7 +15,8 @@ import comm
 import pytest
 
 from forkd_magics import LineageWidget
-from forkd_magics._widget import build_tree
+from forkd_magics._static import static_svg, with_ghosts
+from forkd_magics._widget import ESM_FILES, build_tree, widget_esm
 
 
 class RecordingComm:
@@ -76,19 +77,43 @@ def front_end_says(widget: LineageWidget, content: dict) -> None:
     widget._handle_msg({"content": {"data": {"method": "custom", "content": content}}, "buffers": []})
 
 
-def test_build_tree_edges_follow_lineage():
-    snaps = [{"tag": "py", "lineage": ["py"], "status": "ready", "created_at_unix": 1},
+def replies(widget: LineageWidget) -> dict:
+    """The kernel's answers to the page's requests, by request number."""
+    with widget.comm.lock:
+        sent = list(widget.comm.sent)
+    return {m["content"]["reply"]: m["content"] for m in sent
+            if m and m.get("method") == "custom" and "reply" in m.get("content", {})}
+
+
+def test_build_tree_keeps_direct_parents_and_the_static_picture_draws_ghosts():
+    snaps = [{"tag": "py", "lineage": ["py"], "status": "ready", "created_at_unix": 1, "engine": "process"},
              {"tag": "b", "lineage": ["py", "sb-1", "b"], "status": "writing", "pause_ms": 1.5,
               "branched_from": "sb-1", "created_at_unix": 2},
-             {"tag": "orphan", "lineage": ["py", "sb-gone", "orphan"], "status": "ready", "created_at_unix": 3}]
+             {"tag": "orphan", "lineage": ["py", "sb-gone", "orphan"], "status": "ready", "created_at_unix": 3,
+              "warnings": ["a thread was running: not carried"]}]
     sbs = [{"id": "sb-1", "snapshot_tag": "py", "lineage": ["py", "sb-1"], "status": "running", "created_at_unix": 1},
            {"id": "sb-2", "snapshot_tag": "b", "lineage": ["py", "sb-1", "b", "sb-2"], "status": "running",
             "created_at_unix": 4}]
     tree = build_tree(snaps, sbs, {"b": ["writing"]})
+    # the server's direct parents, even a killed one: the drawing puts a ghost there
     assert {k: v["parent"] for k, v in tree.items()} == {
-        "py": None, "sb-1": "py", "b": "sb-1", "sb-2": "b", "orphan": "py"}  # killed source: nearest ancestor
-    assert tree["b"]["pause_ms"] == 1.5 and tree["b"]["history"] == ["writing"]
+        "py": None, "sb-1": "py", "b": "sb-1", "sb-2": "b", "orphan": "sb-gone"}
+    assert tree["orphan"]["lineage"] == ["py", "sb-gone", "orphan"]
+    assert tree["orphan"]["warnings"] == ["a thread was running: not carried"]
+    assert tree["py"]["engine"] == "process" and tree["b"]["pause_ms"] == 1.5
+    assert tree["b"]["history"] == ["writing"]
     assert build_tree(snaps[:1], [], {"py": ["writing"]})["py"]["history"] == ["writing", "ready"]
+
+    full = with_ghosts(tree)
+    assert full["sb-gone"] == {"kind": "sandbox", "parent": "py", "status": "killed", "ghost": True}
+    svg = static_svg(tree)
+    assert svg.startswith("<svg") and svg.endswith("</svg>")
+    assert "sb-gone · killed (gone)" in svg and "⚠ 1 warning(s)" in svg and "writing" in svg
+    # four alike leaves under one parent fold into one row, as in the live drawing
+    many = dict(tree, **{f"sb-k{i}": {"kind": "sandbox", "parent": "py", "status": "running", "lineage": ["py", f"sb-k{i}"]}
+                         for i in range(4)})
+    assert "4 × running (sandboxes)" in static_svg(many) and "sb-k0" not in static_svg(many)
+    assert "&lt;x&gt;" in static_svg({"<x>": {"kind": "snapshot", "parent": None, "status": "ready"}})
 
 
 def test_widget_syncs_tree_and_follows_events_live(forkd, comms):
@@ -100,9 +125,13 @@ def test_widget_syncs_tree_and_follows_events_live(forkd, comms):
         assert w.live and set(w.tree) == {"wt", sb} and w.tree[sb]["parent"] == "wt"
         c = w.comm
         assert isinstance(c, RecordingComm) and c in comms
-        # the front end's code is the package's own file, and it loads nothing from anywhere
-        esm = (Path(__file__).parents[2] / "forkd_magics" / "lineage.js").read_text()
-        assert str(w._esm) == esm and not re.search(r"^\s*import\b|import\(", esm, re.M)
+        # the front end's code is the package's own files (the drawing the lab panel bundles too),
+        # as one module that loads nothing from anywhere
+        esm = str(w._esm)
+        assert esm == widget_esm() and not re.search(r"^\s*import\b|import\(|\bfrom\s+[\"']", esm, re.M)
+        assert ESM_FILES == ("lineage_tree.js", "lineage.js", "lineage_widget.js")
+        assert esm.index("export function withGhosts") < esm.index("export class LineageView") < esm.index("function render(")
+        assert esm.rstrip().endswith("export default { render };")
 
         # a change made elsewhere (not through the widget) arrives over /v1/events
         info = ctl.branch_sandbox(sb, "wt-b", mode="live", wait=False)
@@ -131,29 +160,69 @@ def test_buttons_run_actions_through_the_sdk(forkd, comms):
     ctl.create_snapshot("wa")
     w = LineageWidget(ctl)
     try:
-        front_end_says(w, {"action": "fork", "id": "wa", "n": 3})
+        front_end_says(w, {"action": "fork", "id": "wa", "n": 3, "req": 1})
         assert w.message == "forked 3 sandboxes from wa"
+        assert replies(w)[1] == {"reply": 1, "ok": True, "message": "forked 3 sandboxes from wa"}
         sandboxes = [b["id"] for b in ctl.list_sandboxes()]
         assert len(sandboxes) == 3
         wait_for(lambda: all(s in w.tree for s in sandboxes), what="forked sandboxes in the tree")
 
-        front_end_says(w, {"action": "branch", "id": sandboxes[0]})
+        front_end_says(w, {"action": "branch", "id": sandboxes[0], "mode": "diff", "req": 2})
         assert w.message.startswith(f"branched {sandboxes[0]} into branch-{sandboxes[0]}-0 (paused ")
         wait_for(lambda: w.tree.get(f"branch-{sandboxes[0]}-0", {}).get("status") == "ready", what="branch")
+        front_end_says(w, {"action": "branch", "id": sandboxes[0], "mode": "sideways", "req": 3})
+        assert replies(w)[3]["ok"] is False and "unknown mode 'sideways'" in replies(w)[3]["message"]
 
-        front_end_says(w, {"action": "kill", "id": sandboxes[1]})
+        front_end_says(w, {"action": "kill", "id": sandboxes[1], "req": 4})
         assert w.message == f"killed {sandboxes[1]}"
         assert sandboxes[1] not in {b["id"] for b in ctl.list_sandboxes()}
 
-        front_end_says(w, {"action": "delete", "id": f"branch-{sandboxes[0]}-0"})
-        assert w.message == f"deleted branch-{sandboxes[0]}-0"
-        wait_for(lambda: f"branch-{sandboxes[0]}-0" not in w.tree, what="deleted snapshot to leave")
+        # delete with cascade takes the snapshots branched further down along
+        branch = f"branch-{sandboxes[0]}-0"
+        kid = ctl.spawn_sandboxes(branch, 1)[0]["id"]
+        ctl.branch_sandbox(kid, "wa-deep", mode="full")
+        front_end_says(w, {"action": "delete", "id": branch, "cascade": True, "req": 5})
+        assert w.message == f"deleted {branch} and the snapshots branched from it"
+        wait_for(lambda: branch not in w.tree and "wa-deep" not in w.tree, what="deleted snapshots to leave")
+        assert kid in w.tree  # its sandbox keeps running: the drawing shows a ghost above it
+        assert w.tree[kid]["parent"] == branch
 
-        # errors come back as one line in the widget, nothing raises in the kernel
-        front_end_says(w, {"action": "kill", "id": "sb-nope"})
+        # errors come back as one line in the widget and as a failed reply, nothing raises in the kernel
+        front_end_says(w, {"action": "kill", "id": "sb-nope", "req": 6})
         assert w.message == "error: kill sb-nope: sandbox sb-nope not found"
+        assert replies(w)[6] == {"reply": 6, "ok": False, "message": w.message}
         front_end_says(w, {"action": "explode", "id": "wa"})
         assert w.message == "error: unknown action 'explode'"
+    finally:
+        w.close()
+
+
+def test_ping_and_reconnect(forkd, comms):
+    ctl = forkd.controller()
+    ctl.create_snapshot("wh")
+    w = LineageWidget(ctl)
+    try:
+        front_end_says(w, {"action": "ping", "req": 7})
+        assert replies(w)[7] == {"reply": 7, "ok": True, "message": "pong"}
+        w.stop()  # as when the stream was lost for good: the page shows "disconnected" and a button
+        assert not w.live
+        sb = ctl.spawn_sandboxes("wh", 1)[0]["id"]
+        front_end_says(w, {"action": "reconnect", "req": 8})
+        assert replies(w)[8]["ok"] and w.live and sb in w.tree
+        sb2 = ctl.spawn_sandboxes("wh", 1)[0]["id"]
+        wait_for(lambda: sb2 in w.tree, what="a change after reconnecting")
+    finally:
+        w.close()
+
+
+def test_output_bundle_carries_a_static_picture(forkd, comms):
+    ctl = forkd.controller()
+    ctl.create_snapshot("wp")
+    w = LineageWidget(ctl, live=False)
+    try:
+        data, _meta = w._repr_mimebundle_()
+        assert "application/vnd.jupyter.widget-view+json" in data and data["text/plain"].startswith("LineageWidget(")
+        assert data["image/svg+xml"].startswith("<svg") and "◆ wp · ready" in data["image/svg+xml"]
     finally:
         w.close()
 
@@ -172,27 +241,60 @@ def test_static_widget_does_not_follow(forkd, comms):
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
-def test_javascript_layout_and_ages():
-    """The ESM's pure parts (layout, ages) under node: parents centred on children, one row per leaf."""
-    src = Path(__file__).parents[2] / "forkd_magics" / "lineage.js"
+def test_the_shared_drawing_pure_parts():
+    """The drawing's pure parts (lineage_tree.js, shared by the widget and the lab panel) under node: ghosts, folded groups,
+    search and filter, what a kill or delete takes along, counts and ages."""
     with tempfile.TemporaryDirectory() as d:
         mod = Path(d) / "lineage.mjs"
-        mod.write_text(src.read_text())
+        mod.write_text(widget_esm())  # the module anywidget loads (the lab bundles the same files)
         script = f"""
-        import {{ layout, age }} from {json.dumps(str(mod))};
-        const tree = {{ py: {{parent: null}}, a: {{parent: "py"}}, b: {{parent: "py"}}, br: {{parent: "a"}},
-                        g1: {{parent: "br"}}, g2: {{parent: "br"}} }};
-        console.log(JSON.stringify({{ l: layout(tree), ages: [age(100, 105), age(0, 125), age(0, 7300), age(null, 1)] }}));
+        import * as L from {json.dumps(str(mod))};
+        if (typeof L.default.render !== "function" || typeof L.LineageView !== "function") throw new Error("exports");
+        const t = {{ py: {{kind: "snapshot", parent: null, status: "ready", lineage: ["py"]}},
+                     b: {{kind: "snapshot", parent: "sb-a", status: "ready", lineage: ["py", "sb-a", "b"]}},
+                     c: {{kind: "snapshot", parent: "sb-x", status: "ready", lineage: ["gone", "sb-x", "c"]}},
+                     d: {{kind: "snapshot", parent: "sb-b", status: "ready", lineage: ["py", "sb-b", "d"]}} }};
+        for (let i = 0; i < 5; i++) t["sb-" + i] = {{kind: "sandbox", parent: "py", status: "running", created: i,
+                                                    lineage: ["py", "sb-" + i], memory: {{uss_kib: 1024}}}};
+        t["sb-b"] = {{kind: "sandbox", parent: "py", status: "running", created: 9, lineage: ["py", "sb-b"]}};
+        t["g"] = {{kind: "sandbox", parent: "b", status: "running", lineage: ["py", "sb-a", "b", "g"], heads: ["n.ipynb"]}};
+        const full = L.withGhosts(t);
+        const show = (rs) => rs.map(r => "  ".repeat(r.depth) + (r.type === "node" ? r.id : r.ids.length + "x" + r.status));
+        console.log(JSON.stringify({{
+          ghosts: Object.keys(full).filter(k => full[k].ghost).sort().map(k => [k, full[k].kind, full[k].parent, full[k].status]),
+          rows: show(L.rows(full)),
+          open: show(L.rows(full, {{expanded: new Set(["py|sandbox|running"])}})).length,
+          search: show(L.rows(full, {{query: "SB-3"}})),
+          only: show(L.rows(full, {{only: (id, n) => (n.heads || []).length > 0}})),
+          kill: L.describeKill(full, "sb-b"),
+          del: L.describeDelete(full, "py"),
+          sum: L.summary(full),
+          ages: [L.age(100, 105), L.age(0, 125), L.age(0, 7300), L.age(0, 90000), L.age(null, 1)],
+          kib: [L.fmtKib(512), L.fmtKib(1536), L.fmtKib(3 * 1024 * 1024)],
+        }}));
         """
         out = subprocess.run(["node", "--input-type=module", "-e", script], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
-    pos, ages = got["l"]["pos"], got["ages"]
-    assert got["l"]["rows"] == 3 and got["l"]["cols"] == 4
-    assert [pos[k]["depth"] for k in ("py", "a", "br", "g1", "b")] == [0, 1, 2, 3, 1]
-    assert pos["br"]["y"] == (pos["g1"]["y"] + pos["g2"]["y"]) / 2
-    assert pos["py"]["y"] == (pos["a"]["y"] + pos["b"]["y"]) / 2
-    assert ages == ["5s", "2m 5s", "2h 1m", ""]
+    # the killed sandboxes above branches and a deleted root come back as ghosts, so no branch floats
+    assert got["ghosts"] == [["gone", "snapshot", None, "deleted"], ["sb-a", "sandbox", "py", "killed"],
+                             ["sb-x", "sandbox", "gone", "killed"]]
+    # five alike leaves under py fold into one row; the node with children and the HEAD stay out
+    # (roots and siblings in order of creation, then id; ghosts have no creation time)
+    assert got["rows"] == ["gone", "  sb-x", "    c", "py", "  5xrunning", "  sb-b", "    d",
+                           "  sb-a", "    b", "      g"]
+    assert got["open"] == len(got["rows"]) + 5
+    assert got["search"] == ["py", "  sb-3"]  # a match and its ancestors, case-insensitive
+    assert got["only"] == ["py", "  sb-a", "    b", "      g"]
+    assert got["kill"]["title"] == "Kill sandbox sb-b?" and got["kill"]["ok"] == "Kill"
+    assert "The 1 snapshot branched from it stays (d)" in " ".join(got["kill"]["body"])
+    body = " ".join(got["del"]["body"])
+    assert "The 6 sandboxes forked from it keep running (sb-0, sb-1, sb-2, sb-3, … (2 more))" in body
+    assert "2 snapshots branched further down stay unless you tick the box: d, b." in body
+    assert got["del"]["option"]["name"] == "cascade"
+    assert got["sum"] == {"snapshots": 4, "sandboxes": 7, "memory_kib": 5120}
+    assert got["ages"] == ["5s", "2m 5s", "2h 1m", "1d 1h", ""]
+    assert got["kib"] == ["512 KiB", "1.5 MiB", "3.00 GiB"]
 
 
 def test_widget_resubscribes_when_the_stream_drops(forkd, comms):

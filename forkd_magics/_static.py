@@ -1,0 +1,117 @@
+"""A static SVG of the lineage tree, put in the widget's output bundle next to the live view.
+
+A saved notebook shown without its kernel (nbviewer, GitHub, nbconvert) cannot run the widget's
+JavaScript; it shows this picture instead. It is drawn in Python at display time (the kernel has no
+JavaScript engine) and follows the live drawing's rules (``lineage.js``): one row per node, a ghost
+for every ancestor that is gone, alike leaf siblings folded into one row from ``GROUP_MIN`` on.
+Its colours are fixed and it carries its own white background, so it reads on any page.
+"""
+
+from __future__ import annotations
+
+from xml.sax.saxutils import escape
+
+GROUP_MIN = 4  # as lineage.js
+ROW, INDENT, WIDTH, PAD = 30, 18, 600, 8
+COLOURS = {"ready": "#1a7f37", "running": "#0969da", "writing": "#bf8700", "failed": "#cf222e"}
+GONE = {"sandbox": "killed", "snapshot": "deleted"}
+
+
+def with_ghosts(tree: dict) -> dict:
+    """Add a ghost node for every ancestor that is gone (see ``withGhosts`` in lineage.js)."""
+    out = dict(tree)
+    for node in tree.values():
+        chain = node.get("lineage") or []
+        kind, parent = node["kind"], node.get("parent")
+        while parent and (parent not in out or out[parent].get("ghost")):
+            at = chain.index(parent) if parent in chain else -1
+            grand = chain[at - 1] if at > 0 else None
+            kind = "snapshot" if kind == "sandbox" else "sandbox"
+            known = out.get(parent)
+            if known is not None and (known.get("parent") or not grand):
+                break
+            out[parent] = {"kind": kind, "parent": grand, "status": GONE[kind], "ghost": True}
+            parent = grand
+    return out
+
+
+def rows(tree: dict) -> list[tuple[int, str, str | None, list[str]]]:
+    """(depth, node id or None for a group, status, member ids) top to bottom, groups folded."""
+    kids: dict[str, list[str]] = {}
+    roots = []
+    for nid, node in tree.items():
+        parent = node.get("parent")
+        (kids.setdefault(parent, []) if parent in tree and parent != nid else roots).append(nid)
+    def order(ids):
+        return sorted(ids, key=lambda i: (tree[i].get("created") is None, tree[i].get("created") or 0, i))
+    out = []
+
+    def place(nid, depth):
+        out.append((depth, nid, tree[nid]["status"], [nid]))
+        children = order(kids.get(nid, []))
+        buckets: dict[tuple, list[str]] = {}
+        for c in children:
+            n = tree[c]
+            if not kids.get(c) and not n.get("heads") and not (n.get("warnings") or n.get("warning")):
+                buckets.setdefault((n["kind"], n["status"]), []).append(c)
+        grouped = {c: key for key, ids in buckets.items() if len(ids) >= GROUP_MIN for c in ids}
+        seen = set()
+        for c in children:
+            key = grouped.get(c)
+            if key is None:
+                place(c, depth + 1)
+            elif key not in seen:
+                seen.add(key)
+                out.append((depth + 1, None, key[1], buckets[key]))
+
+    for r in order(roots):
+        place(r, 0)
+    return out
+
+
+def static_svg(tree: dict) -> str:
+    """The tree as a standalone SVG document (a string); nothing in it depends on the clock, so a
+    notebook's stored picture compares equal when it is run again (nbval)."""
+    full = with_ghosts(tree)
+    drawn = rows(full)
+    height = PAD * 2 + 22 + max(len(drawn), 1) * ROW
+    snaps = sum(1 for n in tree.values() if n["kind"] == "snapshot")
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+           f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{WIDTH}" height="{height}" fill="#ffffff" stroke="#c8ccd1"/>',
+           f'<text x="{PAD}" y="{PAD + 12}" fill="#57606a" font-size="11">forkd lineage: {snaps} snapshot(s), '
+           f'{len(tree) - snaps} sandbox(es) when the cell ran (a static picture: run the cell for the live view)</text>']
+    top = PAD + 22
+    index: dict[str, int] = {}
+    for i, (depth, nid, status, members) in enumerate(drawn):
+        y = top + i * ROW
+        x = PAD + depth * INDENT
+        if nid is not None:
+            index[nid] = i
+            parent = full[nid].get("parent")
+        else:
+            parent = full[members[0]].get("parent")
+        if parent in index:
+            px = PAD + drawn[index[parent]][0] * INDENT + 8
+            out.append(f'<path d="M{px},{top + index[parent] * ROW + 24} V{y + 12} H{x}" fill="none" stroke="#9aa4b1"/>')
+        colour = COLOURS.get(status, "#8c959f")
+        ghost = nid is not None and full[nid].get("ghost")
+        dash = ' stroke-dasharray="4 3"' if ghost or nid is None else ""
+        out.append(f'<rect x="{x}" y="{y}" width="{WIDTH - PAD - x}" height="24" rx="3" fill="#ffffff" stroke="#c8ccd1"{dash}/>')
+        out.append(f'<rect x="{x}" y="{y}" width="4" height="24" fill="{colour}"/>')
+        if nid is None:
+            label = f"{len(members)} × {status} ({'snapshots' if full[members[0]]['kind'] == 'snapshot' else 'sandboxes'})"
+        else:
+            node = full[nid]
+            icon = "◆" if node["kind"] == "snapshot" else "●"
+            hist = " → ".join(node.get("history") or [status])
+            extra = " (gone)" if ghost else ""
+            if node.get("pause_ms") is not None:
+                extra += f" · paused {node['pause_ms']:.2f} ms"
+            warns = node.get("warnings") or ([node["warning"]] if node.get("warning") else [])
+            if warns:
+                extra += f" · ⚠ {len(warns)} warning(s)"
+            label = f"{icon} {nid} · {hist}{extra}"
+        out.append(f'<text x="{x + 10}" y="{y + 16}" fill="#1f2328">{escape(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)

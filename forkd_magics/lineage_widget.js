@@ -1,0 +1,86 @@
+// The lineage widget's front end (anywidget): the shared drawing over the kernel's model.
+// _widget.py hands anywidget one module made of lineage_tree.js, lineage.js and this file, in that
+// order, without their relative imports (anywidget loads a single file).
+
+import { LineageView } from "./lineage.js";
+
+// The kernel owns the data (model "tree", "live", "message"); actions are custom messages answered
+// by {reply: n, ok, message}. The view says "disconnected" when the comm closes (the kernel restarted
+// or shut down), when the kernel stopped following the server (`live` false: a reconnect button),
+// or when a request got no answer: nothing waits forever. There is no periodic ping: each message to
+// the kernel shows it busy for a moment in the notebook's status.
+
+const REPLY_TIMEOUT = 30000;
+
+function render({ model, el: host }) {
+  let seq = 0;
+  const waiting = new Map();
+  let commOpen = true;
+  let unanswered = false;
+  const ask = (content, timeout = REPLY_TIMEOUT) => new Promise((resolve, reject) => {
+    const n = ++seq;
+    const timer = setTimeout(() => {
+      waiting.delete(n);
+      unanswered = true;
+      showState();
+      reject(new Error("the kernel did not answer (it may be busy, or gone)"));
+    }, timeout);
+    waiting.set(n, { resolve, reject, timer });
+    model.send({ ...content, req: n });
+  });
+  const view = new LineageView(host, {
+    act: async (action, id, args) => {
+      const r = await ask({ action, id, ...args });
+      if (!r.ok) throw new Error(r.message);
+      return r.message;
+    },
+  });
+  const onCustom = (msg) => {
+    if (!msg || msg.reply === undefined) return;
+    unanswered = false;
+    const w = waiting.get(msg.reply);
+    if (w) {
+      waiting.delete(msg.reply);
+      clearTimeout(w.timer);
+      w.resolve(msg);
+    }
+    showState();
+  };
+  const showState = () => {
+    if (!commOpen) view.setState("disconnected", "the kernel that drew this widget is gone: run the cell again.");
+    else if (unanswered) view.setState("disconnected", "the kernel does not answer (busy, or gone).", () => ask({ action: "ping" }, 5000).catch(() => {}));
+    else if (!model.get("live")) {
+      view.setState("disconnected", model.get("message") || "not following the server.", () =>
+        ask({ action: "reconnect" }).then((r) => view.setMessage(r.message, !r.ok)).catch((e) => view.setMessage(e.message, true)));
+    } else view.setState("live");
+  };
+  const onTree = () => view.update(model.get("tree") || {});
+  const onMessage = () => { const m = model.get("message") || ""; view.setMessage(m, m.startsWith("error")); };
+  const onComm = () => {
+    commOpen = false;
+    for (const w of waiting.values()) { clearTimeout(w.timer); w.reject(new Error("the kernel is gone")); }
+    waiting.clear();
+    showState();
+  };
+  model.on("msg:custom", onCustom);
+  model.on("change:tree", onTree);
+  model.on("change:live", showState);
+  model.on("change:message", onMessage);
+  model.on("comm_live_update", onComm);
+  model.on("destroy", onComm);
+  onTree();
+  onMessage();
+  showState();
+  return () => {
+    for (const w of waiting.values()) clearTimeout(w.timer);
+    model.off("msg:custom", onCustom);
+    model.off("change:tree", onTree);
+    model.off("change:live", showState);
+    model.off("change:message", onMessage);
+    model.off("comm_live_update", onComm);
+    model.off("destroy", onComm);
+    view.dispose();
+  };
+}
+
+export default { render };

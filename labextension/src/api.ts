@@ -1,0 +1,124 @@
+// The forkd REST routes as the server extension serves them inside Jupyter: {base}forkd/...
+// (the same routes `forkd serve` has at its root). Requests carry Jupyter's own auth (token, XSRF)
+// through ServerConnection; errors keep forkd's {"error": "..."} message.
+
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+export interface ITreeNode {
+  id: string;
+  kind: 'snapshot' | 'sandbox';
+  parent: string | null;
+  lineage?: string[];
+  status: string;
+  pause_ms: number | null;
+  created_at: number;
+  engine: string;
+  memory?: { rss_kib: number; pss_kib: number; uss_kib: number } | null;
+  busy?: string | null;
+  warnings?: string[];
+  warning?: string;
+  labels?: Record<string, string>;
+}
+
+export interface IKernelHead {
+  kernel_id: string;
+  head: string | null;
+  notebook?: string | null;
+  base_snapshot?: string | null;
+  engine?: string;
+  updated_at?: number;
+}
+
+/** A reply with an error status: `message` is the server's `error`. */
+export class ForkdError extends Error {
+  constructor(
+    readonly status: number,
+    message: string
+  ) {
+    super(message);
+  }
+}
+
+/** The server did not answer at all (restarting, gone, network). */
+export class ForkdUnreachable extends Error {}
+
+export class ForkdAPI {
+  constructor(readonly settings: ServerConnection.ISettings) {}
+
+  url(...parts: string[]): string {
+    return URLExt.join(this.settings.baseUrl, 'forkd', ...parts);
+  }
+
+  async request<T>(path: string, init: RequestInit = {}): Promise<T> {
+    let response: Response;
+    try {
+      response = await ServerConnection.makeRequest(this.url(path), init, this.settings);
+    } catch (err) {
+      throw new ForkdUnreachable(`the Jupyter server does not answer: ${(err as Error).message}`);
+    }
+    const text = await response.text();
+    let body: any = null;
+    try {
+      body = text ? JSON.parse(text) : null;
+    } catch {
+      body = null;
+    }
+    if (!response.ok) {
+      const message = body && typeof body.error === 'string' ? body.error : `${response.status} ${response.statusText}`;
+      throw new ForkdError(response.status, message);
+    }
+    return body as T;
+  }
+
+  private send<T>(method: string, path: string, body?: unknown): Promise<T> {
+    return this.request<T>(path, {
+      method,
+      body: body === undefined ? undefined : JSON.stringify(body),
+      headers: body === undefined ? undefined : { 'Content-Type': 'application/json' }
+    });
+  }
+
+  version(): Promise<{ version: string; api: string }> {
+    return this.request('version');
+  }
+
+  /** The whole tree, with each sandbox's memory and what it runs (one request for all of them). */
+  tree(): Promise<ITreeNode[]> {
+    return this.request('v1/tree?memory=true&busy=true');
+  }
+
+  /** The forkd kernels' HEADs; null when this server has no such route yet (404). */
+  async kernels(): Promise<IKernelHead[] | null> {
+    try {
+      return await this.request<IKernelHead[]>('v1/kernels');
+    } catch (err) {
+      if (err instanceof ForkdError && err.status === 404) {
+        return null;
+      }
+      throw err;
+    }
+  }
+
+  spawn(tag: string, n: number): Promise<{ id: string }[]> {
+    return this.send('POST', 'v1/sandboxes', { snapshot_tag: tag, n });
+  }
+
+  kill(id: string): Promise<void> {
+    return this.send('DELETE', `v1/sandboxes/${encodeURIComponent(id)}`);
+  }
+
+  branch(id: string, mode: string, lossy = false): Promise<{ tag: string; pause_ms?: number; warnings?: string[] }> {
+    // live answers at once (the snapshot is `writing` until the events say `ready`); diff and full
+    // copy memory in the pause, so the server answers when the snapshot is ready
+    const body: Record<string, unknown> = mode === 'live' ? { mode, wait: false } : { mode };
+    if (lossy) {
+      body.lossy = true;
+    }
+    return this.send('POST', `v1/sandboxes/${encodeURIComponent(id)}/branch`, body);
+  }
+
+  deleteSnapshot(tag: string, cascade: boolean): Promise<void> {
+    return this.send('DELETE', `v1/snapshots/${encodeURIComponent(tag)}${cascade ? '?cascade=true' : ''}`);
+  }
+}

