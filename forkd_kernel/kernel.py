@@ -13,8 +13,10 @@ starts in a fresh child of the base snapshot and says where the previous HEAD st
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import json
 import os
 import re
 import sys
@@ -33,6 +35,24 @@ from .local import KernelMagics, LocalShell, is_forkd_cell
 # Warms what every cell would load: the shell (created by the snapshot's shell option), jedi.
 BASE_SETUP = "import os, sys, time, random\n"
 REPLIES = ("status", "interrupt_reply", "session_reply")
+
+
+def notebook_path() -> str | None:
+    """The notebook this kernel runs, relative to its Jupyter server's root (as Lab names files):
+    jupyter_server gives the kernel the absolute path in $JPY_SESSION_NAME."""
+    path = os.environ.get("JPY_SESSION_NAME") or None
+    parent = os.environ.get("JPY_PARENT_PID")
+    if not path or not os.path.isabs(path) or not parent:
+        return path
+    try:
+        from jupyter_core.paths import jupyter_runtime_dir
+        with open(os.path.join(jupyter_runtime_dir(), f"jpserver-{parent}.json")) as f:
+            root = json.load(f).get("root_dir")
+    except (OSError, ValueError, ImportError):
+        return path
+    if root and os.path.commonpath([os.path.abspath(root), path]) == os.path.abspath(root):
+        return os.path.relpath(path, root)
+    return path
 
 
 def _env_list(name: str) -> list[str]:
@@ -90,7 +110,7 @@ class ForkdKernel(Kernel):
         self._start_error: str | None = None
         self._started = threading.Event()
         self.kernel_id = self._kernel_id()
-        self.notebook = os.environ.get("JPY_SESSION_NAME") or None
+        self.notebook = notebook_path()
         self.local = LocalShell.make(self._publish_local)
         self.local.register_magics(KernelMagics(self.local, self))
         self._install_comms()
@@ -237,7 +257,8 @@ class ForkdKernel(Kernel):
             return self._error(parent, "UsageError", str(exc))
         if local:
             return self._run_local(code, silent, parent)
-        self._started.wait()
+        if not self._started.is_set():  # the first sandbox is still being made: wait, loop responsive
+            await asyncio.get_running_loop().run_in_executor(None, self._started.wait)
         if self._start_error:
             return self._error(parent, "ForkdKernelError", self._start_error)
         if self._notice:

@@ -186,3 +186,17 @@ def test_a_server_restart_loses_nothing(kernel, forkd_server):
     cell = run(kc, "sum(kept)")
     assert cell.result == "6" and "reconnected to" in cell.text
     assert run(kc, "%forkd branch --live").ok  # the server side works again too
+
+
+def test_a_cell_run_while_the_sandbox_is_still_being_made_runs_when_it_is_ready(forkd_server):
+    # A base snapshot whose setup takes a while (another base, since the setup differs).
+    km, kc = start_new_kernel(kernel_name="forkd-python",
+                              env={**__import__("os").environ, "FORKD_KERNEL_SETUP": "import time\ntime.sleep(3)"})
+    try:
+        info = kc.kernel_info(reply=True, timeout=5)  # answered at once, while the sandbox is made
+        assert info["content"]["implementation"] == "forkd"
+        cell = run(kc, "'ready'", timeout=120)
+        assert cell.result == "'ready'"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)

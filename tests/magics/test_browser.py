@@ -109,7 +109,7 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
             page.locator(".jp-NotebookPanel .jp-InputPrompt", has_text="[1]:").wait_for(timeout=60_000)
             for _ in range(before_cleanup - first_code - 1):
                 page.keyboard.press("Shift+Enter")
-            widget = page.locator(".forkd-lineage")
+            widget = page.locator(".jp-OutputArea .forkd-lineage")  # the widget, not the lab panel's
             widget.wait_for(timeout=60_000)
             branch = widget.locator(".forkd-node[data-id='quickstart-b1'][data-status='ready']")
             branch.wait_for(timeout=60_000)
@@ -143,7 +143,7 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
             assert widget.locator(".forkd-node").count() == 2 + 3  # the snapshots and the three kids
             group.click()
             page.wait_for_function(
-                "document.querySelectorAll('.forkd-lineage .forkd-node').length === 9", timeout=30_000)
+                "document.querySelectorAll('.jp-OutputArea .forkd-lineage .forkd-node').length === 9", timeout=30_000)
             # the kernel that drew the widget restarts: the view says so, and its buttons stay off
             # (nothing waits on a kernel that will never answer)
             page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
