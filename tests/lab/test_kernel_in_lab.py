@@ -29,6 +29,9 @@ def test_launcher_opens_the_forkd_kernel_and_typed_cells_branch_fork_and_check_o
     card.click()
     page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
     page.locator(".jp-NotebookPanel-toolbar .jp-KernelName", has_text="Python 3 (forkd)").wait_for(timeout=30_000)
+    # as a person waits for the kernel indicator to say Idle before running the first cell
+    page.wait_for_function("window.jupyterapp.shell.currentWidget.sessionContext.kernelDisplayStatus === 'idle'",
+                           timeout=60_000)
 
     assert type_and_run(page, "x = 21\nx") == "21"
     assert "status='ready'" in type_and_run(page, "%forkd branch --live")
