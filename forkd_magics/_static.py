@@ -111,6 +111,8 @@ def static_svg(tree: dict) -> str:
             warns = node.get("warnings") or ([node["warning"]] if node.get("warning") else [])
             if warns:
                 extra += f" · ⚠ {len(warns)} warning(s)"
+            if node.get("heads"):
+                extra += f" · HEAD of {', '.join(node['heads'])}"
             label = f"{icon} {nid} · {hist}{extra}"
         out.append(f'<text x="{x + 10}" y="{y + 16}" fill="#1f2328">{escape(label)}</text>')
     out.append("</svg>")

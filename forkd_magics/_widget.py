@@ -132,8 +132,16 @@ class LineageWidget(anywidget.AnyWidget):
         """Re-read every snapshot and sandbox from the server; returns the new tree."""
         snapshots = self.controller.list_snapshots()
         sandboxes = self.controller.list_sandboxes()
+        try:  # which sandbox each forkd kernel runs its notebook in (a server without /v1/kernels: none)
+            kernels = self.controller.list_kernels()
+        except (ControllerError, ServerUnreachable):
+            kernels = []
         with self._lock:
             tree = build_tree(snapshots, sandboxes, self._history)
+            for k in kernels:
+                node = tree.get(k.get("head"))
+                if node is not None:
+                    node.setdefault("heads", []).append(k.get("notebook") or f"kernel {k['kernel_id'][:8]}")
             for node_id, node in tree.items():
                 self._history[node_id] = node["history"]
             for gone in set(self._history) - set(tree):
@@ -143,6 +151,9 @@ class LineageWidget(anywidget.AnyWidget):
 
     def apply_event(self, event: dict) -> None:
         """Fold one ``/v1/events`` event into the tree (new nodes are read from the server)."""
+        if event.get("kind") == "kernel":  # a notebook's HEAD moved: take the server's view
+            self.refresh()
+            return
         node_id = event.get("tag") if event.get("kind") == "snapshot" else event.get("id")
         action, status = event.get("action"), event.get("status")
         with self._lock:

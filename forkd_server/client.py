@@ -606,6 +606,12 @@ class Sandbox:
         execution.stdout, execution.stderr = "".join(out), "".join(err)
         return execution
 
+    def stream_code(self, code: str):
+        """Run a cell and yield its events as they happen (``stream``, ``display_data``, ``error``...);
+        the last is the ``execute_reply``. ``for event in sb.stream_code("...")``: print as it runs."""
+        with self.session() as session:
+            yield from session.stream(code, store_history=False)
+
     def session(self, shell: str = "plain"):
         """A streaming session with this sandbox (see ``Controller.session``)."""
         return self.controller.session(self.id, shell=shell)

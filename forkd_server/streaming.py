@@ -131,6 +131,19 @@ class Session:
             if on_event is not None:
                 on_event(event)
 
+    def stream(self, code: str, **options):
+        """Run a cell and yield its events as they happen; the last one is its ``execute_reply``
+        (``{"type": "execute_reply", "content": {"status", ...}}``). Stop it with ``interrupt()``."""
+        rid = self.new_id()
+        self.send({"type": "execute", "id": rid, "code": code, **options})
+        while True:
+            event = self.recv()
+            if event is None:
+                raise SessionClosed(f"the session with {self.sandbox_id} ended during the cell")
+            yield event
+            if event.get("type") == "execute_reply" and event.get("id") == rid:
+                return
+
     def execute(self, code: str, *, on_event: Callable[[dict], Any] | None = None,
                 input: Callable[[str, bool], str] | None = None, timeout: float | None = None,  # noqa: A002
                 **options) -> dict:

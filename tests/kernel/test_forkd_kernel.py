@@ -200,3 +200,14 @@ def test_a_cell_run_while_the_sandbox_is_still_being_made_runs_when_it_is_ready(
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)
+
+
+def test_forkd_tree_marks_head(kernel):
+    _, kc = kernel
+    assert run(kc, "a = 1").ok
+    tree = run(kc, "%forkd tree --static")
+    assert tree.ok, tree.text
+    head = run(kc, "%forkd head").result.split()[1]
+    svg = next(m["content"]["data"]["image/svg+xml"] for m in tree.messages
+               if m["msg_type"] in ("execute_result", "display_data") and "image/svg+xml" in m["content"]["data"])
+    assert f"{head} · running · HEAD of" in svg

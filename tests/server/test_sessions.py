@@ -145,3 +145,13 @@ def test_rest_interrupt(ctl, snap):
     assert ctl.interrupt(sb.id)["interrupted"] is True
     worker.join(30)
     assert result["error"]["ename"] == "KeyboardInterrupt"
+
+
+def test_stream_code_yields_events_as_they_happen(ctl, snap):
+    sb = snap.fork(1)[0]
+    kinds, texts = [], []
+    for event in sb.stream_code("print('one', flush=True)\nprint('two')\n40 + 2"):
+        kinds.append(event["type"])
+        texts.append(event.get("text") or (event.get("data") or {}).get("text/plain"))
+    assert kinds[-1] == "execute_reply" and "execute_result" in kinds
+    assert "".join(t for k, t in zip(kinds, texts) if k == "stream") == "one\ntwo\n" and "42" in texts
