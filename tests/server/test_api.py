@@ -360,24 +360,21 @@ async def test_branch_check_order(jp_fetch, forkd_app, sandbox):
     assert code == 404
     # the concurrency slot is taken before mode validation: 409 for a tag in flight, 503 at the cap
     ctl = forkd_app.controller
-    with ctl._lock:
-        ctl._in_flight.add("busy")
+    release = ctl.branches.take_slot("busy")
     try:
         code, body = await call(jp_fetch, "POST", *branch, body={"tag": "busy", "mode": "live", "diff": True})
         assert code == 409 and "in flight" in body["error"]
     finally:
-        with ctl._lock:
-            ctl._in_flight.discard("busy")
-    with ctl._lock:
-        ctl._branches += ctl.branch_cap
+        release()
+    releases = [ctl.branches.take_slot(f"held-{i}") for i in range(ctl.branch_cap)]
     try:
         code, body = await call(jp_fetch, "POST", *branch, body={"tag": "t", "mode": "live", "diff": True})
         assert code == 503 and "concurrency" in body["error"]
         code, body = await call(jp_fetch, "POST", "sandboxes", "sb-nope", "branch", body={"tag": "t"})
         assert code == 503  # a busy server answers 503 even for a missing sandbox
     finally:
-        with ctl._lock:
-            ctl._branches -= ctl.branch_cap
+        for release in releases:
+            release()
     code, _ = await call(jp_fetch, "POST", *branch, body={"tag": "t", "mode": "diff"})
     assert code == 201
 
