@@ -21,6 +21,7 @@ from forkd_engine import AgentUnreachable, EngineError, UnsupportedMode
 from .changes import ChangeFeed
 from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
 from .registry import Registry
+from .wire import pause_fields
 
 READY_TIMEOUT = 600.0  # a waiting branch gives up on the engine's completion after this long
 
@@ -107,7 +108,7 @@ class BranchManager:
                 self.registry.update_snapshot(tag, pause_ms=result.pause_ms, prepare_ms=result.prepare_ms)
             self.registry.update_sandbox(row["id"], branch_count=row["branch_count"] + 1)
             self.feed.emit("snapshot", "created", tag=tag, status="writing", branched_from=branched_from,
-                           **({"pause_ms": result.pause_ms} if record_pause else {}))
+                           **(pause_fields(result.pause_ms) if record_pause else {}))
 
             settled = threading.Event()
 

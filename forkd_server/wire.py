@@ -4,6 +4,18 @@ and the lineage tree's nodes. One place decides what a client sees of a row."""
 from __future__ import annotations
 
 
+def pause_fields(pause_ms: float | None) -> dict:
+    """A branch's pause as the wire carries it: ``pause_ms`` an integer, as forkd types it (u64),
+    rounded up so that a real pause is never 0, and ``pause_us`` the precise figure in integer
+    microseconds. The registry keeps the engine's float; metrics use it too."""
+    if pause_ms is None:
+        return {}
+    us = round(pause_ms * 1000)
+    if pause_ms > 0:
+        us = max(us, 1)
+    return {"pause_ms": -(-us // 1000), "pause_us": us}
+
+
 def snapshot_info(row: dict) -> dict:
     info = {
         "tag": row["tag"],
@@ -18,8 +30,7 @@ def snapshot_info(row: dict) -> dict:
     }
     if row["branched_from"]:
         info["branched_from"] = row["branched_from"]
-    if row["pause_ms"] is not None:
-        info["pause_ms"] = row["pause_ms"]
+    info.update(pause_fields(row["pause_ms"]))
     if row["prepare_ms"]:
         info["prepare_ms"] = row["prepare_ms"]
     if row["warning"]:
@@ -67,10 +78,10 @@ def tree_nodes(snapshots: list[dict], sandboxes: list[dict]) -> list[dict]:
     nodes = []
     for s in snapshots:
         nodes.append({"id": s["tag"], "kind": "snapshot", "parent": s["lineage"][-2] if len(s["lineage"]) > 1 else None,
-                      "status": s["status"], "pause_ms": s["pause_ms"], "created_at": s["created_at"],
-                      "engine": s["engine"]})
+                      "status": s["status"], "pause_ms": None, "pause_us": None, **pause_fields(s["pause_ms"]),
+                      "created_at": s["created_at"], "engine": s["engine"]})
     for b in sandboxes:
         if b["status"] == "running":
             nodes.append({"id": b["id"], "kind": "sandbox", "parent": b["snapshot_tag"], "status": "running",
-                          "pause_ms": None, "created_at": b["created_at"], "engine": b["engine"]})
+                          "pause_ms": None, "pause_us": None, "created_at": b["created_at"], "engine": b["engine"]})
     return nodes

@@ -125,8 +125,8 @@ class BranchHandler(ForkdHandler):
                                diff=body.get("diff", False), live=body.get("live", False),
                                measure_diff=body.get("measure_diff", False), wait=wait,
                                parent_tag=body.get("parent_tag"))
-        if info.get("pause_ms") is not None:
-            self.app.metrics.branch_pause.observe(info["pause_ms"] / 1000)
+        if info.get("pause_us") is not None:  # the precise figure (pause_ms is rounded up)
+            self.app.metrics.branch_pause.observe(info["pause_us"] / 1e6)
         self.send(info, 202 if not wait else 201)
 
 
