@@ -36,9 +36,8 @@ class Metrics:
             lambda: len(app.controller.registry.list_snapshots()))
         Gauge("forkd_sandboxes_active", "Running sandboxes", registry=r).set_function(
             lambda: len(app.controller.list_sandboxes()))
-        # The controller keeps its slot count private; it is the only source of truth for it.
         Gauge("forkd_branches_in_flight", "Branches holding a concurrency slot", registry=r).set_function(
-            lambda: app.controller._branches)  # noqa: SLF001
+            lambda: app.controller.branches.slots_in_use)
         Gauge("forkd_branch_concurrency_cap", "Branch concurrency cap", registry=r).set_function(
             lambda: app.controller.branch_cap)
         Gauge("forkd_build_info", "Build information (always 1)", ["version"], registry=r).labels(

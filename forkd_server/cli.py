@@ -70,10 +70,16 @@ def cmd_serve(args) -> int:
                  branch_concurrency=args.branch_concurrency, extra_args=args.jupyter_args)
 
 
+def _pause(info: dict) -> str | None:
+    """The precise pause when the server gives it (pause_us), else forkd's integer pause_ms."""
+    if info.get("pause_us") is not None:
+        return f"{info['pause_us'] / 1000:.2f} ms"
+    return None if info.get("pause_ms") is None else f"{info['pause_ms']} ms"
+
+
 def _snapshot_rows(snaps: list[dict]) -> list[list]:
-    return [[s["tag"], s.get("status", "ready"), s.get("engine", "-"), s.get("branched_from"),
-             None if s.get("pause_ms") is None else f"{s['pause_ms']:.2f} ms", _ago(s.get("created_at_unix")),
-             s.get("warning")] for s in snaps]
+    return [[s["tag"], s.get("status", "ready"), s.get("engine", "-"), s.get("branched_from"), _pause(s),
+             _ago(s.get("created_at_unix")), s.get("warning")] for s in snaps]
 
 
 def _print_snapshot(args, info: dict) -> int:

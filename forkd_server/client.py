@@ -664,8 +664,14 @@ class Snapshot:
         return self.info.get("status", "ready")
 
     @property
-    def pause_ms(self) -> float | None:
+    def pause_ms(self) -> int | None:
+        """How long the branch paused its source, in whole milliseconds rounded up (forkd's type)."""
         return self.info.get("pause_ms")
+
+    @property
+    def pause_us(self) -> int | None:
+        """The same pause in microseconds: the precise figure."""
+        return self.info.get("pause_us")
 
     @property
     def branched_from(self) -> str | None:

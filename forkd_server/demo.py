@@ -44,7 +44,7 @@ def lineage_tree(nodes: list[dict], title: str = "lineage") -> Tree:
 
     def label(n: dict) -> str:
         if n["kind"] == "snapshot":
-            extra = f"  pause {n['pause_ms']:.2f} ms" if n.get("pause_ms") is not None else ""
+            extra = f"  pause {n['pause_us'] / 1000:.2f} ms" if n.get("pause_us") is not None else ""
             colour = {"ready": "green", "writing": "yellow", "failed": "red"}.get(n["status"], "white")
             return f"[bold cyan]snapshot[/] {n['id']}  [{colour}]{n['status']}[/]{extra}"
         return f"[magenta]sandbox[/] {n['id']}"
@@ -99,7 +99,7 @@ def run_demo(data_dir: str | None = None, children: int = 10, grandchildren: int
             warnings = branch.get("warnings") or []
             worker.join()
             branch = ctl.wait_snapshot(branch["tag"])
-            figures["branch_pause_ms"] = branch["pause_ms"]
+            figures["branch_pause_ms"] = branch["pause_us"] / 1000  # the precise figure
             figures["branch_warnings"] = warnings
             progress.update(step, completed=1)
 

@@ -55,9 +55,14 @@ CREATE TABLE IF NOT EXISTS workspaces (
     retiring TEXT
 );
 """
-# Tables are only ever added (CREATE TABLE IF NOT EXISTS), so a registry written by an older
-# version opens unchanged and gains the new tables empty.
-_JSON = {"lineage", "spec", "handle", "retiring"}
+# Tables and columns are only ever added, so a registry written by an older version opens and
+# gains the new tables empty and the new columns NULL (which every reader takes as "none").
+_ADDED_COLUMNS = {
+    "snapshots": {"warnings": "TEXT",  # JSON list: what a lossy fork left behind
+                  "labels": "TEXT"},   # JSON object str -> str
+    "sandboxes": {"labels": "TEXT"},
+}
+_JSON = {"lineage", "spec", "handle", "retiring", "warnings", "labels"}
 
 
 def _decode(row: sqlite3.Row | None) -> dict | None:
@@ -87,6 +92,11 @@ class Registry:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        for table, columns in _ADDED_COLUMNS.items():
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns.items():
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         with self._lock:

@@ -43,6 +43,12 @@ class LossyFork(EngineError):
         super().__init__(f"{what} would lose what a fork() cannot carry: " + "; ".join(self.items))
 
 
+class LimitReached(EngineError):
+    """A limit of this engine or host stops the request (e.g. how deeply process sandboxes can
+    nest): the user's request cannot be served as asked, which the message explains with the way
+    out. Not a failure of the engine."""
+
+
 class UnsupportedMode(EngineError):
     """The request is valid but this host or engine cannot do it (e.g. a branch mode); the message
     names the reason. Never silently downgraded to something else."""

@@ -187,9 +187,10 @@ def test_default_branch_tags_are_per_source_monotonic(ctl, snap):
 
 
 def test_deep_lineage_until_the_kernel_limit_gives_a_clear_error(short_dir):
-    """Every generation nests a pid namespace; the kernel allows 32 levels: 15 branch generations."""
+    """Every generation nests a pid namespace; the kernel allows 32 levels: 15 branch generations.
+    Past that the request cannot be served as asked: a 409 that says why and what to do, not a 500."""
     from forkd_server.controller import Controller
-    from forkd_server.errors import EngineFailure
+    from forkd_server.errors import Conflict
 
     from .conftest import cleanup
 
@@ -198,13 +199,14 @@ def test_deep_lineage_until_the_kernel_limit_gives_a_clear_error(short_dir):
         c.create_snapshot("deep", setup="depth = 0")
         sb = c.spawn("deep", 1)[0]["id"]
         generations = 0
-        with pytest.raises(EngineFailure, match="lineage too deep"):
+        with pytest.raises(Conflict, match="lineage too deep.*VM engine") as refused:
             while True:
                 c.run_code(sb, "depth += 1")
                 tag = c.branch(sb)["tag"]
                 sb = c.spawn(tag, 1)[0]["id"]
                 generations += 1
         assert generations >= 14
+        assert refused.value.status == 409
         assert ev(c, sb, "depth") == str(generations + 1)  # incremented before the refused branch
     finally:
         cleanup(c)

@@ -118,7 +118,7 @@ def test_branch_mode_validation_in_forkd_order(ctl, snap):
     with pytest.raises(NotFound):
         ctl.branch("sb-nope", "m8", mode="full")
     # no slot leaked by any of the refusals above
-    assert ctl._branches == 0 and not ctl._in_flight
+    assert ctl.branches.slots_in_use == 0 and not ctl.branches.in_flight
 
 
 def test_branch_cap_and_in_flight_conflict(short_dir):

@@ -165,27 +165,28 @@ def test_operations_check_order(ctl, src):
     with pytest.raises(BadRequest, match="already running"):
         ctl.resume_workspace("order")
     # busy: another operation holds it -> 409; the state tag in flight -> 409; the cap -> 503
-    ctl._ws_busy["order"] = "suspend"
+    ctl.workspaces._acquire("order", "suspend")
     try:
         for call in (lambda: ctl.suspend_workspace("order"), lambda: ctl.delete_workspace("order")):
             with pytest.raises(Conflict, match="busy"):
                 call()
         assert ctl.get_workspace("order")["status"] == "running"   # reading never waits
     finally:
-        ctl._ws_busy.pop("order")
-    ctl._in_flight.add("ws-order-state")
+        ctl.workspaces._release("order")
+    release = ctl.branches.take_slot("ws-order-state")
     try:
         with pytest.raises(Conflict, match="in flight"):
             ctl.suspend_workspace("order")
     finally:
-        ctl._in_flight.discard("ws-order-state")
-    ctl._branches += ctl.branch_cap
+        release()
+    releases = [ctl.branches.take_slot(f"held-{i}") for i in range(ctl.branch_cap)]
     try:
         with pytest.raises(Busy):
             ctl.suspend_workspace("order")
     finally:
-        ctl._branches -= ctl.branch_cap
-    assert ctl._branches == 0 and not ctl._in_flight and not ctl._ws_busy
+        for release in releases:
+            release()
+    assert ctl.branches.slots_in_use == 0 and not ctl.branches.in_flight and not ctl.workspaces._busy
     ctl.suspend_workspace("order")
     with pytest.raises(BadRequest, match="not running"):
         ctl.suspend_workspace("order")
@@ -221,7 +222,7 @@ def test_a_failed_suspend_keeps_the_workspace_running(ctl, src, monkeypatch):
     info = ctl.get_workspace("keep")
     assert info["status"] == "running" and info["live_sandbox_id"] == ws["live_sandbox_id"]
     assert ev(ctl, ws["live_sandbox_id"], "note") == "'unsaved'"
-    assert states(ctl, "keep") == [] and ctl._branches == 0 and not ctl._in_flight
+    assert states(ctl, "keep") == [] and ctl.branches.slots_in_use == 0 and not ctl.branches.in_flight
     ctl.delete_workspace("keep")
 
 
@@ -269,7 +270,7 @@ def test_a_suspend_cut_short_is_settled_by_the_restart(short_dir, monkeypatch, s
         def crash(*args, **kwargs):
             raise SystemExit("injected: the server died here")
 
-        monkeypatch.setattr(c, "_ws_commit_state", crash)
+        monkeypatch.setattr(c.workspaces, "_commit_state", crash)
         with pytest.raises(SystemExit):
             c.suspend_workspace("cut")
         pending = [t for t in states(c, "cut") if "@" in t]
@@ -320,21 +321,22 @@ def test_compact_check_order(ctl, src):
         ctl.compact_snapshot("nope", "a/b")
     with pytest.raises(BadRequest, match="must differ"):
         ctl.compact_snapshot("nope", "nope")
-    ctl._branches += ctl.branch_cap
+    releases = [ctl.branches.take_slot(f"held-{i}") for i in range(ctl.branch_cap)]
     try:
         with pytest.raises(Busy):
             ctl.compact_snapshot("nope", src)                # the slot comes before "exists"
     finally:
-        ctl._branches -= ctl.branch_cap
-    ctl._in_flight.add("in-flight")
+        for release in releases:
+            release()
+    release = ctl.branches.take_slot("in-flight")
     try:
         with pytest.raises(Conflict, match="in flight"):
             ctl.compact_snapshot(src, "in-flight")
     finally:
-        ctl._in_flight.discard("in-flight")
+        release()
     with pytest.raises(Conflict, match=f"snapshot {src} already exists"):
         ctl.compact_snapshot("nope", src)                    # "to exists" before "unknown source"
     with pytest.raises(NotFound, match="snapshot nope not found"):
         ctl.compact_snapshot("nope", "fresh")
-    assert ctl._branches == 0 and not ctl._in_flight
+    assert ctl.branches.slots_in_use == 0 and not ctl.branches.in_flight
     assert "fresh" not in {s["tag"] for s in ctl.list_snapshots()}

@@ -323,6 +323,49 @@ async def test_branch_full_and_grandchildren(jp_fetch, sandbox):
     assert (code, body) == (409, {"error": "snapshot b1 already exists; DELETE first"})
 
 
+def test_pause_fields_round_up_and_keep_microseconds():
+    from forkd_server.wire import pause_fields
+
+    assert pause_fields(2.26) == {"pause_ms": 3, "pause_us": 2260}
+    assert pause_fields(2.0) == {"pause_ms": 2, "pause_us": 2000}
+    assert pause_fields(0.0004) == {"pause_ms": 1, "pause_us": 1}   # a real pause is never 0
+    assert pause_fields(None) == {}
+
+
+async def test_pause_ms_is_an_integer_everywhere_on_the_wire(jp_fetch, jp_http_port, jp_base_url, jp_auth_header,
+                                                              forkd_app, sandbox):
+    """forkd types pause_ms as an unsigned integer (a serde u64 client rejects 2.26); pause_us is precise."""
+    from .test_events import _next_events, _open_sse
+
+    def integral(info):
+        assert type(info["pause_ms"]) is int and type(info["pause_us"]) is int, info
+        assert info["pause_ms"] >= 1 and info["pause_ms"] == -(-info["pause_us"] // 1000), info
+        return info["pause_ms"], info["pause_us"]
+
+    reader, writer = await _open_sse(jp_http_port, f"{jp_base_url}forkd/v1/events", jp_auth_header)
+    try:
+        code, reply = await call(jp_fetch, "POST", "sandboxes", sandbox["id"], "branch", body={"tag": "pz"})
+        events = await _next_events(reader, 2)
+    finally:
+        writer.close()
+    assert code == 201
+    pause = integral(reply)
+    created = next(e for e in events if e["action"] == "created" and e["tag"] == "pz")
+    assert integral(created) == pause
+    listed = next(s for s in (await call(jp_fetch, "GET", "snapshots"))[1] if s["tag"] == "pz")
+    assert integral(listed) == pause
+    assert integral((await call(jp_fetch, "GET", "snapshots", "pz", "info"))[1]) == pause
+    node = next(n for n in (await call(jp_fetch, "GET", "tree"))[1] if n["id"] == "pz")
+    assert integral(node) == pause
+    # the registry and the metrics keep the engine's precise figure
+    precise = forkd_app.controller.registry.get_snapshot("pz")["pause_ms"]
+    assert round(precise * 1000) == pause[1]
+    text = (await jp_fetch("forkd", "metrics")).body.decode()
+    total = float(next(line.split()[1] for line in text.splitlines()
+                       if line.startswith("forkd_branch_pause_seconds_sum")))
+    assert total == pytest.approx(precise / 1000, abs=1e-6)
+
+
 async def test_branch_default_tag_and_empty_body(jp_fetch, sandbox):
     code, info = await call(jp_fetch, "POST", "sandboxes", sandbox["id"], "branch", body={})
     assert code == 201 and info["tag"].startswith(f"branch-{sandbox['id']}-")
@@ -360,24 +403,21 @@ async def test_branch_check_order(jp_fetch, forkd_app, sandbox):
     assert code == 404
     # the concurrency slot is taken before mode validation: 409 for a tag in flight, 503 at the cap
     ctl = forkd_app.controller
-    with ctl._lock:
-        ctl._in_flight.add("busy")
+    release = ctl.branches.take_slot("busy")
     try:
         code, body = await call(jp_fetch, "POST", *branch, body={"tag": "busy", "mode": "live", "diff": True})
         assert code == 409 and "in flight" in body["error"]
     finally:
-        with ctl._lock:
-            ctl._in_flight.discard("busy")
-    with ctl._lock:
-        ctl._branches += ctl.branch_cap
+        release()
+    releases = [ctl.branches.take_slot(f"held-{i}") for i in range(ctl.branch_cap)]
     try:
         code, body = await call(jp_fetch, "POST", *branch, body={"tag": "t", "mode": "live", "diff": True})
         assert code == 503 and "concurrency" in body["error"]
         code, body = await call(jp_fetch, "POST", "sandboxes", "sb-nope", "branch", body={"tag": "t"})
         assert code == 503  # a busy server answers 503 even for a missing sandbox
     finally:
-        with ctl._lock:
-            ctl._branches -= ctl.branch_cap
+        for release in releases:
+            release()
     code, _ = await call(jp_fetch, "POST", *branch, body={"tag": "t", "mode": "diff"})
     assert code == 201
 

@@ -9,7 +9,7 @@ from forkd_server.handlers import OPENAPI_PATH, NotFoundHandler, route_table
 
 VERBS = ("get", "post", "put", "delete")
 JSON_TYPES = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean",
-              "string[]": "array", "string[][]": "array", "env": "object"}
+              "string[]": "array", "string[][]": "array", "env": "object", "labels": "object"}
 
 
 def load() -> dict:

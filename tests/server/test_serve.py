@@ -86,7 +86,8 @@ def test_sdk_snapshot_fork_branch_grandchildren(ctl):
         with pytest.raises(RuntimeError, match="forkd eval: NameError"):
             sb.eval("nope")
         child = sb.branch("sdk-b", mode="live", wait=False)
-        assert child.branched_from == sb.id and child.pause_ms is not None
+        assert child.branched_from == sb.id and isinstance(child.pause_ms, int) and child.pause_ms >= 1
+        assert child.pause_ms == -(-child.pause_us // 1000)  # pause_us: the precise figure
         child.wait(30)
         assert child.status == "ready"
         grandkids = child.fork(2)
@@ -198,6 +199,8 @@ def test_cli_round_trip(server, ctl):
     assert info["ancestors"] == ["cli", sid]
     snaps = json.loads(cli(server, "ls", "--snapshots", "--json").stdout)
     assert {"cli", "cli-b"} <= {s["tag"] for s in snaps}
+    pause_us = next(s for s in snaps if s["tag"] == "cli-b")["pause_us"]
+    assert f"{pause_us / 1000:.2f} ms" in cli(server, "ls", "--snapshots").stdout  # the table shows the precise pause
     killed = json.loads(cli(server, "kill", "--tag", "cli", "--json").stdout)
     assert sorted(killed["killed"]) == sorted(k["id"] for k in kids)
     assert json.loads(cli(server, "ls", "--json").stdout) == []

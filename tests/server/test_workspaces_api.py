@@ -26,12 +26,11 @@ class Saturated:
         self.ctl = ctl
 
     def __enter__(self):
-        with self.ctl._lock:
-            self.ctl._branches += self.ctl.branch_cap
+        self.releases = [self.ctl.branches.take_slot(f"held-{i}") for i in range(self.ctl.branch_cap)]
 
     def __exit__(self, *exc):
-        with self.ctl._lock:
-            self.ctl._branches -= self.ctl.branch_cap
+        for release in self.releases:
+            release()
 
 
 # --- compact ------------------------------------------------------------------------------------
@@ -155,14 +154,14 @@ async def test_suspend_and_resume_check_order(jp_fetch, forkd_app, snap):
     assert (code, body) == (422, {"error": "invalid type for field `diff`: expected boolean"})
     assert await call(jp_fetch, "POST", "workspaces", "w", "resume") == \
         (400, {"error": "workspace w is already running"})
-    ctl._ws_busy["w"] = "resume"
+    ctl.workspaces._acquire("w", "resume")
     try:
         code, body = await call(jp_fetch, "POST", "workspaces", "w", "suspend", body={})
         assert code == 409 and "busy" in body["error"]
         code, body = await call(jp_fetch, "DELETE", "workspaces", "w")
         assert code == 409
     finally:
-        ctl._ws_busy.pop("w")
+        ctl.workspaces._release("w")
     with Saturated(ctl):
         code, body = await call(jp_fetch, "POST", "workspaces", "w", "suspend", body={})
         assert code == 503 and "concurrency" in body["error"]

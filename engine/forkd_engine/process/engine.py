@@ -25,7 +25,8 @@ from concurrent.futures import Future
 
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
-from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LossyFork,
+from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LimitReached,
+                    LossyFork,
                     SnapshotSpec)
 from . import rootfs
 from ..cgroups import CgroupError, Cgroups
@@ -53,6 +54,13 @@ def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
+
+
+def _failure(what: str, error: str) -> EngineError:
+    """The engine error for an agent's ``error``: a nesting limit is the request's, said as such."""
+    if "LineageTooDeep" in error:
+        return LimitReached(error.split("LineageTooDeep: ", 1)[-1])
+    return EngineError(f"{what}: {error}")
 
 class ProcessEngine:
     name = "process"
@@ -276,7 +284,7 @@ class ProcessEngine:
             for s, _ in listeners:
                 s.close()
             if "error" in reply:
-                raise EngineError(f"spawn failed: {reply['error']}")
+                raise _failure("spawn failed", reply["error"])
             deadline = time.monotonic() + self.spawn_timeout
             errors = []
             while len(started) + len(errors) < len(batch):
@@ -290,7 +298,7 @@ class ProcessEngine:
                 else:
                     errors.append(f"{msg.get('id')}: {msg.get('error')}")
             if errors:
-                raise EngineError("spawn failed: " + "; ".join(errors[:3]))
+                raise _failure("spawn failed", "; ".join(errors[:3]))
             limits = {c.id: c.memory_limit_mib for c in batch}
             for cid, h in started.items():
                 try:
@@ -387,7 +395,7 @@ class ProcessEngine:
             _unlink(path)
             if reply.get("lost"):
                 raise LossyFork(reply["lost"], "this branch")
-            raise EngineError(f"branch failed: {reply['error']}")
+            raise _failure("branch failed", reply["error"])
 
         ready: Future = Future()
 
@@ -395,8 +403,7 @@ class ProcessEngine:
             try:
                 got = self._read_report(ours, time.monotonic() + self.spawn_timeout)
                 if got is None or not got[0].get("ok"):
-                    raise EngineError(f"branch {tag!r} failed: "
-                                      f"{got[0].get('error') if got else 'the new snapshot exited'}")
+                    raise _failure(f"branch {tag!r} failed", got[0].get("error") if got else "the new snapshot exited")
                 ready.set_result(self._handle(got[1], path, role="template"))
             except BaseException as exc:  # noqa: BLE001
                 _unlink(path)

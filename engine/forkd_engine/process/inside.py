@@ -212,7 +212,8 @@ class SandboxProcess:
             if exc.errno in (errno.ENOSPC, errno.EUSERS):
                 raise LineageTooDeep(
                     "lineage too deep: Linux nests pid namespaces at most 32 levels and every fork "
-                    "generation (spawn or branch) takes one; branch from a shallower sandbox instead") from None
+                    "generation (spawn or branch) takes one; branch from a shallower sandbox, or use the VM "
+                    "engine (engine \"vm\"), which has no such limit") from None
             raise
         t0 = time.perf_counter()
         pid = children.raw_fork()

@@ -1,0 +1,172 @@
+"""Branch slots and the writing -> ready life of a snapshot written from a running sandbox.
+
+A branch holds one of ``cap`` concurrency slots from the moment it is accepted until its snapshot is
+``ready`` or ``failed`` (forkd's cap: 503 beyond it). A tag being written, by a branch, a create or
+a workspace suspend, is *in flight*, so a second writer of it is 409. ``branch_into`` records the
+new snapshot as ``writing``, asks the engine, and marks it ``ready`` or ``failed`` when the engine's
+completion resolves, giving the slot back then. Used by the controller (branch, compact) and the
+workspace manager (suspend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Iterator
+
+from forkd_engine import AgentUnreachable, EngineError, LimitReached, LossyFork, UnsupportedMode
+
+from .changes import ChangeFeed
+from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
+from .registry import Registry
+from .wire import pause_fields
+
+READY_TIMEOUT = 600.0  # a waiting branch gives up on the engine's completion after this long
+
+
+def lossy_refusal(exc: LossyFork, what: str) -> Conflict:
+    """409: what a fork would lose, and the two ways out."""
+    items = "".join(f"\n  - {item}" for item in exc.items)
+    return Conflict(f"{what} would lose what a fork() cannot carry:{items}\nPass \"lossy\": true to fork anyway "
+                    f"(the snapshot then carries these as warnings), or use the VM engine (engine \"vm\"), "
+                    f"which copies the whole machine: threads, processes and sockets included")
+
+
+class BranchManager:
+    def __init__(self, registry: Registry, engines: dict, feed: ChangeFeed, cap: int):
+        if cap < 1:
+            raise ValueError("branch_concurrency must be at least 1")
+        self.registry, self.engines, self.feed, self.cap = registry, engines, feed, cap
+        self._lock = threading.Lock()
+        self._in_flight: set[str] = set()  # tags being written (create, branch, suspend)
+        self._slots = 0                    # branches holding a concurrency slot
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._slots
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """The tags being written right now."""
+        with self._lock:
+            return frozenset(self._in_flight)
+
+    @contextlib.contextmanager
+    def reserve(self, tag: str, conflict: str) -> Iterator[None]:
+        """Hold ``tag`` as in flight, without a slot (a create, a suspend's final tag): 409
+        ``conflict`` if somebody is writing it already."""
+        with self._lock:
+            if tag in self._in_flight:
+                raise Conflict(conflict)
+            self._in_flight.add(tag)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight.discard(tag)
+
+    def take_slot(self, tag: str) -> Callable[[], None]:
+        """Reserve a branch concurrency slot for writing ``tag``: 409 if ``tag`` is in flight, 503 at
+        the cap. Returns the release (idempotent; ``branch_into`` calls it when the write ends)."""
+        with self._lock:
+            if tag in self._in_flight:
+                raise Conflict(f"a branch to {tag} is already in flight")
+            if self._slots >= self.cap:
+                raise Busy(f"branch concurrency limit reached ({self.cap} in flight); retry shortly")
+            self._in_flight.add(tag)
+            self._slots += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self._in_flight.discard(tag)
+                    self._slots -= 1
+
+        return release
+
+    def branch_into(self, row: dict, tag: str, mode: str, release: Callable[[], None], *, wait: bool = True,
+                    lineage: list[str] | None = None, branched_from: str | None = None, spec: dict | None = None,
+                    record_pause: bool = True, lossy: bool = False, labels: dict | None = None) -> dict:
+        """Branch the running sandbox ``row`` into snapshot ``tag`` while holding the slot ``release``
+        frees: the slot goes back when the snapshot is ready or failed, or at once on an error.
+        The snapshot keeps the sandbox's labels, updated by ``labels``; with ``lossy`` a fork that
+        loses running work goes ahead and the snapshot keeps what was lost as ``warnings``.
+        Returns the snapshot's registry row (``writing`` with ``wait=False``)."""
+        try:
+            engine = self.engines[row["engine"]]
+            lineage = lineage or row["lineage"] + [tag]
+            branched_from = branched_from or row["id"]
+            self.registry.insert_snapshot({
+                "tag": tag, "engine": row["engine"], "status": "writing", "created_at": time.time(),
+                "branched_from": branched_from, "lineage": lineage,
+                "spec": spec or {"branched_from": row["id"], "mode": mode},
+                "labels": {**(row.get("labels") or {}), **(labels or {})}})
+            try:
+                result = engine.branch(row["handle"], tag, lineage, mode, lossy=lossy)
+            except BaseException as exc:  # nothing was written: no row, and the slot goes back
+                self.registry.delete_snapshot(tag)
+                if isinstance(exc, LossyFork):
+                    raise lossy_refusal(exc, f"branch of {row['id']}") from None
+                if isinstance(exc, LimitReached):
+                    raise Conflict(f"branch of {row['id']}: {exc}") from None
+                if isinstance(exc, UnsupportedMode):  # valid request, impossible here: a 4xx naming why
+                    raise BadRequest(f"branch: {exc}") from exc
+                if isinstance(exc, (EngineError, AgentUnreachable)):
+                    raise EngineFailure(f"branch: {exc}") from exc
+                raise
+            if record_pause:
+                self.registry.update_snapshot(tag, pause_ms=result.pause_ms, prepare_ms=result.prepare_ms)
+            if result.warnings:
+                self.registry.update_snapshot(tag, warnings=list(result.warnings))
+            self.registry.update_sandbox(row["id"], branch_count=row["branch_count"] + 1)
+            self.feed.emit("snapshot", "created", tag=tag, status="writing", branched_from=branched_from,
+                           **(pause_fields(result.pause_ms) if record_pause else {}),
+                           **({"warnings": list(result.warnings)} if result.warnings else {}))
+
+            settled = threading.Event()
+
+            def complete(future) -> None:
+                try:
+                    fields = {"status": "ready", "handle": future.result()}
+                except BaseException as exc:  # noqa: BLE001
+                    fields = {"status": "failed", "warning": f"branch failed: {exc}"}
+                self.registry.update_snapshot(tag, **fields)
+                release()
+                settled.set()
+                self.feed.emit("snapshot", "status", tag=tag, status=fields["status"],
+                               **({"warning": fields["warning"]} if "warning" in fields else {}))
+
+            result.ready.add_done_callback(complete)
+            if wait:
+                try:
+                    result.ready.result(timeout=READY_TIMEOUT)
+                except FutureTimeout:
+                    raise EngineFailure(f"branch {tag} did not become ready within {READY_TIMEOUT:g} s") from None
+                except EngineError as exc:
+                    raise EngineFailure(f"branch: {exc}") from exc
+                settled.wait()  # the done-callback may still be running in the engine's thread
+            return self.registry.get_snapshot(tag)
+        except BaseException:
+            written = self.registry.get_snapshot(tag)
+            if written is None or written["status"] != "writing":
+                release()
+            raise
+
+    def wait_snapshot(self, tag: str, timeout: float = 60.0) -> dict:
+        """Block until snapshot ``tag`` is ``ready`` or ``failed``; returns its registry row."""
+
+        def settled() -> dict | None:
+            row = self.registry.get_snapshot(tag)
+            if row is None:
+                raise NotFound(f"snapshot {tag} not found")
+            return row if row["status"] != "writing" else None
+
+        row = self.feed.wait_for(settled, timeout)
+        if row is None:
+            raise ForkdError(f"snapshot {tag} is still writing after {timeout:g} s")
+        return row

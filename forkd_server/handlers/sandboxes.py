@@ -1,0 +1,212 @@
+"""Sandbox routes: spawn and list, get and kill, the agent calls (ping, exec, eval, run, files,
+interrupt), branch, inventory and memory."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+from jupyter_server.auth.decorator import authorized
+from tornado import web
+
+from .base import ApiError, ForkdHandler, dumps, query_bool, query_labels
+
+SPAWN = {
+    "snapshot_tag": ("string", True), "n": ("integer", False), "per_child_netns": ("boolean", False),
+    "memory_limit_mib": ("integer", False), "prewarm": ("boolean", False), "live_fork": ("boolean", False),
+    "hugepages": ("boolean", False), "labels": ("labels", False),
+}
+EXEC = {"args": ("string[]", True), "timeout_secs": ("number", False), "env": ("env", False),
+        "cwd": ("string", False)}
+EVAL = {"code": ("string", True)}
+RUN = {"code": ("string", True), "timeout": ("number", False)}
+BRANCH = {
+    "tag": ("string", False), "mode": ("string", False), "diff": ("boolean", False), "live": ("boolean", False),
+    "measure_diff": ("boolean", False), "wait": ("boolean", False), "parent_tag": ("string", False),
+    "lossy": ("boolean", False), "labels": ("labels", False),
+}
+
+
+class SandboxesHandler(ForkdHandler):
+    auth_resource = "forkd:sandboxes"
+    body_spec = SPAWN  # the JSON body of post
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        labels = query_labels(self)
+        if labels:  # a filtered listing: small, not worth a cache
+            self.send(await self.call(self.controller.list_sandboxes, labels))
+            return
+        gen, infos, live = await self.call(self.controller.sandbox_listing)
+        # Each sandbox's JSON is encoded once per registry generation and reused until it changes.
+        cached = self.app.listing_json
+        if cached is None or cached[0] != gen:
+            cached = self.app.listing_json = (gen, [dumps(info) for info in infos])
+        self.set_status(200)
+        self.finish(b"[" + b",".join(part for part, ok in zip(cached[1], live) if ok) + b"]")
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self) -> None:
+        body = self.body(self.body_spec)
+        options = {k: body[k] for k in ("per_child_netns", "prewarm", "live_fork", "hugepages") if k in body}
+        t0 = time.perf_counter()
+        out = await self.call(self.controller.spawn, body["snapshot_tag"], body.get("n", 1),
+                              memory_limit_mib=body.get("memory_limit_mib"), labels=body.get("labels"), **options)
+        self.app.metrics.spawn_latency.observe(time.perf_counter() - t0)
+        self.send(out, 201)
+
+
+class SandboxHandler(ForkdHandler):
+    auth_resource = "forkd:sandboxes"
+
+    @web.authenticated
+    @authorized
+    async def get(self, sandbox_id: str) -> None:
+        self.send(await self.call(self.controller.get_sandbox, sandbox_id))
+
+    @web.authenticated
+    @authorized
+    async def delete(self, sandbox_id: str) -> None:
+        await self.call(self.controller.kill_sandbox, sandbox_id)
+        self.no_content()
+
+
+class PingHandler(ForkdHandler):
+    auth_resource = "forkd:sandboxes"
+
+    @web.authenticated
+    @authorized(action="read")
+    async def post(self, sandbox_id: str) -> None:
+        self.send(await self.call(self.controller.ping, sandbox_id))
+
+
+class ExecHandler(ForkdHandler):
+    auth_resource = "forkd:sandboxes"
+    body_spec = EXEC  # the JSON body of post
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, sandbox_id: str) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.call(self.controller.exec, sandbox_id, body["args"], body.get("timeout_secs", 30),
+                                  env=body.get("env"), cwd=body.get("cwd")))
+
+
+class EvalHandler(ForkdHandler):
+    auth_resource = "forkd:sandboxes"
+    body_spec = EVAL  # the JSON body of post
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, sandbox_id: str) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.call(self.controller.eval, sandbox_id, body["code"]))
+
+
+class RunHandler(ForkdHandler):
+    auth_resource = "forkd:sandboxes"
+    body_spec = RUN  # the JSON body of post
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, sandbox_id: str) -> None:
+        body = self.body(self.body_spec)
+        kwargs = {"timeout": body["timeout"]} if "timeout" in body else {}
+        self.send(await self.call(self.controller.run_code, sandbox_id, body["code"], **kwargs))
+
+
+class BranchHandler(ForkdHandler):
+    auth_resource = "forkd:sandboxes"
+    body_spec = BRANCH  # the JSON body of post
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, sandbox_id: str) -> None:
+        body = self.body(self.body_spec)
+        wait = body.get("wait", True)
+        info = await self.call(self.controller.branch, sandbox_id, body.get("tag"), mode=body.get("mode"),
+                               diff=body.get("diff", False), live=body.get("live", False),
+                               measure_diff=body.get("measure_diff", False), wait=wait,
+                               parent_tag=body.get("parent_tag"), lossy=body.get("lossy", False),
+                               labels=body.get("labels"))
+        if info.get("pause_us") is not None:  # the precise figure (pause_ms is rounded up)
+            self.app.metrics.branch_pause.observe(info["pause_us"] / 1e6)
+        self.send(info, 202 if not wait else 201)
+
+
+class InterruptHandler(ForkdHandler):
+    """No body: interrupt the cell the sandbox is running (a KeyboardInterrupt in it)."""
+
+    auth_resource = "forkd:sandboxes"
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, sandbox_id: str) -> None:
+        self.send(await self.call(self.controller.interrupt, sandbox_id))
+
+
+class InventoryHandler(ForkdHandler):
+    """What a branch of the sandbox now would not carry (threads, child processes, ...)."""
+
+    auth_resource = "forkd:sandboxes"
+
+    @web.authenticated
+    @authorized
+    async def get(self, sandbox_id: str) -> None:
+        self.send(await self.call(self.controller.inventory, sandbox_id))
+
+
+class MemoryHandler(ForkdHandler):
+    auth_resource = "forkd:sandboxes"
+
+    @web.authenticated
+    @authorized
+    async def get(self, sandbox_id: str) -> None:
+        self.send(await self.call(self.controller.memory, sandbox_id))
+
+
+class FilesHandler(ForkdHandler):
+    """``GET`` reads a file (or lists a directory), ``PUT`` writes the raw body, ``DELETE`` removes."""
+
+    auth_resource = "forkd:sandboxes"
+
+    def _path(self) -> str:
+        path = self.get_query_argument("path", "")
+        if not path:
+            raise ApiError(400, "the path query parameter is required, e.g. ?path=/tmp/data.csv")
+        return path
+
+    @web.authenticated
+    @authorized
+    async def get(self, sandbox_id: str) -> None:
+        path = self._path()
+        try:
+            self.send(await self.call(self.controller.files, sandbox_id, "read", path))
+        except ApiError as exc:
+            if exc.status_code != 400 or not exc.message.startswith("IsADirectoryError"):
+                raise
+            self.send(await self.call(self.controller.files, sandbox_id, "list", path))
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def put(self, sandbox_id: str) -> None:
+        path = self._path()
+        options = {"append": query_bool(self, "append")}
+        mode = self.get_query_argument("mode", None)
+        if mode is not None:
+            try:
+                options["mode"] = int(mode, 8)
+            except ValueError:
+                raise ApiError(400, f"invalid query parameter mode={mode!r}: use octal, e.g. 644") from None
+        data = base64.b64encode(self.request.body).decode()
+        self.send(await self.call(self.controller.files, sandbox_id, "write", path, data_b64=data, **options))
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def delete(self, sandbox_id: str) -> None:
+        path = self._path()
+        recursive = query_bool(self, "recursive")
+        await self.call(self.controller.files, sandbox_id, "remove", path, recursive=recursive)
+        self.no_content()

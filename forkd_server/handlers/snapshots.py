@@ -1,0 +1,92 @@
+"""Snapshot routes: list and create, delete, info, compact."""
+
+from __future__ import annotations
+
+import os
+
+from jupyter_server.auth.decorator import authorized
+from tornado import web
+
+from ..checks import check_tag
+from ..errors import BadRequest
+from .base import ApiError, ForkdHandler, query_bool, query_labels
+
+SNAPSHOT_CREATE = {
+    "tag": ("string", True), "engine": ("string", False), "setup": ("string", False),
+    "setup_commands": ("string[][]", False), "mem_size_mib": ("integer", False),
+    "host_network": ("boolean", False), "disk_mib": ("integer", False), "packages": ("string[]", False),
+    "shell": ("string", False), "lossy": ("boolean", False), "labels": ("labels", False),
+    # forkd's own form (kernel + rootfs) selects the VM engine
+    "kernel": ("string", False), "rootfs": ("string", False), "rw": ("boolean", False),
+    "tap": ("string", False), "boot_wait_secs": ("integer", False),
+}
+COMPACT = {"to": ("string", True)}
+
+
+class SnapshotsHandler(ForkdHandler):
+    auth_resource = "forkd:snapshots"
+    body_spec = SNAPSHOT_CREATE  # the JSON body of post
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.send(await self.call(self.controller.list_snapshots, query_labels(self)))
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self) -> None:
+        body = self.body(self.body_spec)
+        engine = body.get("engine", "auto")
+        if "kernel" in body or "rootfs" in body:  # forkd's form: a VM booted from kernel + rootfs
+            try:
+                check_tag(body["tag"])
+            except BadRequest as exc:
+                raise ApiError(400, exc.message) from None
+            for what in ("kernel", "rootfs"):
+                if not os.path.exists(body.get(what, "")):
+                    raise ApiError(400, f"{what} not found: {body.get(what, '')}")
+            if body.get("boot_wait_secs", 10) > 60:
+                raise ApiError(400, "boot_wait_secs must be at most 60")
+            engine = "vm"
+        info = await self.call(self.controller.create_snapshot, body["tag"], engine=engine,
+                               setup=body.get("setup"), setup_commands=body.get("setup_commands"),
+                               mem_size_mib=body.get("mem_size_mib"), host_network=body.get("host_network", False),
+                               disk_mib=body.get("disk_mib"), packages=body.get("packages"),
+                               shell=body.get("shell", "plain"), lossy=body.get("lossy", False),
+                               labels=body.get("labels"))
+        if "kernel" in body or "rootfs" in body:
+            # Say so rather than pretend: the VM runs forkd's own guest (its agent speaks our protocol).
+            info["warning"] = ("kernel and rootfs were checked, but the VM boots this server's guest image "
+                               "(`forkd image build`); add software with packages, setup_commands or disk_mib")
+        self.send(info, 201)
+
+
+class SnapshotHandler(ForkdHandler):
+    auth_resource = "forkd:snapshots"
+
+    @web.authenticated
+    @authorized
+    async def delete(self, tag: str) -> None:
+        cascade, force = query_bool(self, "cascade"), query_bool(self, "force")
+        await self.call(self.controller.delete_snapshot, tag, cascade=cascade, force=force)
+        self.no_content()
+
+
+class SnapshotInfoHandler(ForkdHandler):
+    auth_resource = "forkd:snapshots"
+
+    @web.authenticated
+    @authorized
+    async def get(self, tag: str) -> None:
+        self.send(await self.call(self.controller.snapshot_detail, tag))
+
+
+class SnapshotCompactHandler(ForkdHandler):
+    auth_resource = "forkd:snapshots"
+    body_spec = COMPACT  # the JSON body of post
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, tag: str) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.call(self.controller.compact_snapshot, tag, body["to"]))  # 200, as in forkd

@@ -1,0 +1,236 @@
+"""Sandboxes: spawn from a snapshot, list, kill, and talk to each one's agent.
+
+A sandbox is running once its engine handle is recorded; one whose process ended outside our control
+is dropped (and its engine leftovers released) the first time it is looked at, with a ``killed``
+event that says why.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from forkd_engine import AgentUnreachable, ChildSpec, EngineError, LimitReached
+
+from .checks import MAX_CHILDREN, check_labels, check_tag, int_field
+from .errors import BadRequest, Conflict, EngineFailure, NotFound
+from .wire import sandbox_info
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+
+class SandboxManager:
+    def __init__(self, controller: "Controller"):
+        self.ctl = controller
+        self.registry = controller.registry
+        self.engines = controller.engines
+        self.feed = controller.feed
+        self._listing: tuple | None = None    # (registry generation, running rows, their infos)
+
+    def reconcile(self) -> dict:
+        """At start-up: keep the sandboxes that still live, drop the rest (and starts cut short)."""
+        counts = {"sandboxes_attached": 0, "sandboxes_dropped": 0}
+        for row in self.registry.list_sandboxes():
+            if row["status"] == "running" and row["handle"]:
+                alive = self.alive(row)  # drops (and cleans up after) the dead
+                counts["sandboxes_attached" if alive else "sandboxes_dropped"] += 1
+                continue
+            engine = self.engines.get(row["engine"])  # a spawn the restart interrupted
+            if engine is not None:
+                engine.abandon(row["id"])
+            self.registry.delete_sandboxes([row["id"]])
+            counts["sandboxes_dropped"] += 1
+        return counts
+
+    def row(self, sandbox_id) -> dict:
+        row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
+        if row is None or row["status"] != "running" or not self.alive(row):
+            raise NotFound(f"sandbox {sandbox_id} not found")
+        return row
+
+    def alive(self, row: dict) -> bool:
+        """True if its process lives; a sandbox that died outside our control is dropped."""
+        engine = self.engines.get(row["engine"])
+        if engine is not None and row["handle"] and engine.alive(row["handle"]):
+            return True
+        if engine is not None and row["handle"]:
+            engine.kill(row["handle"])  # releases what it held (socket, cgroup leaves)
+        self.registry.delete_sandboxes([row["id"]])
+        self.feed.emit("sandbox", "killed", id=row["id"], reason="its process ended unexpectedly")
+        return False
+
+    def _agent(self, sandbox_id: str, request: dict, what: str, timeout: float | None = None) -> dict:
+        row = self.row(sandbox_id)
+        engine = self.engines.get(row["engine"])
+        try:
+            return engine.call(row["handle"], request, timeout=timeout)
+        except (AgentUnreachable, EngineError) as exc:
+            raise EngineFailure(f"{what}: {exc}") from exc
+
+    def spawn(self, snapshot_tag, n=1, *, memory_limit_mib=None, labels=None) -> list[dict]:
+        """Fork ``n`` sandboxes from a snapshot, in forkd's check order. Each starts with the
+        snapshot's labels, updated by ``labels``."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise BadRequest(f"n must be an integer, got {n!r}")
+        if n == 0:
+            raise BadRequest("n must be at least 1")
+        if n > MAX_CHILDREN or n < 0:
+            raise BadRequest(f"n must be between 1 and {MAX_CHILDREN}")
+        check_tag(snapshot_tag, "snapshot_tag")
+        if memory_limit_mib is not None:
+            int_field(memory_limit_mib, "memory_limit_mib", 16)
+        labels = check_labels(labels)
+        row = self.registry.get_snapshot(snapshot_tag)
+        row = row and self.ctl.checked_snapshot(row)
+        if row is not None and row["status"] != "ready":
+            raise Conflict(f"snapshot `{snapshot_tag}` is not bootable: status={row['status']}"
+                           + (f"; {row['warning']}" if row["warning"] else ""))
+        if row is None:
+            raise NotFound(f"snapshot {snapshot_tag} not found")
+        engine = self.engines[row["engine"]]
+        first = self.registry.next_counter("sandbox", n)
+        now = time.time()
+        ids = [f"sb-{int(now):08x}-{(first + i) % 0x10000:04x}" for i in range(n)]
+        rows = [{"id": sid, "snapshot_tag": snapshot_tag, "engine": row["engine"], "status": "starting",
+                 "created_at": now, "lineage": row["lineage"] + [sid], "memory_limit_mib": memory_limit_mib,
+                 "labels": {**(row.get("labels") or {}), **labels}}
+                for sid in ids]
+        self.registry.insert_sandboxes(rows)
+        try:
+            handles = engine.spawn(row["handle"], [ChildSpec(id=r["id"], lineage=r["lineage"],
+                                                             memory_limit_mib=memory_limit_mib) for r in rows])
+        except EngineError as exc:
+            self.registry.delete_sandboxes(ids)
+            if isinstance(exc, LimitReached):
+                raise Conflict(f"spawn from {snapshot_tag}: {exc}") from None
+            raise EngineFailure(str(exc)) from exc
+        self.registry.set_sandbox_handles(dict(zip(ids, handles)))
+        out = [sandbox_info(self.registry.get_sandbox(sid)) for sid in ids]
+        for info in out:
+            self.feed.emit("sandbox", "created", id=info["id"], snapshot_tag=snapshot_tag, status="running")
+        return out
+
+    def list(self) -> list[dict]:
+        _gen, infos, live = self.listing()
+        return [dict(info) for info, ok in zip(infos, live) if ok]
+
+    def listing(self) -> tuple[int, list[dict], list[bool]]:
+        """(generation, infos, alive) of every running sandbox: ``infos`` are shared and read-only
+        and stay the same objects while ``generation`` does (the registry did not change), so a
+        caller may cache what it derives from them; ``alive`` is checked on every call."""
+        gen, rows = self.registry.sandbox_table()
+        listing = self._listing
+        if listing is None or listing[0] != gen:
+            running = [r for r in rows if r["status"] == "running"]
+            listing = self._listing = (gen, running, [sandbox_info(r) for r in running])
+        _gen, running, infos = listing
+        alive = self._alive_many(running)
+        return gen, infos, [alive[r["id"]] or self.alive(r) for r in running]
+
+    def _alive_many(self, rows: list[dict]) -> dict[str, bool]:
+        """Liveness of many sandboxes, asking each engine once when it can answer in bulk."""
+        out: dict[str, bool] = {}
+        for name, engine in self.engines.items():
+            mine = [r for r in rows if r["engine"] == name and r["handle"]]
+            bulk = getattr(engine, "alive_many", None)
+            flags = bulk([r["handle"] for r in mine]) if bulk else [engine.alive(r["handle"]) for r in mine]
+            out.update((r["id"], f) for r, f in zip(mine, flags))
+        return {r["id"]: out.get(r["id"], False) for r in rows}
+
+    def get(self, sandbox_id) -> dict:
+        return sandbox_info(self.row(sandbox_id))
+
+    def kill(self, sandbox_id) -> None:
+        row = self.row(sandbox_id)
+        self.engines[row["engine"]].kill(row["handle"])
+        self.registry.delete_sandboxes([row["id"]])
+        self.feed.emit("sandbox", "killed", id=row["id"])
+
+    def memory(self, sandbox_id) -> dict:
+        row = self.row(sandbox_id)
+        return self.engines[row["engine"]].memory(row["handle"])
+
+    # --- talking to the agent --------------------------------------------------------------------
+
+    def engine_of(self, sandbox_id) -> tuple:
+        """(engine, handle) of a running sandbox, for managers that talk to its agent (404 if none)."""
+        row = self.row(sandbox_id)
+        return self.engines[row["engine"]], row["handle"]
+
+    def interrupt(self, sandbox_id) -> dict:
+        """Raise KeyboardInterrupt in the cell the sandbox is running (``interrupted``: was there one)."""
+        return self._agent(sandbox_id, {"action": "interrupt"}, "interrupt", timeout=5)
+
+    def inventory(self, sandbox_id) -> dict:
+        """What a branch of the sandbox now would not carry (empty where the engine carries all)."""
+        row = self.row(sandbox_id)
+        try:
+            lost = self.engines[row["engine"]].inventory(row["handle"])
+        except (AgentUnreachable, EngineError) as exc:
+            raise EngineFailure(f"inventory: {exc}") from exc
+        return {"id": row["id"], "engine": row["engine"], "lost": lost}
+
+    def ping(self, sandbox_id) -> dict:
+        return self._agent(sandbox_id, {"action": "ping"}, "ping", timeout=5)
+
+    def exec(self, sandbox_id, args, timeout_secs: float = 30, env: dict | None = None, cwd: str | None = None) -> dict:
+        self.row(sandbox_id)
+        if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
+            raise BadRequest("args must be a non-empty list of strings")
+        if isinstance(timeout_secs, bool) or not isinstance(timeout_secs, (int, float)) or timeout_secs <= 0:
+            raise BadRequest("timeout_secs must be a positive number")
+        request = {"action": "exec", "args": args, "timeout": timeout_secs}
+        if env:
+            request["env"] = env
+        if cwd:
+            request["cwd"] = cwd
+        reply = self._agent(sandbox_id, request, "exec", timeout=timeout_secs + 5)
+        out = {"stdout": reply.get("stdout", ""), "stderr": reply.get("stderr", ""),
+               "exit_code": reply.get("exit_code", 1)}
+        for extra in ("error", "timed_out"):
+            if extra in reply:
+                out[extra] = reply[extra]
+        return out
+
+    def eval(self, sandbox_id, code) -> dict:
+        self.row(sandbox_id)
+        if not isinstance(code, str):
+            raise BadRequest("code must be a string")
+        reply = self._agent(sandbox_id, {"action": "eval", "code": code}, "eval", timeout=300)
+        return {"result": reply.get("result"), "error": reply.get("error"), "exit_code": reply.get("exit_code", 1)}
+
+    def run_code(self, sandbox_id, code, timeout: float = 600) -> dict:
+        self.row(sandbox_id)
+        if not isinstance(code, str):
+            raise BadRequest("code must be a string")
+        return self._agent(sandbox_id, {"action": "run_code", "code": code}, "run_code", timeout=timeout)
+
+    def files(self, sandbox_id, op: str, path, **options) -> dict:
+        self.row(sandbox_id)
+        if op not in ("read", "write", "list", "remove"):
+            raise BadRequest(f"unknown files op {op!r}: use read, write, list or remove")
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise BadRequest("path must be a non-empty string")
+        reply = self._agent(sandbox_id, {"action": "files", "op": op, "path": path, **options}, "files")
+        if "error" in reply:
+            msg = reply["error"]
+            if msg.startswith(("FileNotFoundError", "NotADirectoryError")):
+                raise NotFound(f"{path}: {msg.split(': ', 1)[-1]}")
+            raise BadRequest(msg)
+        return reply
+
+    def kill_quietly(self, sandbox_id: str) -> bool:
+        """Kill a sandbox we started for our own purposes; True when it is gone (or was already)."""
+        row = self.registry.get_sandbox(sandbox_id)
+        if row is None:
+            return True
+        engine = self.engines.get(row["engine"])
+        try:
+            if engine is not None and row["handle"]:
+                engine.kill(row["handle"])
+        except Exception:  # noqa: BLE001 - the caller's result stands; reconcile retries where it records the duty
+            return False
+        self.registry.delete_sandboxes([sandbox_id])
+        self.feed.emit("sandbox", "killed", id=sandbox_id)
+        return True
