@@ -120,7 +120,9 @@ SUBCOMMANDS = {
                 "forkd kernel, with no --tag, forks the notebook itself: n sandboxes of its current state.",
         A("--tag", "-t", default=None, help="the snapshot to fork from"),
         A("-n", type=int, default=1, help="how many sandboxes (default 1)"),
-        A("--memory-limit-mib", type=int, default=None, help="memory limit of each sandbox")),
+        A("--memory-limit-mib", type=int, default=None, help="memory limit of each sandbox"),
+        A("--lossy", action="store_true", help="forking the notebook: go ahead even if running work "
+                                               "(threads, child processes) stays behind, with a warning")),
     "branch": _args(
         "branch", "Turn a running sandbox into a new snapshot (it keeps running). Returns a Snapshot; "
                   "with --no-wait (implies --live) its status is 'writing' until it turns 'ready'. In the "
@@ -129,7 +131,9 @@ SUBCOMMANDS = {
         A("--tag", "-t", default=None, help="the new snapshot's tag (default branch-<id>-<n>)"),
         A("--diff", action="store_true", help="diff branch"),
         A("--live", action="store_true", help="live branch: the shortest pause of the source"),
-        A("--no-wait", action="store_true", help="return as soon as the source has resumed")),
+        A("--no-wait", action="store_true", help="return as soon as the source has resumed"),
+        A("--lossy", action="store_true", help="branch even if running work (threads, child processes) "
+                                               "stays behind; a warning lists it")),
     "ls": _args("ls", "List snapshots and sandboxes. Returns a Listing (.snapshots, .sandboxes)."),
     "kill": _args(
         "kill", "Kill sandboxes: by id, every sandbox of a snapshot (--tag), or all (--all).",
@@ -304,7 +308,7 @@ class ForkdMagics(Magics):
             # n copies of the notebook's state: its last branch if nothing ran since, else a new one
             state, tag = getattr(self, "_head_branch", (None, None))
             if tag is None or state != self.head_state() or not self._snapshot_ready(tag):
-                tag = self.controller.branch_sandbox(head)["tag"]
+                tag = self.controller.branch_sandbox(head, lossy=args.lossy)["tag"]
                 self._head_branch = (self.head_state(), tag)
             args.tag = tag
         infos = self.controller.spawn_sandboxes(args.tag, args.n, memory_limit_mib=args.memory_limit_mib)
@@ -320,7 +324,7 @@ class ForkdMagics(Magics):
         else:
             sandbox = self._one_sandbox(args.sandbox)
         mode = "diff" if args.diff else "live" if (args.live or args.no_wait) else None
-        info = self.controller.branch_sandbox(sandbox, args.tag, mode=mode, wait=not args.no_wait)
+        info = self.controller.branch_sandbox(sandbox, args.tag, mode=mode, wait=not args.no_wait, lossy=args.lossy)
         if args.sandbox is None:
             self._head_branch = (self.head_state(), info["tag"])  # fork -n reuses it while nothing changed
         return Snapshot(info, self.controller)

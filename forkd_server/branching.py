@@ -29,9 +29,10 @@ READY_TIMEOUT = 600.0  # a waiting branch gives up on the engine's completion af
 def lossy_refusal(exc: LossyFork, what: str) -> Conflict:
     """409: what a fork would lose, and the two ways out."""
     items = "".join(f"\n  - {item}" for item in exc.items)
-    return Conflict(f"{what} would lose what a fork() cannot carry:{items}\nPass \"lossy\": true to fork anyway "
-                    f"(the snapshot then carries these as warnings), or use the VM engine (engine \"vm\"), "
-                    f"which copies the whole machine: threads, processes and sockets included")
+    return Conflict(f"{what} would lose what a fork() cannot carry:{items}\nTo fork anyway, ask for a lossy "
+                    f"fork (REST \"lossy\": true, SDK lossy=True, %forkd branch --lossy, forkd snapshot "
+                    f"--lossy): the snapshot then carries these as warnings. Or use the VM engine (engine "
+                    f"\"vm\"), which copies the whole machine: threads, processes and sockets included")
 
 
 class BranchManager:

@@ -13,6 +13,7 @@ import os
 import shlex
 import sys
 import time
+import warnings
 
 
 def _console(stderr: bool = False):
@@ -101,7 +102,17 @@ def cmd_snapshot(args) -> int:
         mode = "live" if args.live else "diff" if args.diff else None
         with _console(stderr=True).status(f"branching {args.from_sandbox}", spinner="dots") if not args.json \
                 else _nullcontext():
-            info = ctl.branch_sandbox(args.from_sandbox, args.tag, mode=mode, wait=not args.no_wait)
+            from .client import ForkWarning
+
+            with warnings.catch_warnings():  # said below, in the CLI's own words
+                warnings.simplefilter("ignore", ForkWarning)
+                info = ctl.branch_sandbox(args.from_sandbox, args.tag, mode=mode, wait=not args.no_wait,
+                                          lossy=args.lossy)
+        if info.get("warnings") and not args.json:
+            console = _console(stderr=True)
+            console.print(f"[yellow]warning:[/yellow] branch {info['tag']} did not carry (--lossy):")
+            for item in info["warnings"]:
+                console.print(f"  - {item}", markup=False, highlight=False)
     else:
         if not args.tag:
             raise SystemExit("forkd snapshot: --tag is required (or --from-sandbox ID to branch a sandbox)")
@@ -124,7 +135,7 @@ def cmd_snapshot(args) -> int:
                     else _nullcontext():
                 info = ctl.create_snapshot(args.tag, setup=setup, setup_commands=commands or None,
                                            engine=args.engine, mem_size_mib=args.mem_size_mib,
-                                           disk_mib=args.disk_mib, packages=args.package)
+                                           disk_mib=args.disk_mib, packages=args.package, lossy=args.lossy)
     return _print_snapshot(args, info)
 
 
@@ -494,6 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     modes.add_argument("--diff", action="store_true", help="diff branch")
     modes.add_argument("--live", action="store_true", help="live branch (shortest pause)")
     p.add_argument("--no-wait", action="store_true", help="with --live: return while memory is still written")
+    p.add_argument("--lossy", action="store_true",
+                   help="fork even if running work (threads, child processes) stays behind: in a branch "
+                        "(--from-sandbox; the snapshot lists it as warnings) or left by --setup")
     p.set_defaults(func=cmd_snapshot)
 
     for name, helptext in (("spawn", "fork N sandboxes from a snapshot"), ("fork", "same as spawn")):

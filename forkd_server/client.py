@@ -29,6 +29,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,19 @@ except ImportError:  # pragma: no cover - exercised where orjson is absent
 
 DEFAULT_URL = "http://127.0.0.1:8889"
 
-__all__ = ["Controller", "ControllerError", "ServerUnreachable", "Sandbox", "Snapshot", "CommandResult",
+
+class ForkWarning(UserWarning):
+    """A branch asked for with ``lossy=True`` went ahead without what a fork() cannot carry (the
+    process engine keeps one thread: other threads, child processes, pending asyncio tasks...).
+    The snapshot keeps the list as ``warnings``; the VM engine carries all of it."""
+
+
+def _warn_lossy(info: dict, source: str) -> None:
+    if info.get("warnings"):
+        lost = "".join(f"\n  - {w}" for w in info["warnings"])
+        warnings.warn(ForkWarning(f"branch {info.get('tag')} of {source} did not carry:{lost}"), stacklevel=3)
+
+__all__ = ["Controller", "ControllerError", "ServerUnreachable", "ForkWarning", "Sandbox", "Snapshot", "CommandResult",
            "Execution", "EventStream", "discover_server"]
 
 
@@ -211,7 +224,9 @@ class Controller:
 
     def branch_sandbox(self, sandbox_id: str, tag: str | None = None, diff: bool = False,
                        measure_diff: bool = False, mode: str | None = None, wait: bool = True,
-                       parent_tag: str | None = None) -> dict:
+                       parent_tag: str | None = None, lossy: bool = False) -> dict:
+        """Branch a running sandbox. A branch that would lose running work is refused (409 naming
+        each item) unless ``lossy``; then the reply's ``warnings`` list it and a ForkWarning says so."""
         body: dict = {}
         if tag is not None:
             body["tag"] = tag
@@ -225,7 +240,15 @@ class Controller:
             body["wait"] = False
         if parent_tag is not None:
             body["parent_tag"] = parent_tag
-        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/branch", body)
+        if lossy:
+            body["lossy"] = True
+        info = self._request("POST", f"/v1/sandboxes/{sandbox_id}/branch", body)
+        _warn_lossy(info, sandbox_id)
+        return info
+
+    def inventory(self, sandbox_id: str) -> dict:
+        """What a branch of the sandbox now would not carry: ``{"id", "engine", "lost": [...]}``."""
+        return self._request("GET", f"/v1/sandboxes/{sandbox_id}/inventory")
 
     def exec_command(self, sandbox_id: str, args: list[str], timeout_secs: float = 30, *,
                      env: dict | None = None, cwd: str | None = None) -> dict:
@@ -619,9 +642,16 @@ class Sandbox:
     def interrupt(self) -> dict:
         return self.controller.interrupt(self.id)
 
-    def branch(self, tag: str | None = None, *, mode: str | None = None, wait: bool = True) -> "Snapshot":
-        """Turn this running sandbox into a new snapshot (it keeps running)."""
-        return Snapshot(self.controller.branch_sandbox(self.id, tag, mode=mode, wait=wait), self.controller)
+    def branch(self, tag: str | None = None, *, mode: str | None = None, wait: bool = True,
+               lossy: bool = False) -> "Snapshot":
+        """Turn this running sandbox into a new snapshot (it keeps running). ``lossy``: fork even if
+        running work stays behind (a ForkWarning and ``Snapshot.warnings`` list it)."""
+        return Snapshot(self.controller.branch_sandbox(self.id, tag, mode=mode, wait=wait, lossy=lossy),
+                        self.controller)
+
+    def inventory(self) -> list[str]:
+        """What a branch now would not carry (always [] on the VM engine)."""
+        return self.controller.inventory(self.id)["lost"]
 
     def memory(self) -> dict:
         return self.controller.memory(self.id)
@@ -676,6 +706,11 @@ class Snapshot:
     @property
     def branched_from(self) -> str | None:
         return self.info.get("branched_from")
+
+    @property
+    def warnings(self) -> list[str]:
+        """What a lossy branch did not carry ([] for a complete copy)."""
+        return list(self.info.get("warnings") or [])
 
     def __repr__(self) -> str:
         return f"Snapshot({self.tag!r}, status={self.status!r})"
