@@ -71,7 +71,9 @@ class ForkdKernel(Kernel):
     }
     help_links = [{"text": "forkd kernel", "url": "https://github.com/forkd-jupyter/forkd-jupyter#the-forkd-kernel"}]
 
-    engine = Unicode(config=True, help="Engine of the notebook's sandboxes: process or vm ($FORKD_KERNEL_ENGINE).")
+    engine = Unicode(config=True, help="Engine of the notebook's sandboxes: process, vm or auto ($FORKD_KERNEL_ENGINE; "
+                                       "auto: process, unless the setup leaves running work a fork cannot carry, "
+                                       "then vm).")
     setup = Unicode(config=True, help="Python run once in the base snapshot ($FORKD_KERNEL_SETUP).")
     packages = List(Unicode(), config=True, help="Debian packages for a vm base ($FORKD_KERNEL_PACKAGES).")
     base_snapshot = Unicode(config=True, help="Fork the notebook from this snapshot ($FORKD_KERNEL_BASE); "
@@ -79,7 +81,7 @@ class ForkdKernel(Kernel):
 
     @default("engine")
     def _engine(self) -> str:
-        return os.environ.get("FORKD_KERNEL_ENGINE", "process")
+        return os.environ.get("FORKD_KERNEL_ENGINE", "auto")
 
     @default("setup")
     def _setup(self) -> str:
@@ -87,10 +89,12 @@ class ForkdKernel(Kernel):
 
     @default("packages")
     def _packages(self) -> list:
-        packages = _env_list("FORKD_KERNEL_PACKAGES")
-        if self.engine == "vm" and "python3-ipython" not in packages:
-            packages.append("python3-ipython")  # the guest's shell
-        return packages
+        return _env_list("FORKD_KERNEL_PACKAGES")
+
+    def packages_for(self, engine: str) -> list[str]:
+        if engine == "vm" and "python3-ipython" not in self.packages:
+            return [*self.packages, "python3-ipython"]  # the guest's shell
+        return list(self.packages)
 
     @default("base_snapshot")
     def _base(self) -> str:
@@ -99,6 +103,8 @@ class ForkdKernel(Kernel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.controller = Controller()
+        # "auto" starts on the process engine; _ensure_base moves to vm if the setup needs it
+        self.resolved_engine = "process" if self.engine == "auto" else self.engine
         self.head = Head(self.controller, self._on_other)
         self.stack: list[str] = []     # where %forkd checkout - goes back to
         self.cells_run = 0              # cells sent to HEAD (a fork of an unchanged HEAD reuses its branch)
@@ -129,8 +135,9 @@ class ForkdKernel(Kernel):
     def base_tag(self) -> str:
         if self.base_snapshot:
             return self.base_snapshot
-        recipe = "\n".join([self.engine, self.setup, ",".join(sorted(self.packages)), __version__])
-        return f"forkd-kernel-{self.engine}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
+        engine = self.resolved_engine
+        recipe = "\n".join([engine, self.setup, ",".join(sorted(self.packages_for(engine))), __version__])
+        return f"forkd-kernel-{engine}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
 
     def _ensure_base(self) -> str:
         tag = self.base_tag()
@@ -140,11 +147,22 @@ class ForkdKernel(Kernel):
             except ControllerError as exc:
                 if exc.status != 404 or self.base_snapshot:
                     raise
+                engine = self.resolved_engine
                 try:
-                    self.controller.create_snapshot(tag, setup=BASE_SETUP + self.setup, engine=self.engine,
-                                                    packages=self.packages or None, shell="ipython")
+                    self.controller.create_snapshot(tag, setup=BASE_SETUP + self.setup, engine=engine,
+                                                    packages=self.packages_for(engine) or None, shell="ipython")
                     return tag
                 except ControllerError as exc2:
+                    if exc2.lost and self.engine == "auto" and engine == "process":
+                        # The setup leaves running work (threads, servers) a process fork would drop:
+                        # the VM engine carries it. Said under the first cell.
+                        self.resolved_engine = "vm"
+                        tag = self.base_tag()
+                        self._notice = ("forkd: this notebook runs on the VM engine: its setup leaves running "
+                                        "what a process fork cannot carry (" + "; ".join(exc2.lost) + ").\n")
+                        continue
+                    if exc2.lost:
+                        raise RuntimeError(exc2.message) from None
                     if exc2.status not in (400, 409):  # another kernel is making it right now
                         raise
                     continue
@@ -169,7 +187,7 @@ class ForkdKernel(Kernel):
             self.head.attach(sandbox)
             self._register()
             if previous and previous != sandbox and self._alive(previous):
-                self._notice = (f"forkd: this kernel restarted in a fresh sandbox, {sandbox} (a child of {base}). "
+                self._notice = (self._notice or "") + (f"forkd: this kernel restarted in a fresh sandbox, {sandbox} (a child of {base}). "
                                 f"The sandbox it ran in before, {previous}, still runs with its state: "
                                 f"%forkd checkout {previous} to continue there, or %forkd kill {previous} to free it.\n")
         except (ControllerError, ServerUnreachable, RuntimeError, TimeoutError, OSError, HeadGone) as exc:
@@ -188,7 +206,7 @@ class ForkdKernel(Kernel):
     def _register(self) -> None:
         try:
             self.controller.set_kernel_head(self.kernel_id, self.head.sandbox_id, notebook=self.notebook,
-                                            base_snapshot=self.base_tag(), engine=self.engine)
+                                            base_snapshot=self.base_tag(), engine=self.resolved_engine)
         except (ControllerError, ServerUnreachable) as exc:  # the panel misses a marker; the notebook works
             self.log.warning("forkd: could not record HEAD with the server: %s", exc)
 

@@ -32,7 +32,8 @@ def lossy_refusal(exc: LossyFork, what: str) -> Conflict:
     return Conflict(f"{what} would lose what a fork() cannot carry:{items}\nTo fork anyway, ask for a lossy "
                     f"fork (REST \"lossy\": true, SDK lossy=True, %forkd branch --lossy, forkd snapshot "
                     f"--lossy): the snapshot then carries these as warnings. Or use the VM engine (engine "
-                    f"\"vm\"), which copies the whole machine: threads, processes and sockets included")
+                    f"\"vm\"), which copies the whole machine: threads, processes and sockets included",
+                    lost=list(exc.items))
 
 
 class BranchManager:

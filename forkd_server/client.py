@@ -69,6 +69,11 @@ class ControllerError(Exception):
             return str(self.body["error"])
         return str(self.body) if self.body else "(empty body)"
 
+    @property
+    def lost(self) -> list[str]:
+        """For a refused lossy fork (409): what it would have lost, one item each; else []."""
+        return list(self.body.get("lost") or []) if isinstance(self.body, dict) else []
+
 
 class ServerUnreachable(urllib.error.URLError):
     """No server answers at the URL (a ``URLError``, as forkd's SDK raises, with a helpful message)."""

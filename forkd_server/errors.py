@@ -2,11 +2,14 @@
 
 
 class ForkdError(Exception):
+    """``fields`` go into the error body beside ``error`` (e.g. ``lost``: what a fork would lose)."""
+
     status = 500
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, **fields):
         super().__init__(message)
         self.message = message
+        self.fields = fields
 
 
 class BadRequest(ForkdError):

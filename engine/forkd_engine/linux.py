@@ -206,12 +206,13 @@ def install_seccomp() -> None:
            "prctl(SECCOMP)")
 
 
-def collapse_anonymous_memory() -> int:
+def collapse_anonymous_memory(stop=None, chunk: int = 8 << 20) -> int:
     """Re-form huge pages in this process's private anonymous memory (MADV_COLLAPSE, Linux 6.1+).
 
     Copy-on-write splits huge pages into 4 KiB ones, and fork() then copies 512 times more page-table
     entries. Collapsing first (while the process keeps running) makes the next fork's freeze
-    proportional to memory / 2 MiB. Returns the bytes it was asked to cover; best effort.
+    proportional to memory / 2 MiB. Returns the bytes it was asked to cover; best effort. Works in
+    ``chunk``-sized steps and returns early once ``stop()`` is true (a branch that cannot wait).
     """
     MADV_COLLAPSE, HUGE = 25, 2 << 20
     covered = 0
@@ -226,9 +227,12 @@ def collapse_anonymous_memory() -> int:
             continue
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
         lo, hi = (lo + HUGE - 1) & ~(HUGE - 1), hi & ~(HUGE - 1)
-        if hi - lo >= HUGE:
-            _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_COLLAPSE)
-            covered += hi - lo
+        for start in range(lo, hi, chunk):
+            if stop is not None and stop():
+                return covered
+            size = min(chunk, hi - start)
+            _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(size), MADV_COLLAPSE)
+            covered += size
     return covered
 
 

@@ -58,9 +58,10 @@ def _is(kind: str, value) -> bool:
 class ApiError(web.HTTPError):
     """An HTTP error whose body is ``{"error": message}`` (the message is never %-formatted)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, fields: dict | None = None):
         super().__init__(status, "%s", message)
         self.message = message
+        self.fields = fields or {}
 
 
 def query_bool(handler: web.RequestHandler, name: str) -> bool:
@@ -127,7 +128,7 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
         else:
             message = "internal error" if exc is None else f"internal error: {type(exc).__name__}: {exc}"
         self.clear_header("Content-Type")
-        self.finish(json.dumps({"error": message}))
+        self.finish(json.dumps({"error": message, **(exc.fields if isinstance(exc, ApiError) else {})}))
 
     def compute_etag(self):
         # Replies describe live state and are never revalidated; hashing every reply (a listing of
@@ -148,7 +149,7 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
         try:
             return await loop.run_in_executor(self.app.executor, functools.partial(fn, *args, **kwargs))
         except ForkdError as exc:
-            raise ApiError(exc.status, exc.message) from None
+            raise ApiError(exc.status, exc.message, exc.fields) from None
 
     def body(self, spec: dict) -> dict:
         """Parse and type-check a JSON body, the way forkd's extractor does (before any other check)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -211,3 +212,35 @@ def test_forkd_tree_marks_head(kernel):
     svg = next(m["content"]["data"]["image/svg+xml"] for m in tree.messages
                if m["msg_type"] in ("execute_result", "display_data") and "image/svg+xml" in m["content"]["data"])
     assert f"{head} · running · HEAD of" in svg
+
+
+THREAD = ("import threading, time\n"
+          "ticker = threading.Thread(target=lambda: time.sleep(3600), name='ticker', daemon=True)\n"
+          "ticker.start()")
+
+
+def test_a_running_thread_refuses_the_branch_until_lossy_then_warns(kernel):
+    _, kc = kernel
+    assert run(kc, "x = 5\n" + THREAD).ok
+    refused = run(kc, "%forkd branch --live")
+    assert refused.content["status"] == "error"
+    assert "ticker" in refused.text and "--lossy" in refused.text  # what, and the way out
+    done = run(kc, "s = %forkd branch --live --lossy")
+    assert done.ok, done.text
+    assert "ForkWarning" in done.text and "ticker" in done.text  # said under the cell
+    assert run(kc, "kids = %forkd fork -n 1 --lossy").ok
+    assert run(kc, "%forkd checkout kids[0]").ok
+    assert run(kc, "(x, ticker.is_alive())").result == "(5, False)"  # the state; the thread stayed behind
+
+
+def test_a_setup_that_leaves_a_thread_says_why_on_the_process_engine(forkd_server):
+    km, kc = start_new_kernel(kernel_name="forkd-python",
+                              env={**os.environ, "FORKD_KERNEL_ENGINE": "process", "FORKD_KERNEL_SETUP": THREAD})
+    try:
+        cell = run(kc, "1 + 1")
+        assert cell.content["status"] == "error"
+        assert "ticker" in cell.text and "VM engine" in cell.text
+        assert "could not be made" not in cell.text
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -51,3 +51,27 @@ def test_vm_notebook_branches_forks_and_checks_out(vm_kernel):
     assert moved.result == "(22, True)"  # the state, and the thread still ticking in the copy
     assert run(kc, "%forkd checkout -").ok
     assert run(kc, "x").result == "21"
+
+
+def test_auto_moves_a_notebook_whose_setup_leaves_a_thread_to_the_vm_engine(vm_root):
+    """engine auto: the process engine refuses a base snapshot whose setup leaves a thread running
+    (a fork would drop it), so the notebook runs on the VM engine, which carries it, and says so."""
+    cache = os.environ.get("FORKD_VM_CACHE") or os.path.join(vm_root, "cache")
+    setup = ("import threading, time\nticks = []\n"
+             "threading.Thread(target=lambda: [ticks.append(1) or time.sleep(0.05) for _ in range(10**6)], "
+             "name='ticker', daemon=True).start()")
+    server = ServerForKernels()
+    try:
+        km, kc = start_new_kernel(kernel_name="forkd-python", startup_timeout=600,
+                                  env={**os.environ, "FORKD_VM_CACHE": cache, "FORKD_KERNEL_ENGINE": "auto",
+                                       "FORKD_KERNEL_SETUP": setup})
+        try:
+            first = run(kc, "n = len(ticks); time.sleep(0.5); len(ticks) > n", timeout=900)
+            assert first.result == "True", first.text  # the setup's thread runs on in the notebook
+            assert "VM engine" in first.text and "ticker" in first.text  # and the notebook was told why
+            assert "vm" in run(kc, "%forkd head").result
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+    finally:
+        server.stop()

@@ -1,16 +1,19 @@
 """Keep a sandbox's memory in huge pages while it is idle, so a live branch pauses for milliseconds.
 
 A cell that rewrites memory shared with an earlier branch splits every huge page it touches into
-4 KiB pages (copy-on-write), and a fork then copies 512 times as many page-table entries. A live
-branch collapses them back first (``MADV_COLLAPSE``), which for a gigabyte takes seconds; done
-here, on a low-priority thread as soon as the cell ends, that work is off the branch's path: by
-the time the notebook's next ``%forkd branch --live`` arrives it is done, or nearly.
+4 KiB pages (copy-on-write), and a fork then copies 512 times as many page-table entries. Putting
+them back into huge pages (``MADV_COLLAPSE``) takes seconds for a gigabyte, so it is done here, on a
+low-priority thread as soon as the cell ends: by the time the notebook's next ``%forkd branch
+--live`` arrives it is done, or nearly. A branch never waits for it: it stops the pass at its next
+8 MiB step, collapses for at most a short budget itself, and forks; what is left costs the fork's
+pause (about 30 ms per split GiB) instead of the call seconds, and the pass resumes when idle.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 from .. import linux
 
@@ -32,17 +35,22 @@ def split_anonymous_kib() -> int:
 
 class Compactor:
     def __init__(self):
-        self.lock = threading.Lock()  # held while collapsing: a live branch waits, then has little left
+        self.lock = threading.Lock()  # held while collapsing
         self._wake = threading.Event()
+        self._yield = threading.Event()  # a branch wants the lock: the background pass stops
         threading.Thread(target=self._run, name="forkd-compact", daemon=True).start()
 
     def poke(self) -> None:
         """A cell ended: compact when there is enough to gain."""
         self._wake.set()
 
-    def collapse(self) -> None:
+    def collapse(self, budget_s: float) -> None:
+        """Collapse for at most ``budget_s`` now (a live branch, before its fork); the rest later."""
+        self._yield.set()
         with self.lock:
-            linux.collapse_anonymous_memory()
+            self._yield.clear()
+            deadline = time.monotonic() + budget_s
+            linux.collapse_anonymous_memory(stop=lambda: time.monotonic() > deadline)
 
     def _run(self) -> None:
         try:  # behind the user's next cell, never in front of it
@@ -54,6 +62,7 @@ class Compactor:
             self._wake.clear()
             try:
                 if split_anonymous_kib() >= SPLIT_THRESHOLD_KIB:
-                    self.collapse()
+                    with self.lock:
+                        linux.collapse_anonymous_memory(stop=self._yield.is_set)
             except OSError:
                 pass

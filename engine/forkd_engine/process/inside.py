@@ -103,6 +103,7 @@ def prewarm_for_forks() -> None:
 
 
 SHM_SIZE_MIB = 64
+LIVE_COLLAPSE_BUDGET_S = 0.02  # a live branch's own huge-page work before its fork (compactor.py)
 
 
 class SandboxProcess:
@@ -265,10 +266,10 @@ class SandboxProcess:
         try:
             prepare = 0.0
             if request.get("mode") == "live":
-                # Smallest pause: compact our memory into huge pages first, while we keep running
-                # (after the compaction an idle notebook already did, only what is left).
+                # Smaller pause: huge pages first, while we keep running (an idle sandbox has done
+                # this already), within a budget that keeps the call short (compactor.py).
                 t0 = time.perf_counter()
-                self.compactor.collapse()
+                self.compactor.collapse(budget_s=LIVE_COLLAPSE_BUDGET_S)
                 prepare = time.perf_counter() - t0
 
             def fork_here(running=None) -> dict:
@@ -278,6 +279,7 @@ class SandboxProcess:
                 pid, seconds = self._fork_into_new_pidns()
                 if pid == 0:
                     self.become(identity, fds[1], fds[0], lossy=lossy)
+                self.compactor.poke()  # what the live branch's budget left, once idle
                 return {"pid": pid, "pause_ms": round(seconds * 1000, 3), "prepare_ms": round(prepare * 1000, 3),
                         "warnings": lost}
 
