@@ -206,7 +206,7 @@ def install_seccomp() -> None:
            "prctl(SECCOMP)")
 
 
-def collapse_anonymous_memory(stop=None, chunk: int = 8 << 20) -> int:
+def collapse_anonymous_memory(stop=None, chunk: int = 2 << 20) -> int:
     """Re-form huge pages in this process's private anonymous memory (MADV_COLLAPSE, Linux 6.1+).
 
     Copy-on-write splits huge pages into 4 KiB ones, and fork() then copies 512 times more page-table

@@ -5,15 +5,15 @@ A cell that rewrites memory shared with an earlier branch splits every huge page
 them back into huge pages (``MADV_COLLAPSE``) takes seconds for a gigabyte, so it is done here, on a
 low-priority thread as soon as the cell ends: by the time the notebook's next ``%forkd branch
 --live`` arrives it is done, or nearly. A branch never waits for it: it stops the pass at its next
-8 MiB step, collapses for at most a short budget itself, and forks; what is left costs the fork's
-pause (about 30 ms per split GiB) instead of the call seconds, and the pass resumes when idle.
+2 MiB step and forks; what is left costs the fork's pause (about 30 ms per split GiB here) instead
+of seconds of the call, and the pass goes on once the sandbox is idle again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-import time
 
 from .. import linux
 
@@ -44,13 +44,14 @@ class Compactor:
         """A cell ended: compact when there is enough to gain."""
         self._wake.set()
 
-    def collapse(self, budget_s: float) -> None:
-        """Collapse for at most ``budget_s`` now (a live branch, before its fork); the rest later."""
+    @contextlib.contextmanager
+    def stopped(self):
+        """The background pass stopped (at its next 2 MiB step) and kept from starting: a fork
+        under way never competes with it for the page tables. It goes on when poked."""
         self._yield.set()
         with self.lock:
             self._yield.clear()
-            deadline = time.monotonic() + budget_s
-            linux.collapse_anonymous_memory(stop=lambda: time.monotonic() > deadline)
+            yield
 
     def _run(self) -> None:
         try:  # behind the user's next cell, never in front of it

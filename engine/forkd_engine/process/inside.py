@@ -103,7 +103,6 @@ def prewarm_for_forks() -> None:
 
 
 SHM_SIZE_MIB = 64
-LIVE_COLLAPSE_BUDGET_S = 0.02  # a live branch's own huge-page work before its fork (compactor.py)
 
 
 class SandboxProcess:
@@ -264,23 +263,18 @@ class SandboxProcess:
         lossy = bool(request.get("lossy"))
         identity = {"id": request["id"], "role": "template", "lineage": list(request.get("lineage") or [])}
         try:
-            prepare = 0.0
-            if request.get("mode") == "live":
-                # Smaller pause: huge pages first, while we keep running (an idle sandbox has done
-                # this already), within a budget that keeps the call short (compactor.py).
-                t0 = time.perf_counter()
-                self.compactor.collapse(budget_s=LIVE_COLLAPSE_BUDGET_S)
-                prepare = time.perf_counter() - t0
-
             def fork_here(running=None) -> dict:
                 lost = inventory.lost(self.agent_fds(), running)
                 if lost and not lossy:
                     return {"error": "lossy fork refused", "lost": lost, "exit_code": 1}
-                pid, seconds = self._fork_into_new_pidns()
+                t0 = time.perf_counter()
+                with self.compactor.stopped():  # an idle sandbox's memory is in huge pages already
+                    prepared = time.perf_counter() - t0
+                    pid, seconds = self._fork_into_new_pidns()
                 if pid == 0:
                     self.become(identity, fds[1], fds[0], lossy=lossy)
-                self.compactor.poke()  # what the live branch's budget left, once idle
-                return {"pid": pid, "pause_ms": round(seconds * 1000, 3), "prepare_ms": round(prepare * 1000, 3),
+                self.compactor.poke()  # what a cell split since, once idle
+                return {"pid": pid, "pause_ms": round(seconds * 1000, 3), "prepare_ms": round(prepared * 1000, 3),
                         "warnings": lost}
 
             executor = self.runtime.executor
