@@ -31,6 +31,12 @@ def check_python_location() -> None:
             raise RuntimeError(
                 f"the Python environment at {path} lies under {', '.join(_NEVER_BOUND)}, which every "
                 f"sandbox replaces with its own; install forkd in an environment elsewhere")
+    # The agent imports parts of forkd_engine lazily (the IPython shell), after the root is swapped.
+    package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    if _under(package, _NEVER_BOUND):
+        raise RuntimeError(
+            f"forkd's code at {package} lies under {', '.join(_NEVER_BOUND)}, which every sandbox "
+            f"replaces with its own; install (or check out) forkd elsewhere")
 
 
 def python_dirs() -> list[str]:
