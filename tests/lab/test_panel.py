@@ -268,3 +268,61 @@ def test_panel_recovers_after_a_server_restart(page, lab):
     assert row(page, kid).get_attribute("data-status") == "running"  # re-attached across the restart
     kid2 = lab.controller().spawn_sandboxes("rs", 1)[0]["id"]  # and live again
     row(page, kid2).wait_for(timeout=LIVE_WITHIN)
+
+
+def test_panel_actions_branch_fork_kill_zoom_and_the_status_bar(page, lab):
+    """The panel's own buttons act through REST, as a person uses them: branch a sandbox in the mode
+    picked, fork n from a snapshot, kill after confirming; zoom and fit; the status bar opens it."""
+    ctl = lab.controller()
+    ctl.create_snapshot("act", setup="x = 1")
+    kid = ctl.spawn_sandboxes("act", 1)[0]["id"]
+    # the node's figures arrive with the re-read that follows the spawn event
+    page.locator(f"{PANEL} .forkd-row[data-id='{kid}'] .forkd-meta", has_text="private").wait_for(timeout=5_000)
+    row(page, kid).click()
+    details = page.locator(f"{PANEL} .forkd-details")
+    details.filter(has_text=f"sandbox {kid}").wait_for(timeout=5_000)
+    fields = set(details.locator("th").all_text_contents())
+    assert {"status", "engine", "age", "memory", "activity", "lineage"} <= fields, fields  # per-node facts
+    page.locator(f"{PANEL} select.forkd-mode").select_option("diff")
+    page.locator(f"{PANEL} button.forkd-branch").click()
+    message = page.locator(f"{PANEL} .forkd-message")
+    message.filter(has_text=f"branched {kid} into ").wait_for(timeout=30_000)
+    branch = next(s for s in ctl.list_snapshots() if s.get("branched_from") == kid)
+    assert message.text_content() == f"branched {kid} into {branch['tag']}"
+    page.locator(f"{PANEL} .forkd-row[data-id='{branch['tag']}'][data-status='ready']").wait_for(timeout=30_000)
+
+    row(page, branch["tag"]).click()
+    details.filter(has_text=f"snapshot {branch['tag']}").wait_for(timeout=5_000)
+    page.locator(f"{PANEL} input.forkd-n").fill("3")
+    page.locator(f"{PANEL} button.forkd-fork").click()
+    message.filter(has_text=f"forked 3 sandboxes from {branch['tag']}").wait_for(timeout=30_000)
+    grand = [s["id"] for s in ctl.list_sandboxes() if s["snapshot_tag"] == branch["tag"]]
+    assert len(grand) == 3
+    assert [ctl.eval_code(g, "x")["result"] for g in grand] == ["1"] * 3  # each carries the branched state
+
+    # kill, confirmed this time: the sandbox is gone from the server and marked killed in the panel
+    row(page, kid).click()
+    page.locator(f"{PANEL} button.forkd-kill").click()
+    dialog = page.locator(".jp-Dialog")
+    dialog.wait_for(timeout=5_000)
+    dialog.locator(".jp-mod-warn").click()
+    page.locator(f"{PANEL} .forkd-row[data-id='{kid}'][data-status='killed']").wait_for(timeout=LIVE_WITHIN)
+    assert kid not in {s["id"] for s in ctl.list_sandboxes()}
+
+    # zoom in and out from the toolbar, then fit
+    zoom = "() => document.querySelector('#forkd-lineage .forkd-content').style.zoom"
+    page.locator(f"{PANEL} button.forkd-tool[title='Zoom in']").click()
+    assert page.evaluate(zoom) == "1.25"
+    page.locator(f"{PANEL} button.forkd-tool[title='Zoom out']").click()
+    page.locator(f"{PANEL} button.forkd-tool[title='Zoom out']").click()
+    assert page.evaluate(zoom) == "0.8"
+    page.locator(f"{PANEL} button.forkd-tool[title='Fit the whole tree']").click()
+    assert float(page.evaluate(zoom)) <= 1
+
+    # the status bar item opens the panel when another sidebar is showing
+    page.evaluate("window.jupyterapp.commands.execute('filebrowser:activate')")
+    page.locator(PANEL).wait_for(state="hidden", timeout=5_000)
+    page.locator(".forkd-status").click()
+    page.locator(PANEL).wait_for(state="visible", timeout=5_000)
+    for g in grand:
+        ctl.kill_sandbox(g)
