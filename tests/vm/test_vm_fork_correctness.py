@@ -30,6 +30,14 @@ def test_exit_statuses_belong_to_the_users_code(vm_engine, parent, kids):
                              "        fails += 1\n"
                              "set(codes), fails", timeout=120)
     assert got == "({3}, 10)"
+    # a shell that exits at once leaves its background child to PID 1 (the agent): once it has
+    # exited it must be reaped, not left a zombie (whose /proc entry would stay)
+    orphan = vm_engine.call(sb, {"action": "exec", "args": ["sh", "-c", "sleep 0.2 & echo $!; exit 0"]})
+    pid = int(orphan["stdout"])
+    assert run(vm_engine, sb, f"deadline = time.time() + 30\n"
+                              f"while os.path.exists('/proc/{pid}') and time.time() < deadline:\n"
+                              f"    time.sleep(0.05)\n"
+                              f"os.path.exists('/proc/{pid}')", timeout=60) == "False"
 
 
 def test_threads_and_processes_are_carried_into_a_branch(vm_engine, parent, kids):
@@ -87,7 +95,9 @@ def test_files_file_objects_and_shared_mappings_are_each_copys_own(vm_engine, pa
                         "tf = tempfile.TemporaryFile(); tf.write(b'kept'); tf.flush()\n"
                         "f = open('/tmp/shared.bin', 'w+b'); f.write(bytes(4096)); f.flush()\n"
                         "m = mmap.mmap(f.fileno(), 4096); m[:5] = b'SRC00'\n"     # a file, MAP_SHARED
-                        "anon = mmap.mmap(-1, 4096); anon[:3] = b'src'")           # anonymous, MAP_SHARED
+                        "anon = mmap.mmap(-1, 4096); anon[:3] = b'src'\n"         # anonymous, MAP_SHARED
+                        "from multiprocessing import shared_memory\n"             # and its tracker process
+                        "sm = shared_memory.SharedMemory(create=True, size=4096); sm.buf[:3] = b'src'")
     snap, (g1, g2) = branch_and_spawn(vm_engine, src, kids, "files-own")
     try:
         assert ev(vm_engine, g1, "os.getcwd()") == "'/root/work/sub'"
@@ -98,7 +108,7 @@ def test_files_file_objects_and_shared_mappings_are_each_copys_own(vm_engine, pa
                            "open('notes.txt', 'w').write('g1'); open('/tmp/new.txt', 'w').write('g1')\n"
                            "log.write('g1\\n'); log.flush()\n"
                            "tf.seek(0); tf.write(b'CHANGED'); tf.flush()\n"
-                           "m[:5] = b'GRAND'; m.flush(); anon[:3] = b'g1!'")
+                           "m[:5] = b'GRAND'; m.flush(); anon[:3] = b'g1!'; sm.buf[:3] = b'g1!'")
         assert ev(vm_engine, g1, "open('/tmp/log.txt').read(), open('/tmp/shared.bin', 'rb').read(5)") \
             == repr(("source\ng1\n", b"GRAND"))
         # neither a sibling nor the source sees any of g1's writes
@@ -110,6 +120,8 @@ def test_files_file_objects_and_shared_mappings_are_each_copys_own(vm_engine, pa
             assert ev(vm_engine, other, "(tf.seek(0), tf.read())[1]") == "b'kept'"
             assert ev(vm_engine, other, "bytes(m[:5]), bytes(anon[:3]), open('/tmp/shared.bin', 'rb').read(5)") \
                 == "(b'SRC00', b'src', b'SRC00')"
+            assert ev(vm_engine, other, "bytes(sm.buf[:3]), open('/dev/shm/' + sm.name, 'rb').read(3)") \
+                == "(b'src', b'src')"
     finally:
         vm_engine.delete_snapshot(snap)
 
@@ -130,6 +142,7 @@ def test_event_loops_tasks_sockets_and_imports_in_progress_are_carried(vm_engine
                         "left, right = socket.socketpair()\n"
                         "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()\n"
                         "cli = socket.create_connection(srv.getsockname()); peer, _ = srv.accept()\n"
+                        "r, w = os.pipe(); os.set_blocking(r, False)\n"
                         "open('/tmp/slowmod.py', 'w').write(\n"
                         "    'import os, time\\nwhile not os.path.exists(\"/tmp/go\"):\\n    time.sleep(0.01)\\nvalue = 7\\n')\n"
                         "sys.path.insert(0, '/tmp')\n"
@@ -150,12 +163,13 @@ def test_event_loops_tasks_sockets_and_imports_in_progress_are_carried(vm_engine
         # sockets: the pair and the connection are the copy's own; the listener accepts there
         run(vm_engine, g1, "left.sendall(b'pair'); cli.sendall(b'conn')\n"
                            "late = socket.create_connection(srv.getsockname()); late_peer, _ = srv.accept()\n"
-                           "late.sendall(b'late')")
-        assert ev(vm_engine, g1, "right.recv(10), peer.recv(10), late_peer.recv(10)") == "(b'pair', b'conn', b'late')"
+                           "late.sendall(b'late'); os.write(w, b'pipe')")
+        assert ev(vm_engine, g1, "right.recv(10), peer.recv(10), late_peer.recv(10), os.read(r, 10)") \
+            == "(b'pair', b'conn', b'late', b'pipe')"
         for other in (g2, src):
             assert ev(vm_engine, other, "[s.setblocking(False) for s in (right, peer)] and None") == "None"
-            for sock in ("right", "peer"):
-                reply = vm_engine.call(other, {"action": "run_code", "code": f"{sock}.recv(10)"}, timeout=60)
+            for read in ("right.recv(10)", "peer.recv(10)", "os.read(r, 10)"):
+                reply = vm_engine.call(other, {"action": "run_code", "code": read}, timeout=60)
                 assert reply["error"]["ename"] == "BlockingIOError", reply  # nothing of g1's reached it
         # the import another thread had begun completes in the copy
         run(vm_engine, g1, "open('/tmp/go', 'w').close()\nimporter.join(30)\nimport slowmod", timeout=40)
