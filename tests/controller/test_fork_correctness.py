@@ -244,3 +244,16 @@ def test_setup_that_leaves_a_thread_running_is_refused_unless_lossy(ctl):
         ctl.create_snapshot("leaves-thread", setup=setup)
     assert info.value.status == 409 and "thread 'warmup'" in info.value.message
     assert all(s["tag"] != "leaves-thread" for s in ctl.list_snapshots())
+    # lossy: the snapshot is made and its children lack the thread
+    ctl.create_snapshot("leaves-thread", setup=setup, lossy=True)
+    kid = ctl.spawn("leaves-thread", 1)[0]["id"]
+    assert ev(ctl, kid, "[t.name for t in threading.enumerate() if t.name == 'warmup']") == "[]"
+
+
+@pytest.mark.xfail(strict=True, reason="not done: the process engine's template does not report what a lossy "
+                                       "setup left behind, so the snapshot records no warnings "
+                                       "(docs/design/fork-correctness.md, Not done)")
+def test_a_lossy_setup_snapshot_lists_what_its_children_lack(ctl):
+    setup = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), name='warmup2', daemon=True).start()"
+    snap = ctl.create_snapshot("leaves-thread-listed", setup=setup, lossy=True)
+    assert any("thread 'warmup2'" in w for w in snap.get("warnings", []))
