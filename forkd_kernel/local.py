@@ -28,6 +28,9 @@ from forkd_server.client import Sandbox, Snapshot
 __all__ = ["LocalShell", "KernelMagics", "is_forkd_cell"]
 
 _transformer = TransformerManager()
+# A sandbox id or snapshot tag as the server accepts them: `%forkd checkout good-run` means the tag,
+# though it also parses as an expression over names the kernel does not have.
+_ID_OR_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
 
 
 def is_forkd_cell(code: str) -> bool:
@@ -204,10 +207,12 @@ class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherite
             if value is None:
                 try:
                     value = eval(target, self.shell.user_ns)  # noqa: S307 - the user's own kernel namespace
-                except NameError as exc:
-                    raise UsageError(f"forkd checkout: {exc} (in the kernel, where %forkd lines bind names)") from None
                 except SyntaxError:
                     value = target  # an id or a tag
+                except Exception as exc:  # noqa: BLE001 - e.g. good-run, read as good minus run
+                    if not _ID_OR_TAG.match(target):
+                        raise UsageError(f"forkd checkout: {exc} (in the kernel, where %forkd lines bind names)") from None
+                    value = target
             if isinstance(value, (list, tuple)) and len(value) == 1:
                 value = value[0]
             if isinstance(value, Sandbox):

@@ -97,6 +97,21 @@ def test_shared_mappings_are_the_forks_own(ctl, plain):
         assert ev(ctl, other, "open('/tmp/shared.bin', 'rb').read(5)") == "b'SRC00'"
 
 
+def test_multiprocessing_shared_memory_refuses_for_its_tracker_and_is_the_forks_own_when_lossy(ctl, plain):
+    src = ctl.spawn(plain, 1)[0]["id"]
+    run(ctl, src, "from multiprocessing import shared_memory\n"
+                  "sm = shared_memory.SharedMemory(create=True, size=4096); sm.buf[:3] = b'src'")
+    # the mapping could be copied, but multiprocessing's resource tracker is a process a fork drops
+    assert "multiprocessing.resource_tra" in refused(ctl, src)
+    branch = ctl.branch(src, lossy=True)
+    assert any("child process" in w for w in branch["warnings"])
+    g1, g2 = (s["id"] for s in ctl.spawn(branch["tag"], 2))
+    run(ctl, g1, "sm.buf[:3] = b'g1!'")
+    for other in (g2, src):
+        assert ev(ctl, other, "bytes(sm.buf[:3]), open('/dev/shm/' + sm.name, 'rb').read(3)") == "(b'src', b'src')"
+    assert run(ctl, g1, "sm.close(); sm.unlink()")["exit_code"] == 0  # the copy starts its own tracker
+
+
 # --- processes and names -------------------------------------------------------------------------
 
 def test_exit_statuses_belong_to_the_users_code(ctl, plain):
@@ -193,13 +208,18 @@ def test_an_idle_event_loop_is_renewed_and_works_in_the_copy(ctl, plain):
 def test_a_users_socket_refuses_the_branch_and_is_closed_in_a_lossy_one(ctl, plain):
     sb = ctl.spawn(plain, 1)[0]["id"]
     run(ctl, sb, "import socket\nsrv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()\n"
-                 "cli = socket.create_connection(srv.getsockname()); peer, _ = srv.accept()")
+                 "cli = socket.create_connection(srv.getsockname()); peer, _ = srv.accept()\n"
+                 "r, w = os.pipe(); os.set_blocking(r, False)")
     assert "open sockets" in refused(ctl, sb)
     g = ctl.spawn(ctl.branch(sb, lossy=True)["tag"], 1)[0]["id"]
     reply = ctl.run_code(g, "cli.send(b'hello from the copy')")
     assert reply["error"]["ename"] in ("BrokenPipeError", "OSError")  # loud, never the source's peer
     nothing = ctl.run_code(sb, "peer.setblocking(False)\npeer.recv(100)")  # the source's peer got nothing
     assert nothing["error"]["ename"] == "BlockingIOError", nothing
+    # the pipe: in the copy its read end is at end-of-file and its write end refuses writes
+    assert ev(ctl, g, "os.read(r, 10)") == "b''"
+    assert ctl.run_code(g, "os.write(w, b'from the copy')")["error"]["ename"] == "OSError"
+    assert ctl.run_code(sb, "os.read(r, 10)")["error"]["ename"] == "BlockingIOError"  # nothing reached the source
 
 
 def test_an_import_cut_short_by_a_lossy_fork_runs_again_in_the_copy(ctl, plain):
@@ -224,3 +244,16 @@ def test_setup_that_leaves_a_thread_running_is_refused_unless_lossy(ctl):
         ctl.create_snapshot("leaves-thread", setup=setup)
     assert info.value.status == 409 and "thread 'warmup'" in info.value.message
     assert all(s["tag"] != "leaves-thread" for s in ctl.list_snapshots())
+    # lossy: the snapshot is made and its children lack the thread
+    ctl.create_snapshot("leaves-thread", setup=setup, lossy=True)
+    kid = ctl.spawn("leaves-thread", 1)[0]["id"]
+    assert ev(ctl, kid, "[t.name for t in threading.enumerate() if t.name == 'warmup']") == "[]"
+
+
+@pytest.mark.xfail(strict=True, reason="not done: the process engine's template does not report what a lossy "
+                                       "setup left behind, so the snapshot records no warnings "
+                                       "(docs/design/fork-correctness.md, Not done)")
+def test_a_lossy_setup_snapshot_lists_what_its_children_lack(ctl):
+    setup = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), name='warmup2', daemon=True).start()"
+    snap = ctl.create_snapshot("leaves-thread-listed", setup=setup, lossy=True)
+    assert any("thread 'warmup2'" in w for w in snap.get("warnings", []))

@@ -65,7 +65,10 @@ def test_branch_fork_checkout_and_back(kernel):
     branch = run(kc, "%forkd branch --live")
     assert branch.ok and "Snapshot(" in branch.result and "status='ready'" in branch.result
     assert run(kc, "kids = %forkd fork -n 5").ok
-    assert run(kc, "len(kids)").content["ename"] == "NameError"  # kids lives in the kernel, and it says so
+    used = run(kc, "len(kids)")  # kids lives in the kernel: the cell says so and how to use it
+    assert used.content["ename"] == "NameError"
+    assert "forkd: 'kids' was bound by a %forkd line, so it lives in the kernel, not in the notebook's sandbox" \
+        in used.text and "%%forkd run kids" in used.text
     assert run(kc, "%forkd checkout kids[2]").ok
     plus = run(kc, "x + 1")
     assert plus.result == "22"
@@ -113,6 +116,64 @@ def test_input_round_trip(kernel):
 
     cell = run(kc, "name = input('who? ')\nname.upper()", allow_stdin=True, stdin_hook=answer)
     assert asked == ["who? "] and cell.result == "'ADA'"
+
+
+def test_getpass_round_trip_asks_for_a_password(kernel):
+    _, kc = kernel
+    asked = []
+
+    def answer(msg):
+        asked.append((msg["content"]["prompt"], msg["content"]["password"]))
+        kc.input("s3cret")
+
+    cell = run(kc, "import getpass\npin = getpass.getpass('pin? ')\n(len(pin), pin == 's3cret')",
+               allow_stdin=True, stdin_hook=answer)
+    assert asked == [("pin? ", True)]  # the frontend hides what is typed
+    assert cell.result == "(6, True)" and "s3cret" not in cell.text
+
+
+def head_of(kc) -> str:
+    return run(kc, "%forkd head").result.split()[1]
+
+
+def test_checkout_of_a_tag_is_a_fresh_child_holding_its_state(kernel, forkd_server):
+    _, kc = kernel
+    ctl = Controller(forkd_server.url, forkd_server.token)
+    assert run(kc, "x = 'at the tag'").ok
+    assert run(kc, "%forkd branch -t good-run").result == "Snapshot('good-run', status='ready')"
+    before = head_of(kc)
+    assert run(kc, "x = 'moved on'").ok
+    known = {s["id"] for s in ctl.list_sandboxes()}
+    moved = run(kc, "%forkd checkout good-run")  # a tag with a dash: not read as good minus run
+    assert moved.ok, moved.text
+    new = head_of(kc)
+    assert new not in known and ctl.get_sandbox(new)["snapshot_tag"] == "good-run"  # a new sandbox
+    assert f"HEAD: {before} → {new}" in moved.text
+    assert run(kc, "x").result == "'at the tag'"
+    assert run(kc, "%forkd checkout good-run").ok  # again: another fresh child, not the same one
+    assert head_of(kc) not in known | {new}
+    assert run(kc, "%forkd checkout -").ok and head_of(kc) == new
+    assert run(kc, "%forkd checkout -").ok and head_of(kc) == before
+    assert run(kc, "x").result == "'moved on'"  # the source kept its own state
+    wrong = run(kc, "%forkd checkout nosuch[0]")
+    assert wrong.content["ename"] == "UsageError" and "name 'nosuch' is not defined" in wrong.content["evalue"]
+
+
+def test_branch_no_wait_and_diff_of_head(kernel, forkd_server):
+    _, kc = kernel
+    ctl = Controller(forkd_server.url, forkd_server.token)
+    assert run(kc, "x = 'first'").ok
+    quick = run(kc, "%forkd branch --no-wait")
+    assert quick.ok, quick.text
+    m = re.fullmatch(r"Snapshot\('(branch-sb-[\w-]+)', status='(writing|ready)'\)", quick.result or "")
+    assert m, quick.result  # returned at once, maybe still writing
+    assert ctl.wait_snapshot(m.group(1), timeout=60)["status"] == "ready"
+    assert run(kc, "x = 'second'").ok
+    assert run(kc, "%forkd branch --diff -t diffed").result == "Snapshot('diffed', status='ready')"
+    assert run(kc, "x = 'third'").ok
+    for tag, state in ((m.group(1), "'first'"), ("diffed", "'second'")):
+        assert run(kc, f"%forkd checkout {tag}").ok
+        assert run(kc, "x").result == state
 
 
 def test_widgets_round_trip_through_comms(kernel):

@@ -100,30 +100,48 @@ def test_exec_and_memory_sharing(vm_engine, parent, kids):
     assert m["pss_kib"] < m["rss_kib"]
 
 
+def release(engine, handle) -> None:
+    """Let a cell started with BUSY_UNTIL_RELEASED end (it loops until /tmp/release exists)."""
+    reply = engine.call(handle, {"action": "exec", "args": ["touch", "/tmp/release"]}, timeout=30)
+    assert reply["exit_code"] == 0, reply
+
+
+# A busy cell that runs until the test releases it, so it cannot end before the test has done what
+# it needs however slow the machine is; the deadline only keeps a failed test from leaving it running.
+BUSY_UNTIL_RELEASED = ("open('/tmp/busy', 'w').close()\nt_end = time.time() + 300\n"
+                       "while not os.path.exists('/tmp/release') and time.time() < t_end:\n"
+                       "    ticks += 1\n    work[ticks % len(work)] = 7\n"
+                       "open('/tmp/ended', 'w').close()")
+
+
 @pytest.mark.parametrize("mode", ["full", "diff", "live"])
 def test_branch_busy_vm_every_mode(vm_engine, parent, kids, mode):
     (src,) = spawn(vm_engine, parent, kids)
     run(vm_engine, src, "work = bytearray(os.urandom(16 << 20))\nticks = 0")
     # keep the guest busy (a loop holding the agent's eval lock) while it is branched
-    busy = threading.Thread(target=vm_engine.call, args=(src, {
-        "action": "run_code",
-        "code": "open('/tmp/busy', 'w').close()\nt_end = time.time() + 4\n"
-                "while time.time() < t_end:\n    ticks += 1\n    work[ticks % len(work)] = 7"},
-        ), kwargs={"timeout": 60}, daemon=True)
+    busy = threading.Thread(target=vm_engine.call, args=(src, {"action": "run_code", "code": BUSY_UNTIL_RELEASED}),
+                            kwargs={"timeout": 120}, daemon=True)
     busy.start()
-    # wait (inside the guest, bounded) until the loop is running
-    started = vm_engine.call(src, {"action": "exec", "timeout": 20,
-                                   "args": ["sh", "-c", "while [ ! -e /tmp/busy ]; do :; done"]}, timeout=30)
-    assert started["exit_code"] == 0, started
-    tag = f"busy-{mode}"
-    res = vm_engine.branch(src, tag, ["parent", "src", tag], mode)
-    assert res.pause_ms > 0
-    snap = res.ready.result(120)
-    busy.join(30)
+    try:
+        # wait (inside the guest, bounded) until the loop is running
+        started = vm_engine.call(src, {"action": "exec", "timeout": 20,
+                                       "args": ["sh", "-c", "while [ ! -e /tmp/busy ]; do :; done"]}, timeout=30)
+        assert started["exit_code"] == 0, started
+        tag = f"busy-{mode}"
+        res = vm_engine.branch(src, tag, ["parent", "src", tag], mode)
+        assert res.pause_ms > 0
+        snap = res.ready.result(120)
+    finally:
+        release(vm_engine, src)
+        busy.join(60)
+    assert not busy.is_alive()
     g1, g2 = spawn(vm_engine, snap, kids, n=2, prefix="g")
-    # the grandchild resumes mid-loop: the loop ends on its own and ticks kept counting
+    # the grandchild resumes mid-loop: the loop goes on there until released, and ticks kept counting
     for g in (g1, g2):
-        assert ev(vm_engine, g, "len(work)") == str(16 << 20)
+        still = vm_engine.call(g, {"action": "exec", "args": ["test", "-e", "/tmp/ended"]}, timeout=30)
+        assert still["exit_code"] == 1, still
+        release(vm_engine, g)
+        assert ev(vm_engine, g, "len(work), os.path.exists('/tmp/ended')") == f"({16 << 20}, True)"
         assert int(ev(vm_engine, g, "ticks", timeout=60)) > 0
     # the source kept running through the branch and its state is its own
     run(vm_engine, g1, "ticks = -1")
@@ -238,7 +256,8 @@ def test_snapshot_waits_for_an_idle_guest(vm_engine, parent, kids):
     assert vm_engine._wait_idle(a) is True            # an idle guest's vCPU sleeps
     busy = threading.Thread(target=vm_engine.call, args=(a, {
         "action": "run_code",
-        "code": "open('/tmp/spinning', 'w').close()\nt_end = time.time() + 3\nwhile time.time() < t_end: pass"}, 30))
+        "code": "open('/tmp/spinning', 'w').close()\nt_end = time.time() + 300\n"
+                "while not os.path.exists('/tmp/release') and time.time() < t_end: pass"}, 120), daemon=True)
     busy.start()
     try:
         deadline = time.monotonic() + 10
@@ -247,7 +266,9 @@ def test_snapshot_waits_for_an_idle_guest(vm_engine, parent, kids):
             assert time.monotonic() < deadline, "the busy loop never started"
         assert vm_engine._wait_idle(a, limit=0.5) is False   # a spinning guest never goes quiet
     finally:
-        busy.join()
+        release(vm_engine, a)
+        busy.join(60)
+    assert not busy.is_alive()
 
 
 def test_a_failing_child_takes_down_the_whole_spawn_and_leaves_nothing(vm_engine, parent, tmp_path):

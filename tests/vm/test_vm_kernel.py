@@ -13,6 +13,11 @@ from .conftest import requires_qemu
 
 pytestmark = [requires_qemu, pytest.mark.slow]
 
+# True once the thread appending to ``ticks`` has ticked again: waits for it (bounded), so a loaded
+# machine cannot make a live thread look stopped.
+TICKED = ("def ticked(limit=30):\n    n, end = len(ticks), time.time() + limit\n"
+          "    while len(ticks) == n and time.time() < end:\n        time.sleep(0.01)\n    return len(ticks) > n")
+
 
 @pytest.fixture(scope="module")
 def vm_kernel(vm_root):
@@ -47,7 +52,7 @@ def test_vm_notebook_branches_forks_and_checks_out(vm_kernel):
     assert run(kc, "%forkd branch --live", timeout=300).ok
     assert run(kc, "kids = %forkd fork -n 2", timeout=300).ok
     assert run(kc, "%forkd checkout kids[1]", timeout=120).ok
-    moved = run(kc, "n = len(ticks); time.sleep(0.5); (x + 1, len(ticks) > n)")
+    moved = run(kc, f"{TICKED}\n(x + 1, ticked())")
     assert moved.result == "(22, True)"  # the state, and the thread still ticking in the copy
     assert run(kc, "%forkd checkout -").ok
     assert run(kc, "x").result == "21"
@@ -66,7 +71,7 @@ def test_auto_moves_a_notebook_whose_setup_leaves_a_thread_to_the_vm_engine(vm_r
                                   env={**os.environ, "FORKD_VM_CACHE": cache, "FORKD_KERNEL_ENGINE": "auto",
                                        "FORKD_KERNEL_SETUP": setup})
         try:
-            first = run(kc, "n = len(ticks); time.sleep(0.5); len(ticks) > n", timeout=900)
+            first = run(kc, f"{TICKED}\nticked()", timeout=900)
             assert first.result == "True", first.text  # the setup's thread runs on in the notebook
             assert "VM engine" in first.text and "ticker" in first.text  # and the notebook was told why
             assert "vm" in run(kc, "%forkd head").result
