@@ -12,8 +12,13 @@ Figures (one run; medians, and ratios of figures taken in that run):
   after the kernel has been idle until its background compaction finished (``idle_s`` is how long).
 - fork5_ms: ``kids = %forkd fork -n 5`` until five sandboxes answer a ping.
 - checkout_ms: ``%forkd checkout kids[0]`` plus the first cell in the new HEAD.
-- kishu (when ``bench/kishu_compare.py`` can run Kishu here): Kishu's checkpoint and checkout of
-  the same 1 GiB state, and the ratios to forkd's branch and checkout.
+- interrupt: from the interrupt request (``KernelManager.interrupt_kernel``, as the stop button)
+  to the ``execute_reply`` of a cell stopped by it: ``time.sleep(60)`` in HEAD, and ``%%forkd run``
+  of a ``time.sleep(60)`` in five sandboxes at once (once every one of them has started it).
+- kishu (``bench/kishu_compare.py``): Kishu's checkpoint and checkout of the same 1 GiB state in a
+  plain ipykernel, and their ratios to forkd's figures of this run: its checkpoint after a rewrite
+  to ``%forkd branch --live`` right after a rewrite, its checkout to ``checkout_ms``. When Kishu
+  cannot run here, ``kishu.error`` says why (and the bench prints it).
 """
 
 from __future__ import annotations
@@ -116,6 +121,52 @@ def bench_fork_checkout(kc, ctl) -> dict:
     return {"fork5_ms": round(fork5, 1), "checkout_ms": round(checkout, 1)}
 
 
+def _interrupt_once(km, kc, code: str, started, timeout: float = 120) -> float:
+    """ms from the interrupt request to the execute_reply of ``code``, interrupted once ``started``
+    (a predicate over iopub messages) says it is running."""
+    msg_id = kc.execute(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id and started(msg):
+            break
+    t0 = time.perf_counter()
+    km.interrupt_kernel()
+    while True:
+        reply = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    ms = (time.perf_counter() - t0) * 1000
+    if reply["content"]["status"] != "error":
+        raise RuntimeError(f"the interrupted cell {code!r} ended {reply['content']['status']!r}")
+    while True:  # its output until idle, so the next cell starts clean
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"):
+            return ms
+
+
+def _printed(text: str, times: int = 1):
+    def started(msg: dict) -> bool:
+        content = msg["content"]
+        shown = content.get("text") or (content.get("data") or {}).get("text/plain") or ""
+        return shown.count(text) >= times
+    return started
+
+
+def bench_interrupt(km, kc, rounds: int = 5) -> dict:
+    execute(kc, "import time")
+    sleep = [_interrupt_once(km, kc, "print('sleeping', flush=True)\ntime.sleep(60)", _printed("sleeping"))
+             for _ in range(rounds)]
+    execute(kc, "sleepers = %forkd fork -n 5")
+    run = [_interrupt_once(km, kc, "%%forkd run sleepers\nprint('sleeping', flush=True)\ntime.sleep(60)",
+                           _printed("sleeping", 5)) for _ in range(rounds)]
+    execute(kc, "%forkd kill {' '.join(s.id for s in sleepers)}")
+    return {"sleep_p50_ms": round(statistics.median(sleep), 1), "sleep_max_ms": round(max(sleep), 1),
+            "forkd_run_5_p50_ms": round(statistics.median(run), 1), "forkd_run_5_max_ms": round(max(run), 1),
+            "rounds": rounds}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true")
@@ -133,6 +184,7 @@ def main() -> int:
             results["execute"] = bench_execute(fkc, pkc, args.rounds)
             results["branch_live_1gib"] = bench_branch(fkc, ctl)
             results.update(bench_fork_checkout(fkc, ctl))
+            results["interrupt"] = bench_interrupt(fkm, fkc)
         finally:
             for km, kc in ((fkm, fkc), (pkm, pkc)):
                 kc.stop_channels()
@@ -143,8 +195,9 @@ def main() -> int:
                 kishu = kishu_figures(gib=1)
             except Exception as exc:  # noqa: BLE001 - report why, keep our own figures
                 kishu = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"bench/kernel.py: Kishu could not run here: {kishu['error']}", file=sys.stderr)
             results["kishu"] = kishu
-            branch = results["branch_live_1gib"]["after_idle_compaction"]["call_ms"]
+            branch = results["branch_live_1gib"]["right_after_rewrite"]["call_ms"]
             if "checkpoint_ms" in kishu:
                 kishu["checkpoint_over_forkd_branch"] = round(kishu["checkpoint_ms"] / branch, 1)
                 kishu["checkout_over_forkd_checkout"] = round(kishu["checkout_ms"] / results["checkout_ms"], 1)
