@@ -391,10 +391,9 @@ class ProcessEngine:
 
     def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str = "full",
                lossy: bool = False) -> BranchResult:
-        # Every mode is a copy-on-write fork(): the source pauses only for the fork itself and all
-        # modes capture the same state. full and diff fork at once (pause ~ page tables of the
-        # source's memory); live first compacts the source into huge pages while it keeps running,
-        # for the smallest pause at the price of a slower call (see docs/design/process-engine.md).
+        # Every mode is the same copy-on-write fork(), at once: the source pauses only for the
+        # page-table copy, which the sandbox keeps small while it idles (compactor.py, hugepages.py;
+        # see docs/design/process-engine.md, "Branch modes").
         listener, path = self._listen("snap:" + tag)
         ours, theirs = self._report_pair()
         try:

@@ -152,13 +152,14 @@ def find_buffers(namespace: dict) -> list[tuple[weakref.ref, int, int, int, int]
     looked = 0
     while todo and looked < WALK_LIMIT:
         obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, _SKIP):
+        kind = type(obj)  # never isinstance: a proxy's __class__ could run user code
+        if id(obj) in seen or issubclass(kind, _SKIP):
             continue
         seen.add(id(obj))
         looked += 1
-        if isinstance(obj, ndarray):
+        if issubclass(kind, ndarray):
             owner = obj
-            while isinstance(ndarray.base.__get__(owner), ndarray):
+            while issubclass(type(ndarray.base.__get__(owner)), ndarray):
                 owner = ndarray.base.__get__(owner)
             flags = ndarray.flags.__get__(owner)
             nbytes = ndarray.nbytes.__get__(owner)
