@@ -6,14 +6,22 @@
 Figures (one run; medians, and ratios of figures taken in that run):
 - execute_p50_ms: a trivial cell (``x = 1``) from execute_request to execute_reply, for the forkd
   kernel and for ipykernel, interleaved so load falls on both alike; ``overhead_ms`` their difference.
-- branch_live: ``%forkd branch --live`` of a notebook holding 1 GiB (numpy), as the cell's round
-  trip (``call_ms``) and the source's freeze (``pause_ms``), in two cases: right after a cell
-  rewrote the whole GiB (memory shared with an earlier branch is split into 4 KiB pages), and
-  after the kernel has been idle until its background compaction finished (``idle_s`` is how long).
+- branch_live_1gib: ``%forkd branch --live`` of a notebook holding 1 GiB (numpy), as the cell's
+  round trip (``call_ms``) and the source's freeze (``pause_ms``), medians of 5, in three cases:
+  ``right_after_rewrite`` (a cell rewrote the whole GiB, shared with the previous branch, just
+  before), ``after_idle`` (the notebook idled until its memory settled; ``idle_s`` is how long)
+  and ``new_array_right_after_rewrite`` (the same with a GiB allocated a moment before, which has
+  not moved into hugetlb pages yet). ``settle_s``: how long the notebook idled after allocating
+  the GiB until it had moved (docs/design/kernel.md, "Memory and the live branch").
 - fork5_ms: ``kids = %forkd fork -n 5`` until five sandboxes answer a ping.
 - checkout_ms: ``%forkd checkout kids[0]`` plus the first cell in the new HEAD.
-- kishu (when ``bench/kishu_compare.py`` can run Kishu here): Kishu's checkpoint and checkout of
-  the same 1 GiB state, and the ratios to forkd's branch and checkout.
+- interrupt: from the interrupt request (``KernelManager.interrupt_kernel``, as the stop button)
+  to the ``execute_reply`` of a cell stopped by it: ``time.sleep(60)`` in HEAD, and ``%%forkd run``
+  of a ``time.sleep(60)`` in five sandboxes at once (once every one of them has started it).
+- kishu (``bench/kishu_compare.py``): Kishu's checkpoint and checkout of the same 1 GiB state in a
+  plain ipykernel, and their ratios to forkd's figures of this run: its checkpoint after a rewrite
+  to ``%forkd branch --live`` right after a rewrite, its checkout to ``checkout_ms``. When Kishu
+  cannot run here, ``kishu.error`` says why (and the bench prints it).
 """
 
 from __future__ import annotations
@@ -65,38 +73,73 @@ def bench_execute(forkd_kc, plain_kc, rounds: int) -> dict:
             "rounds": rounds}
 
 
-def split_mib(kc) -> float:
-    """The notebook sandbox's private memory not in huge pages (what a fork copies entry by entry)."""
-    _, _, msgs = execute(kc, "import forkd_engine.process.compactor as _c\n_c.split_anonymous_kib() / 1024")
-    return float(result_text(msgs))
+def memory_mib(kc) -> dict:
+    """The notebook sandbox's memory: ``split`` is private memory in 4 KiB pages (what a fork
+    copies entry by entry), ``hugetlb`` what its arrays hold in hugetlb pages (never split)."""
+    _, _, msgs = execute(kc, "import forkd_engine.process.compactor as _c\n"
+                             "(_c.split_anonymous_kib() / 1024, _c.hugetlb_kib() / 1024)")
+    split, huge = (float(x) for x in result_text(msgs).strip("()").split(","))
+    return {"split": round(split, 1), "hugetlb": round(huge, 1)}
 
 
-def branch_once(kc) -> dict:
+def settle(kc, name: str, limit_s: float = 300) -> float:
+    """Idle (a look every 0.2 s, as a user between cells) until the array ``name`` has moved into
+    hugetlb pages where the host has them, else until the compaction has re-formed huge pages;
+    returns the seconds it took."""
+    t0 = time.perf_counter()
+    _, _, msgs = execute(kc, f"{name}.nbytes / 2**20")
+    want = float(result_text(msgs)) - 4  # all but its unaligned ends
+    while time.perf_counter() - t0 < limit_s:
+        mem = memory_mib(kc)
+        if mem["hugetlb"] >= want or (mem["hugetlb"] == 0 and mem["split"] < 64 and time.perf_counter() - t0 > 10):
+            break
+        time.sleep(0.2)
+    return round(time.perf_counter() - t0, 2)
+
+
+def branch_once(kc, ctl) -> dict:
     ms, _, msgs = execute(kc, "%forkd branch --live")
     text = result_text(msgs)
-    return {"call_ms": round(ms, 2), "snapshot": text.split("'")[1] if "'" in text else text}
+    tag = text.split("'")[1] if "'" in text else text
+    info = {"call_ms": round(ms, 2), "pause_ms": ctl.snapshot_info(tag).get("pause_ms")}
+    ctl.delete_snapshot(tag)  # it holds the GiB as it was: not kept past its figure
+    return info
 
 
-def bench_branch(kc, ctl) -> dict:
+def summary(rounds: list[dict]) -> dict:
+    return {"call_ms": round(statistics.median(r["call_ms"] for r in rounds), 1),
+            "pause_ms": statistics.median(r["pause_ms"] for r in rounds),
+            "rounds": rounds}
+
+
+def bench_branch(kc, ctl, rounds: int = 5) -> dict:
+    """Three cases, ``rounds`` branches each: right after a cell rewrote the GiB (shared with the
+    previous branch, so copy-on-write touched all of it), after an idle pause, and right after a
+    rewrite of an array allocated a moment before (not yet moved into hugetlb pages)."""
     execute(kc, GIB_SETUP)
-    execute(kc, "%forkd branch --live")   # now the GiB is shared with a snapshot
-    out = {}
-    execute(kc, "big += 1.0")             # ...so this rewrite splits it into 4 KiB pages
-    out["split_mib_after_rewrite"] = round(split_mib(kc), 1)
-    right_after = branch_once(kc)
-    right_after["pause_ms"] = ctl.snapshot_info(right_after.pop("snapshot")).get("pause_ms")
-    out["right_after_rewrite"] = right_after
-    execute(kc, "big += 1.0")
-    t0 = time.perf_counter()
-    while split_mib(kc) > 64:             # the kernel idles; its compaction runs in the background
-        if time.perf_counter() - t0 > 120:
-            break
-        time.sleep(0.2)                   # a notebook user's pause between cells, measured
-    idle = time.perf_counter() - t0
-    after_idle = branch_once(kc)
-    after_idle["pause_ms"] = ctl.snapshot_info(after_idle.pop("snapshot")).get("pause_ms")
-    after_idle["idle_s"] = round(idle, 2)
-    out["after_idle_compaction"] = after_idle
+    out = {"settle_s": settle(kc, "big")}  # how long the notebook idles before big has moved
+    out["memory_mib_before"] = memory_mib(kc)
+    execute(kc, "%forkd branch --live")   # the GiB is now shared with a snapshot
+    after = []
+    for _ in range(rounds):
+        execute(kc, "big += 1.0")         # ...so this rewrite copies all of it
+        after.append(branch_once(kc, ctl))
+    out["memory_mib_after_rewrite"] = memory_mib(kc)
+    out["right_after_rewrite"] = summary(after)
+    idle = []
+    for _ in range(rounds):
+        execute(kc, "big += 1.0")
+        waited = settle(kc, "big")
+        idle.append({**branch_once(kc, ctl), "idle_s": waited})
+    out["after_idle"] = summary(idle)
+    fresh = []
+    for _ in range(min(rounds, 3)):
+        execute(kc, "fresh = np.ones(2**27)")
+        execute(kc, "%forkd branch --live")
+        execute(kc, "fresh += 1.0")
+        fresh.append(branch_once(kc, ctl))
+        execute(kc, "del fresh")
+    out["new_array_right_after_rewrite"] = summary(fresh)
     return out
 
 
@@ -116,6 +159,52 @@ def bench_fork_checkout(kc, ctl) -> dict:
     return {"fork5_ms": round(fork5, 1), "checkout_ms": round(checkout, 1)}
 
 
+def _interrupt_once(km, kc, code: str, started, timeout: float = 120) -> float:
+    """ms from the interrupt request to the execute_reply of ``code``, interrupted once ``started``
+    (a predicate over iopub messages) says it is running."""
+    msg_id = kc.execute(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") == msg_id and started(msg):
+            break
+    t0 = time.perf_counter()
+    km.interrupt_kernel()
+    while True:
+        reply = kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            break
+    ms = (time.perf_counter() - t0) * 1000
+    if reply["content"]["status"] != "error":
+        raise RuntimeError(f"the interrupted cell {code!r} ended {reply['content']['status']!r}")
+    while True:  # its output until idle, so the next cell starts clean
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"):
+            return ms
+
+
+def _printed(text: str, times: int = 1):
+    def started(msg: dict) -> bool:
+        content = msg["content"]
+        shown = content.get("text") or (content.get("data") or {}).get("text/plain") or ""
+        return shown.count(text) >= times
+    return started
+
+
+def bench_interrupt(km, kc, rounds: int = 5) -> dict:
+    execute(kc, "import time")
+    sleep = [_interrupt_once(km, kc, "print('sleeping', flush=True)\ntime.sleep(60)", _printed("sleeping"))
+             for _ in range(rounds)]
+    execute(kc, "sleepers = %forkd fork -n 5")
+    run = [_interrupt_once(km, kc, "%%forkd run sleepers\nprint('sleeping', flush=True)\ntime.sleep(60)",
+                           _printed("sleeping", 5)) for _ in range(rounds)]
+    execute(kc, "%forkd kill {' '.join(s.id for s in sleepers)}")
+    return {"sleep_p50_ms": round(statistics.median(sleep), 1), "sleep_max_ms": round(max(sleep), 1),
+            "forkd_run_5_p50_ms": round(statistics.median(run), 1), "forkd_run_5_max_ms": round(max(run), 1),
+            "rounds": rounds}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true")
@@ -133,6 +222,7 @@ def main() -> int:
             results["execute"] = bench_execute(fkc, pkc, args.rounds)
             results["branch_live_1gib"] = bench_branch(fkc, ctl)
             results.update(bench_fork_checkout(fkc, ctl))
+            results["interrupt"] = bench_interrupt(fkm, fkc)
         finally:
             for km, kc in ((fkm, fkc), (pkm, pkc)):
                 kc.stop_channels()
@@ -143,8 +233,9 @@ def main() -> int:
                 kishu = kishu_figures(gib=1)
             except Exception as exc:  # noqa: BLE001 - report why, keep our own figures
                 kishu = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"bench/kernel.py: Kishu could not run here: {kishu['error']}", file=sys.stderr)
             results["kishu"] = kishu
-            branch = results["branch_live_1gib"]["after_idle_compaction"]["call_ms"]
+            branch = results["branch_live_1gib"]["right_after_rewrite"]["call_ms"]  # Kishu's case too
             if "checkpoint_ms" in kishu:
                 kishu["checkpoint_over_forkd_branch"] = round(kishu["checkpoint_ms"] / branch, 1)
                 kishu["checkout_over_forkd_checkout"] = round(kishu["checkout_ms"] / results["checkout_ms"], 1)

@@ -101,7 +101,7 @@ def test_interrupt_stops_a_sleeping_cell_and_keeps_the_state(kernel):
     interrupter.start()
     t0 = time.monotonic()
     cell = run(kc, "import time\ntime.sleep(60)", timeout=30)
-    assert time.monotonic() - t0 < 30  # the sleep was cut short (bench/kernel.py measures how soon)
+    assert time.monotonic() - t0 < 30  # the sleep was cut short (how soon: bench/kernel.py, "interrupt")
     assert cell.content["status"] == "error" and cell.content["ename"] == "KeyboardInterrupt"
     assert run(kc, "state").result == "'kept'"
 

@@ -48,6 +48,8 @@ class Executor:
         self.current: Job | None = None
         self.main_ident: int | None = None
         self._interrupting = False
+        self.after_user_code: Callable[[], None] | None = None  # told when user code ran (memory upkeep)
+        self.started = 0  # jobs started so far: "nothing ran since" is this number unchanged
 
     # --- other threads ---------------------------------------------------------------------------
 
@@ -115,6 +117,7 @@ class Executor:
             if job.cancelled:
                 return
             job.started_at = time.time()
+        self.started += 1
         self._interrupting = False
         self.current = job
         try:
@@ -125,6 +128,8 @@ class Executor:
             self.current = None
             self._interrupting = False
             job.done.set()
+            if job.user_code and self.after_user_code is not None:
+                self.after_user_code()
 
     def after_fork(self) -> None:
         """In a fork made from the main thread: nothing queued here belongs to the child."""

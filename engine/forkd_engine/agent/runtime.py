@@ -53,7 +53,6 @@ class Runtime:
         self.shell = None        # the IPython shell, once a session asked for one (shell.py)
         self.history: list[dict] = []  # cells run through sessions: {n, code, sandbox, time}; forks keep it
         self.queue_wait = 10.0   # how long a call waits for a busy main thread before it is refused
-        self.idle_hooks: list = []  # called after each session cell (the process engine compacts memory)
 
     @property
     def runner(self):
@@ -92,7 +91,6 @@ class Runtime:
         reset_per_process_names()
         if self.shell is not None:
             self.shell.after_fork()
-        self.idle_hooks = []
 
     # --- dispatch --------------------------------------------------------------------------------
 

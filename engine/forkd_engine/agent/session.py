@@ -166,8 +166,6 @@ class Session:
                                          "output": result[-1] if result else None, "stored": store_history,
                                          "sandbox": self.runtime.identity.get("id"), "time": time.time()})
         self.emit({"type": "status", "execution_state": "idle"}, rid)
-        for hook in self.runtime.idle_hooks:
-            hook()
         return content
 
     def _input(self, rid: str | None, prompt: str, password: bool) -> str:

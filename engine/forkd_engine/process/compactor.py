@@ -1,12 +1,17 @@
-"""Keep a sandbox's memory in huge pages while it is idle, so a live branch pauses for milliseconds.
+"""Keep a sandbox's memory cheap to fork while it is idle, so a live branch pauses for milliseconds.
 
-A cell that rewrites memory shared with an earlier branch splits every huge page it touches into
-4 KiB pages (copy-on-write), and a fork then copies 512 times as many page-table entries. Putting
-them back into huge pages (``MADV_COLLAPSE``) takes seconds for a gigabyte, so it is done here, on a
-low-priority thread as soon as the cell ends: by the time the notebook's next ``%forkd branch
---live`` arrives it is done, or nearly. A branch never waits for it: it stops the pass at its next
-2 MiB step and forks; what is left costs the fork's pause (about 30 ms per split GiB here) instead
-of seconds of the call, and the pass goes on once the sandbox is idle again.
+A cell that rewrites memory shared with an earlier branch splits every transparent huge page it
+touches into 4 KiB pages (copy-on-write), and a fork then copies 512 times as many page-table
+entries. Two remedies, run on a low-priority thread once the sandbox has been idle for ``SETTLE``:
+
+1. Big NumPy arrays move into hugetlb pages (``hugepages.py``), which copy-on-write never splits:
+   once moved, a branch right after a cell rewrote them forks as fast as one after an idle pause.
+   Done once per array (where the host has a hugetlb pool and the sandbox no memory limit).
+2. What stays in ordinary memory is put back into huge pages (``MADV_COLLAPSE``), which takes
+   seconds for a gigabyte, hence in the background, after each cell that split some.
+
+A branch never waits for either: it stops the pass at its next 2 MiB step and forks; the pass
+goes on once the sandbox is idle again.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ import os
 import threading
 
 from .. import linux
+from ..agent.executor import Busy
+from . import hugepages
 
 SPLIT_THRESHOLD_KIB = 64 * 1024  # below this much 4 KiB anonymous memory, a fork is fast anyway
+SETTLE = 0.05  # s of idleness before the pass starts: never between two cells sent back to back
 
 
 def split_anonymous_kib() -> int:
@@ -33,15 +41,29 @@ def split_anonymous_kib() -> int:
     return max(0, anon - huge)
 
 
+def hugetlb_kib() -> int:
+    """Memory this process holds in hugetlb pages (moved buffers), in KiB."""
+    total = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Private_Hugetlb", "Shared_Hugetlb"):
+                total += int(rest.split()[0])
+    return total
+
+
 class Compactor:
-    def __init__(self):
-        self.lock = threading.Lock()  # held while collapsing
+    def __init__(self, executor=None, namespace: dict | None = None, huge_pages: bool = False):
+        self.executor = executor      # the sandbox's main thread: moves run there, between cells
+        self.namespace = namespace    # where the big arrays are found
+        self.huge_pages = huge_pages and executor is not None and namespace is not None
+        self.lock = threading.Lock()  # held while a step touches the memory map
         self._wake = threading.Event()
         self._yield = threading.Event()  # a branch wants the lock: the background pass stops
         threading.Thread(target=self._run, name="forkd-compact", daemon=True).start()
 
     def poke(self) -> None:
-        """A cell ended: compact when there is enough to gain."""
+        """User code ran: look again once the sandbox is idle."""
         self._wake.set()
 
     @contextlib.contextmanager
@@ -53,6 +75,9 @@ class Compactor:
             self._yield.clear()
             yield
 
+    def _idle(self) -> bool:
+        return self.executor is None or (self.executor.busy() is None and self.executor.jobs.empty())
+
     def _run(self) -> None:
         try:  # behind the user's next cell, never in front of it
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 15)
@@ -61,9 +86,56 @@ class Compactor:
         while True:
             self._wake.wait()
             self._wake.clear()
+            if self._wake.wait(SETTLE) or not self._idle():
+                continue  # more is running: its end pokes again
             try:
+                if self.huge_pages:
+                    self._move_buffers()
                 if split_anonymous_kib() >= SPLIT_THRESHOLD_KIB:
                     with self.lock:
                         linux.collapse_anonymous_memory(stop=self._yield.is_set)
-            except OSError:
+            except Exception:  # noqa: BLE001 - best effort: the thread lives on, the next pass retries
                 pass
+
+    def _stop(self) -> bool:
+        return self._yield.is_set() or not self._idle()
+
+    def _move_buffers(self) -> None:
+        """Move the namespace's big arrays into hugetlb pages, a piece per main-thread job."""
+        try:
+            buffers = self.executor.call(lambda: hugepages.find_buffers(self.namespace),
+                                         "finding big arrays", user_code=False, start_within=SETTLE)
+        except Busy:
+            return
+        for ref, ptr, nbytes, lo, hi in buffers:
+            seen = self.executor.started
+            if self._stop():
+                return
+            for start, size in hugepages.pieces(lo, hi):
+                with self.lock:
+                    if self._yield.is_set():
+                        return
+                    dest = hugepages.Destination(size)  # OSError: no huge pages here
+                    try:
+                        filled = dest.fill(self._yield.is_set)
+                    except OSError:
+                        dest.close()
+                        raise
+                if not filled:
+                    dest.close()
+                    return
+
+                def move_if_unchanged(seen=seen, dest=dest, start=start, size=size):
+                    # no job between the scan and this one (a cell, or a branch sharing the pages)
+                    return self.executor.started == seen + 1 and hugepages.move(dest, ref, ptr, nbytes, start, size)
+
+                try:
+                    moved = self.executor.call(move_if_unchanged, "moving an array into huge pages",
+                                               user_code=False, start_within=SETTLE)
+                except Busy:
+                    return
+                finally:
+                    dest.close()  # a no-op once moved
+                if not moved:
+                    return  # something ran meanwhile: the next pass looks again
+                seen += 1

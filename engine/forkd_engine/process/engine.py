@@ -28,7 +28,7 @@ from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LimitReached,
                     LossyFork,
                     SnapshotSpec)
-from . import rootfs
+from . import hugepages, rootfs
 from ..cgroups import CgroupError, Cgroups
 
 SPAWN_BATCH = 200  # under the kernel's 253 fds per message
@@ -95,6 +95,8 @@ class ProcessEngine:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         self.cgroups = Cgroups()
         self.cgroups.sweep()
+        # Big arrays of sandboxes without a memory limit move into hugetlb pages (process/hugepages.py).
+        self.huge_pages, self.huge_pages_note = hugepages.allow_surplus()
         self._busy_leaves: set[str] = set()
 
     # --- sockets and reports ---------------------------------------------------------------------
@@ -198,7 +200,21 @@ class ProcessEngine:
     def memory(self, handle: Handle) -> dict:
         if not self.alive(handle):
             raise EngineError(f"process {handle['pid']} is gone")
-        return linux.smaps_memory(handle["pid"])
+        out = linux.smaps_memory(handle["pid"])
+        # Arrays moved into hugetlb pages are outside Rss/Pss: count them in (a shared one whole in
+        # Rss only, as the kernel gives no per-process share of it).
+        private = shared = 0
+        with contextlib.suppress(OSError), open(f"/proc/{handle['pid']}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key == "Private_Hugetlb":
+                    private = int(rest.split()[0])
+                elif key == "Shared_Hugetlb":
+                    shared = int(rest.split()[0])
+        out["rss_kib"] += private + shared
+        out["pss_kib"] += private
+        out["uss_kib"] += private
+        return out
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -275,7 +291,9 @@ class ProcessEngine:
         listeners = [self._listen(c.id) for c in batch]
         paths = {c.id: p for c, (_, p) in zip(batch, listeners)}
         request = {"action": "spawn",
-                   "children": [{"id": c.id, "lineage": c.lineage} for c in batch]}
+                   "children": [{"id": c.id, "lineage": c.lineage,
+                                 # hugetlb pages are not charged to a memory cgroup: limited ones keep theirs
+                                 "huge_pages": self.huge_pages and not c.memory_limit_mib} for c in batch]}
         started: dict[str, Handle] = {}
         try:
             reply = self.call(snapshot, request, timeout=self.spawn_timeout,
@@ -373,10 +391,9 @@ class ProcessEngine:
 
     def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str = "full",
                lossy: bool = False) -> BranchResult:
-        # Every mode is a copy-on-write fork(): the source pauses only for the fork itself and all
-        # modes capture the same state. full and diff fork at once (pause ~ page tables of the
-        # source's memory); live first compacts the source into huge pages while it keeps running,
-        # for the smallest pause at the price of a slower call (see docs/design/process-engine.md).
+        # Every mode is the same copy-on-write fork(), at once: the source pauses only for the
+        # page-table copy, which the sandbox keeps small while it idles (compactor.py, hugepages.py;
+        # see docs/design/process-engine.md, "Branch modes").
         listener, path = self._listen("snap:" + tag)
         ours, theirs = self._report_pair()
         try:

@@ -144,8 +144,9 @@ class SandboxProcess:
                 self.server.serve_forever()
             else:
                 executor = self.runtime.executor = Executor()
-                self.compactor = Compactor()
-                self.runtime.idle_hooks.append(self.compactor.poke)
+                self.compactor = Compactor(executor, self.runtime.namespace,
+                                           huge_pages=bool(self.identity.get("huge_pages")))
+                executor.after_user_code = self.compactor.poke
                 self.server = AgentServer(self.runtime, listener,
                                           {"branch": self.branch, "retire": self.retire,
                                            "inventory": self.inventory}, threaded=True)
@@ -236,7 +237,8 @@ class SandboxProcess:
         try:
             for child, lfd in zip(children_spec, listen_fds):
                 identity = {"id": child["id"], "role": "sandbox",
-                            "lineage": list(child.get("lineage") or [])}
+                            "lineage": list(child.get("lineage") or []),
+                            "huge_pages": bool(child.get("huge_pages"))}
                 pid, _ = self._fork_into_new_pidns()
                 if pid == 0:
                     # A snapshot whose setup left running work (accepted with lossy) hands it to no one.
