@@ -100,7 +100,9 @@ def process_start_time(pid: int) -> int | None:
         return None
     # The command name may contain spaces and parentheses; fields restart after the last ')'.
     fields = stat[stat.rindex(b")") + 2:].split()
-    if fields[0] == b"Z":
+    # "Z" with other threads still counted is a process whose main thread has ended while the rest
+    # run on (an execve from another thread passes through this state): alive. Dead is Z alone.
+    if fields[0] == b"Z" and int(fields[17]) <= 1:
         return None
     return int(fields[19])
 

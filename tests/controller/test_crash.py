@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -178,6 +179,33 @@ def test_killing_sandboxes_releases_the_engines_watchers(short_dir):
         assert len(os.listdir("/proc/self/fd")) <= baseline + 1
         assert os.listdir(os.path.join(short_dir, "process", "run")) == [
             os.path.basename(c.registry.get_snapshot("w")["handle"]["socket"])]
+    finally:
+        cleanup(c)
+        c.close()
+
+
+def test_deleting_a_snapshot_keeps_a_sandbox_whose_main_thread_ended(short_dir):
+    """A process whose main thread has ended while its other threads run shows as a zombie ("Z"):
+    a sandbox turning into a reaper (execve from its connection thread) passes through that state.
+    Its template must still count it as a live fork and retire to a reaper; taking it for dead
+    made the template exit, and its pid namespace took the sandbox (and a copy compacted from it)
+    along. Here the sandbox stays in that state, so the race is certain."""
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("z", setup="v = 7")
+        sb = c.spawn("z", 1)[0]
+        end_main_thread = (
+            "import ctypes, signal, threading\n"
+            "signal.signal(signal.SIGUSR1, lambda *_: ctypes.CDLL(None).syscall(60, 0))  # SYS_exit\n"
+            "threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1)).start()\n")
+        assert c.run_code(sb["id"], end_main_thread)["error"] is None
+        deadline = time.monotonic() + 20
+        while open(f"/proc/{sb['pid']}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the sandbox's main thread did not end"
+            time.sleep(0.01)
+        c.delete_snapshot("z")
+        assert c.ping(sb["id"])["pong"] is True
+        assert [s["id"] for s in c.list_sandboxes()] == [sb["id"]]
     finally:
         cleanup(c)
         c.close()
