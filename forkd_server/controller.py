@@ -22,6 +22,7 @@ from .branching import BranchManager, lossy_refusal
 from .changes import ChangeFeed
 from .checks import BRANCH_MODES, ENGINES, check_labels, check_tag, int_field
 from .errors import BadRequest, Conflict, EngineFailure, NotFound
+from .recovery import TEMPLATE_ENDED, Recovery
 from .registry import Registry
 from .sandboxes import SandboxManager
 from .wire import has_labels, sandbox_info, snapshot_info, tree_nodes, workspace_info
@@ -51,7 +52,7 @@ class Controller:
         self.branches = BranchManager(self.registry, self.engines, self.feed, branch_concurrency)
         self.sandboxes = SandboxManager(self)
         self.workspaces = WorkspaceManager(self)
-        self.reconcile()
+        self.recovered = self.reconcile()  # what the start-up found (counts and findings)
 
     @property
     def branch_cap(self) -> int:
@@ -113,7 +114,7 @@ class Controller:
             return row
         if engine is not None:
             engine.delete_snapshot(row["handle"])
-        warning = "snapshot is not bootable: its template process ended unexpectedly"
+        warning = TEMPLATE_ENDED
         self.registry.update_snapshot(row["tag"], status="failed", warning=warning)
         self.feed.emit("snapshot", "status", tag=row["tag"], status="failed", warning=warning)
         return dict(row, status="failed", warning=warning)
@@ -124,26 +125,9 @@ class Controller:
     # --- start-up --------------------------------------------------------------------------------
 
     def reconcile(self) -> dict:
-        """Re-attach to what survived a restart; record what did not. Returns counts."""
-        counts = {"snapshots_attached": 0, "snapshots_failed": 0}
-        for row in self.registry.list_snapshots():
-            if row["status"] == "ready":
-                ready = self.checked_snapshot(row)["status"] == "ready"
-                counts["snapshots_attached" if ready else "snapshots_failed"] += 1
-            elif row["status"] == "writing":
-                # Its writer (this server, before the restart) is gone: end what it left, record why.
-                engine = self.engines.get(row["engine"])
-                if engine is not None:
-                    if row["handle"]:
-                        engine.delete_snapshot(row["handle"])
-                    else:
-                        engine.abandon("snap:" + row["tag"])
-                self.registry.update_snapshot(row["tag"], status="failed", warning="snapshot is not bootable: "
-                                              "interrupted by a server restart while it was being written")
-                counts["snapshots_failed"] += 1
-        counts.update(self.sandboxes.reconcile())
-        counts.update(self.workspaces.reconcile())
-        return counts
+        """Re-attach to what survived a restart (and answers); record and end what did not.
+        Returns counts and ``findings`` (recovery.py)."""
+        return Recovery(self).run()
 
     # --- snapshots -------------------------------------------------------------------------------
 

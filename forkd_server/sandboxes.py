@@ -28,21 +28,6 @@ class SandboxManager:
         self.feed = controller.feed
         self._listing: tuple | None = None    # (registry generation, running rows, their infos)
 
-    def reconcile(self) -> dict:
-        """At start-up: keep the sandboxes that still live, drop the rest (and starts cut short)."""
-        counts = {"sandboxes_attached": 0, "sandboxes_dropped": 0}
-        for row in self.registry.list_sandboxes():
-            if row["status"] == "running" and row["handle"]:
-                alive = self.alive(row)  # drops (and cleans up after) the dead
-                counts["sandboxes_attached" if alive else "sandboxes_dropped"] += 1
-                continue
-            engine = self.engines.get(row["engine"])  # a spawn the restart interrupted
-            if engine is not None:
-                engine.abandon(row["id"])
-            self.registry.delete_sandboxes([row["id"]])
-            counts["sandboxes_dropped"] += 1
-        return counts
-
     def row(self, sandbox_id) -> dict:
         row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
         if row is None or row["status"] != "running" or not self.alive(row):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from forkd_server import recovery
 from forkd_server.controller import Controller
 from forkd_server.errors import Conflict, NotFound
 
@@ -207,5 +208,39 @@ def test_deleting_a_snapshot_keeps_a_sandbox_whose_main_thread_ended(short_dir):
         assert c.ping(sb["id"])["pong"] is True
         assert [s["id"] for s in c.list_sandboxes()] == [sb["id"]]
     finally:
+        cleanup(c)
+        c.close()
+
+
+def test_restart_marks_what_is_alive_but_does_not_answer(short_dir, monkeypatch):
+    """A process that lives but never answers (here: stopped) is not re-attached as ready or
+    running: its snapshot becomes failed with the reason (the template is left alone, its
+    sandboxes live in its pid namespace), a silent sandbox is ended and dropped."""
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("quiet", setup="v = 1")
+        c.create_snapshot("fine", setup="v = 2")
+        silent, healthy = c.spawn("fine", 2)
+        child_of_quiet = c.spawn("quiet", 1)[0]
+        template = c.registry.get_snapshot("quiet")["handle"]["pid"]
+    finally:
+        c.close()
+    os.kill(template, signal.SIGSTOP)
+    os.kill(silent["pid"], signal.SIGSTOP)
+    monkeypatch.setattr(recovery, "PROBE_TIMEOUT", 1.0)
+    try:
+        c = Controller(short_dir)
+        found = "\n".join(c.recovered["findings"])
+        quiet = c.get_snapshot("quiet")
+        assert quiet["status"] == "failed" and "did not answer" in quiet["warning"], quiet
+        assert f"sandbox {silent['id']}: it did not answer" in found
+        assert wait_gone({silent["pid"]}) == set()
+        assert {s["id"] for s in c.list_sandboxes()} == {healthy["id"], child_of_quiet["id"]}
+        assert c.get_snapshot("fine")["status"] == "ready"
+        assert ev(c, child_of_quiet["id"], "v") == "1"
+        assert c.recovered["snapshots_failed"] == 1 and c.recovered["sandboxes_dropped"] == 1
+        assert_consistent(c)
+    finally:
+        os.kill(template, signal.SIGCONT)
         cleanup(c)
         c.close()

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
@@ -35,6 +35,7 @@ SPAWN_BATCH = 200  # under the kernel's 253 fds per message
 _UCRED = "3i"
 MAX_SOCKET_PATH = 107
 AGENT_OOM_SCORE_ADJ = -900
+PROBE_PARALLELISM = 32  # agents pinged at once by probe()
 
 
 def _sandbox_env() -> dict:
@@ -194,6 +195,46 @@ class ProcessEngine:
                     os.close(fd)
                     del self._pidfds[key]
             return [fd >= 0 and fd not in exited for fd in fds]
+
+    def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
+        """Why each process does not answer a ping within ``timeout`` (None: it does), all at once."""
+        why: list[str | None] = [None if ok else f"its process {h['pid']} is gone"
+                                 for h, ok in zip(handles, self.alive_many(handles))]
+        live = [i for i, w in enumerate(why) if w is None]
+
+        def ping(handle: Handle) -> str | None:
+            try:
+                reply = self.call(handle, {"action": "ping"}, timeout=timeout)
+            except AgentUnreachable as exc:
+                return f"its agent does not answer ({exc})"
+            return None if reply.get("pong") is True else f"its agent answered a ping with {reply!r:.200}"
+
+        if live:
+            with ThreadPoolExecutor(max_workers=min(PROBE_PARALLELISM, len(live))) as pool:
+                for i, w in zip(live, pool.map(ping, [handles[i] for i in live])):
+                    why[i] = w
+        return why
+
+    def recover(self, known: list[Handle]) -> list[str]:
+        """Files in the run directory no known handle names: starts a previous server never
+        recorded. Whatever still serves on such a socket is retired; the files are removed."""
+        named = {h.get("socket") for h in known}
+        found = []
+        for entry in os.scandir(self.run_dir):
+            if entry.path in named:
+                continue
+            if entry.name.endswith(".sock"):
+                try:
+                    AgentClient(entry.path, timeout=5).call({"action": "retire"})
+                    found.append(f"process engine: retired an agent no record names, at {entry.path}")
+                except (AgentUnavailable, OSError, ValueError):
+                    found.append(f"process engine: removed a socket no record names, {entry.path}")
+            elif entry.name.endswith(".log"):  # a snapshot's start-up log, kept only while it starts
+                found.append(f"process engine: removed the log of a snapshot start no record names, {entry.path}")
+            else:
+                continue
+            _unlink(entry.path)
+        return found
 
     def memory(self, handle: Handle) -> dict:
         if not self.alive(handle):
