@@ -53,6 +53,7 @@ from ..cgroups import Cgroups
 from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle,
                     InvalidSpec, SnapshotSpec, UnsupportedMode)
 from . import memory as vmem
+from . import recovery
 from .image import (DATA_SERIAL, PACKAGES_FILE, PACKAGES_SERIAL, Image, ImageError, PackageNotFound,
                     build_image, build_packages_image)
 from .qmp import QMP, QMPError, event_time
@@ -322,6 +323,7 @@ class VMEngine:
         self._channels_lock = threading.Lock()
         self._vm_locks: dict[tuple, threading.Lock] = {}
         self._children: dict[int, subprocess.Popen] = {}
+        self.started = time.time()  # what recover() may sweep predates this
 
     # --- image -----------------------------------------------------------------------------------
 
@@ -541,6 +543,37 @@ class VMEngine:
         if not self.alive(handle):
             raise EngineError(f"QEMU process {handle['pid']} is gone")
         return linux.smaps_memory(handle["pid"])
+
+    def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
+        """Why each does not answer within ``timeout`` (None: it does): a snapshot's files must
+        exist, a VM's agent must answer a ping. All at once."""
+        def one(handle: Handle) -> str | None:
+            if handle.get("kind") == "snapshot":
+                return None if self.alive(handle) else f"its files are gone ({handle['memory']}, {handle['devices']})"
+            if not self.alive(handle):
+                return f"its QEMU process {handle['pid']} is gone"
+            try:
+                reply = self._channel(handle).call({"action": "ping"}, timeout)
+            except AgentUnreachable as exc:
+                return f"its agent does not answer ({exc})"
+            return None if reply.get("pong") is True else f"its agent answered a ping with {reply!r:.200}"
+
+        if not handles:
+            return []
+        with ThreadPoolExecutor(max_workers=min(32, len(handles))) as pool:
+            return list(pool.map(one, handles))
+
+    def recover(self, known: list[Handle]) -> list[str]:
+        """At start-up: thaw each VM a live branch of the previous server left frozen (or stopped),
+        then remove RAM files, snapshot and VM directories no handle in ``known`` owns."""
+        # A VM one of our own branches is working on is not frozen but being written: left alone.
+        vms = [h for h in known if h.get("kind") == "vm" and self.alive(h) and not self._vm_lock(h).locked()]
+        found = []
+        if vms:
+            with ThreadPoolExecutor(max_workers=min(8, len(vms))) as pool:
+                for h, done in zip(vms, pool.map(recovery.thaw, vms)):
+                    found += [f"vm engine: {h['name']}: {line}" for line in done]
+        return found + recovery.sweep(self, known)
 
     # --- killing ---------------------------------------------------------------------------------
 
@@ -1030,6 +1063,10 @@ class VMEngine:
                     {"capability": "background-snapshot", "state": True},
                     {"capability": "events", "state": True}]})
             except QMPError as exc:
+                if vmem.userfaultfds(sandbox["pid"]):
+                    raise UnsupportedMode(f"a live branch of this sandbox failed earlier and its QEMU ({self.qemu_version}) "
+                                          f"keeps that write tracking, so it refuses another ({exc}); branch it with "
+                                          f"mode full or diff") from exc
                 raise UnsupportedMode(f"live branch is impossible on this host: QEMU refused "
                                       f"background-snapshot ({exc})") from exc
             qmp.execute("getfd", {"fdname": "forkd-live"}, fds=[wfd])
@@ -1092,12 +1129,16 @@ class VMEngine:
             except BaseException as exc:  # noqa: BLE001
                 shutil.rmtree(snap, ignore_errors=True)
                 shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
-                ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"live branch {tag!r}: {exc}"))
-            finally:
+                qmp.close()  # its commands would wait on a vCPU the write-protect holds
+                # The stream is closed: the source must run on, or be ended saying why.
+                source = recovery.after_failed_live_branch(self, sandbox, str(exc))
+                ready.set_exception(EngineError(f"live branch {tag!r} failed: {exc}; {source}"))
+            else:
                 with contextlib.suppress(QMPError):
                     qmp.execute("migrate-set-capabilities", {"capabilities": [
                         {"capability": "background-snapshot", "state": False}]})
                 qmp.close()
+            finally:
                 lock.release()
 
         threading.Thread(target=complete, name=f"vm-branch-{tag}", daemon=True).start()
