@@ -58,3 +58,22 @@ def test_tmpfs_of_a_sandbox_is_private_memory_not_host_disk(ctl, snap):
     mounts = sh(ctl, sb, "cat /proc/self/mounts")["stdout"]
     tmp = [line for line in mounts.splitlines() if line.split()[1] == "/tmp"]
     assert tmp and tmp[-1].split()[2] == "tmpfs"
+
+
+def test_each_server_has_its_own_cgroup_subtree(ctl, snap, short_dir):
+    """Two servers on one host: their leaves live apart, and one's start-up sweep (which removes
+    empty leaves) never touches the other's, e.g. a leaf made a moment before its pid is written."""
+    from forkd_engine.process import ProcessEngine
+
+    sb = ctl.spawn(snap, 1)[0]["id"]
+    leaf = sb_cgroups(ctl, sb)[0]
+    ours = ctl.engines["process"].cgroups.group
+    assert f"/{ours}/{sb}" in leaf and ours.startswith("forkd/")
+    just_made = os.path.join(os.path.dirname(leaf), "sb-being-made")
+    os.mkdir(just_made)
+    try:
+        other = ProcessEngine(os.path.join(short_dir, "other"))   # a second server starts: it sweeps
+        assert other.cgroups.group != ours
+        assert os.path.isdir(just_made)
+    finally:
+        os.rmdir(just_made)

@@ -29,7 +29,7 @@ from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, Engi
                     LossyFork,
                     SnapshotSpec)
 from . import rootfs
-from ..cgroups import CgroupError, Cgroups
+from ..cgroups import CgroupError, Cgroups, subtree
 
 SPAWN_BATCH = 200  # under the kernel's 253 fds per message
 _UCRED = "3i"
@@ -94,7 +94,7 @@ class ProcessEngine:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one pidfd per live process
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        self.cgroups = Cgroups()
+        self.cgroups = Cgroups(subtree("forkd", self.data_dir))  # this server's own leaves
         self.cgroups.sweep()
         self._busy_leaves: set[str] = set()
 

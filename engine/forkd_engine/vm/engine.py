@@ -49,7 +49,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
-from ..cgroups import Cgroups
+from ..cgroups import Cgroups, subtree
 from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle,
                     InvalidSpec, SnapshotSpec, UnsupportedMode)
 from . import memory as vmem
@@ -312,7 +312,7 @@ class VMEngine:
         self.accel_opts = os.environ.get("FORKD_VM_ACCEL_OPTS", "")
         self.boot_timeout = boot_timeout
         self.restore_timeout = restore_timeout
-        self.cgroups = Cgroups(group="forkd-vm")
+        self.cgroups = Cgroups(subtree("forkd-vm", self.data_dir))  # this server's own leaves
         self.smp = smp
         self.restore_parallelism = restore_parallelism or len(os.sched_getaffinity(0))
         self.qemu_version = qemu_version(self.qemu)
