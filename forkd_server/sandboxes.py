@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from forkd_engine import AgentUnreachable, ChildSpec, EngineError, LimitReached
 
-from .checks import MAX_CHILDREN, check_labels, check_tag, int_field
+from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound
 from .wire import sandbox_info
 
@@ -64,7 +64,7 @@ class SandboxManager:
             raise BadRequest(f"n must be between 1 and {MAX_CHILDREN}")
         check_tag(snapshot_tag, "snapshot_tag")
         if memory_limit_mib is not None:
-            int_field(memory_limit_mib, "memory_limit_mib", 16)
+            check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
         labels = check_labels(labels)
         row = self.registry.get_snapshot(snapshot_tag)
         row = row and self.ctl.checked_snapshot(row)
@@ -74,6 +74,8 @@ class SandboxManager:
         if row is None:
             raise NotFound(f"snapshot {snapshot_tag} not found")
         engine = self.engines[row["engine"]]
+        if memory_limit_mib is None:  # the engine's default limit, if it has one, shown as the sandbox's
+            memory_limit_mib = getattr(engine, "default_memory_limit_mib", None)
         first = self.registry.next_counter("sandbox", n)
         now = time.time()
         ids = [f"sb-{int(now):08x}-{(first + i) % 0x10000:04x}" for i in range(n)]

@@ -12,6 +12,7 @@ import errno
 import hashlib
 import os
 import signal
+import time
 
 ROOT = "/sys/fs/cgroup"
 
@@ -41,7 +42,7 @@ def locate(controller: str) -> tuple[str, str] | None:
 
 _FILES = {("memory", "v2"): "memory.max", ("memory", "v1"): "memory.limit_in_bytes",
           ("pids", "v2"): "pids.max", ("pids", "v1"): "pids.max"}
-_UNLIMITED = {"v1": "-1", "v2": "max"}
+_UNLIMITED = {("memory", "v2"): "max", ("memory", "v1"): "-1", ("pids", "v2"): "max", ("pids", "v1"): "max"}
 
 
 def subtree(prefix: str, data_dir: str) -> str:
@@ -98,18 +99,36 @@ class Cgroups:
             made.append(leaf)
         return made
 
-    @staticmethod
-    def unlimit_memory(leaves: list[str]) -> None:
-        """Lift the memory limit of these leaves (their pids limit stays)."""
-        for leaf in leaves:
-            version = "v2" if os.path.exists(os.path.join(leaf, "memory.max")) else "v1"
-            if not os.path.exists(os.path.join(leaf, _FILES[("memory", version)])):
+    def move(self, name: str, pid: int) -> list[str]:
+        """Put ``pid`` into leaves of its own, without limits, wherever memory and pids can be
+        accounted (nowhere when neither can); returns the leaf paths made."""
+        made = []
+        for controller in ("memory", "pids"):
+            where = locate(controller)
+            if where is None:
                 continue
-            if version == "v1":  # memsw first: it may never be below the plain limit
-                with contextlib.suppress(OSError), open(os.path.join(leaf, "memory.memsw.limit_in_bytes"), "w") as f:
-                    f.write("-1")
-            with open(os.path.join(leaf, _FILES[("memory", version)]), "w") as f:
-                f.write(_UNLIMITED[version])
+            leaf = os.path.join(self._parent(*where), name)
+            os.makedirs(leaf, exist_ok=True)
+            with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+            if leaf not in made:
+                made.append(leaf)
+        return made
+
+    @staticmethod
+    def unlimit(leaves: list[str]) -> None:
+        """Lift the memory and pids limits of these leaves (the leaves stay)."""
+        for leaf in leaves:
+            for controller in ("memory", "pids"):
+                version = "v2" if os.path.exists(os.path.join(leaf, "cgroup.controllers")) else "v1"
+                path = os.path.join(leaf, _FILES[(controller, version)])
+                if not os.path.exists(path):
+                    continue
+                if controller == "memory" and version == "v1":  # memsw first: never below the plain limit
+                    with contextlib.suppress(OSError), open(os.path.join(leaf, "memory.memsw.limit_in_bytes"), "w") as f:
+                        f.write("-1")
+                with open(path, "w") as f:
+                    f.write(_UNLIMITED[(controller, version)])
 
     @staticmethod
     def limits_hit(leaves: list[str]) -> list[str]:
@@ -127,13 +146,26 @@ class Cgroups:
         return hit
 
     @staticmethod
-    def kill_all(leaves: list[str]) -> None:
-        """SIGKILL every process in these leaves."""
-        for leaf in leaves:
-            with contextlib.suppress(OSError), open(os.path.join(leaf, "cgroup.procs")) as f:
-                for pid in f.read().split():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
+    def procs(leaf: str) -> list[int]:
+        with contextlib.suppress(OSError), open(os.path.join(leaf, "cgroup.procs")) as f:
+            return [int(pid) for pid in f.read().split()]
+        return []
+
+    @classmethod
+    def kill_all(cls, leaves: list[str], wait: float = 0.0) -> bool:
+        """SIGKILL every process in these leaves; with ``wait``, wait up to that many seconds until
+        they are empty. Returns whether they are."""
+        deadline = time.monotonic() + wait
+        while True:
+            left = [pid for leaf in leaves for pid in cls.procs(leaf)]
+            if not left:
+                return True
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)  # the kernel tears the processes down; their leaves empty when it is done
 
     def remove(self, leaves: list[str]) -> list[str]:
         """Remove empty leaves; returns those still busy (a retired reaper may live in one)."""

@@ -140,3 +140,61 @@ def test_server_killed_mid_live_branch_then_restart_thaws_the_source(vm_engine):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(engine.mem_root, ignore_errors=True)
         shutil.rmtree(data, ignore_errors=True)
+
+
+def test_delete_of_a_vm_snapshot_being_created_cancels_it(vm_engine):
+    import threading
+
+    from forkd_server.controller import Controller
+    from forkd_server.errors import Conflict, NotFound
+
+    data = tempfile.mkdtemp(prefix="fkvc")
+    c = Controller(data, engines={"vm": vm_engine})
+    outcome = {}
+
+    def create():
+        try:
+            c.create_snapshot("vm-doomed", engine="vm", setup="import time\ntime.sleep(600)", mem_size_mib=256)
+        except Exception as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    creator = threading.Thread(target=create)
+    try:
+        creator.start()
+        deadline = time.monotonic() + 120
+        while vm_engine._creating.get("vm-doomed", {}).get("handle") is None:
+            assert time.monotonic() < deadline and creator.is_alive(), outcome
+            time.sleep(0.05)                               # bounded: until its VM runs
+        pid = vm_engine._creating["vm-doomed"]["handle"]["pid"]
+        c.delete_snapshot("vm-doomed")
+        creator.join(60)
+        assert isinstance(outcome.get("error"), Conflict), outcome
+        with pytest.raises(NotFound):
+            c.get_snapshot("vm-doomed")
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
+        assert not os.path.exists(os.path.join(vm_engine.snap_dir, "vm-doomed"))
+        assert not os.path.exists(os.path.join(vm_engine.mem_root, "vm-doomed"))
+    finally:
+        c.registry.close()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def test_mem_size_mib_that_cannot_fit_is_a_400_at_once(vm_engine, monkeypatch):
+    from forkd_server.controller import Controller
+    from forkd_server.errors import BadRequest
+
+    data = tempfile.mkdtemp(prefix="fkvc")
+    c = Controller(data, engines={"vm": vm_engine})
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BadRequest, match="mem_size_mib must be between 64 and"):
+            c.create_snapshot("huge", engine="vm", mem_size_mib=1 << 20)      # 1 TiB: past the host's RAM
+        # within the host's RAM but not within the tmpfs that holds RAM files (here: made small)
+        monkeypatch.setattr(vm_engine, "_mem_root_free_mib", lambda: 200)
+        with pytest.raises(BadRequest, match="mem_size_mib 256 does not fit.*200 MiB free"):
+            c.create_snapshot("huge", engine="vm", mem_size_mib=256)
+        assert time.monotonic() - t0 < 5
+        assert c.list_snapshots() == []
+    finally:
+        c.registry.close()
+        shutil.rmtree(data, ignore_errors=True)

@@ -25,9 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
-from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LimitReached,
-                    LossyFork,
-                    SnapshotSpec)
+from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
+                    LimitReached, LossyFork, SnapshotSpec)
 from . import rootfs
 from ..cgroups import CgroupError, Cgroups, subtree
 
@@ -35,6 +34,8 @@ SPAWN_BATCH = 200  # under the kernel's 253 fds per message
 _UCRED = "3i"
 MAX_SOCKET_PATH = 107
 AGENT_OOM_SCORE_ADJ = -900
+DEFAULT_MEMORY_LIMIT_MIB = 2048  # a sandbox's (and a snapshot setup's) memory limit unless one is asked for
+DEFAULT_PIDS_MAX = 1024          # processes and threads per sandbox (and per snapshot setup)
 PROBE_PARALLELISM = 32  # agents pinged at once by probe()
 
 
@@ -49,6 +50,12 @@ def _sandbox_env() -> dict:
         "PYTHONDONTWRITEBYTECODE": "1",
         "FORKD_SANDBOX": "1",
     }
+
+
+def tmpfs_sizes(memory_limit_mib: int) -> tuple[int, int]:
+    """Sizes (MiB) of a sandbox's /tmp and /dev/shm: a half and a quarter of its memory limit. Their
+    files are memory charged to that limit anyway; the sizes make a full tmpfs say ENOSPC first."""
+    return max(64, memory_limit_mib // 2), max(64, memory_limit_mib // 4)
 
 
 def _unlink(path: str) -> None:
@@ -67,7 +74,8 @@ class ProcessEngine:
     name = "process"
 
     def __init__(self, data_dir: str, *, sandbox_uid: int = 65534, sandbox_gid: int = 65534,
-                 tmp_size_mib: int = 1024, pids_max: int = 1024, spawn_timeout: float = 60.0):
+                 memory_limit_mib: int = DEFAULT_MEMORY_LIMIT_MIB, pids_max: int = DEFAULT_PIDS_MAX,
+                 spawn_timeout: float = 60.0):
         if os.geteuid() != 0:
             raise EngineUnavailable(
                 "the process engine needs root: it builds each sandbox's read-only root and maps "
@@ -86,7 +94,7 @@ class ProcessEngine:
         self.root_dir = os.path.join(self.data_dir, "newroot")
         os.makedirs(self.root_dir, exist_ok=True)
         self.uid, self.gid = sandbox_uid, sandbox_gid
-        self.tmp_size_mib = tmp_size_mib
+        self.default_memory_limit_mib = memory_limit_mib
         self.pids_max = pids_max
         self.spawn_timeout = spawn_timeout
         self._pidfds: dict[tuple[int, int], int] = {}  # (pid, start time) -> pidfd
@@ -97,6 +105,8 @@ class ProcessEngine:
         self.cgroups = Cgroups(subtree("forkd", self.data_dir))  # this server's own leaves
         self.cgroups.sweep()
         self._busy_leaves: set[str] = set()
+        self._creating: dict[str, dict] = {}  # tag -> {"boot", "leaves", "cancelled"} while its setup runs
+        self._creating_lock = threading.Lock()
 
     # --- sockets and reports ---------------------------------------------------------------------
 
@@ -244,48 +254,114 @@ class ProcessEngine:
     # --- snapshots -------------------------------------------------------------------------------
 
     def create_snapshot(self, spec: SnapshotSpec) -> Handle:
+        """Start a template and run the setup in it, inside a sandbox's limits: the bootstrap, and so
+        everything it starts, joins a cgroup leaf (memory, pids) before it reads its config, and the
+        whole creation has ``spec.setup_timeout`` seconds. ``cancel(tag)`` stops it."""
+        memory_mib = spec.memory_limit_mib or self.default_memory_limit_mib
+        tmp_mib, shm_mib = tmpfs_sizes(memory_mib)
+        creating = {"boot": None, "leaves": [], "cancelled": False}
+        with self._creating_lock:
+            if spec.tag in self._creating:
+                raise EngineError(f"snapshot {spec.tag!r} is already being created")
+            self._creating[spec.tag] = creating
         listener, path = self._listen("snap:" + spec.tag)
         ours, theirs = self._report_pair()
         log_path = path[:-5] + ".log"
         cfg = {
             "tag": spec.tag, "setup": spec.setup, "setup_commands": spec.setup_commands,
             "host_network": spec.host_network, "setup_timeout": spec.setup_timeout,
-            "tmp_size_mib": self.tmp_size_mib, "uid": self.uid, "gid": self.gid,
+            "tmp_size_mib": tmp_mib, "shm_size_mib": shm_mib, "uid": self.uid, "gid": self.gid,
             "root_dir": self.root_dir, "hidden": [self.data_dir], "env": _sandbox_env(),
             "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
             "shell": spec.shell,
         }
         env = dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"])
+        deadline = time.monotonic() + spec.setup_timeout
+        timed_out = False
         try:
             with open(log_path, "wb") as log:
-                boot = subprocess.Popen([sys.executable, "-m", "forkd_engine.process.bootstrap"],
-                                        stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
-                                        pass_fds=(listener.fileno(), theirs.fileno()),
-                                        start_new_session=True, cwd="/")
+                boot = creating["boot"] = subprocess.Popen(
+                    [sys.executable, "-m", "forkd_engine.process.bootstrap"], stdin=subprocess.PIPE, stdout=log,
+                    stderr=log, env=env, pass_fds=(listener.fileno(), theirs.fileno()), start_new_session=True,
+                    cwd="/")
+            try:
+                creating["leaves"] = self.cgroups.apply(f"setup-{spec.tag}", boot.pid, memory_mib, self.pids_max)
+            except (CgroupError, OSError) as exc:
+                raise EngineError(f"snapshot {spec.tag!r}: cannot limit its setup: {exc}") from exc
+            if creating["cancelled"]:
+                raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was stopped")
             boot.stdin.write(json.dumps(cfg).encode())
             boot.stdin.close()
             listener.close()
             theirs.close()
-            got = self._read_report(ours, time.monotonic() + spec.setup_timeout + 30)
+            try:
+                got = self._read_report(ours, deadline)
+            except EngineError:  # the deadline passed: everything the setup started is stopped below
+                timed_out, got = True, None
+            if timed_out or creating["cancelled"]:
+                self.cgroups.kill_all(creating["leaves"])
             boot.wait(timeout=30)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                boot.kill()
+        except BaseException as exc:
+            if creating["boot"] is not None:
+                with contextlib.suppress(OSError):
+                    creating["boot"].kill()
+            self._end_setup(spec.tag, creating, path, log_path)
+            if creating["cancelled"] and not isinstance(exc, Cancelled):
+                raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was "
+                                f"stopped") from exc
             raise
         finally:
             ours.close()
             listener.close()
             theirs.close()
+        if creating["cancelled"]:
+            self._end_setup(spec.tag, creating, path, log_path)
+            raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was stopped")
+        if timed_out:
+            self._end_setup(spec.tag, creating, path, log_path)
+            raise EngineError(f"snapshot {spec.tag!r}: its setup did not finish within {spec.setup_timeout:g} s "
+                              f"(setup_timeout_secs, start-up included) and was stopped")
         if got is not None and got[0].get("lost"):
-            _unlink(path)
-            os.unlink(log_path)
+            self._end_setup(spec.tag, creating, path, log_path)
             raise LossyFork(got[0]["lost"], f"snapshot {spec.tag!r}: every sandbox is a fork of it, and its setup")
         if got is None or not got[0].get("ok"):
-            _unlink(path)
             detail = got[0].get("error") if got else self._log_tail(log_path)
+            hit = self.cgroups.limits_hit(creating["leaves"])
+            self._end_setup(spec.tag, creating, path, log_path)
+            if hit:
+                detail += (f" [stopped by its limits: {'; '.join(hit)}. A setup runs within a sandbox's "
+                           f"limits: {memory_mib} MiB of memory (memory_limit_mib asks for more), "
+                           f"{self.pids_max} processes and threads]")
             raise EngineError(f"snapshot {spec.tag!r} failed to start: {detail}")
+        with self._creating_lock:
+            self._creating.pop(spec.tag, None)
         os.unlink(log_path)
-        return self._handle(got[1], path, role="template")
+        # Setup is done: the template only forks from here on, and each fork moves to its own leaves.
+        self.cgroups.unlimit(creating["leaves"])
+        return self._handle(got[1], path, role="template", cgroups=creating["leaves"])
+
+    def _end_setup(self, tag: str, creating: dict, path: str, log_path: str) -> None:
+        """A creation that failed, timed out or was cancelled: nothing of it stays."""
+        self.cgroups.kill_all(creating["leaves"], wait=10)
+        with self._creating_lock:
+            self._creating.pop(tag, None)
+        _unlink(path)
+        _unlink(log_path)
+        self._busy_leaves |= set(self.cgroups.remove(creating["leaves"]))
+
+    def cancel(self, tag: str) -> bool:
+        """Stop the creation of snapshot ``tag`` if it runs here: everything in its setup's leaf is
+        killed (the template is PID 1 of its namespace: all it started goes with it)."""
+        with self._creating_lock:
+            creating = self._creating.get(tag)
+            if creating is None:
+                return False
+            creating["cancelled"] = True
+        if creating["boot"] is not None:
+            with contextlib.suppress(OSError):
+                creating["boot"].kill()
+        self.cgroups.kill_all(creating["leaves"])
+        return True
 
     @staticmethod
     def _log_tail(path: str) -> str:
@@ -295,7 +371,7 @@ class ProcessEngine:
 
     def delete_snapshot(self, handle: Handle) -> None:
         self._retire(handle)
-        self._busy_leaves = set(self.cgroups.remove(sorted(self._busy_leaves)))
+        self._busy_leaves = set(self.cgroups.remove(sorted(self._busy_leaves | set(handle.get("cgroups") or []))))
 
     # --- sandboxes -------------------------------------------------------------------------------
 
@@ -315,8 +391,10 @@ class ProcessEngine:
         ours, theirs = self._report_pair()
         listeners = [self._listen(c.id) for c in batch]
         paths = {c.id: p for c, (_, p) in zip(batch, listeners)}
-        request = {"action": "spawn",
-                   "children": [{"id": c.id, "lineage": c.lineage} for c in batch]}
+        limits = {c.id: c.memory_limit_mib or self.default_memory_limit_mib for c in batch}
+        request = {"action": "spawn", "children": [
+            {"id": c.id, "lineage": c.lineage, **dict(zip(("tmp_size_mib", "shm_size_mib"), tmpfs_sizes(limits[c.id])))}
+            for c in batch]}
         started: dict[str, Handle] = {}
         try:
             reply = self.call(snapshot, request, timeout=self.spawn_timeout,
@@ -340,7 +418,6 @@ class ProcessEngine:
                     errors.append(f"{msg.get('id')}: {msg.get('error')}")
             if errors:
                 raise _failure("spawn failed", "; ".join(errors[:3]))
-            limits = {c.id: c.memory_limit_mib for c in batch}
             for cid, h in started.items():
                 try:
                     h["cgroups"] = self.cgroups.apply(cid, h["pid"], limits[cid], self.pids_max)
@@ -441,13 +518,24 @@ class ProcessEngine:
         ready: Future = Future()
 
         def finish() -> None:
+            leaves: list[str] = []
             try:
-                got = self._read_report(ours, time.monotonic() + self.spawn_timeout)
+                deadline = time.monotonic() + self.spawn_timeout
+                got = self._read_report(ours, deadline)
+                if got is not None and got[0].get("move"):
+                    # The new template asks for leaves of its own before it copies /tmp and /dev/shm
+                    # (charged to its source's limit otherwise); a snapshot's are unlimited.
+                    try:
+                        leaves = self.cgroups.move(f"branch-{tag}", got[1])
+                    finally:
+                        ours.send(b"moved")
+                    got = self._read_report(ours, deadline)
                 if got is None or not got[0].get("ok"):
                     raise _failure(f"branch {tag!r} failed", got[0].get("error") if got else "the new snapshot exited")
-                ready.set_result(self._handle(got[1], path, role="template"))
+                ready.set_result(self._handle(got[1], path, role="template", cgroups=leaves))
             except BaseException as exc:  # noqa: BLE001
                 _unlink(path)
+                self._busy_leaves |= set(self.cgroups.remove(leaves))
                 ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
             finally:
                 ours.close()

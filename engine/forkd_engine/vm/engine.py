@@ -50,7 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
 from ..cgroups import Cgroups, subtree
-from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle,
+from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
                     InvalidSpec, SnapshotSpec, UnsupportedMode)
 from . import memory as vmem
 from . import recovery
@@ -323,6 +323,8 @@ class VMEngine:
         self._channels_lock = threading.Lock()
         self._vm_locks: dict[tuple, threading.Lock] = {}
         self._children: dict[int, subprocess.Popen] = {}
+        self._creating: dict[str, dict] = {}  # tag -> {"handle", "cancelled"} while its setup runs
+        self._creating_lock = threading.Lock()
         self.started = time.time()  # what recover() may sweep predates this
 
     # --- image -----------------------------------------------------------------------------------
@@ -712,6 +714,29 @@ class VMEngine:
 
     def create_snapshot(self, spec: SnapshotSpec) -> Handle:
         mem_mib = spec.mem_size_mib or DEFAULT_MEM_MIB
+        free = self._mem_root_free_mib()
+        if mem_mib > free:
+            raise InvalidSpec(f"mem_size_mib {mem_mib} does not fit: a VM's RAM is a file in {self.mem_root}, whose "
+                              f"filesystem has {free} MiB free")
+        creating = {"handle": None, "cancelled": False}
+        with self._creating_lock:
+            if spec.tag in self._creating:
+                raise EngineError(f"snapshot {spec.tag!r} is already being created")
+            self._creating[spec.tag] = creating
+        try:
+            return self._create_snapshot(spec, mem_mib, creating)
+        finally:
+            with self._creating_lock:
+                self._creating.pop(spec.tag, None)
+
+    def _mem_root_free_mib(self) -> int:
+        path = self.mem_root
+        while not os.path.exists(path):
+            path = os.path.dirname(path)
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize >> 20
+
+    def _create_snapshot(self, spec: SnapshotSpec, mem_mib: int, creating: dict) -> Handle:
         image = self.image().to_dict()
         packages = self._packages_image(spec.packages) if spec.packages else None
         snap, mem_path = self._snapshot_paths(spec.tag)
@@ -729,8 +754,11 @@ class VMEngine:
                     f.truncate(spec.disk_mib << 20)
                 self._tool(["mkfs.ext4", "-q", "-F", "-L", "forkd-data", disk[0]])
             t0 = time.monotonic()
-            handle = self._launch("snap:" + spec.tag, image, mem_path, mem_mib, share=True, disk=disk,
-                                  packages=packages)
+            with self._creating_lock:
+                if creating["cancelled"]:
+                    raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created")
+                handle = creating["handle"] = self._launch("snap:" + spec.tag, image, mem_path, mem_mib, share=True,
+                                                           disk=disk, packages=packages)
             channel = self._channel(handle)
             try:
                 channel.call({"action": "ping"}, timeout=self.boot_timeout)
@@ -738,19 +766,36 @@ class VMEngine:
                 raise EngineError(f"the VM did not boot to its agent: {exc}; {self._log_tail(handle)}") from exc
             boot_ms = (time.monotonic() - t0) * 1000
             channel.call(self._restore_request({"id": spec.tag, "role": "template", "lineage": [spec.tag]}))
+            # The setup's time limit covers it all (shell, commands, code), counted from here.
+            deadline = time.monotonic() + spec.setup_timeout
+
+            def left() -> float:
+                if time.monotonic() >= deadline:
+                    raise EngineError(f"snapshot {spec.tag!r}: its setup did not finish within "
+                                      f"{spec.setup_timeout:g} s (setup_timeout_secs) and was stopped")
+                return deadline - time.monotonic()
+
+            def setup_call(request: dict, margin: float = 0.0) -> dict:
+                try:
+                    return channel.call(request, timeout=left() + margin)
+                except AgentUnreachable:
+                    left()  # past the deadline: say so
+                    raise
+
             if spec.shell == "ipython":
-                reply = channel.call({"action": "shell"}, timeout=spec.setup_timeout)
+                reply = setup_call({"action": "shell"})
                 if reply.get("error"):
                     raise EngineError(f"IPython could not start in the guest: {reply['error']} (add the Debian "
                                       f"package python3-ipython to the snapshot's packages)")
             for argv in spec.setup_commands:
-                reply = channel.call({"action": "exec", "args": argv, "timeout": spec.setup_timeout},
-                                     timeout=spec.setup_timeout + 10)
+                reply = setup_call({"action": "exec", "args": argv, "timeout": left()}, margin=10)
                 if reply.get("exit_code") != 0:
+                    if reply.get("timed_out"):
+                        left()
                     raise EngineError(f"setup command {argv!r} failed: exit {reply.get('exit_code')}: "
                                       f"{(reply.get('stderr') or reply.get('error') or '')[-1500:]}")
             if spec.setup:
-                reply = channel.call({"action": "run_code", "code": spec.setup}, timeout=spec.setup_timeout)
+                reply = setup_call({"action": "run_code", "code": spec.setup})
                 if reply.get("error"):
                     err = reply["error"]
                     detail = f"{err.get('ename')}: {err.get('evalue')}" if isinstance(err, dict) else err
@@ -775,9 +820,24 @@ class VMEngine:
                 self.kill(handle)
             shutil.rmtree(snap, ignore_errors=True)
             shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
+            if creating["cancelled"] and not isinstance(exc, Cancelled):
+                raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its VM was "
+                                f"stopped") from exc
             if isinstance(exc, (QMPError, OSError, AgentUnreachable)) and not isinstance(exc, EngineError):
                 raise EngineError(f"snapshot {spec.tag!r} failed: {exc}") from exc
             raise
+
+    def cancel(self, tag: str) -> bool:
+        """Stop the creation of snapshot ``tag`` if it runs here (its VM is killed)."""
+        with self._creating_lock:
+            creating = self._creating.get(tag)
+            if creating is None:
+                return False
+            creating["cancelled"] = True
+            handle = creating["handle"]
+        if handle is not None:
+            self._stop_process(handle["pid"], handle.get("start_time"))
+        return True
 
     # --- sandboxes -------------------------------------------------------------------------------
 
