@@ -14,7 +14,6 @@ orders are its own; the wire shapes of its answers are in wire.py.
 from __future__ import annotations
 
 import os
-import time
 from typing import Callable
 
 

@@ -64,6 +64,9 @@ MAX_SOCKET_PATH = 107
 MACHINE = "microvm"
 DISK_ID = "d0"
 PACKAGES_ID = "p0"  # the read-only packages disk (SnapshotSpec.packages), shared by every child
+# QEMU's seccomp filter: no obsolete syscalls, no setuid/setgid/capset, no fork/exec, no
+# scheduling or priority changes. A guest that escapes into QEMU meets it first.
+SECCOMP_SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 
 # --- host checks ---------------------------------------------------------------------------------
@@ -350,7 +353,8 @@ class VMEngine:
         if self.tsc_khz:
             append += f" tsc_early_khz={self.tsc_khz}"
         cpu = "max" if self.accel == "tcg" else "host,-arch-capabilities"
-        cmd = [self.qemu, "-nodefaults", "-no-user-config", "-nographic", "-name", "forkd,debug-threads=on", "-accel", self.accel + self.accel_opts, "-cpu", cpu,
+        cmd = [self.qemu, "-nodefaults", "-no-user-config", "-nographic", "-name", "forkd,debug-threads=on",
+               "-sandbox", SECCOMP_SANDBOX, "-accel", self.accel + self.accel_opts, "-cpu", cpu,
                "-m", f"{mem_mib}M", "-smp", str(self.smp)]
         if not incoming:
             # A restored child's RAM already holds the running kernel: loading the 50 MB ELF and the
@@ -580,27 +584,33 @@ class VMEngine:
     # --- killing ---------------------------------------------------------------------------------
 
     def _stop_process(self, pid: int, start_time) -> None:
-        if linux.process_start_time(pid) != start_time:
-            self._children.pop(pid, None)
+        """SIGKILL QEMU ``pid`` (if it is still the one started at ``start_time``) and wait until it
+        is gone, all its threads: only then are its cgroup leaves empty."""
+        proc = self._children.pop(pid, None)
+        if proc is not None:  # our child: its pid cannot have been reused before we reap it
+            with contextlib.suppress(OSError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
             return
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
-            pidfd = None
+            return
         try:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            proc = self._children.pop(pid, None)
-            if proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=10)
-            elif pidfd is not None:  # poll(), not select(): descriptors may be past 1024
-                waiter = select.poll()
-                waiter.register(pidfd, select.POLLIN)
-                waiter.poll(10_000)
+            current = linux.process_start_time(pid)
+            if current is not None and current != start_time:
+                return  # another process has this pid now
+            if current is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            # Dying or dead: a pidfd turns readable once every thread has exited. poll(), not
+            # select(): descriptors may be past 1024.
+            waiter = select.poll()
+            waiter.register(pidfd, select.POLLIN)
+            waiter.poll(10_000)
         finally:
-            if pidfd is not None:
-                os.close(pidfd)
+            os.close(pidfd)
 
     def kill(self, handle: Handle) -> None:
         self._drop_channel(handle)
