@@ -94,6 +94,11 @@ class CreationManager:
                 if running["cancelled"]:
                     raise Cancelled(f"snapshot {tag!r}: deleted while it was being created")
                 handle = eng.create_snapshot(spec)
+                with self._lock:  # a cancel from now on finds nothing to cancel
+                    self._running.pop(tag, None)
+                if running["cancelled"]:  # came after the engine was done: undo it
+                    eng.delete_snapshot(handle)
+                    raise Cancelled(f"snapshot {tag!r}: deleted while it was being created")
             except EngineError as exc:
                 self.registry.delete_snapshot(tag)
                 self.feed.emit("snapshot", "deleted", tag=tag)

@@ -259,13 +259,11 @@ class ProcessEngine:
         whole creation has ``spec.setup_timeout`` seconds. ``cancel(tag)`` stops it."""
         memory_mib = spec.memory_limit_mib or self.default_memory_limit_mib
         tmp_mib, shm_mib = tmpfs_sizes(memory_mib)
-        creating = {"boot": None, "leaves": [], "cancelled": False}
-        with self._creating_lock:
-            if spec.tag in self._creating:
-                raise EngineError(f"snapshot {spec.tag!r} is already being created")
-            self._creating[spec.tag] = creating
         listener, path = self._listen("snap:" + spec.tag)
         ours, theirs = self._report_pair()
+        creating = {"boot": None, "leaves": [], "cancelled": False}
+        with self._creating_lock:
+            self._creating[spec.tag] = creating  # one creation per tag: the controller holds the tag
         log_path = path[:-5] + ".log"
         cfg = {
             "tag": spec.tag, "setup": spec.setup, "setup_commands": spec.setup_commands,
@@ -314,7 +312,10 @@ class ProcessEngine:
             ours.close()
             listener.close()
             theirs.close()
-        if creating["cancelled"]:
+        with self._creating_lock:  # from here on cancel() no longer finds it: cancelled now, or never
+            self._creating.pop(spec.tag, None)
+            cancelled = creating["cancelled"]
+        if cancelled:
             self._end_setup(spec.tag, creating, path, log_path)
             raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was stopped")
         if timed_out:
@@ -333,8 +334,6 @@ class ProcessEngine:
                            f"limits: {memory_mib} MiB of memory (memory_limit_mib asks for more), "
                            f"{self.pids_max} processes and threads]")
             raise EngineError(f"snapshot {spec.tag!r} failed to start: {detail}")
-        with self._creating_lock:
-            self._creating.pop(spec.tag, None)
         os.unlink(log_path)
         # Setup is done: the template only forks from here on, and each fork moves to its own leaves.
         self.cgroups.unlimit(creating["leaves"])

@@ -734,10 +734,14 @@ class VMEngine:
                 raise EngineError(f"snapshot {spec.tag!r} is already being created")
             self._creating[spec.tag] = creating
         try:
-            return self._create_snapshot(spec, mem_mib, creating)
+            snapshot = self._create_snapshot(spec, mem_mib, creating)
         finally:
-            with self._creating_lock:
+            with self._creating_lock:  # from here on cancel() no longer finds it: cancelled now, or never
                 self._creating.pop(spec.tag, None)
+        if creating["cancelled"]:
+            self.delete_snapshot(snapshot)
+            raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created")
+        return snapshot
 
     def _mem_root_free_mib(self) -> int:
         path = self.mem_root
