@@ -28,6 +28,7 @@ from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
                     LimitReached, LossyFork, SnapshotSpec)
 from . import rootfs
+from .setup import Setup
 from ..cgroups import CgroupError, Cgroups, subtree
 
 SPAWN_BATCH = 200  # under the kernel's 253 fds per message
@@ -62,6 +63,10 @@ def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
+
+
+class EngineTimeout(EngineError):
+    """No report came before the deadline."""
 
 
 def _failure(what: str, error: str) -> EngineError:
@@ -105,7 +110,7 @@ class ProcessEngine:
         self.cgroups = Cgroups(subtree("forkd", self.data_dir))  # this server's own leaves
         self.cgroups.sweep()
         self._busy_leaves: set[str] = set()
-        self._creating: dict[str, dict] = {}  # tag -> {"boot", "leaves", "cancelled"} while its setup runs
+        self._creating: dict[str, Setup] = {}  # tag -> its setup, while it runs
         self._creating_lock = threading.Lock()
 
     # --- sockets and reports ---------------------------------------------------------------------
@@ -136,7 +141,7 @@ class ProcessEngine:
         try:
             data, anc, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(12))
         except socket.timeout:
-            raise EngineError("timed out waiting for a sandbox to start") from None
+            raise EngineTimeout("timed out waiting for a sandbox to start") from None
         if not data:
             return None
         pid = 0
@@ -254,16 +259,12 @@ class ProcessEngine:
     # --- snapshots -------------------------------------------------------------------------------
 
     def create_snapshot(self, spec: SnapshotSpec) -> Handle:
-        """Start a template and run the setup in it, inside a sandbox's limits: the bootstrap, and so
-        everything it starts, joins a cgroup leaf (memory, pids) before it reads its config, and the
-        whole creation has ``spec.setup_timeout`` seconds. ``cancel(tag)`` stops it."""
+        """Start a template and run the setup in it, within a sandbox's limits (setup.py); the whole
+        creation has ``spec.setup_timeout`` seconds. ``cancel(tag)`` stops it."""
         memory_mib = spec.memory_limit_mib or self.default_memory_limit_mib
         tmp_mib, shm_mib = tmpfs_sizes(memory_mib)
         listener, path = self._listen("snap:" + spec.tag)
         ours, theirs = self._report_pair()
-        creating = {"boot": None, "leaves": [], "cancelled": False}
-        with self._creating_lock:
-            self._creating[spec.tag] = creating  # one creation per tag: the controller holds the tag
         log_path = path[:-5] + ".log"
         cfg = {
             "tag": spec.tag, "setup": spec.setup, "setup_commands": spec.setup_commands,
@@ -273,38 +274,22 @@ class ProcessEngine:
             "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
             "shell": spec.shell,
         }
-        env = dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"])
+        setup = Setup(self.cgroups, spec.tag, memory_mib, self.pids_max)
+        with self._creating_lock:
+            self._creating[spec.tag] = setup  # one creation per tag: the controller holds the tag
         deadline = time.monotonic() + spec.setup_timeout
-        timed_out = False
+        got = None
         try:
-            with open(log_path, "wb") as log:
-                boot = creating["boot"] = subprocess.Popen(
-                    [sys.executable, "-m", "forkd_engine.process.bootstrap"], stdin=subprocess.PIPE, stdout=log,
-                    stderr=log, env=env, pass_fds=(listener.fileno(), theirs.fileno()), start_new_session=True,
-                    cwd="/")
-            try:
-                creating["leaves"] = self.cgroups.apply(f"setup-{spec.tag}", boot.pid, memory_mib, self.pids_max)
-            except (CgroupError, OSError) as exc:
-                raise EngineError(f"snapshot {spec.tag!r}: cannot limit its setup: {exc}") from exc
-            if creating["cancelled"]:
-                raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was stopped")
-            boot.stdin.write(json.dumps(cfg).encode())
-            boot.stdin.close()
+            setup.start(cfg, dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"]),
+                        (listener.fileno(), theirs.fileno()), log_path)
             listener.close()
             theirs.close()
-            try:
-                got = self._read_report(ours, deadline)
-            except EngineError:  # the deadline passed: everything the setup started is stopped below
-                timed_out, got = True, None
-            if timed_out or creating["cancelled"]:
-                self.cgroups.kill_all(creating["leaves"])
-            boot.wait(timeout=30)
+            got = self._read_report(ours, deadline)
+        except EngineTimeout:
+            setup.stop()  # past its deadline: everything it started
         except BaseException as exc:
-            if creating["boot"] is not None:
-                with contextlib.suppress(OSError):
-                    creating["boot"].kill()
-            self._end_setup(spec.tag, creating, path, log_path)
-            if creating["cancelled"] and not isinstance(exc, Cancelled):
+            self._end_setup(setup, path, log_path)
+            if setup.cancelled:
                 raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was "
                                 f"stopped") from exc
             raise
@@ -314,52 +299,39 @@ class ProcessEngine:
             theirs.close()
         with self._creating_lock:  # from here on cancel() no longer finds it: cancelled now, or never
             self._creating.pop(spec.tag, None)
-            cancelled = creating["cancelled"]
-        if cancelled:
-            self._end_setup(spec.tag, creating, path, log_path)
-            raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was stopped")
-        if timed_out:
-            self._end_setup(spec.tag, creating, path, log_path)
-            raise EngineError(f"snapshot {spec.tag!r}: its setup did not finish within {spec.setup_timeout:g} s "
-                              f"(setup_timeout_secs, start-up included) and was stopped")
-        if got is not None and got[0].get("lost"):
-            self._end_setup(spec.tag, creating, path, log_path)
-            raise LossyFork(got[0]["lost"], f"snapshot {spec.tag!r}: every sandbox is a fork of it, and its setup")
-        if got is None or not got[0].get("ok"):
-            detail = got[0].get("error") if got else self._log_tail(log_path)
-            hit = self.cgroups.limits_hit(creating["leaves"])
-            self._end_setup(spec.tag, creating, path, log_path)
-            if hit:
-                detail += (f" [stopped by its limits: {'; '.join(hit)}. A setup runs within a sandbox's "
-                           f"limits: {memory_mib} MiB of memory (memory_limit_mib asks for more), "
-                           f"{self.pids_max} processes and threads]")
+        if setup.cancelled or got is None or not got[0].get("ok"):
+            detail = (got[0].get("error") if got else self._log_tail(log_path)) + setup.limits_hit()
+            self._end_setup(setup, path, log_path)
+            if setup.cancelled:
+                raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was stopped")
+            if time.monotonic() >= deadline:
+                raise EngineError(f"snapshot {spec.tag!r}: its setup did not finish within {spec.setup_timeout:g} s "
+                                  f"(setup_timeout_secs, start-up included) and was stopped")
+            if got is not None and got[0].get("lost"):
+                raise LossyFork(got[0]["lost"], f"snapshot {spec.tag!r}: every sandbox is a fork of it, and its setup")
             raise EngineError(f"snapshot {spec.tag!r} failed to start: {detail}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            setup.boot.wait(timeout=30)  # it exits once the template runs
         os.unlink(log_path)
-        # Setup is done: the template only forks from here on, and each fork moves to its own leaves.
-        self.cgroups.unlimit(creating["leaves"])
-        return self._handle(got[1], path, role="template", cgroups=creating["leaves"])
+        return self._handle(got[1], path, role="template", cgroups=setup.done())
 
-    def _end_setup(self, tag: str, creating: dict, path: str, log_path: str) -> None:
+    def _end_setup(self, setup: Setup, path: str, log_path: str) -> None:
         """A creation that failed, timed out or was cancelled: nothing of it stays."""
-        self.cgroups.kill_all(creating["leaves"], wait=10)
         with self._creating_lock:
-            self._creating.pop(tag, None)
+            self._creating.pop(setup.tag, None)
+        self._busy_leaves |= set(setup.end())
         _unlink(path)
         _unlink(log_path)
-        self._busy_leaves |= set(self.cgroups.remove(creating["leaves"]))
 
     def cancel(self, tag: str) -> bool:
-        """Stop the creation of snapshot ``tag`` if it runs here: everything in its setup's leaf is
-        killed (the template is PID 1 of its namespace: all it started goes with it)."""
+        """Stop the creation of snapshot ``tag`` if it runs here: everything its setup started is
+        killed; the creation then raises Cancelled."""
         with self._creating_lock:
-            creating = self._creating.get(tag)
-            if creating is None:
+            setup = self._creating.get(tag)
+            if setup is None:
                 return False
-            creating["cancelled"] = True
-        if creating["boot"] is not None:
-            with contextlib.suppress(OSError):
-                creating["boot"].kill()
-        self.cgroups.kill_all(creating["leaves"])
+            setup.cancelled = True
+        setup.stop()
         return True
 
     @staticmethod
