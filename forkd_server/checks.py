@@ -5,6 +5,8 @@ Each raises ``BadRequest`` with a message that says what a valid value looks lik
 
 from __future__ import annotations
 
+import math
+import os
 import re
 
 from .errors import BadRequest
@@ -22,12 +24,50 @@ def check_tag(tag, what: str = "tag") -> str:
     return tag
 
 
-def int_field(value, name: str, lo: int, hi: int | None = None) -> int:
+def int_field(value, name: str, lo: int, hi: int | None = None, why: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{name} must be an integer, got {value!r}")
+        raise BadRequest(f"{name} must be an integer, got {value!r:.40}")
     if value < lo or (hi is not None and value > hi):
-        raise BadRequest(f"{name} must be between {lo} and {hi}" if hi else f"{name} must be at least {lo}")
+        bound = f"{name} must be between {lo} and {hi}" if hi is not None else f"{name} must be at least {lo}"
+        raise BadRequest(bound + (f" ({why})" if why else "") + f", got {value!r:.40}")
     return value
+
+
+# --- the bounds of snapshot create and spawn: every number has one, stated by its 400 -----------
+
+MAX_SETUP_TIMEOUT_SECS = 86400
+MAX_DISK_MIB = 1 << 20
+
+
+def host_memory_mib() -> int:
+    """This host's RAM in MiB (MemTotal)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    raise OSError("no MemTotal in /proc/meminfo")
+
+
+def check_memory_mib(value, name: str, lo: int) -> int:
+    """A memory size in MiB (``memory_limit_mib``, a VM's ``mem_size_mib``): at most the host's RAM."""
+    return int_field(value, name, lo, host_memory_mib(), "MiB; at most this host's memory")
+
+
+def check_disk_mib(value, data_dir: str) -> int:
+    """A VM's data disk: at most the free space where its files go (and 1 TiB)."""
+    st = os.statvfs(data_dir)
+    free = st.f_bavail * st.f_frsize >> 20
+    return int_field(value, "disk_mib", 16, min(MAX_DISK_MIB, free),
+                     f"MiB; at most 1 TiB and the free space of {data_dir}")
+
+
+def check_setup_timeout(value) -> float:
+    """``setup_timeout_secs``: how long a snapshot's creation may take, start-up included."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"setup_timeout_secs must be a number of seconds, got {value!r:.40}")
+    if not 1 <= value <= MAX_SETUP_TIMEOUT_SECS:
+        raise BadRequest(f"setup_timeout_secs must be between 1 and {MAX_SETUP_TIMEOUT_SECS} (a day), got {value!r}")
+    return float(value)
 
 
 MAX_LABELS = 32

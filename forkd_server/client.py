@@ -287,8 +287,16 @@ class Controller:
     def create_snapshot(self, tag: str, setup: str | None = None, setup_commands: list[list[str]] | None = None,
                         engine: str = "auto", mem_size_mib: int | None = None, host_network: bool = False,
                         disk_mib: int | None = None, packages: list[str] | None = None,
-                        timeout: float = 900, shell: str | None = None, lossy: bool = False) -> dict:
+                        timeout: float = 900, shell: str | None = None, lossy: bool = False,
+                        setup_timeout_secs: float | None = None, memory_limit_mib: int | None = None) -> dict:
+        """``setup_timeout_secs`` bounds the whole creation (600 s unless given); the setup runs within
+        a sandbox's limits, ``memory_limit_mib`` (the engine's default unless given) among them."""
         body: dict = {"tag": tag, "engine": engine}
+        if setup_timeout_secs is not None:
+            body["setup_timeout_secs"] = setup_timeout_secs
+            timeout = max(timeout, setup_timeout_secs + 60)
+        if memory_limit_mib is not None:
+            body["memory_limit_mib"] = memory_limit_mib
         if shell is not None:
             body["shell"] = shell
         if lossy:

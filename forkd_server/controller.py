@@ -5,23 +5,24 @@ change in the registry before and after the engine acts, and re-attaches to live
 sandboxes when it starts. Handlers and front ends call it; it calls an engine; neither knows of the
 other. It is the facade over one manager per concern, as jupyter_server keeps one per service:
 ``sandboxes`` (spawn, list, kill, the agent calls: sandboxes.py), ``branches`` (branch concurrency
-slots and a written snapshot's writing -> ready life: branching.py) and ``workspaces``
-(workspaces.py). Snapshots and the branch and compact check orders are its own; the wire shapes of
-its answers are in wire.py.
+slots and a written snapshot's writing -> ready life: branching.py), ``workspaces``
+(workspaces.py), ``creation`` (snapshots from setup code within limits, and cancelling them:
+creation.py) and the start-up recovery (recovery.py). Snapshots and the branch and compact check
+orders are its own; the wire shapes of its answers are in wire.py.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Callable
 
-from forkd_engine import EngineError, InvalidSpec, LimitReached, LossyFork, SnapshotSpec
 
-from .branching import BranchManager, lossy_refusal
+from .branching import BranchManager
 from .changes import ChangeFeed
-from .checks import BRANCH_MODES, ENGINES, check_labels, check_tag, int_field
+from .creation import CreationManager
+from .checks import BRANCH_MODES, check_labels, check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound
+from .recovery import TEMPLATE_ENDED, Recovery
 from .registry import Registry
 from .sandboxes import SandboxManager
 from .wire import has_labels, sandbox_info, snapshot_info, tree_nodes, workspace_info
@@ -51,7 +52,8 @@ class Controller:
         self.branches = BranchManager(self.registry, self.engines, self.feed, branch_concurrency)
         self.sandboxes = SandboxManager(self)
         self.workspaces = WorkspaceManager(self)
-        self.reconcile()
+        self.creation = CreationManager(self)
+        self.recovered = self.reconcile()  # what the start-up found (counts and findings)
 
     @property
     def branch_cap(self) -> int:
@@ -113,7 +115,7 @@ class Controller:
             return row
         if engine is not None:
             engine.delete_snapshot(row["handle"])
-        warning = "snapshot is not bootable: its template process ended unexpectedly"
+        warning = TEMPLATE_ENDED
         self.registry.update_snapshot(row["tag"], status="failed", warning=warning)
         self.feed.emit("snapshot", "status", tag=row["tag"], status="failed", warning=warning)
         return dict(row, status="failed", warning=warning)
@@ -124,26 +126,9 @@ class Controller:
     # --- start-up --------------------------------------------------------------------------------
 
     def reconcile(self) -> dict:
-        """Re-attach to what survived a restart; record what did not. Returns counts."""
-        counts = {"snapshots_attached": 0, "snapshots_failed": 0}
-        for row in self.registry.list_snapshots():
-            if row["status"] == "ready":
-                ready = self.checked_snapshot(row)["status"] == "ready"
-                counts["snapshots_attached" if ready else "snapshots_failed"] += 1
-            elif row["status"] == "writing":
-                # Its writer (this server, before the restart) is gone: end what it left, record why.
-                engine = self.engines.get(row["engine"])
-                if engine is not None:
-                    if row["handle"]:
-                        engine.delete_snapshot(row["handle"])
-                    else:
-                        engine.abandon("snap:" + row["tag"])
-                self.registry.update_snapshot(row["tag"], status="failed", warning="snapshot is not bootable: "
-                                              "interrupted by a server restart while it was being written")
-                counts["snapshots_failed"] += 1
-        counts.update(self.sandboxes.reconcile())
-        counts.update(self.workspaces.reconcile())
-        return counts
+        """Re-attach to what survived a restart (and answers); record and end what did not.
+        Returns counts and ``findings`` (recovery.py)."""
+        return Recovery(self).run()
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -151,66 +136,13 @@ class Controller:
                         setup_commands: list | None = None, mem_size_mib: int | None = None,
                         host_network: bool = False, disk_mib: int | None = None,
                         packages: list[str] | None = None, lossy: bool = False, shell: str = "plain",
-                        labels: dict | None = None) -> dict:
-        check_tag(tag)
-        if engine not in ENGINES:
-            raise BadRequest(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        if shell not in ("plain", "ipython"):
-            raise BadRequest(f"shell must be plain or ipython, got {shell!r}")
-        labels = check_labels(labels)
-        if setup is not None and not isinstance(setup, str):
-            raise BadRequest("setup must be a string of Python code")
-        commands = setup_commands or []
-        if not isinstance(commands, list) or not all(
-                isinstance(c, list) and c and all(isinstance(a, str) for a in c) for c in commands):
-            raise BadRequest("setup_commands must be a list of argv lists, e.g. [[\"pip\", \"install\", \"x\"]]")
-        if mem_size_mib is not None:
-            int_field(mem_size_mib, "mem_size_mib", 64, 1 << 20)
-        if disk_mib is not None:
-            int_field(disk_mib, "disk_mib", 16, 1 << 20)
-        if packages:
-            from forkd_engine.vm.image import ImageError, validate_packages
-            try:
-                packages = validate_packages(packages)
-            except ImageError as exc:
-                raise BadRequest(str(exc)) from None
-        packages = list(packages or [])
-        if engine == "auto" and (packages or disk_mib is not None):
-            engine = "vm"  # what was asked for exists only in a VM guest (as forkd's kernel/rootfs form)
-        name, eng = self._engine(engine)
-        if disk_mib is not None and name != "vm":
-            raise BadRequest("disk_mib needs engine vm (a process sandbox's files live in its private layer)")
-        if packages and name != "vm":
-            raise BadRequest("packages need engine vm (a process sandbox runs the host's Python environment; "
-                             "add software there with setup_commands)")
-        with self.branches.reserve(tag, f"snapshot {tag} is already being written"):
-            if self.registry.get_snapshot(tag) is not None:
-                raise BadRequest(f"snapshot {tag} already exists; DELETE first")
-            spec = SnapshotSpec(tag=tag, setup=setup, setup_commands=commands, host_network=bool(host_network),
-                                mem_size_mib=mem_size_mib, disk_mib=disk_mib, packages=packages, lossy=bool(lossy),
-                                shell=shell)
-            self.registry.insert_snapshot({
-                "tag": tag, "engine": name, "status": "writing", "created_at": time.time(),
-                "lineage": [tag], "spec": {"setup": setup, "setup_commands": commands,
-                                           "host_network": bool(host_network), "mem_size_mib": mem_size_mib,
-                                           "disk_mib": disk_mib, "packages": packages, "shell": shell},
-                "labels": labels})
-            self.feed.emit("snapshot", "created", tag=tag, status="writing")
-            try:
-                handle = eng.create_snapshot(spec)
-            except EngineError as exc:
-                self.registry.delete_snapshot(tag)
-                self.feed.emit("snapshot", "deleted", tag=tag)
-                if isinstance(exc, InvalidSpec):  # e.g. an unknown package: the request's fault
-                    raise BadRequest(str(exc)) from None
-                if isinstance(exc, LossyFork):
-                    raise lossy_refusal(exc, f"snapshot {tag}: every sandbox is a fork of it, and its setup") from None
-                if isinstance(exc, LimitReached):
-                    raise Conflict(f"snapshot {tag}: {exc}") from None
-                raise EngineFailure(str(exc)) from exc
-            self.registry.update_snapshot(tag, status="ready", handle=handle)
-            self.feed.emit("snapshot", "status", tag=tag, status="ready")
-            return self.snapshot_info(self.registry.get_snapshot(tag))
+                        labels: dict | None = None, setup_timeout_secs: float | None = None,
+                        memory_limit_mib: int | None = None) -> dict:
+        """A snapshot from setup code, run within a sandbox's limits (creation.py)."""
+        return self.creation.create(tag, engine=engine, setup=setup, setup_commands=setup_commands,
+                                    mem_size_mib=mem_size_mib, host_network=host_network, disk_mib=disk_mib,
+                                    packages=packages, lossy=lossy, shell=shell, labels=labels,
+                                    setup_timeout_secs=setup_timeout_secs, memory_limit_mib=memory_limit_mib)
 
     def list_snapshots(self, labels: dict[str, str] | None = None) -> list[dict]:
         """Every snapshot (those still writing last); with ``labels``, those carrying all of them."""
@@ -247,6 +179,8 @@ class Controller:
         if cascade and force:
             raise BadRequest("cascade and force are mutually exclusive")
         if tag in self.branches.in_flight:
+            if self.creation.cancel(tag):  # a snapshot being created: its setup is stopped, nothing stays
+                return
             raise Conflict(f"snapshot {tag} is being written; wait until it is ready or failed")
         row = self.registry.get_snapshot(tag)
         if row is None:

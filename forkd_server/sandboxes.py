@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from forkd_engine import AgentUnreachable, ChildSpec, EngineError, LimitReached
 
-from .checks import MAX_CHILDREN, check_labels, check_tag, int_field
+from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound
 from .wire import sandbox_info
 
@@ -27,21 +27,6 @@ class SandboxManager:
         self.engines = controller.engines
         self.feed = controller.feed
         self._listing: tuple | None = None    # (registry generation, running rows, their infos)
-
-    def reconcile(self) -> dict:
-        """At start-up: keep the sandboxes that still live, drop the rest (and starts cut short)."""
-        counts = {"sandboxes_attached": 0, "sandboxes_dropped": 0}
-        for row in self.registry.list_sandboxes():
-            if row["status"] == "running" and row["handle"]:
-                alive = self.alive(row)  # drops (and cleans up after) the dead
-                counts["sandboxes_attached" if alive else "sandboxes_dropped"] += 1
-                continue
-            engine = self.engines.get(row["engine"])  # a spawn the restart interrupted
-            if engine is not None:
-                engine.abandon(row["id"])
-            self.registry.delete_sandboxes([row["id"]])
-            counts["sandboxes_dropped"] += 1
-        return counts
 
     def row(self, sandbox_id) -> dict:
         row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
@@ -79,7 +64,7 @@ class SandboxManager:
             raise BadRequest(f"n must be between 1 and {MAX_CHILDREN}")
         check_tag(snapshot_tag, "snapshot_tag")
         if memory_limit_mib is not None:
-            int_field(memory_limit_mib, "memory_limit_mib", 16)
+            check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
         labels = check_labels(labels)
         row = self.registry.get_snapshot(snapshot_tag)
         row = row and self.ctl.checked_snapshot(row)
@@ -89,6 +74,8 @@ class SandboxManager:
         if row is None:
             raise NotFound(f"snapshot {snapshot_tag} not found")
         engine = self.engines[row["engine"]]
+        if memory_limit_mib is None:  # the engine's default limit, if it has one, shown as the sandbox's
+            memory_limit_mib = getattr(engine, "default_memory_limit_mib", None)
         first = self.registry.next_counter("sandbox", n)
         now = time.time()
         ids = [f"sb-{int(now):08x}-{(first + i) % 0x10000:04x}" for i in range(n)]

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .checks import check_tag, int_field
+from .checks import check_memory_mib, check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound
 from .wire import workspace_info
 
@@ -113,7 +113,7 @@ class WorkspaceManager:
                              f"characters (its state snapshot ws-<name>-state must be a valid tag)")
         check_tag(snapshot_tag, "snapshot_tag")
         if memory_limit_mib is not None:
-            int_field(memory_limit_mib, "memory_limit_mib", 16)
+            check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
         self._acquire(name, "create")
         try:
             if self.registry.get_workspace(name) is not None:

@@ -32,6 +32,10 @@ class InvalidSpec(EngineError):
     caller's mistake, answered as such, not an engine failure."""
 
 
+class Cancelled(EngineError):
+    """The request was cancelled while it ran (a snapshot deleted while it was being created)."""
+
+
 class LossyFork(EngineError):
     """A fork would silently leave behind running work it cannot carry (threads, child processes,
     an event loop's tasks, shared sockets...). ``items`` names each, one line a thing; the caller
@@ -65,7 +69,10 @@ class SnapshotSpec:
     # Debian packages (and their dependencies) added to a VM's guest on a read-only disk, e.g.
     # ["python3-numpy"]; the process engine ignores it (its sandboxes see the host's files).
     packages: list[str] = field(default_factory=list)
-    setup_timeout: float = 600.0
+    setup_timeout: float = 600.0                   # seconds for the whole creation, start-up included
+    # The setup's memory limit (process engine; None: the engine's default). Its pids limit is
+    # a sandbox's too, and both are lifted once setup is done (the template only forks).
+    memory_limit_mib: int | None = None
     # Fork children even though setup left running work they cannot carry (else LossyFork).
     lossy: bool = False
     # "ipython": the snapshot holds a warmed IPython shell (the forkd kernel's); setup runs in it.
@@ -101,6 +108,8 @@ class Engine(Protocol):
     name: str
 
     def create_snapshot(self, spec: SnapshotSpec) -> Handle: ...
+    # Stop a create_snapshot(tag) running in this engine (it then raises Cancelled); False if none.
+    def cancel(self, tag: str) -> bool: ...
     def spawn(self, snapshot: Handle, children: list[ChildSpec]) -> list[Handle]: ...
     def branch(self, sandbox: Handle, tag: str, lineage: list[str], mode: str,
                lossy: bool = False) -> BranchResult: ...
@@ -110,6 +119,13 @@ class Engine(Protocol):
     def kill(self, handle: Handle) -> None: ...
     def delete_snapshot(self, handle: Handle) -> None: ...
     def alive(self, handle: Handle) -> bool: ...
+    # Why each handle does not answer its agent within ``timeout`` (None: it lives and answers);
+    # all asked at once. A restarted server re-attaches only to what answers.
+    def probe(self, handles: list[Handle], timeout: float) -> list[str | None]: ...
+    # At start-up, before ``probe``: repair or end what only the engine can see (e.g. a VM a live
+    # branch left frozen, files no known handle owns). ``known``: every handle the caller recorded.
+    # Returns one line per thing found and what was done.
+    def recover(self, known: list[Handle]) -> list[str]: ...
     def abandon(self, name: str) -> None: ...
     def memory(self, handle: Handle) -> dict: ...
     def close(self) -> None: ...

@@ -1,10 +1,18 @@
-"""Per-sandbox memory and pids limits through cgroups, v2 where its controllers are enabled, else v1."""
+"""Per-sandbox memory and pids limits through cgroups, v2 where its controllers are enabled, else v1.
+
+Each engine of each server has a subtree of its own, ``<hierarchy>/<prefix>/<id of its data dir>``,
+so two servers on one host never share (or sweep) each other's leaves; one leaf per sandbox (or
+snapshot setup) below it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
+import signal
+import time
 
 ROOT = "/sys/fs/cgroup"
 
@@ -34,6 +42,12 @@ def locate(controller: str) -> tuple[str, str] | None:
 
 _FILES = {("memory", "v2"): "memory.max", ("memory", "v1"): "memory.limit_in_bytes",
           ("pids", "v2"): "pids.max", ("pids", "v1"): "pids.max"}
+_UNLIMITED = {("memory", "v2"): "max", ("memory", "v1"): "-1", ("pids", "v2"): "max", ("pids", "v1"): "max"}
+
+
+def subtree(prefix: str, data_dir: str) -> str:
+    """The group of one engine's leaves: ``prefix/<12 hex digits of the data dir's path>``."""
+    return f"{prefix}/{hashlib.sha1(os.path.realpath(data_dir).encode()).hexdigest()[:12]}"
 
 
 class Cgroups:
@@ -44,6 +58,20 @@ class Cgroups:
 
     def status(self) -> dict:
         return {c: (locate(c) or ("none", ""))[0] for c in ("memory", "pids")}
+
+    def _parent(self, version: str, base: str) -> str:
+        parent = os.path.join(base, self.group)
+        if version == "v2" and not os.path.isdir(parent):
+            # v2 hands a controller to a group's children only when each ancestor enables it.
+            path = base
+            for part in self.group.split("/"):
+                with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.subtree_control"), "w") as f:
+                    f.write("+memory +pids")
+                path = os.path.join(path, part)
+                os.makedirs(path, exist_ok=True)
+            with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.subtree_control"), "w") as f:
+                f.write("+memory +pids")
+        return parent
 
     def apply(self, name: str, pid: int, memory_mib: int | None, pids_max: int | None) -> list[str]:
         """Put ``pid`` into leaves limiting it; returns the leaf paths made."""
@@ -58,8 +86,7 @@ class Cgroups:
                                   f"and no cgroup v1 '{controller}' hierarchy under {ROOT}; run as root "
                                   f"or enable the controller (echo +{controller} > cgroup.subtree_control)")
             version, base = where
-            parent = os.path.join(base, self.group)
-            leaf = os.path.join(parent, name)
+            leaf = os.path.join(self._parent(version, base), name)
             os.makedirs(leaf, exist_ok=True)
             with open(os.path.join(leaf, _FILES[(controller, version)]), "w") as f:
                 f.write(str(value))
@@ -71,6 +98,74 @@ class Cgroups:
                 f.write(str(pid))
             made.append(leaf)
         return made
+
+    def move(self, name: str, pid: int) -> list[str]:
+        """Put ``pid`` into leaves of its own, without limits, wherever memory and pids can be
+        accounted (nowhere when neither can); returns the leaf paths made."""
+        made = []
+        for controller in ("memory", "pids"):
+            where = locate(controller)
+            if where is None:
+                continue
+            leaf = os.path.join(self._parent(*where), name)
+            os.makedirs(leaf, exist_ok=True)
+            with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+            if leaf not in made:
+                made.append(leaf)
+        return made
+
+    @staticmethod
+    def unlimit(leaves: list[str]) -> None:
+        """Lift the memory and pids limits of these leaves (the leaves stay)."""
+        for leaf in leaves:
+            for controller in ("memory", "pids"):
+                version = "v2" if os.path.exists(os.path.join(leaf, "cgroup.controllers")) else "v1"
+                path = os.path.join(leaf, _FILES[(controller, version)])
+                if not os.path.exists(path):
+                    continue
+                if controller == "memory" and version == "v1":  # memsw first: never below the plain limit
+                    with contextlib.suppress(OSError), open(os.path.join(leaf, "memory.memsw.limit_in_bytes"), "w") as f:
+                        f.write("-1")
+                with open(path, "w") as f:
+                    f.write(_UNLIMITED[(controller, version)])
+
+    @staticmethod
+    def limits_hit(leaves: list[str]) -> list[str]:
+        """What stopped processes in these leaves: the pids limit refusing a fork, the OOM killer."""
+        hit = []
+        for leaf in leaves:
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, "pids.events")) as f:
+                if int(dict(line.split() for line in f)["max"]):
+                    with open(os.path.join(leaf, "pids.max")) as m:
+                        hit.append(f"the pids limit ({m.read().strip()} processes and threads) refused a fork")
+            for name in ("memory.events", "memory.oom_control"):  # v2, v1
+                with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, name)) as f:
+                    if int(dict(line.split() for line in f).get("oom_kill", 0)):
+                        hit.append("the memory limit was reached and the OOM killer ended a process")
+        return hit
+
+    @staticmethod
+    def procs(leaf: str) -> list[int]:
+        with contextlib.suppress(OSError), open(os.path.join(leaf, "cgroup.procs")) as f:
+            return [int(pid) for pid in f.read().split()]
+        return []
+
+    @classmethod
+    def kill_all(cls, leaves: list[str], wait: float = 0.0) -> bool:
+        """SIGKILL every process in these leaves; with ``wait``, wait up to that many seconds until
+        they are empty. Returns whether they are."""
+        deadline = time.monotonic() + wait
+        while True:
+            left = [pid for leaf in leaves for pid in cls.procs(leaf)]
+            if not left:
+                return True
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)  # the kernel tears the processes down; their leaves empty when it is done
 
     def remove(self, leaves: list[str]) -> list[str]:
         """Remove empty leaves; returns those still busy (a retired reaper may live in one)."""

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import platform
+import signal
 import socket
 import struct
 
@@ -100,9 +101,36 @@ def process_start_time(pid: int) -> int | None:
         return None
     # The command name may contain spaces and parentheses; fields restart after the last ')'.
     fields = stat[stat.rindex(b")") + 2:].split()
-    if fields[0] == b"Z":
+    # "Z" is the main thread's state. The process is dead unless another of its threads runs on: a
+    # main thread may end before the rest, and an execve from another thread passes through this.
+    if fields[0] == b"Z" and not _another_thread_runs(pid):
         return None
     return int(fields[19])
+
+
+PF_EXITING = 0x4                          # task flag: the thread is in do_exit
+_SIGKILL_PENDING = 1 << (signal.SIGKILL - 1)
+
+
+def _another_thread_runs(pid: int) -> bool:
+    """Whether a thread of ``pid`` other than its main one lives and is not on its way out (not
+    exiting, no SIGKILL pending: a killed process's threads take a moment to go)."""
+    try:
+        tids = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(pid)]
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                pending = next(int(line.split()[1], 16) for line in f if line.startswith("SigPnd:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if fields[0] not in (b"Z", b"X") and not int(fields[6]) & PF_EXITING and not pending & _SIGKILL_PENDING:
+            return True
+    return False
 
 
 def write_id_maps(pid: int, uid: int, gid: int, proc_fd: int) -> None:

@@ -16,6 +16,7 @@ SNAPSHOT_CREATE = {
     "setup_commands": ("string[][]", False), "mem_size_mib": ("integer", False),
     "host_network": ("boolean", False), "disk_mib": ("integer", False), "packages": ("string[]", False),
     "shell": ("string", False), "lossy": ("boolean", False), "labels": ("labels", False),
+    "setup_timeout_secs": ("number", False), "memory_limit_mib": ("integer", False),
     # forkd's own form (kernel + rootfs) selects the VM engine
     "kernel": ("string", False), "rootfs": ("string", False), "rw": ("boolean", False),
     "tap": ("string", False), "boot_wait_secs": ("integer", False),
@@ -53,7 +54,8 @@ class SnapshotsHandler(ForkdHandler):
                                mem_size_mib=body.get("mem_size_mib"), host_network=body.get("host_network", False),
                                disk_mib=body.get("disk_mib"), packages=body.get("packages"),
                                shell=body.get("shell", "plain"), lossy=body.get("lossy", False),
-                               labels=body.get("labels"))
+                               labels=body.get("labels"), setup_timeout_secs=body.get("setup_timeout_secs"),
+                               memory_limit_mib=body.get("memory_limit_mib"))
         if "kernel" in body or "rootfs" in body:
             # Say so rather than pretend: the VM runs forkd's own guest (its agent speaks our protocol).
             info["warning"] = ("kernel and rootfs were checked, but the VM boots this server's guest image "

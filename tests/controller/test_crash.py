@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
+from forkd_server import recovery
 from forkd_server.controller import Controller
 from forkd_server.errors import Conflict, NotFound
 
@@ -179,5 +181,66 @@ def test_killing_sandboxes_releases_the_engines_watchers(short_dir):
         assert os.listdir(os.path.join(short_dir, "process", "run")) == [
             os.path.basename(c.registry.get_snapshot("w")["handle"]["socket"])]
     finally:
+        cleanup(c)
+        c.close()
+
+
+def test_deleting_a_snapshot_keeps_a_sandbox_whose_main_thread_ended(short_dir):
+    """A process whose main thread has ended while its other threads run shows as a zombie ("Z"):
+    a sandbox turning into a reaper (execve from its connection thread) passes through that state.
+    Its template must still count it as a live fork and retire to a reaper; taking it for dead
+    made the template exit, and its pid namespace took the sandbox (and a copy compacted from it)
+    along. Here the sandbox stays in that state, so the race is certain."""
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("z", setup="v = 7")
+        sb = c.spawn("z", 1)[0]
+        end_main_thread = (
+            "import ctypes, signal, threading\n"
+            "signal.signal(signal.SIGUSR1, lambda *_: ctypes.CDLL(None).syscall(60, 0))  # SYS_exit\n"
+            "threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1)).start()\n")
+        assert c.run_code(sb["id"], end_main_thread)["error"] is None
+        deadline = time.monotonic() + 20
+        while open(f"/proc/{sb['pid']}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the sandbox's main thread did not end"
+            time.sleep(0.01)
+        c.delete_snapshot("z")
+        assert c.ping(sb["id"])["pong"] is True
+        assert [s["id"] for s in c.list_sandboxes()] == [sb["id"]]
+    finally:
+        cleanup(c)
+        c.close()
+
+
+def test_restart_marks_what_is_alive_but_does_not_answer(short_dir, monkeypatch):
+    """A process that lives but never answers (here: stopped) is not re-attached as ready or
+    running: its snapshot becomes failed with the reason (the template is left alone, its
+    sandboxes live in its pid namespace), a silent sandbox is ended and dropped."""
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("quiet", setup="v = 1")
+        c.create_snapshot("fine", setup="v = 2")
+        silent, healthy = c.spawn("fine", 2)
+        child_of_quiet = c.spawn("quiet", 1)[0]
+        template = c.registry.get_snapshot("quiet")["handle"]["pid"]
+    finally:
+        c.close()
+    os.kill(template, signal.SIGSTOP)
+    os.kill(silent["pid"], signal.SIGSTOP)
+    monkeypatch.setattr(recovery, "PROBE_TIMEOUT", 1.0)
+    try:
+        c = Controller(short_dir)
+        found = "\n".join(c.recovered["findings"])
+        quiet = c.get_snapshot("quiet")
+        assert quiet["status"] == "failed" and "did not answer" in quiet["warning"], quiet
+        assert f"sandbox {silent['id']}: it did not answer" in found
+        assert wait_gone({silent["pid"]}) == set()
+        assert {s["id"] for s in c.list_sandboxes()} == {healthy["id"], child_of_quiet["id"]}
+        assert c.get_snapshot("fine")["status"] == "ready"
+        assert ev(c, child_of_quiet["id"], "v") == "1"
+        assert c.recovered["snapshots_failed"] == 1 and c.recovered["sandboxes_dropped"] == 1
+        assert_consistent(c)
+    finally:
+        os.kill(template, signal.SIGCONT)
         cleanup(c)
         c.close()

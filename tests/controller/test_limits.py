@@ -26,11 +26,18 @@ def sb_cgroups(ctl, sandbox_id):
     return ctl.registry.get_sandbox(sandbox_id)["handle"]["cgroups"]
 
 
-def test_pids_limit(ctl, snap):
-    sb = ctl.spawn(snap, 1)[0]["id"]
-    leaf = next(p for p in sb_cgroups(ctl, sb) if "/pids/" in p or p.endswith(sb))
+def test_pids_limit_and_default_memory_limit(ctl, snap):
+    sb = ctl.spawn(snap, 1)[0]
+    leaves = sb_cgroups(ctl, sb["id"])
+    leaf = next(p for p in leaves if os.path.exists(os.path.join(p, "pids.max")))
     with open(os.path.join(leaf, "pids.max")) as f:
         assert int(f.read()) == ctl.engines["process"].pids_max
+    # no limit asked for: the engine's default applies, and the sandbox says so
+    default = ctl.engines["process"].default_memory_limit_mib
+    assert sb["memory_limit_mib"] == default == 2048
+    leaf = next(p for p in leaves if "memory" in p)
+    with open(os.path.join(leaf, "memory.limit_in_bytes" if "/memory/" in leaf else "memory.max")) as f:
+        assert int(f.read()) == default * 2**20
 
 
 def test_seccomp_denies_host_affecting_syscalls(ctl, snap):
@@ -58,3 +65,44 @@ def test_tmpfs_of_a_sandbox_is_private_memory_not_host_disk(ctl, snap):
     mounts = sh(ctl, sb, "cat /proc/self/mounts")["stdout"]
     tmp = [line for line in mounts.splitlines() if line.split()[1] == "/tmp"]
     assert tmp and tmp[-1].split()[2] == "tmpfs"
+
+
+def tmpfs_mib(ctl, sandbox_id: str, path: str) -> int:
+    out = sh(ctl, sandbox_id, f"df -m {path} | tail -1")["stdout"].split()
+    return int(out[1])
+
+
+def test_tmp_and_shm_sizes_follow_the_memory_limit(ctl, snap):
+    """/tmp is half the sandbox's memory limit, /dev/shm a quarter (their files are memory charged
+    to that limit): a full one says ENOSPC before the limit kills anything."""
+    small = ctl.spawn(snap, 1, memory_limit_mib=256)[0]["id"]
+    assert tmpfs_mib(ctl, small, "/tmp") == 128 and tmpfs_mib(ctl, small, "/dev/shm") == 64
+    default = ctl.spawn(snap, 1)[0]["id"]
+    assert tmpfs_mib(ctl, default, "/tmp") == 1024 and tmpfs_mib(ctl, default, "/dev/shm") == 512
+    full = sh(ctl, small, "dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>&1; echo rc=$?")["stdout"]
+    assert "No space left on device" in full and "rc=1" in full
+    assert ctl.ping(small)["pong"] is True
+    # a copy is never short of room: a branch of it holds what it held, in a larger /tmp if needed
+    ctl.branch(small, "tmp-full")
+    kid = ctl.spawn("tmp-full", 1, memory_limit_mib=128)[0]["id"]
+    assert sh(ctl, kid, "stat -c %s /tmp/fill")["stdout"].strip() == str(sh(ctl, small, "stat -c %s /tmp/fill")["stdout"].strip())
+    assert tmpfs_mib(ctl, kid, "/tmp") >= 128
+
+
+def test_each_server_has_its_own_cgroup_subtree(ctl, snap, short_dir):
+    """Two servers on one host: their leaves live apart, and one's start-up sweep (which removes
+    empty leaves) never touches the other's, e.g. a leaf made a moment before its pid is written."""
+    from forkd_engine.process import ProcessEngine
+
+    sb = ctl.spawn(snap, 1)[0]["id"]
+    leaf = sb_cgroups(ctl, sb)[0]
+    ours = ctl.engines["process"].cgroups.group
+    assert f"/{ours}/{sb}" in leaf and ours.startswith("forkd/")
+    just_made = os.path.join(os.path.dirname(leaf), "sb-being-made")
+    os.mkdir(just_made)
+    try:
+        other = ProcessEngine(os.path.join(short_dir, "other"))   # a second server starts: it sweeps
+        assert other.cgroups.group != ours
+        assert os.path.isdir(just_made)
+    finally:
+        os.rmdir(just_made)

@@ -143,3 +143,37 @@ def test_branch_cap_and_in_flight_conflict(short_dir):
         from .conftest import cleanup
         cleanup(c)
         c.close()
+
+
+# Every number of snapshot create and spawn has a bound, and a value past it is a 400 that states
+# the bound, answered at once (never a hang, never a 500): (call, field, value, what the 400 says).
+HOST = "at most this host's memory"
+BOUNDS = [
+    ("create", "mem_size_mib", 2**63, HOST), ("create", "mem_size_mib", 1 << 20, HOST),  # 2^63, 1 TiB
+    ("create", "mem_size_mib", 63, "between 64 and"), ("create", "mem_size_mib", "256", "must be an integer"),
+    ("create", "memory_limit_mib", 2**63, HOST), ("create", "memory_limit_mib", 1 << 20, HOST),
+    ("create", "memory_limit_mib", 15, "between 16 and"), ("create", "memory_limit_mib", 1.5, "must be an integer"),
+    ("create", "disk_mib", 2**63, "at most 1 TiB and the free space"), ("create", "disk_mib", 8, "between 16 and"),
+    ("create", "setup_timeout_secs", 0, "between 1 and 86400"), ("create", "setup_timeout_secs", 86401, "between 1 and 86400"),
+    ("create", "setup_timeout_secs", -5, "between 1 and 86400"), ("create", "setup_timeout_secs", float("nan"), "a number of seconds"),
+    ("create", "setup_timeout_secs", float("inf"), "a number of seconds"), ("create", "setup_timeout_secs", True, "a number of seconds"),
+    ("spawn", "memory_limit_mib", 2**63, HOST), ("spawn", "memory_limit_mib", 1 << 20, HOST),
+    ("spawn", "memory_limit_mib", 15, "between 16 and"), ("spawn", "memory_limit_mib", "64", "must be an integer"),
+    ("spawn", "n", 2**63, "between 1 and 1000"), ("spawn", "n", 1001, "between 1 and 1000"),
+]
+
+
+@pytest.mark.parametrize("call, field, value, says", BOUNDS, ids=[f"{c}-{f}-{v!r:.12}" for c, f, v, _ in BOUNDS])
+def test_every_number_is_bounded_with_a_400_that_states_the_bound(ctl, snap, call, field, value, says):
+    import time
+    t0 = time.monotonic()
+    with pytest.raises(BadRequest) as info:
+        if call == "create":
+            ctl.create_snapshot("bounded", engine="process", **{field: value})
+        elif field == "n":
+            ctl.spawn(snap, value)
+        else:
+            ctl.spawn(snap, 1, **{field: value})
+    assert info.value.status == 400 and field in info.value.message and says in info.value.message, info.value.message
+    assert time.monotonic() - t0 < 2
+    assert "bounded" not in {s["tag"] for s in ctl.list_snapshots()}

@@ -30,7 +30,8 @@ def template_main(cfg: dict) -> None:
         linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
         linux.mount("tmpfs", "/tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
                     f"mode=1777,size={cfg['tmp_size_mib']}m")
-        linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=1777,size=64m")
+        linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
+                    f"mode=1777,size={cfg['shm_size_mib']}m")
         linux.sethostname(cfg["tag"][:64])
         if not cfg["host_network"]:
             linux.loopback_up()
@@ -40,7 +41,7 @@ def template_main(cfg: dict) -> None:
         linux.install_seccomp()
         proc = SandboxProcess({"id": cfg["tag"], "role": "template", "lineage": [cfg["tag"]]},
                               {"host_network": cfg["host_network"], "tmp_size_mib": cfg["tmp_size_mib"],
-                               "lossy": bool(cfg.get("lossy"))})
+                               "shm_size_mib": cfg["shm_size_mib"], "lossy": bool(cfg.get("lossy"))})
         rt = proc.runtime
         if cfg.get("shell") == "ipython":
             out = rt.handle({"action": "shell"})

@@ -21,20 +21,23 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
-from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LimitReached,
-                    LossyFork,
-                    SnapshotSpec)
+from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
+                    LimitReached, LossyFork, SnapshotSpec)
 from . import hugepages, rootfs
-from ..cgroups import CgroupError, Cgroups
+from .setup import Setup
+from ..cgroups import CgroupError, Cgroups, subtree
 
 SPAWN_BATCH = 200  # under the kernel's 253 fds per message
 _UCRED = "3i"
 MAX_SOCKET_PATH = 107
 AGENT_OOM_SCORE_ADJ = -900
+DEFAULT_MEMORY_LIMIT_MIB = 2048  # a sandbox's (and a snapshot setup's) memory limit unless one is asked for
+DEFAULT_PIDS_MAX = 1024          # processes and threads per sandbox (and per snapshot setup)
+PROBE_PARALLELISM = 32  # agents pinged at once by probe()
 
 
 def _sandbox_env() -> dict:
@@ -50,10 +53,20 @@ def _sandbox_env() -> dict:
     }
 
 
+def tmpfs_sizes(memory_limit_mib: int) -> tuple[int, int]:
+    """Sizes (MiB) of a sandbox's /tmp and /dev/shm: a half and a quarter of its memory limit. Their
+    files are memory charged to that limit anyway; the sizes make a full tmpfs say ENOSPC first."""
+    return max(64, memory_limit_mib // 2), max(64, memory_limit_mib // 4)
+
+
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 
+
+
+class EngineTimeout(EngineError):
+    """No report came before the deadline."""
 
 
 def _failure(what: str, error: str) -> EngineError:
@@ -66,7 +79,8 @@ class ProcessEngine:
     name = "process"
 
     def __init__(self, data_dir: str, *, sandbox_uid: int = 65534, sandbox_gid: int = 65534,
-                 tmp_size_mib: int = 1024, pids_max: int = 1024, spawn_timeout: float = 60.0):
+                 memory_limit_mib: int = DEFAULT_MEMORY_LIMIT_MIB, pids_max: int = DEFAULT_PIDS_MAX,
+                 spawn_timeout: float = 60.0):
         if os.geteuid() != 0:
             raise EngineUnavailable(
                 "the process engine needs root: it builds each sandbox's read-only root and maps "
@@ -85,7 +99,7 @@ class ProcessEngine:
         self.root_dir = os.path.join(self.data_dir, "newroot")
         os.makedirs(self.root_dir, exist_ok=True)
         self.uid, self.gid = sandbox_uid, sandbox_gid
-        self.tmp_size_mib = tmp_size_mib
+        self.default_memory_limit_mib = memory_limit_mib
         self.pids_max = pids_max
         self.spawn_timeout = spawn_timeout
         self._pidfds: dict[tuple[int, int], int] = {}  # (pid, start time) -> pidfd
@@ -93,11 +107,13 @@ class ProcessEngine:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one pidfd per live process
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        self.cgroups = Cgroups()
+        self.cgroups = Cgroups(subtree("forkd", self.data_dir))  # this server's own leaves
         self.cgroups.sweep()
         # Big arrays of sandboxes without a memory limit move into hugetlb pages (process/hugepages.py).
         self.huge_pages, self.huge_pages_note = hugepages.allow_surplus()
         self._busy_leaves: set[str] = set()
+        self._creating: dict[str, Setup] = {}  # tag -> its setup, while it runs
+        self._creating_lock = threading.Lock()
 
     # --- sockets and reports ---------------------------------------------------------------------
 
@@ -127,7 +143,7 @@ class ProcessEngine:
         try:
             data, anc, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(12))
         except socket.timeout:
-            raise EngineError("timed out waiting for a sandbox to start") from None
+            raise EngineTimeout("timed out waiting for a sandbox to start") from None
         if not data:
             return None
         pid = 0
@@ -197,6 +213,46 @@ class ProcessEngine:
                     del self._pidfds[key]
             return [fd >= 0 and fd not in exited for fd in fds]
 
+    def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
+        """Why each process does not answer a ping within ``timeout`` (None: it does), all at once."""
+        why: list[str | None] = [None if ok else f"its process {h['pid']} is gone"
+                                 for h, ok in zip(handles, self.alive_many(handles))]
+        live = [i for i, w in enumerate(why) if w is None]
+
+        def ping(handle: Handle) -> str | None:
+            try:
+                reply = self.call(handle, {"action": "ping"}, timeout=timeout)
+            except AgentUnreachable as exc:
+                return f"its agent does not answer ({exc})"
+            return None if reply.get("pong") is True else f"its agent answered a ping with {reply!r:.200}"
+
+        if live:
+            with ThreadPoolExecutor(max_workers=min(PROBE_PARALLELISM, len(live))) as pool:
+                for i, w in zip(live, pool.map(ping, [handles[i] for i in live])):
+                    why[i] = w
+        return why
+
+    def recover(self, known: list[Handle]) -> list[str]:
+        """Files in the run directory no known handle names: starts a previous server never
+        recorded. Whatever still serves on such a socket is retired; the files are removed."""
+        named = {h.get("socket") for h in known}
+        found = []
+        for entry in os.scandir(self.run_dir):
+            if entry.path in named:
+                continue
+            if entry.name.endswith(".sock"):
+                try:
+                    AgentClient(entry.path, timeout=5).call({"action": "retire"})
+                    found.append(f"process engine: retired an agent no record names, at {entry.path}")
+                except (AgentUnavailable, OSError, ValueError):
+                    found.append(f"process engine: removed a socket no record names, {entry.path}")
+            elif entry.name.endswith(".log"):  # a snapshot's start-up log, kept only while it starts
+                found.append(f"process engine: removed the log of a snapshot start no record names, {entry.path}")
+            else:
+                continue
+            _unlink(entry.path)
+        return found
+
     def memory(self, handle: Handle) -> dict:
         if not self.alive(handle):
             raise EngineError(f"process {handle['pid']} is gone")
@@ -219,48 +275,80 @@ class ProcessEngine:
     # --- snapshots -------------------------------------------------------------------------------
 
     def create_snapshot(self, spec: SnapshotSpec) -> Handle:
+        """Start a template and run the setup in it, within a sandbox's limits (setup.py); the whole
+        creation has ``spec.setup_timeout`` seconds. ``cancel(tag)`` stops it."""
+        memory_mib = spec.memory_limit_mib or self.default_memory_limit_mib
+        tmp_mib, shm_mib = tmpfs_sizes(memory_mib)
         listener, path = self._listen("snap:" + spec.tag)
         ours, theirs = self._report_pair()
         log_path = path[:-5] + ".log"
         cfg = {
             "tag": spec.tag, "setup": spec.setup, "setup_commands": spec.setup_commands,
             "host_network": spec.host_network, "setup_timeout": spec.setup_timeout,
-            "tmp_size_mib": self.tmp_size_mib, "uid": self.uid, "gid": self.gid,
+            "tmp_size_mib": tmp_mib, "shm_size_mib": shm_mib, "uid": self.uid, "gid": self.gid,
             "root_dir": self.root_dir, "hidden": [self.data_dir], "env": _sandbox_env(),
             "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
             "shell": spec.shell,
         }
-        env = dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"])
+        setup = Setup(self.cgroups, spec.tag, memory_mib, self.pids_max)
+        with self._creating_lock:
+            self._creating[spec.tag] = setup  # one creation per tag: the controller holds the tag
+        deadline = time.monotonic() + spec.setup_timeout
+        got = None
         try:
-            with open(log_path, "wb") as log:
-                boot = subprocess.Popen([sys.executable, "-m", "forkd_engine.process.bootstrap"],
-                                        stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
-                                        pass_fds=(listener.fileno(), theirs.fileno()),
-                                        start_new_session=True, cwd="/")
-            boot.stdin.write(json.dumps(cfg).encode())
-            boot.stdin.close()
+            setup.start(cfg, dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"]),
+                        (listener.fileno(), theirs.fileno()), log_path)
             listener.close()
             theirs.close()
-            got = self._read_report(ours, time.monotonic() + spec.setup_timeout + 30)
-            boot.wait(timeout=30)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                boot.kill()
+            got = self._read_report(ours, deadline)
+        except EngineTimeout:
+            setup.stop()  # past its deadline: everything it started
+        except BaseException as exc:
+            self._end_setup(setup, path, log_path)
+            if setup.cancelled:
+                raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was "
+                                f"stopped") from exc
             raise
         finally:
             ours.close()
             listener.close()
             theirs.close()
-        if got is not None and got[0].get("lost"):
-            _unlink(path)
-            os.unlink(log_path)
-            raise LossyFork(got[0]["lost"], f"snapshot {spec.tag!r}: every sandbox is a fork of it, and its setup")
-        if got is None or not got[0].get("ok"):
-            _unlink(path)
-            detail = got[0].get("error") if got else self._log_tail(log_path)
+        with self._creating_lock:  # from here on cancel() no longer finds it: cancelled now, or never
+            self._creating.pop(spec.tag, None)
+        if setup.cancelled or got is None or not got[0].get("ok"):
+            detail = (got[0].get("error") if got else self._log_tail(log_path)) + setup.limits_hit()
+            self._end_setup(setup, path, log_path)
+            if setup.cancelled:
+                raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was stopped")
+            if time.monotonic() >= deadline:
+                raise EngineError(f"snapshot {spec.tag!r}: its setup did not finish within {spec.setup_timeout:g} s "
+                                  f"(setup_timeout_secs, start-up included) and was stopped")
+            if got is not None and got[0].get("lost"):
+                raise LossyFork(got[0]["lost"], f"snapshot {spec.tag!r}: every sandbox is a fork of it, and its setup")
             raise EngineError(f"snapshot {spec.tag!r} failed to start: {detail}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            setup.boot.wait(timeout=30)  # it exits once the template runs
         os.unlink(log_path)
-        return self._handle(got[1], path, role="template")
+        return self._handle(got[1], path, role="template", cgroups=setup.done())
+
+    def _end_setup(self, setup: Setup, path: str, log_path: str) -> None:
+        """A creation that failed, timed out or was cancelled: nothing of it stays."""
+        with self._creating_lock:
+            self._creating.pop(setup.tag, None)
+        self._busy_leaves |= set(setup.end())
+        _unlink(path)
+        _unlink(log_path)
+
+    def cancel(self, tag: str) -> bool:
+        """Stop the creation of snapshot ``tag`` if it runs here: everything its setup started is
+        killed; the creation then raises Cancelled."""
+        with self._creating_lock:
+            setup = self._creating.get(tag)
+            if setup is None:
+                return False
+            setup.cancelled = True
+        setup.stop()
+        return True
 
     @staticmethod
     def _log_tail(path: str) -> str:
@@ -270,7 +358,7 @@ class ProcessEngine:
 
     def delete_snapshot(self, handle: Handle) -> None:
         self._retire(handle)
-        self._busy_leaves = set(self.cgroups.remove(sorted(self._busy_leaves)))
+        self._busy_leaves = set(self.cgroups.remove(sorted(self._busy_leaves | set(handle.get("cgroups") or []))))
 
     # --- sandboxes -------------------------------------------------------------------------------
 
@@ -290,10 +378,12 @@ class ProcessEngine:
         ours, theirs = self._report_pair()
         listeners = [self._listen(c.id) for c in batch]
         paths = {c.id: p for c, (_, p) in zip(batch, listeners)}
-        request = {"action": "spawn",
-                   "children": [{"id": c.id, "lineage": c.lineage,
-                                 # hugetlb pages are not charged to a memory cgroup: limited ones keep theirs
-                                 "huge_pages": self.huge_pages and not c.memory_limit_mib} for c in batch]}
+        limits = {c.id: c.memory_limit_mib or self.default_memory_limit_mib for c in batch}
+        request = {"action": "spawn", "children": [
+            {"id": c.id, "lineage": c.lineage, **dict(zip(("tmp_size_mib", "shm_size_mib"), tmpfs_sizes(limits[c.id]))),
+             # hugetlb pages are not charged to a memory cgroup: limited ones keep theirs
+             "huge_pages": self.huge_pages and not c.memory_limit_mib}
+            for c in batch]}
         started: dict[str, Handle] = {}
         try:
             reply = self.call(snapshot, request, timeout=self.spawn_timeout,
@@ -317,7 +407,6 @@ class ProcessEngine:
                     errors.append(f"{msg.get('id')}: {msg.get('error')}")
             if errors:
                 raise _failure("spawn failed", "; ".join(errors[:3]))
-            limits = {c.id: c.memory_limit_mib for c in batch}
             for cid, h in started.items():
                 try:
                     h["cgroups"] = self.cgroups.apply(cid, h["pid"], limits[cid], self.pids_max)
@@ -417,13 +506,24 @@ class ProcessEngine:
         ready: Future = Future()
 
         def finish() -> None:
+            leaves: list[str] = []
             try:
-                got = self._read_report(ours, time.monotonic() + self.spawn_timeout)
+                deadline = time.monotonic() + self.spawn_timeout
+                got = self._read_report(ours, deadline)
+                if got is not None and got[0].get("move"):
+                    # The new template asks for leaves of its own before it copies /tmp and /dev/shm
+                    # (charged to its source's limit otherwise); a snapshot's are unlimited.
+                    try:
+                        leaves = self.cgroups.move(f"branch-{tag}", got[1])
+                    finally:
+                        ours.send(b"moved")
+                    got = self._read_report(ours, deadline)
                 if got is None or not got[0].get("ok"):
                     raise _failure(f"branch {tag!r} failed", got[0].get("error") if got else "the new snapshot exited")
-                ready.set_result(self._handle(got[1], path, role="template"))
+                ready.set_result(self._handle(got[1], path, role="template", cgroups=leaves))
             except BaseException as exc:  # noqa: BLE001
                 _unlink(path)
+                self._busy_leaves |= set(self.cgroups.remove(leaves))
                 ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
             finally:
                 ours.close()

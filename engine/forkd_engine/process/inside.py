@@ -62,6 +62,20 @@ def report(fd: int, message: dict) -> None:
         s.send(json.dumps(message).encode())
 
 
+MOVE_TIMEOUT = 30.0
+
+
+def wait_to_be_moved(tag: str, report_fd: int) -> None:
+    """A branch, right after its fork: it is still in its source's cgroup leaves, so the copies it
+    is about to make (/tmp, /dev/shm) would count against the source's memory limit. Ask the engine
+    to move it into leaves of its own (the report carries our host pid) and wait until it has."""
+    report(report_fd, {"id": tag, "move": True})
+    with socket.socket(fileno=os.dup(report_fd)) as s:
+        s.settimeout(MOVE_TIMEOUT)
+        if s.recv(16) != b"moved":
+            raise OSError("the engine did not move the branch into its own cgroup leaves")
+
+
 def close_agent_fds(fds: set[int], keep: set[int]) -> None:
     """Close the agent's descriptors except ``keep``; the user's own open files stay open."""
     for fd in fds - keep - {0, 1, 2}:
@@ -85,9 +99,13 @@ def copy_tree(src: str, dst: str) -> None:
 
 def private_copy(path: str, size_mib: int) -> None:
     """Replace the mount at ``path`` (/tmp, /dev/shm) with a new tmpfs holding a copy of the current
-    one (needs our own mount namespace)."""
+    one (needs our own mount namespace). It is ``size_mib`` large, or larger when the copy needs it:
+    a copy never fails for want of room its source had."""
     old = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        st = os.statvfs(f"/proc/self/fd/{old}")
+        used_mib = (st.f_blocks - st.f_bfree) * st.f_frsize >> 20
+        size_mib = max(size_mib, used_mib + 64)
         linux.mount("tmpfs", path, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, f"mode=1777,size={size_mib}m")
         copy_tree(f"/proc/self/fd/{old}", path)
     finally:
@@ -102,15 +120,12 @@ def prewarm_for_forks() -> None:
     gc.freeze()  # a fork's garbage collector then leaves the template's objects (and pages) alone
 
 
-SHM_SIZE_MIB = 64
-
-
 class SandboxProcess:
     """State of the one agent process this interpreter is. Copied by every fork, then updated."""
 
     def __init__(self, identity: dict, config: dict):
         self.identity = dict(identity)
-        self.config = dict(config)  # host_network, tmp_size_mib
+        self.config = dict(config)  # host_network, tmp_size_mib, shm_size_mib (MiB), lossy
         self.runtime = Runtime(self.identity)
         self.fork_children: set[int] = set()
         self.pidns_fd = -1
@@ -157,10 +172,13 @@ class SandboxProcess:
         finally:
             os._exit(1)
 
-    def become(self, identity: dict, listen_fd: int, report_fd: int, lossy: bool = False) -> None:
+    def become(self, identity: dict, listen_fd: int, report_fd: int, lossy: bool = False,
+               tmpfs: dict | None = None) -> None:
         """In a fresh fork: take the new identity, namespaces and private copies of /tmp and
-        /dev/shm, repair what the fork shares with its source, then serve (never returns)."""
+        /dev/shm (sized by ``tmpfs``, else as ours), repair what the fork shares with its source,
+        then serve (never returns)."""
         try:
+            self.config.update(tmpfs or {})
             close_agent_fds(self.agent_fds(), keep={listen_fd, report_fd})
             children.forget_fds()
             self.server = None
@@ -174,10 +192,11 @@ class SandboxProcess:
                     flags |= linux.CLONE_NEWNET
                 linux.unshare(flags)
             else:  # a branch: a new template that owns a frozen copy of the source's files
+                wait_to_be_moved(identity["id"], report_fd)
                 linux.unshare(linux.CLONE_NEWNS)
             linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
             private_copy("/tmp", self.config["tmp_size_mib"])
-            private_copy("/dev/shm", SHM_SIZE_MIB)
+            private_copy("/dev/shm", self.config.get("shm_size_mib", 64))
             # The same path now names this fork's own copy (a relative open() stays private).
             with contextlib.suppress(OSError):
                 os.chdir(cwd)
@@ -239,10 +258,11 @@ class SandboxProcess:
                 identity = {"id": child["id"], "role": "sandbox",
                             "lineage": list(child.get("lineage") or []),
                             "huge_pages": bool(child.get("huge_pages"))}
+                tmpfs = {k: int(child[k]) for k in ("tmp_size_mib", "shm_size_mib") if child.get(k)}
                 pid, _ = self._fork_into_new_pidns()
                 if pid == 0:
                     # A snapshot whose setup left running work (accepted with lossy) hands it to no one.
-                    self.become(identity, lfd, report_fd, lossy=bool(self.config.get("lossy")))
+                    self.become(identity, lfd, report_fd, lossy=bool(self.config.get("lossy")), tmpfs=tmpfs)
                 pids.append(pid)
         finally:
             for fd in fds:

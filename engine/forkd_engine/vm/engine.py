@@ -49,10 +49,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
-from ..cgroups import Cgroups
-from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle,
+from ..cgroups import Cgroups, subtree
+from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
                     InvalidSpec, SnapshotSpec, UnsupportedMode)
 from . import memory as vmem
+from . import recovery
 from .image import (DATA_SERIAL, PACKAGES_FILE, PACKAGES_SERIAL, Image, ImageError, PackageNotFound,
                     build_image, build_packages_image)
 from .qmp import QMP, QMPError, event_time
@@ -63,6 +64,9 @@ MAX_SOCKET_PATH = 107
 MACHINE = "microvm"
 DISK_ID = "d0"
 PACKAGES_ID = "p0"  # the read-only packages disk (SnapshotSpec.packages), shared by every child
+# QEMU's seccomp filter: no obsolete syscalls, no setuid/setgid/capset, no fork/exec, no
+# scheduling or priority changes. A guest that escapes into QEMU meets it first.
+SECCOMP_SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 
 # --- host checks ---------------------------------------------------------------------------------
@@ -311,7 +315,7 @@ class VMEngine:
         self.accel_opts = os.environ.get("FORKD_VM_ACCEL_OPTS", "")
         self.boot_timeout = boot_timeout
         self.restore_timeout = restore_timeout
-        self.cgroups = Cgroups(group="forkd-vm")
+        self.cgroups = Cgroups(subtree("forkd-vm", self.data_dir))  # this server's own leaves
         self.smp = smp
         self.restore_parallelism = restore_parallelism or len(os.sched_getaffinity(0))
         self.qemu_version = qemu_version(self.qemu)
@@ -322,6 +326,9 @@ class VMEngine:
         self._channels_lock = threading.Lock()
         self._vm_locks: dict[tuple, threading.Lock] = {}
         self._children: dict[int, subprocess.Popen] = {}
+        self._creating: dict[str, dict] = {}  # tag -> {"handle", "cancelled"} while its setup runs
+        self._creating_lock = threading.Lock()
+        self.started = time.time()  # what recover() may sweep predates this
 
     # --- image -----------------------------------------------------------------------------------
 
@@ -346,7 +353,8 @@ class VMEngine:
         if self.tsc_khz:
             append += f" tsc_early_khz={self.tsc_khz}"
         cpu = "max" if self.accel == "tcg" else "host,-arch-capabilities"
-        cmd = [self.qemu, "-nodefaults", "-no-user-config", "-nographic", "-name", "forkd,debug-threads=on", "-accel", self.accel + self.accel_opts, "-cpu", cpu,
+        cmd = [self.qemu, "-nodefaults", "-no-user-config", "-nographic", "-name", "forkd,debug-threads=on",
+               "-sandbox", SECCOMP_SANDBOX, "-accel", self.accel + self.accel_opts, "-cpu", cpu,
                "-m", f"{mem_mib}M", "-smp", str(self.smp)]
         if not incoming:
             # A restored child's RAM already holds the running kernel: loading the 50 MB ELF and the
@@ -542,30 +550,67 @@ class VMEngine:
             raise EngineError(f"QEMU process {handle['pid']} is gone")
         return linux.smaps_memory(handle["pid"])
 
+    def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
+        """Why each does not answer within ``timeout`` (None: it does): a snapshot's files must
+        exist, a VM's agent must answer a ping. All at once."""
+        def one(handle: Handle) -> str | None:
+            if handle.get("kind") == "snapshot":
+                return None if self.alive(handle) else f"its files are gone ({handle['memory']}, {handle['devices']})"
+            if not self.alive(handle):
+                return f"its QEMU process {handle['pid']} is gone"
+            try:
+                reply = self._channel(handle).call({"action": "ping"}, timeout)
+            except AgentUnreachable as exc:
+                return f"its agent does not answer ({exc})"
+            return None if reply.get("pong") is True else f"its agent answered a ping with {reply!r:.200}"
+
+        if not handles:
+            return []
+        with ThreadPoolExecutor(max_workers=min(32, len(handles))) as pool:
+            return list(pool.map(one, handles))
+
+    def recover(self, known: list[Handle]) -> list[str]:
+        """At start-up: thaw each VM a live branch of the previous server left frozen (or stopped),
+        then remove RAM files, snapshot and VM directories no handle in ``known`` owns."""
+        # A VM one of our own branches is working on is not frozen but being written: left alone.
+        vms = [h for h in known if h.get("kind") == "vm" and self.alive(h) and not self._vm_lock(h).locked()]
+        found = []
+        if vms:
+            with ThreadPoolExecutor(max_workers=min(8, len(vms))) as pool:
+                for h, done in zip(vms, pool.map(recovery.thaw, vms)):
+                    found += [f"vm engine: {h['name']}: {line}" for line in done]
+        return found + recovery.sweep(self, known)
+
     # --- killing ---------------------------------------------------------------------------------
 
     def _stop_process(self, pid: int, start_time) -> None:
-        if linux.process_start_time(pid) != start_time:
-            self._children.pop(pid, None)
+        """SIGKILL QEMU ``pid`` (if it is still the one started at ``start_time``) and wait until it
+        is gone, all its threads: only then are its cgroup leaves empty."""
+        proc = self._children.pop(pid, None)
+        if proc is not None:  # our child: its pid cannot have been reused before we reap it
+            with contextlib.suppress(OSError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
             return
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
-            pidfd = None
+            return
         try:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            proc = self._children.pop(pid, None)
-            if proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=10)
-            elif pidfd is not None:  # poll(), not select(): descriptors may be past 1024
-                waiter = select.poll()
-                waiter.register(pidfd, select.POLLIN)
-                waiter.poll(10_000)
+            current = linux.process_start_time(pid)
+            if current is not None and current != start_time:
+                return  # another process has this pid now
+            if current is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            # Dying or dead: a pidfd turns readable once every thread has exited. poll(), not
+            # select(): descriptors may be past 1024.
+            waiter = select.poll()
+            waiter.register(pidfd, select.POLLIN)
+            waiter.poll(10_000)
         finally:
-            if pidfd is not None:
-                os.close(pidfd)
+            os.close(pidfd)
 
     def kill(self, handle: Handle) -> None:
         self._drop_channel(handle)
@@ -679,6 +724,33 @@ class VMEngine:
 
     def create_snapshot(self, spec: SnapshotSpec) -> Handle:
         mem_mib = spec.mem_size_mib or DEFAULT_MEM_MIB
+        free = self._mem_root_free_mib()
+        if mem_mib > free:
+            raise InvalidSpec(f"mem_size_mib {mem_mib} does not fit: a VM's RAM is a file in {self.mem_root}, whose "
+                              f"filesystem has {free} MiB free")
+        creating = {"handle": None, "cancelled": False}
+        with self._creating_lock:
+            if spec.tag in self._creating:
+                raise EngineError(f"snapshot {spec.tag!r} is already being created")
+            self._creating[spec.tag] = creating
+        try:
+            snapshot = self._create_snapshot(spec, mem_mib, creating)
+        finally:
+            with self._creating_lock:  # from here on cancel() no longer finds it: cancelled now, or never
+                self._creating.pop(spec.tag, None)
+        if creating["cancelled"]:
+            self.delete_snapshot(snapshot)
+            raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created")
+        return snapshot
+
+    def _mem_root_free_mib(self) -> int:
+        path = self.mem_root
+        while not os.path.exists(path):
+            path = os.path.dirname(path)
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize >> 20
+
+    def _create_snapshot(self, spec: SnapshotSpec, mem_mib: int, creating: dict) -> Handle:
         image = self.image().to_dict()
         packages = self._packages_image(spec.packages) if spec.packages else None
         snap, mem_path = self._snapshot_paths(spec.tag)
@@ -696,8 +768,11 @@ class VMEngine:
                     f.truncate(spec.disk_mib << 20)
                 self._tool(["mkfs.ext4", "-q", "-F", "-L", "forkd-data", disk[0]])
             t0 = time.monotonic()
-            handle = self._launch("snap:" + spec.tag, image, mem_path, mem_mib, share=True, disk=disk,
-                                  packages=packages)
+            with self._creating_lock:
+                if creating["cancelled"]:
+                    raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created")
+                handle = creating["handle"] = self._launch("snap:" + spec.tag, image, mem_path, mem_mib, share=True,
+                                                           disk=disk, packages=packages)
             channel = self._channel(handle)
             try:
                 channel.call({"action": "ping"}, timeout=self.boot_timeout)
@@ -705,19 +780,36 @@ class VMEngine:
                 raise EngineError(f"the VM did not boot to its agent: {exc}; {self._log_tail(handle)}") from exc
             boot_ms = (time.monotonic() - t0) * 1000
             channel.call(self._restore_request({"id": spec.tag, "role": "template", "lineage": [spec.tag]}))
+            # The setup's time limit covers it all (shell, commands, code), counted from here.
+            deadline = time.monotonic() + spec.setup_timeout
+
+            def left() -> float:
+                if time.monotonic() >= deadline:
+                    raise EngineError(f"snapshot {spec.tag!r}: its setup did not finish within "
+                                      f"{spec.setup_timeout:g} s (setup_timeout_secs) and was stopped")
+                return deadline - time.monotonic()
+
+            def setup_call(request: dict, margin: float = 0.0) -> dict:
+                try:
+                    return channel.call(request, timeout=left() + margin)
+                except AgentUnreachable:
+                    left()  # past the deadline: say so
+                    raise
+
             if spec.shell == "ipython":
-                reply = channel.call({"action": "shell"}, timeout=spec.setup_timeout)
+                reply = setup_call({"action": "shell"})
                 if reply.get("error"):
                     raise EngineError(f"IPython could not start in the guest: {reply['error']} (add the Debian "
                                       f"package python3-ipython to the snapshot's packages)")
             for argv in spec.setup_commands:
-                reply = channel.call({"action": "exec", "args": argv, "timeout": spec.setup_timeout},
-                                     timeout=spec.setup_timeout + 10)
+                reply = setup_call({"action": "exec", "args": argv, "timeout": left()}, margin=10)
                 if reply.get("exit_code") != 0:
+                    if reply.get("timed_out"):
+                        left()
                     raise EngineError(f"setup command {argv!r} failed: exit {reply.get('exit_code')}: "
                                       f"{(reply.get('stderr') or reply.get('error') or '')[-1500:]}")
             if spec.setup:
-                reply = channel.call({"action": "run_code", "code": spec.setup}, timeout=spec.setup_timeout)
+                reply = setup_call({"action": "run_code", "code": spec.setup})
                 if reply.get("error"):
                     err = reply["error"]
                     detail = f"{err.get('ename')}: {err.get('evalue')}" if isinstance(err, dict) else err
@@ -742,9 +834,24 @@ class VMEngine:
                 self.kill(handle)
             shutil.rmtree(snap, ignore_errors=True)
             shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
+            if creating["cancelled"] and not isinstance(exc, Cancelled):
+                raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its VM was "
+                                f"stopped") from exc
             if isinstance(exc, (QMPError, OSError, AgentUnreachable)) and not isinstance(exc, EngineError):
                 raise EngineError(f"snapshot {spec.tag!r} failed: {exc}") from exc
             raise
+
+    def cancel(self, tag: str) -> bool:
+        """Stop the creation of snapshot ``tag`` if it runs here (its VM is killed)."""
+        with self._creating_lock:
+            creating = self._creating.get(tag)
+            if creating is None:
+                return False
+            creating["cancelled"] = True
+            handle = creating["handle"]
+        if handle is not None:
+            self._stop_process(handle["pid"], handle.get("start_time"))
+        return True
 
     # --- sandboxes -------------------------------------------------------------------------------
 
@@ -1030,6 +1137,10 @@ class VMEngine:
                     {"capability": "background-snapshot", "state": True},
                     {"capability": "events", "state": True}]})
             except QMPError as exc:
+                if vmem.userfaultfds(sandbox["pid"]):
+                    raise UnsupportedMode(f"a live branch of this sandbox failed earlier and its QEMU ({self.qemu_version}) "
+                                          f"keeps that write tracking, so it refuses another ({exc}); branch it with "
+                                          f"mode full or diff") from exc
                 raise UnsupportedMode(f"live branch is impossible on this host: QEMU refused "
                                       f"background-snapshot ({exc})") from exc
             qmp.execute("getfd", {"fdname": "forkd-live"}, fds=[wfd])
@@ -1092,12 +1203,16 @@ class VMEngine:
             except BaseException as exc:  # noqa: BLE001
                 shutil.rmtree(snap, ignore_errors=True)
                 shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
-                ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"live branch {tag!r}: {exc}"))
-            finally:
+                qmp.close()  # its commands would wait on a vCPU the write-protect holds
+                # The stream is closed: the source must run on, or be ended saying why.
+                source = recovery.after_failed_live_branch(self, sandbox, str(exc))
+                ready.set_exception(EngineError(f"live branch {tag!r} failed: {exc}; {source}"))
+            else:
                 with contextlib.suppress(QMPError):
                     qmp.execute("migrate-set-capabilities", {"capabilities": [
                         {"capability": "background-snapshot", "state": False}]})
                 qmp.close()
+            finally:
                 lock.release()
 
         threading.Thread(target=complete, name=f"vm-branch-{tag}", daemon=True).start()

@@ -10,7 +10,9 @@ state, which is exactly what ``xen-save-devices-state`` writes too, so both load
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import io
 import os
 import struct
@@ -206,6 +208,52 @@ class FileView:
     def close(self) -> None:
         del self._anchor
         self.map.close()
+
+
+# --- a write-protect left behind -----------------------------------------------------------------
+
+SYS_PIDFD_GETFD = 438
+UFFDIO_WRITEPROTECT = 0xC018AA06  # _IOWR(0xAA, 0x06, struct uffdio_writeprotect {start, len, mode})
+UFFDIO_UNREGISTER = 0x8010AA01    # _IOR(0xAA, 0x01, struct uffdio_range {start, len})
+
+
+def userfaultfds(pid: int) -> list[int]:
+    """The descriptor numbers of process ``pid`` that are userfaultfds."""
+    found = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[userfaultfd]":
+                    found.append(int(fd))
+    return found
+
+
+def lift_write_protect(pid: int, start: int, size: int) -> int:
+    """Remove the userfaultfd write-protect of ``[start, start + size)`` in process ``pid`` and wake
+    the threads waiting on it, through a copy of each of its userfaultfds (``pidfd_getfd``; the
+    ioctls act on the mm the userfaultfd belongs to). Returns how many were lifted.
+
+    For a QEMU whose live snapshot (background-snapshot) lost its stream writer: QEMU 7.2 marks the
+    migration failed but never lifts the protect, and a vCPU waiting on a protected page holds the
+    big lock QEMU's own clean-up and every QMP command need, so only this frees it."""
+    lifted = 0
+    pidfd = os.pidfd_open(pid)
+    try:
+        for number in userfaultfds(pid):
+            fd = _libc.syscall(SYS_PIDFD_GETFD, pidfd, number, 0)
+            if fd < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"pidfd_getfd of userfaultfd {number} in process {pid}: {os.strerror(err)}")
+            try:
+                fcntl.ioctl(fd, UFFDIO_WRITEPROTECT, bytearray(struct.pack("QQQ", start, size, 0)))
+                with contextlib.suppress(OSError):  # QEMU may have unregistered it meanwhile
+                    fcntl.ioctl(fd, UFFDIO_UNREGISTER, bytearray(struct.pack("QQ", start, size)))
+                lifted += 1
+            finally:
+                os.close(fd)
+    finally:
+        os.close(pidfd)
+    return lifted
 
 
 def _read_runs_procmem(pid: int, start: int, runs: list[tuple[int, int]]) -> list[tuple[int, bytes]]:

@@ -1,0 +1,120 @@
+"""Start-up: take back what outlived the previous server, and end what it left broken.
+
+Templates and sandboxes outlive ``forkd serve`` by design. When a controller starts, it re-attaches
+to each one it recorded only if its process lives *and its agent answers* (every agent is pinged at
+once, each within ``PROBE_TIMEOUT``), so nothing is listed ``ready`` or ``running`` while dead or
+stuck. In order:
+
+1. What the previous server was writing or starting (``writing`` snapshots, ``starting``
+   sandboxes) is ended: snapshots become ``failed`` with the reason, starts are dropped.
+2. Each engine repairs or ends what only it can see (``Engine.recover``): for the VM engine, a
+   source a live branch left frozen is thawed (or killed, saying why) and RAM files no snapshot
+   owns are removed; for the process engine, sockets no record names.
+3. Every ready snapshot and running sandbox is probed: a snapshot whose template is gone or silent
+   becomes ``failed`` with the reason (a silent template is left running: its sandboxes live in
+   its pid namespace; deleting the snapshot ends it); a sandbox that is gone is dropped, and one
+   alive but silent is ended and dropped, its ``killed`` event saying why.
+4. Workspaces settle on what is left (``WorkspaceManager.reconcile``).
+
+``run`` returns counts and ``findings``: one line per thing repaired, ended or removed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+PROBE_TIMEOUT = 5.0  # seconds an agent has to answer its ping when the server starts
+
+INTERRUPTED = "snapshot is not bootable: interrupted by a server restart while it was being written"
+TEMPLATE_ENDED = "snapshot is not bootable: its template process ended unexpectedly"
+
+
+class Recovery:
+    def __init__(self, controller: "Controller"):
+        self.ctl = controller
+        self.registry = controller.registry
+        self.engines = controller.engines
+        self.feed = controller.feed
+
+    def run(self) -> dict:
+        counts = {"snapshots_attached": 0, "snapshots_failed": 0, "sandboxes_attached": 0, "sandboxes_dropped": 0}
+        findings: list[str] = []
+        self._end_interrupted(counts)
+        snapshots = [r for r in self.registry.list_snapshots() if r["status"] == "ready"]
+        sandboxes = [r for r in self.registry.list_sandboxes() if r["status"] == "running" and r["handle"]]
+        for name, engine in self.engines.items():
+            known = [r["handle"] for r in snapshots + sandboxes if r["engine"] == name and r["handle"]]
+            findings += engine.recover(known)
+        for name, engine in self.engines.items():
+            snaps = [r for r in snapshots if r["engine"] == name]
+            boxes = [r for r in sandboxes if r["engine"] == name]
+            why = engine.probe([r["handle"] for r in snaps + boxes], PROBE_TIMEOUT) if snaps or boxes else []
+            for row, reason in zip(snaps, why[:len(snaps)]):
+                if reason is None:
+                    counts["snapshots_attached"] += 1
+                    continue
+                counts["snapshots_failed"] += 1
+                findings.append(self._fail_snapshot(engine, row, reason))
+            for row, reason in zip(boxes, why[len(snaps):]):
+                if reason is None:
+                    counts["sandboxes_attached"] += 1
+                    continue
+                counts["sandboxes_dropped"] += 1
+                findings.append(self._drop_sandbox(engine, row, reason))
+        for row in snapshots:  # of an engine this server cannot run: as every listing judges them
+            if row["engine"] not in self.engines:
+                ready = self.ctl.checked_snapshot(row)["status"] == "ready"
+                counts["snapshots_attached" if ready else "snapshots_failed"] += 1
+        for row in sandboxes:
+            if row["engine"] not in self.engines:
+                counts["sandboxes_attached" if self.ctl.sandboxes.alive(row) else "sandboxes_dropped"] += 1
+        counts.update(self.ctl.workspaces.reconcile())
+        counts["findings"] = findings
+        return counts
+
+    def _end_interrupted(self, counts: dict) -> None:
+        """Writes and starts the previous server did not finish: their writer is gone."""
+        for row in self.registry.list_snapshots():
+            if row["status"] != "writing":
+                continue
+            engine = self.engines.get(row["engine"])
+            if engine is not None:
+                if row["handle"]:
+                    engine.delete_snapshot(row["handle"])
+                else:
+                    engine.abandon("snap:" + row["tag"])
+            self.registry.update_snapshot(row["tag"], status="failed", warning=INTERRUPTED)
+            counts["snapshots_failed"] += 1
+        for row in self.registry.list_sandboxes():
+            if row["status"] == "running" and row["handle"]:
+                continue
+            engine = self.engines.get(row["engine"])
+            if engine is not None:
+                engine.abandon(row["id"])
+            self.registry.delete_sandboxes([row["id"]])
+            counts["sandboxes_dropped"] += 1
+
+    def _fail_snapshot(self, engine, row: dict, reason: str) -> str:
+        if engine.alive(row["handle"]):
+            # Alive but silent: left running, since its sandboxes may live inside it.
+            warning = (f"snapshot is not bootable: its template did not answer when the server started "
+                       f"({reason}); delete the snapshot to end it")
+        else:
+            engine.delete_snapshot(row["handle"])  # releases what the engine held for it
+            warning = TEMPLATE_ENDED
+        self.registry.update_snapshot(row["tag"], status="failed", warning=warning)
+        self.feed.emit("snapshot", "status", tag=row["tag"], status="failed", warning=warning)
+        return f"snapshot {row['tag']}: {warning}"
+
+    def _drop_sandbox(self, engine, row: dict, reason: str) -> str:
+        if engine.alive(row["handle"]):
+            why = f"it did not answer when the server started ({reason}); it was ended"
+        else:
+            why = "its process ended unexpectedly"
+        engine.kill(row["handle"])  # ends it, or releases what it held (socket, cgroup leaves)
+        self.registry.delete_sandboxes([row["id"]])
+        self.feed.emit("sandbox", "killed", id=row["id"], reason=why)
+        return f"sandbox {row['id']}: {why}"
