@@ -43,7 +43,8 @@ def notebook_path() -> str | None:
 
 
 def kernel_id() -> str | None:
-    """The running kernel's id (``kernel-<id>.json``, its connection file), or None outside a kernel."""
+    """The running kernel's id, from its connection file as ``forkd_kernel`` reads it: ``kernel-<id>.json``
+    (jupyter_server's name), else the file's own name (nbclient's temporary ones); None outside a kernel."""
     try:
         from ipykernel.kernelapp import IPKernelApp
     except ImportError:
@@ -52,7 +53,7 @@ def kernel_id() -> str | None:
         return None
     name = os.path.basename(getattr(IPKernelApp.instance(), "connection_file", "") or "")
     m = re.match(r"kernel-(.+)\.json$", name)
-    return m.group(1) if m else None
+    return m.group(1) if m else (os.path.splitext(name)[0] or None)
 
 
 @dataclass(frozen=True)
