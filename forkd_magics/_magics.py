@@ -16,7 +16,7 @@ import os
 import sys
 
 from IPython.core import magic_arguments
-from IPython.core.error import UsageError
+from IPython.core.error import StdinNotImplementedError, UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from IPython.utils.text import DollarFormatter
@@ -419,7 +419,11 @@ class ForkdMagics(Magics):
             if exc.status != 401:
                 raise
             why = "refused $FORKD_TOKEN" if os.environ.get("FORKD_TOKEN") else "needs a token"
-            controller.token = getpass.getpass(f"{controller.base_url} {why}; its token (not echoed): ").strip()
+            try:
+                controller.token = getpass.getpass(f"{controller.base_url} {why}; its token (not echoed): ").strip()
+            except (StdinNotImplementedError, EOFError):  # nbconvert, a kernel without stdin
+                raise UsageError(f"forkd connect: {controller.base_url} {why} and this front end cannot ask "
+                                 f"for one: set FORKD_TOKEN where the kernel starts") from None
             controller.list_snapshots()  # a wrong one is a 401 the user reads
         self._controller = controller
         self._completer_reset()

@@ -9,14 +9,9 @@ a bare word is a tag unless a variable of that name holds a ``Snapshot``.
 
 from __future__ import annotations
 
-import re
-
 from IPython.core.error import UsageError
 
 from forkd_server.client import Sandbox, Snapshot
-
-SANDBOX_ID = re.compile(r"^sb-[0-9a-f]+-[0-9a-f]{4}$")
-
 
 class UndefinedName(NameError):
     """A ``%forkd`` argument names a variable that does not exist. Shown as Python shows a

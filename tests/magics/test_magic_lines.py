@@ -12,6 +12,7 @@ import time
 
 import pytest
 from IPython.core.completer import provisionalcompleter
+from IPython.core.error import StdinNotImplementedError
 
 from forkd_magics import _complete
 from forkd_server.client import Sandbox
@@ -163,6 +164,13 @@ def test_connect_takes_the_token_from_the_environment_or_a_prompt_never_the_line
     monkeypatch.setattr(getpass, "getpass", lambda text="": "not-the-token-at-all")
     res, out = cell(ip, f"%forkd connect {forkd.url}")
     assert not res.success and "refused the token" in out.stderr
+
+    def no_stdin(text=""):  # what ipykernel raises where the front end cannot prompt (nbconvert)
+        raise StdinNotImplementedError("raw_input was called, but this frontend does not support input requests.")
+
+    monkeypatch.setattr(getpass, "getpass", no_stdin)
+    res, out = cell(ip, f"%forkd connect {forkd.url}")
+    assert not res.success and "cannot ask for one: set FORKD_TOKEN" in out.stderr
 
 
 def completions(ip, code: str) -> list[str]:
