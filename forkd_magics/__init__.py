@@ -25,12 +25,18 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext forkd_magics``; loading again replaces the magics (same names), so it is idempotent."""
+    """``%load_ext forkd_magics``; loading again replaces the magics (same names) and their tab
+    completion, so it is idempotent."""
+    from ._complete import install
     from ._magics import ForkdMagics
-    ipython.register_magics(ForkdMagics(ipython))
+    magics = ForkdMagics(ipython)
+    ipython.register_magics(magics)
+    magics.completer = install(ipython, magics)
 
 
 def unload_ipython_extension(ipython) -> None:
+    from ._complete import uninstall
+    uninstall(ipython)
     manager = ipython.magics_manager
     for kind in ("line", "cell"):
         manager.magics[kind].pop("forkd", None)

@@ -32,13 +32,15 @@ def _apply(execution: Execution, event: dict) -> None:
 
 
 def run_live(controller, targets: list[str], code: str, timeout: float | None = None,
-             preludes: list[str] | None = None) -> RunResults:
-    """Run ``code`` in every target at once; ``preludes[i]`` runs first in the i-th (``--each``)."""
+             preludes: list[str] | None = None, explain=str) -> RunResults:
+    """Run ``code`` in every target at once; ``preludes[i]`` runs first in the i-th (``--each``).
+    ``explain(exc)`` words a failed request for the sandbox's column."""
     preludes = preludes or [""] * len(targets)
     prelude_of = dict(zip(targets, preludes))
     results = RunResults((sb, Execution()) for sb in targets)
     results.running = set(targets)
     changed = threading.Event()
+    stopping = threading.Event()  # the user interrupted (not a --timeout)
     lock = threading.Lock()
 
     def one(sb: str) -> None:
@@ -54,10 +56,10 @@ def run_live(controller, targets: list[str], code: str, timeout: float | None = 
                 if given.error:
                     raise RuntimeError(f"--each values could not be set: {given.error.get('evalue')}")
             done = sandbox.run_code(code, timeout, on_event=on_event)
-        except ControllerError as exc:
-            done = failed_execution(f"{exc.message} (HTTP {exc.status})")
-        except (ServerUnreachable, ConnectionError, TimeoutError, OSError, RuntimeError) as exc:
-            done = failed_execution(str(exc))
+            if timeout and (done.error or {}).get("ename") == "KeyboardInterrupt" and not stopping.is_set():
+                done.error = dict(done.error, evalue=f"stopped after --timeout {timeout:g} s")
+        except (ControllerError, ServerUnreachable, ConnectionError, TimeoutError, OSError, RuntimeError) as exc:
+            done = failed_execution(explain(exc))
         with lock:
             results[sb] = done
             results.running.discard(sb)
@@ -85,6 +87,7 @@ def run_live(controller, targets: list[str], code: str, timeout: float | None = 
                     break  # they were asked to stop; what still runs is reported as running
             except KeyboardInterrupt:
                 interrupted_at = time.monotonic()
+                stopping.set()
                 for sb in list(results.running):  # every sandbox's cell stops, not only the local wait
                     try:
                         controller.interrupt(sb)

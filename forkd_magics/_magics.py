@@ -2,21 +2,33 @@
 
 Every subcommand talks to the server through the client SDK and returns SDK objects
 (``Snapshot``, ``[Sandbox]``, ``CommandResult``...), so ``kids = %forkd fork -t py -n 4`` works.
-A server error or a bad argument is one ``UsageError`` line, never a traceback.
+The line reads like Python and a shell: ``{expr}`` is expanded (by IPython), ``# comments`` end it,
+variables name sandboxes and an undefined one is a ``NameError``. What the magics create carries
+this notebook's labels, and ``ls``, ``tree`` and ``--all`` mean this notebook's (``_scope``). A server
+error or a bad argument is one ``UsageError`` saying what failed and what to do (``_errors``).
 """
 
 from __future__ import annotations
 
+import getpass
 import html
+import os
+import sys
 
 from IPython.core import magic_arguments
-from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.error import StdinNotImplementedError, UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
+from IPython.utils.text import DollarFormatter
 from IPython.display import display
 
 from forkd_server.client import (CommandResult, Controller, ControllerError, Sandbox, ServerUnreachable,
                                  Snapshot)
 
+from ._args import HELP, SUBCOMMANDS, strip_comment, unquote
+from ._errors import explain
+from ._names import UndefinedName, sandbox_ids, snapshot_tag
+from ._scope import Scope, sandboxes_of, snapshots_of
 
 __all__ = ["ForkdMagics", "ExecResult", "Listing"]
 
@@ -38,8 +50,12 @@ class ExecResult(CommandResult):
 class Listing:
     """What ``%forkd ls`` returns: ``.snapshots`` and ``.sandboxes`` (SDK objects), shown as tables."""
 
-    def __init__(self, snapshots: list[Snapshot], sandboxes: list[Sandbox]):
-        self.snapshots, self.sandboxes = snapshots, sandboxes
+    def __init__(self, snapshots: list[Snapshot], sandboxes: list[Sandbox], scope: str = "everyone"):
+        self.snapshots, self.sandboxes, self.scope = snapshots, sandboxes, scope
+
+    @property
+    def _of(self) -> str:
+        return "" if self.scope == "everyone" else f" of {self.scope}"
 
     def _rows(self):
         snaps = [(s.tag, s.status, s.branched_from or "", "" if s.pause_ms is None else f"{s.pause_ms:.2f} ms")
@@ -56,7 +72,7 @@ class Listing:
 
     def _repr_pretty_(self, p, cycle) -> None:
         snaps, sbs = self._rows()
-        lines = [f"{len(snaps)} snapshot(s)"]
+        lines = [f"{len(snaps)} snapshot(s){self._of}"]
         if snaps:
             lines += self._text_table(("TAG", "STATUS", "BRANCHED FROM", "PAUSE"), snaps)
         lines.append(f"{len(sbs)} sandbox(es)")
@@ -72,137 +88,20 @@ class Listing:
             body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
             return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-        return (f"<b>{len(snaps)} snapshot(s)</b>" + (table(("tag", "status", "branched from", "pause"), snaps)
+        return (f"<b>{len(snaps)} snapshot(s){html.escape(self._of)}</b>" + (table(("tag", "status", "branched from", "pause"), snaps)
                                                        if snaps else "")
                 + f"<b>{len(sbs)} sandbox(es)</b>" + (table(("id", "snapshot", "branches"), sbs) if sbs else ""))
 
 
-def _unquote(value: str) -> str:
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        return value[1:-1]
-    return value
-
-
-# --- argument parsers, one per subcommand (their help is %forkd?'s help) ----------------------------
-
-def _parser(name: str, doc: str):
-    def stub():
-        pass
-    stub.__doc__ = doc
-    stub.__name__ = name
-    return stub
-
-
-def _args(name: str, doc: str, *arguments):
-    """A magic_arguments parser for ``%forkd <name>``: ``arguments`` are ``argument(...)`` decorators."""
-    fn = _parser(name, doc)
-    for arg in reversed(arguments):
-        fn = arg(fn)
-    fn = magic_arguments.magic_arguments(name=f"forkd {name}")(fn)
-    return fn
-
-
-A = magic_arguments.argument
-
-SUBCOMMANDS = {
-    "snapshot": _args(
-        "snapshot", "Create a snapshot: a warmed-up interpreter, frozen. As a cell magic "
-                    "(%%forkd snapshot -t T) the cell is the setup code. Returns a Snapshot.",
-        A("--tag", "-t", required=True, help="the snapshot's tag"),
-        A("--setup", default=None, help="Python code run before the interpreter is frozen"),
-        A("--engine", default="auto", help="auto, process or vm"),
-        A("--mem-size-mib", type=int, default=None, help="memory size (VM engine)"),
-        A("--disk-mib", type=int, default=None, help="an ext4 data disk at /data (VM engine)"),
-        A("--package", action="append", default=None, metavar="DEB",
-          help="a Debian package for the guest, e.g. python3-numpy (VM engine; repeatable)")),
-    "fork": _args(
-        "fork", "Fork sandboxes (copy-on-write children) from a snapshot. Returns a list of Sandbox. In the "
-                "forkd kernel, with no --tag, forks the notebook itself: n sandboxes of its current state.",
-        A("--tag", "-t", default=None, help="the snapshot to fork from"),
-        A("-n", type=int, default=1, help="how many sandboxes (default 1)"),
-        A("--memory-limit-mib", type=int, default=None, help="memory limit of each sandbox"),
-        A("--lossy", action="store_true", help="forking the notebook: go ahead even if running work "
-                                               "(threads, child processes) stays behind, with a warning")),
-    "branch": _args(
-        "branch", "Turn a running sandbox into a new snapshot (it keeps running). Returns a Snapshot; "
-                  "with --no-wait (implies --live) its status is 'writing' until it turns 'ready'. In the "
-                  "forkd kernel, with no sandbox, branches the notebook itself.",
-        A("sandbox", nargs="?", default=None, help="the sandbox id (or a variable holding a Sandbox)"),
-        A("--tag", "-t", default=None, help="the new snapshot's tag (default branch-<id>-<n>)"),
-        A("--diff", action="store_true", help="diff branch"),
-        A("--live", action="store_true", help="live branch: the shortest pause of the source"),
-        A("--no-wait", action="store_true", help="return as soon as the source has resumed"),
-        A("--lossy", action="store_true", help="branch even if running work (threads, child processes) "
-                                               "stays behind; a warning lists it")),
-    "ls": _args("ls", "List snapshots and sandboxes. Returns a Listing (.snapshots, .sandboxes)."),
-    "kill": _args(
-        "kill", "Kill sandboxes: by id, every sandbox of a snapshot (--tag), or all (--all).",
-        A("sandboxes", nargs="*", help="sandbox ids (or variables holding Sandbox objects)"),
-        A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
-        A("--all", action="store_true", help="every sandbox")),
-    "exec": _args(
-        "exec", "Run a command in a sandbox: %forkd exec SB -- cmd args. Returns a CommandResult.",
-        A("sandbox", help="the sandbox id (or a variable holding a Sandbox)"),
-        A("command", nargs="*", help="the command and its arguments (after --)"),
-        A("--timeout", type=float, default=30, help="seconds (default 30)")),
-    "delete": _args(
-        "delete", "Delete a snapshot (its running sandboxes keep running).",
-        A("tag", help="the snapshot's tag"),
-        A("--cascade", action="store_true", help="also delete the snapshots branched below it")),
-    "tree": _args(
-        "tree", "Show the lineage tree as a live widget. Returns the LineageWidget.",
-        A("--static", action="store_true", help="do not follow live changes")),
-    "run": _args(
-        "run", "Cell magic: %%forkd run (SB ... | --tag T | --all) runs the cell in those sandboxes in "
-               "parallel and shows their outputs side by side. Returns {sandbox id: Execution}.",
-        A("sandboxes", nargs="*", help="sandbox ids (or variables holding Sandbox objects or lists of them)"),
-        A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
-        A("--all", action="store_true", help="every sandbox"),
-        A("--timeout", type=float, default=None, help="seconds per sandbox"),
-        A("--each", action="append", default=None, metavar="NAME=VALUES",
-          help="give each sandbox its own value: NAME=EXPR, EXPR a list as long as the sandboxes, "
-               "e.g. --each \"lr=[0.01, 0.1, 1.0]\"; the i-th sandbox runs NAME = EXPR[i] first "
-               "(repeatable; values must be literals: numbers, strings, lists, dicts)")),
-    "gather": _args(
-        "gather", "Evaluate EXPR in each sandbox and bind {sandbox id: value} to NAME in the notebook "
-                  "(in the forkd kernel, in the notebook's sandbox). Values travel pickled.",
-        A("sandboxes", nargs="+", help="sandbox ids (or variables holding Sandbox objects or lists of them)"),
-        A("--expr", "-e", required=True, help="the Python expression evaluated in each sandbox"),
-        A("--out", "-o", required=True, help="the name bound in the notebook")),
-    "checkout": _args(
-        "checkout", "forkd kernel: run the next cells in another sandbox (its state), a fresh child of a "
-                    "snapshot, or (-) where the notebook was before.",
-        A("target", help="a sandbox (id or variable), a snapshot tag, or - for the previous one")),
-    "head": _args("head", "forkd kernel: the sandbox this notebook runs in, and its lineage."),
-    "log": _args("log", "forkd kernel: how the notebook got where it is: the cells run since each branch."),
-    "connect": _args(
-        "connect", "Use another server (default: $FORKD_URL, else the server found on this host).",
-        A("url", nargs="?", default=None, help="the server's URL, e.g. http://127.0.0.1:8889"),
-        A("--token", default=None, help="its token (default $FORKD_TOKEN)")),
-}
-
-_HELP = """Fork-on-write Python sandboxes from a notebook.
-
-  %forkd snapshot -t py --setup "import numpy as np"     -> Snapshot
-  %forkd fork -t py -n 4                                  -> [Sandbox, ...]
-  %forkd branch SB [-t TAG] [--diff|--live] [--no-wait]   -> Snapshot
-  In the "Python 3 (forkd)" kernel, the notebook itself:
-  %forkd branch --live | fork -n 5 | checkout SB|TAG|- | head | log
-  %forkd ls | kill (SB ... | -t TAG | --all) | delete TAG | exec SB -- cmd | tree | connect URL
-  %%forkd run (SB ... | -t TAG | --all)                   -> runs the cell in each, side by side
-
-Subcommands:
-
-"""
-
-
 @magics_class
 class ForkdMagics(Magics):
-    """The ``%forkd`` magics. ``controller`` defaults to the SDK's (``$FORKD_URL`` or discovery)."""
+    """The ``%forkd`` magics. ``controller`` defaults to the SDK's (``$FORKD_URL`` or discovery);
+    ``scope`` to this notebook (its kernel id and path, see ``_scope``)."""
 
-    def __init__(self, shell=None, controller: Controller | None = None):
+    def __init__(self, shell=None, controller: Controller | None = None, scope: Scope | None = None):
         super().__init__(shell)
         self._controller = controller
+        self._scope = scope
 
     @property
     def controller(self) -> Controller:
@@ -210,8 +109,21 @@ class ForkdMagics(Magics):
             self._controller = Controller()
         return self._controller
 
+    @property
+    def scope(self) -> Scope:
+        """This notebook: what the magics label, and what ls / tree / --all show and act on."""
+        if self._scope is None:
+            self._scope = Scope.current()  # a kernel's id and notebook do not change while it runs
+        return Scope(self._scope.kernel_id, self._scope.notebook, self.head())
+
+    @property
+    def user_ns(self) -> dict:
+        return self.shell.user_ns if self.shell is not None else {}
+
+    @no_var_expand  # the comment goes first: a {…} or $ in it would stop IPython expanding the line
     @line_cell_magic
     def forkd(self, line: str, cell: str | None = None):
+        line = self._expand(strip_comment(line))
         sub, _, rest = line.strip().partition(" ")
         if sub in ("", "help", "-h", "--help"):
             print(self.forkd.__doc__)
@@ -226,41 +138,55 @@ class ForkdMagics(Magics):
             raise UsageError("forkd run is a cell magic: put %%forkd run SB ... on the first line of a cell")
         if cell is not None and sub not in ("run", "snapshot"):
             raise UsageError(f"forkd {sub} is a line magic: use %forkd {sub} (one %)")
+        if sub == "connect" and any(w == "--token" or w.startswith("--token=") for w in rest.split()):
+            raise UsageError("forkd connect: not --token on the line: the notebook (and its history) would keep "
+                             "the secret. Set FORKD_TOKEN before starting Jupyter, or leave it out and type it at "
+                             "the prompt, which does not echo")
         command = ""
         if sub == "exec" and " -- " in f" {rest} ":
             rest, _, command = f" {rest} ".partition(" -- ")
         args = magic_arguments.parse_argstring(parser, rest)
         for name, value in vars(args).items():  # IPython splits without removing the quotes
             if isinstance(value, str):
-                setattr(args, name, _unquote(value))
+                setattr(args, name, unquote(value))
             elif isinstance(value, list):
-                setattr(args, name, [_unquote(v) if isinstance(v, str) else v for v in value])
+                setattr(args, name, [unquote(v) if isinstance(v, str) else v for v in value])
         if sub == "exec" and command.strip():
             args.command = [command.strip()]
         try:
             return getattr(self, f"_{sub}")(args, cell)
-        except ControllerError as exc:
-            raise UsageError(f"forkd {sub}: {exc.message} (HTTP {exc.status})") from None
-        except (ServerUnreachable, TimeoutError, RuntimeError) as exc:
-            raise UsageError(f"forkd {sub}: {exc}") from None
+        except (ControllerError, ServerUnreachable, TimeoutError, RuntimeError) as exc:
+            raise UsageError(f"forkd {sub}: {self.explain(exc)}") from None
+
+    def _expand(self, line: str) -> str:
+        """``{expr}`` and ``$name``, as IPython expands a magic's line: in the namespace of the code
+        that ran the magic (a function's locals too); a line that fails to expand stays as written."""
+        if self.shell is None:
+            return line
+        frame = sys._getframe(1)
+        runners = {InteractiveShell.run_line_magic.__code__, InteractiveShell.run_cell_magic.__code__}
+        while frame is not None and frame.f_code not in runners:
+            frame = frame.f_back
+        ns = dict(self.shell.user_ns)
+        if frame is not None and frame.f_back is not None:
+            ns.update(frame.f_back.f_locals)
+        try:
+            return DollarFormatter().vformat(line, args=[], kwargs=ns)
+        except Exception:  # noqa: BLE001 - IPython's rule: what does not expand stays as written
+            return line
+
+    def explain(self, exc: BaseException) -> str:
+        server = self._controller.base_url if self._controller is not None else "the forkd server"
+        return explain(exc, server)
 
     # --- helpers ---------------------------------------------------------------------------------
 
-    def _sandbox_ids(self, names: list[str]) -> list[str]:
-        """Ids from ids, or from variables holding a Sandbox or a list of them."""
-        ns = self.shell.user_ns if self.shell is not None else {}
-        ids: list[str] = []
-        for name in names:
-            value = ns.get(name, name) if name.isidentifier() else name
-            items = value if isinstance(value, (list, tuple)) else [value]
-            for item in items:
-                if isinstance(item, Sandbox):
-                    ids.append(item.id)
-                elif isinstance(item, str):
-                    ids.append(item)
-                else:
-                    raise UsageError(f"forkd: {name} is a {type(item).__name__}, not a sandbox")
-        return ids
+    def _sandbox_ids(self, names: list[str], sub: str = "") -> list[str]:
+        """Ids from ids, or from variables (expressions) holding a Sandbox or a list of them."""
+        return sandbox_ids(names, self.user_ns, sub)
+
+    def _tag(self, token: str, sub: str) -> str:
+        return snapshot_tag(token, self.user_ns, sub)
 
     def head(self) -> str | None:
         """The sandbox this notebook runs in: only the forkd kernel has one."""
@@ -275,19 +201,26 @@ class ForkdMagics(Magics):
                           f"\"Python 3 (forkd)\" kernel (Kernel > Change Kernel) for the notebook to {what} "
                           f"itself, or name a sandbox")
 
-    def _one_sandbox(self, name: str) -> str:
-        ids = self._sandbox_ids([name])
+    def _one_sandbox(self, name: str, sub: str) -> str:
+        ids = self._sandbox_ids([name], sub)
         if len(ids) != 1:
-            raise UsageError(f"forkd: {name} names {len(ids)} sandboxes; give exactly one")
+            raise UsageError(f"forkd {sub}: {name} names {len(ids)} sandboxes; give exactly one")
         return ids[0]
 
-    def _targets(self, args) -> list[str]:
-        if args.all or args.tag:
-            sandboxes = self.controller.list_sandboxes()
-            if args.tag:
-                sandboxes = [s for s in sandboxes if s["snapshot_tag"] == args.tag]
-            return sorted(s["id"] for s in sandboxes)
-        return self._sandbox_ids(args.sandboxes)
+    def _within(self, args) -> Scope | None:
+        """The scope of --all / ls / tree: this notebook's, or (--everyone) None for all."""
+        return None if getattr(args, "everyone", False) else self.scope
+
+    def _targets(self, args, sub: str) -> list[str]:
+        """The sandboxes named, or swept by --tag / --all (never the notebook's own: name it for that)."""
+        if args.tag:
+            tag = self._tag(args.tag, sub)
+            found = [s for s in self.controller.list_sandboxes() if s["snapshot_tag"] == tag]
+        elif args.all:
+            found = sandboxes_of(self.controller, self._within(args))
+        else:
+            return self._sandbox_ids(args.sandboxes, sub)
+        return sorted(s["id"] for s in found if s["id"] != self.head())
 
     # --- subcommands -----------------------------------------------------------------------------
 
@@ -295,12 +228,13 @@ class ForkdMagics(Magics):
         setup = cell if cell is not None and cell.strip() else args.setup
         info = self.controller.create_snapshot(args.tag, setup=setup, engine=args.engine,
                                                mem_size_mib=args.mem_size_mib, disk_mib=args.disk_mib,
-                                               packages=args.package)
+                                               packages=args.package, labels=self.scope.labels)
         return Snapshot(info, self.controller)
 
     def _fork(self, args, cell):
         if args.n < 1:
             raise UsageError("forkd fork: -n must be at least 1")
+        labels = self.scope.labels
         if args.tag is None:
             head = self.head()
             if head is None:
@@ -308,10 +242,11 @@ class ForkdMagics(Magics):
             # n copies of the notebook's state: its last branch if nothing ran since, else a new one
             state, tag = getattr(self, "_head_branch", (None, None))
             if tag is None or state != self.head_state() or not self._snapshot_ready(tag):
-                tag = self.controller.branch_sandbox(head, lossy=args.lossy)["tag"]
+                tag = self.controller.branch_sandbox(head, lossy=args.lossy, labels=labels)["tag"]
                 self._head_branch = (self.head_state(), tag)
-            args.tag = tag
-        infos = self.controller.spawn_sandboxes(args.tag, args.n, memory_limit_mib=args.memory_limit_mib)
+        else:
+            tag = self._tag(args.tag, "fork")
+        infos = self.controller.spawn_sandboxes(tag, args.n, memory_limit_mib=args.memory_limit_mib, labels=labels)
         return [Sandbox(i, self.controller) for i in infos]
 
     def _branch(self, args, cell):
@@ -322,53 +257,87 @@ class ForkdMagics(Magics):
             if sandbox is None:
                 raise self._needs_kernel("branch")
         else:
-            sandbox = self._one_sandbox(args.sandbox)
+            sandbox = self._one_sandbox(args.sandbox, "branch")
         mode = "diff" if args.diff else "live" if (args.live or args.no_wait) else None
-        info = self.controller.branch_sandbox(sandbox, args.tag, mode=mode, wait=not args.no_wait, lossy=args.lossy)
+        info = self.controller.branch_sandbox(sandbox, args.tag, mode=mode, wait=not args.no_wait, lossy=args.lossy,
+                                              labels=self.scope.labels)
         if args.sandbox is None:
             self._head_branch = (self.head_state(), info["tag"])  # fork -n reuses it while nothing changed
         return Snapshot(info, self.controller)
 
     def _ls(self, args, cell):
-        ctl = self.controller
-        return Listing([Snapshot(s, ctl) for s in ctl.list_snapshots()],
-                       [Sandbox(b, ctl) for b in ctl.list_sandboxes()])
+        ctl, scope = self.controller, self._within(args)
+        return Listing([Snapshot(s, ctl) for s in snapshots_of(ctl, scope)],
+                       [Sandbox(b, ctl) for b in sandboxes_of(ctl, scope)], str(scope or "everyone"))
 
     def _kill(self, args, cell):
         if not (args.sandboxes or args.tag or args.all):
             raise UsageError("forkd kill: name sandboxes, or use --tag T or --all")
-        ids = self._targets(args)
-        for sb in ids:
+        ids = self._targets(args, "kill")
+        sweep = bool(args.all or args.tag)
+        killed, failed = [], []
+        for sb in dict.fromkeys(ids):  # each once, in order; one that fails does not stop the others
             try:
                 self.controller.kill_sandbox(sb)
+                killed.append(sb)
             except ControllerError as exc:
-                if exc.status != 404 or not (args.all or args.tag):  # gone meanwhile is fine for a sweep
-                    raise
-        print(f"killed {len(ids)} sandbox{'es' if len(ids) != 1 else ''}")
+                if exc.status == 404 and not sweep:
+                    failed.append((sb, "no such sandbox is running (killed already, or a wrong id)"))
+                elif exc.status != 404:  # gone meanwhile is fine for a sweep
+                    failed.append((sb, self.explain(exc)))
+            except (ServerUnreachable, TimeoutError) as exc:
+                failed.append((sb, self.explain(exc)))
+        if killed or not failed:
+            print(f"killed {len(killed)} sandbox{'es' if len(killed) != 1 else ''}")
+        if len(failed) == 1 and not killed:
+            raise UsageError(f"forkd kill: {failed[0][0]}: {failed[0][1]}")
+        if failed:
+            lines = "".join(f"\n  {sb}: {why}" for sb, why in failed)
+            raise UsageError(f"forkd kill: could not kill {len(failed)} of {len(killed) + len(failed)}:{lines}")
 
     def _exec(self, args, cell):
         if not args.command:
             raise UsageError("forkd exec: give a command: %forkd exec SB -- cmd args")
-        sandbox = self._one_sandbox(args.sandbox)
+        sandbox = self._one_sandbox(args.sandbox, "exec")
         cmd = " ".join(args.command)
         r = self.controller.exec_command(sandbox, ["/bin/sh", "-c", cmd], args.timeout)
         return ExecResult(r.get("stdout", ""), r.get("stderr", ""), r.get("exit_code", 1), r.get("error"))
 
     def _delete(self, args, cell):
-        self.controller.delete_snapshot(args.tag, cascade=args.cascade)
-        print(f"deleted snapshot {args.tag}")
+        if bool(args.tag) == bool(args.all):
+            raise UsageError("forkd delete: name one snapshot (TAG), or use --all for this notebook's")
+        if args.tag:
+            tag = self._tag(args.tag, "delete")
+            self.controller.delete_snapshot(tag, cascade=args.cascade)
+            print(f"deleted snapshot {tag}")
+            return
+        # deepest first, so each is a leaf when its turn comes; one that fails does not stop the others
+        snaps = sorted(snapshots_of(self.controller, self._within(args)), key=lambda s: -len(s.get("lineage") or []))
+        deleted, failed = [], []
+        for snap in snaps:
+            try:
+                self.controller.delete_snapshot(snap["tag"], cascade=args.cascade)
+                deleted.append(snap["tag"])
+            except ControllerError as exc:
+                if exc.status != 404:  # gone with a cascade meanwhile
+                    failed.append((snap["tag"], self.explain(exc)))
+        print(f"deleted {len(deleted)} snapshot{'' if len(deleted) == 1 else 's'}")
+        if failed:
+            lines = "".join(f"\n  {tag}: {why}" for tag, why in failed)
+            raise UsageError(f"forkd delete: could not delete {len(failed)} of {len(snaps)}:{lines}")
 
     def _tree(self, args, cell):
         from ._widget import LineageWidget
-        return LineageWidget(self.controller, live=not args.static)
+        return LineageWidget(self.controller, live=not args.static, scope=self._within(args),
+                             labels=self.scope.labels)
 
     def _run(self, args, cell):
-        targets = self._targets(args)
+        targets = self._targets(args, "run")
         if not targets:
             raise UsageError("forkd run: no sandboxes to run in (name them, or use --tag T or --all)")
         from ._live import run_live
         preludes = self._each(args.each or [], len(targets))
-        results = run_live(self.controller, targets, cell, args.timeout, preludes=preludes)
+        results = run_live(self.controller, targets, cell, args.timeout, preludes=preludes, explain=self.explain)
         failed = results.failed
         if failed:
             display(results)  # every column, then the cell fails
@@ -382,7 +351,7 @@ class ForkdMagics(Magics):
         import pickle
         if not args.out.isidentifier():
             raise UsageError(f"forkd gather: --out must be a Python name, got {args.out!r}")
-        ids = self._sandbox_ids(args.sandboxes)
+        ids = self._sandbox_ids(args.sandboxes, "gather")
         code = f"__import__('base64').b64encode(__import__('pickle').dumps(({args.expr}))).decode()"
         values = {}
         for sb in ids:
@@ -408,7 +377,7 @@ class ForkdMagics(Magics):
         import ast
         lines = [""] * n
         for spec in specs:
-            name, sep, expr = _unquote(spec).partition("=")
+            name, sep, expr = unquote(spec).partition("=")
             name = name.strip()
             if not sep or not name.isidentifier():
                 raise UsageError(f"forkd run: --each takes NAME=EXPR, e.g. --each \"lr=[0.01, 0.1]\"; got {spec!r}")
@@ -416,7 +385,7 @@ class ForkdMagics(Magics):
             try:
                 values = eval(expr, ns)  # noqa: S307 - the user's own namespace, like {expr} expansion
             except NameError as exc:
-                raise UsageError(f"forkd run: --each {name}: {exc}") from None
+                raise UndefinedName(f"{exc}: in --each {name}=...") from None
             if not isinstance(values, (list, tuple)) or len(values) != n:
                 raise UsageError(f"forkd run: --each {name} needs a list of {n} values (one per sandbox), "
                                  f"got {type(values).__name__} of {len(values) if hasattr(values, '__len__') else '?'}")
@@ -441,10 +410,30 @@ class ForkdMagics(Magics):
         raise self._needs_kernel("log")
 
     def _connect(self, args, cell):
-        self._controller = Controller(args.url, args.token)
-        self._controller.healthz()
-        print(f"forkd: using {self._controller.base_url}")
-        return self._controller
+        """The token: $FORKD_TOKEN, else (the server asks for one) a prompt that does not echo."""
+        controller = Controller(args.url)
+        controller.healthz()  # answers without a token: is anyone there at all
+        try:
+            controller.list_snapshots()
+        except ControllerError as exc:
+            if exc.status != 401:
+                raise
+            why = "refused $FORKD_TOKEN" if os.environ.get("FORKD_TOKEN") else "needs a token"
+            try:
+                controller.token = getpass.getpass(f"{controller.base_url} {why}; its token (not echoed): ").strip()
+            except (StdinNotImplementedError, EOFError):  # nbconvert, a kernel without stdin
+                raise UsageError(f"forkd connect: {controller.base_url} {why} and this front end cannot ask "
+                                 f"for one: set FORKD_TOKEN where the kernel starts") from None
+            controller.list_snapshots()  # a wrong one is a 401 the user reads
+        self._controller = controller
+        self._completer_reset()
+        print(f"forkd: using {controller.base_url}")
+        return controller
+
+    def _completer_reset(self) -> None:
+        completer = getattr(self, "completer", None)
+        if completer is not None:
+            completer.forget()
 
 
-ForkdMagics.forkd.__doc__ = _HELP + "\n".join(p.__doc__ for p in SUBCOMMANDS.values())
+ForkdMagics.forkd.__doc__ = HELP + "\n".join(p.__doc__ for p in SUBCOMMANDS.values())

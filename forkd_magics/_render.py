@@ -22,7 +22,9 @@ def _bundle_html(data: dict) -> str:
 
 
 def _pre(text: str, style: str = "") -> str:
-    return f'<pre style="margin:0;white-space:pre-wrap;{style}">{html.escape(text)}</pre>'
+    # JupyterLab's output <pre> has word-break: break-all; a column wraps between words instead
+    return (f'<pre style="margin:0;white-space:pre-wrap;word-break:normal;overflow-wrap:anywhere;{style}">'
+            f'{html.escape(text)}</pre>')
 
 
 def _error_text(error: dict) -> str:

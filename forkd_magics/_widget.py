@@ -26,6 +26,7 @@ import traitlets
 
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
+from ._scope import Scope
 from ._static import static_svg
 
 _HERE = pathlib.Path(__file__).parent
@@ -82,7 +83,10 @@ def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, 
 
 
 class LineageWidget(anywidget.AnyWidget):
-    """The lineage tree of a forkd server, live. ``LineageWidget()`` finds the server like the SDK."""
+    """The lineage tree of a forkd server, live. ``LineageWidget()`` finds the server like the SDK.
+
+    ``scope``: show only what it holds (a notebook's nodes, see ``_scope``) and their ancestors, so the
+    lineage stays whole; None shows everything. ``labels`` go on what its buttons create."""
 
     _esm = widget_esm()
     _css = _HERE / "lineage.css"
@@ -92,9 +96,13 @@ class LineageWidget(anywidget.AnyWidget):
     live = traitlets.Bool(False).tag(sync=True)
     server = traitlets.Unicode("").tag(sync=True)
 
-    def __init__(self, controller: Controller | None = None, *, live: bool = True, **kwargs):
+    def __init__(self, controller: Controller | None = None, *, live: bool = True, scope: Scope | None = None,
+                 labels: dict[str, str] | None = None, **kwargs):
         super().__init__(**kwargs)
         self.controller = controller or Controller()
+        self.scope = None if scope is None or scope.everything else scope
+        self._outside: set[str] = set()
+        self.labels = dict(labels or {})
         self.server = self.controller.base_url
         self._lock = threading.RLock()
         self._history: dict[str, list[str]] = {}
@@ -124,7 +132,8 @@ class LineageWidget(anywidget.AnyWidget):
             counts[node["kind"]] = counts.get(node["kind"], 0) + 1
         snaps, sbs = counts.get("snapshot", 0), counts.get("sandbox", 0)
         return (f"LineageWidget({self.server!r}: {snaps} snapshot{'' if snaps == 1 else 's'}, "
-                f"{sbs} sandbox{'' if sbs == 1 else 'es'}{', live' if self.live else ''})")
+                f"{sbs} sandbox{'' if sbs == 1 else 'es'}{f' of {self.scope}' if self.scope else ''}"
+                f"{', live' if self.live else ''})")
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -138,16 +147,30 @@ class LineageWidget(anywidget.AnyWidget):
             kernels = []
         with self._lock:
             tree = build_tree(snapshots, sandboxes, self._history)
+            head_kernels: dict[str, list[str]] = {}
             for k in kernels:
+                head_kernels.setdefault(k.get("head"), []).append(k["kernel_id"])
                 node = tree.get(k.get("head"))
                 if node is not None:
                     node.setdefault("heads", []).append(k.get("notebook") or f"kernel {k['kernel_id'][:8]}")
+            if self.scope is not None:
+                tree = self._within_scope(tree, head_kernels)
             for node_id, node in tree.items():
                 self._history[node_id] = node["history"]
             for gone in set(self._history) - set(tree):
                 del self._history[gone]
             self.tree = tree  # traits sync on assignment: always a new dict
         return tree
+
+    def _within_scope(self, tree: dict, head_kernels: dict[str, list[str]]) -> dict:
+        """The scope's nodes and their ancestors (context, as in the lab panel's "this notebook")."""
+        keep: set[str] = set()
+        for node_id, node in tree.items():
+            if self.scope.matches(node["labels"], head_kernels.get(node_id, ())):
+                keep.update(node["lineage"])
+                keep.add(node_id)
+        self._outside = set(tree) - keep  # their status changes need no re-read
+        return {node_id: node for node_id, node in tree.items() if node_id in keep}
 
     def apply_event(self, event: dict) -> None:
         """Fold one ``/v1/events`` event into the tree (new nodes are read from the server)."""
@@ -157,6 +180,8 @@ class LineageWidget(anywidget.AnyWidget):
         node_id = event.get("tag") if event.get("kind") == "snapshot" else event.get("id")
         action, status = event.get("action"), event.get("status")
         with self._lock:
+            if node_id in self._outside:  # another notebook's (labels never change; HEAD moves are kernel events)
+                return
             if status and node_id:
                 seen = self._history.setdefault(node_id, [])
                 if not seen or seen[-1] != status:
@@ -271,11 +296,11 @@ class LineageWidget(anywidget.AnyWidget):
                     return f"error: branch {node_id}: unknown mode {mode!r} (use {', '.join(BRANCH_MODES)})"
                 # live returns while memory is still being written (writing -> ready follows as
                 # events); diff and full copy in the pause, so the server answers when they are done
-                info = ctl.branch_sandbox(node_id, mode=mode, wait=mode != "live")
+                info = ctl.branch_sandbox(node_id, mode=mode, wait=mode != "live", labels=self.labels)
                 msg = f"branched {node_id} into {info['tag']} (paused {info.get('pause_ms', 0):.1f} ms)"
             elif action == "fork":
                 n = int(n)
-                kids = ctl.spawn_sandboxes(node_id, n)
+                kids = ctl.spawn_sandboxes(node_id, n, labels=self.labels)
                 msg = f"forked {len(kids)} sandbox{'es' if len(kids) != 1 else ''} from {node_id}"
             elif action == "kill":
                 ctl.kill_sandbox(node_id)

@@ -131,7 +131,13 @@ class ForkdApp(ExtensionApp):
 
     def initialize_settings(self) -> None:
         from .controller import Controller
+        from .datadir_lock import DataDirBusy, DataDirLock
 
+        try:  # one server per data dir (datadir_lock.py says why)
+            self.data_dir_lock = DataDirLock.acquire(os.path.expanduser(self.data_dir))
+        except DataDirBusy as exc:
+            self.log.critical("forkd: %s", exc)
+            self.serverapp.exit(1)  # as jupyter_server refuses root without --allow-root
         self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
                                      default_engine=self.default_engine)
         self.executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="forkd")
@@ -158,6 +164,8 @@ class ForkdApp(ExtensionApp):
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         self.events.loop = asyncio.get_running_loop()
+        prefix = self.route_prefix.rstrip("/")
+        self.data_dir_lock.announce(serverapp.connection_url.rstrip("/") + (f"/{prefix}" if prefix else ""))
 
     async def stop_extension(self) -> None:
         if self.controller is None:
@@ -168,3 +176,4 @@ class ForkdApp(ExtensionApp):
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.controller.close()
         self.controller = None
+        self.data_dir_lock.release()

@@ -52,7 +52,7 @@ def _warn_lossy(info: dict, source: str) -> None:
         lost = "".join(f"\n  - {w}" for w in info["warnings"])
         warnings.warn(ForkWarning(f"branch {info.get('tag')} of {source} did not carry:{lost}"), stacklevel=3)
 
-__all__ = ["Controller", "ControllerError", "ServerUnreachable", "ForkWarning", "Sandbox", "Snapshot", "CommandResult",
+__all__ = ["Controller", "ControllerError", "ServerUnreachable", "ServerTimeout", "ForkWarning", "Sandbox", "Snapshot", "CommandResult",
            "Execution", "EventStream", "discover_server"]
 
 
@@ -85,6 +85,19 @@ class ServerUnreachable(urllib.error.URLError):
     def __str__(self) -> str:
         return (f"no forkd server answers at {self.url} ({self.reason}); start one with `forkd serve`, "
                 f"or point FORKD_URL (and FORKD_TOKEN) at a running one")
+
+
+class ServerTimeout(ServerUnreachable):
+    """The server took the request but gave no answer in time (it is there, but busy or stuck)."""
+
+    def __init__(self, url: str, reason: Any, timeout: float):
+        super().__init__(url, reason)
+        self.timeout = timeout
+
+    def __str__(self) -> str:
+        return (f"the forkd server at {self.url} gave no answer within {self.timeout:g} s; it is up, but what it "
+                f"waits on (a sandbox that does not answer, a long setup) is taking longer: try again, or pass a "
+                f"longer timeout")
 
 
 # --- finding a running server -------------------------------------------------------------------
@@ -145,6 +158,11 @@ def discover_server() -> tuple[str, str | None] | None:
 
 # --- the Controller (forkd's SDK surface, plus ours) ---------------------------------------------
 
+def _label_query(labels: dict[str, str] | None) -> dict | None:
+    """``{"k": "v", ...}`` as the repeatable ``?label=k=v`` filter (every pair must match)."""
+    return {"label": [f"{k}={v}" for k, v in labels.items()]} if labels else None
+
+
 class Controller:
     """forkd's ``Controller``: the same method names, arguments and wire bodies, plus extras."""
 
@@ -167,7 +185,7 @@ class Controller:
               content_type: str | None = None, timeout: float | None = None, query: dict | None = None):
         url = self.base_url + path
         if query:
-            url += "?" + urllib.parse.urlencode(query)
+            url += "?" + urllib.parse.urlencode(query, doseq=True)
         headers = {}
         data = None
         if body is not None:
@@ -179,8 +197,9 @@ class Controller:
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         req = urllib.request.Request(url, data=data, headers=headers, method=method)
+        timeout = timeout or self.timeout
         try:
-            return urllib.request.urlopen(req, timeout=timeout or self.timeout)  # noqa: S310
+            return urllib.request.urlopen(req, timeout=timeout)  # noqa: S310
         except urllib.error.HTTPError as exc:
             text = exc.read()
             try:
@@ -188,9 +207,11 @@ class Controller:
             except ValueError:
                 parsed = text.decode("utf-8", "replace")
             raise ControllerError(exc.code, parsed, url) from None
-        except urllib.error.URLError as exc:
+        except urllib.error.URLError as exc:  # no connection (urllib wraps what happens up to the request)
             raise ServerUnreachable(self.base_url, exc.reason) from None
-        except (ConnectionError, socket.timeout) as exc:
+        except TimeoutError as exc:  # connected and asked, but no answer in time
+            raise ServerTimeout(self.base_url, exc, timeout) from None
+        except ConnectionError as exc:
             raise ServerUnreachable(self.base_url, exc) from None
 
     def _request(self, method: str, path: str, body: Any = None, **kw) -> Any:
@@ -200,8 +221,9 @@ class Controller:
 
     # -- forkd's methods (wire-identical) --
 
-    def list_snapshots(self) -> list[dict]:
-        return self._request("GET", "/v1/snapshots")
+    def list_snapshots(self, *, labels: dict[str, str] | None = None) -> list[dict]:
+        """Every snapshot; with ``labels``, those carrying all of them (``?label=k=v``)."""
+        return self._request("GET", "/v1/snapshots", query=_label_query(labels))
 
     def delete_snapshot(self, tag: str, *, cascade: bool = False, force: bool = False) -> None:
         query = {k: "true" for k, v in (("cascade", cascade), ("force", force)) if v}
@@ -209,17 +231,21 @@ class Controller:
 
     def spawn_sandboxes(self, snapshot_tag: str, n: int = 1, per_child_netns: bool = False,
                         memory_limit_mib: int | None = None, prewarm: bool = False, live_fork: bool = False,
-                        hugepages: bool = False) -> list[dict]:
+                        hugepages: bool = False, *, labels: dict[str, str] | None = None) -> list[dict]:
+        """``labels``: added to the ones each child inherits from its snapshot."""
         body: dict = {"snapshot_tag": snapshot_tag, "n": n, "per_child_netns": per_child_netns}
         if memory_limit_mib is not None:
             body["memory_limit_mib"] = memory_limit_mib
+        if labels:
+            body["labels"] = dict(labels)
         for name, value in (("prewarm", prewarm), ("live_fork", live_fork), ("hugepages", hugepages)):
             if value:
                 body[name] = True
         return self._request("POST", "/v1/sandboxes", body)
 
-    def list_sandboxes(self) -> list[dict]:
-        return self._request("GET", "/v1/sandboxes")
+    def list_sandboxes(self, *, labels: dict[str, str] | None = None) -> list[dict]:
+        """Every running sandbox; with ``labels``, those carrying all of them."""
+        return self._request("GET", "/v1/sandboxes", query=_label_query(labels))
 
     def get_sandbox(self, sandbox_id: str) -> dict:
         return self._request("GET", f"/v1/sandboxes/{sandbox_id}")
@@ -229,9 +255,11 @@ class Controller:
 
     def branch_sandbox(self, sandbox_id: str, tag: str | None = None, diff: bool = False,
                        measure_diff: bool = False, mode: str | None = None, wait: bool = True,
-                       parent_tag: str | None = None, lossy: bool = False) -> dict:
+                       parent_tag: str | None = None, lossy: bool = False, *,
+                       labels: dict[str, str] | None = None) -> dict:
         """Branch a running sandbox. A branch that would lose running work is refused (409 naming
-        each item) unless ``lossy``; then the reply's ``warnings`` list it and a ForkWarning says so."""
+        each item) unless ``lossy``; then the reply's ``warnings`` list it and a ForkWarning says so.
+        The snapshot keeps the sandbox's labels, updated by ``labels``."""
         body: dict = {}
         if tag is not None:
             body["tag"] = tag
@@ -247,6 +275,8 @@ class Controller:
             body["parent_tag"] = parent_tag
         if lossy:
             body["lossy"] = True
+        if labels:
+            body["labels"] = dict(labels)
         info = self._request("POST", f"/v1/sandboxes/{sandbox_id}/branch", body)
         _warn_lossy(info, sandbox_id)
         return info
@@ -288,15 +318,19 @@ class Controller:
                         engine: str = "auto", mem_size_mib: int | None = None, host_network: bool = False,
                         disk_mib: int | None = None, packages: list[str] | None = None,
                         timeout: float = 900, shell: str | None = None, lossy: bool = False,
-                        setup_timeout_secs: float | None = None, memory_limit_mib: int | None = None) -> dict:
+                        setup_timeout_secs: float | None = None, memory_limit_mib: int | None = None,
+                        labels: dict[str, str] | None = None) -> dict:
         """``setup_timeout_secs`` bounds the whole creation (600 s unless given); the setup runs within
-        a sandbox's limits, ``memory_limit_mib`` (the engine's default unless given) among them."""
+        a sandbox's limits, ``memory_limit_mib`` (the engine's default unless given) among them.
+        ``labels``: string -> string pairs the snapshot carries, and its children and branches inherit."""
         body: dict = {"tag": tag, "engine": engine}
         if setup_timeout_secs is not None:
             body["setup_timeout_secs"] = setup_timeout_secs
             timeout = max(timeout, setup_timeout_secs + 60)
         if memory_limit_mib is not None:
             body["memory_limit_mib"] = memory_limit_mib
+        if labels:
+            body["labels"] = dict(labels)
         if shell is not None:
             body["shell"] = shell
         if lossy:
@@ -408,8 +442,9 @@ class Controller:
         from .streaming import Session
         return Session(self, sandbox_id, shell=shell, timeout=timeout)
 
-    def tree(self) -> list[dict]:
-        return self._request("GET", "/v1/tree")
+    def tree(self, *, labels: dict[str, str] | None = None) -> list[dict]:
+        """The lineage as nodes; with ``labels``, the nodes carrying all of them and their ancestors."""
+        return self._request("GET", "/v1/tree", query=_label_query(labels))
 
     def events(self, timeout: float | None = None) -> "EventStream":
         """Subscribe to change events (``{"kind", "action", "tag"|"id", "status", ...}``).
@@ -589,9 +624,9 @@ class Sandbox:
         return cls(sandbox_id, controller)
 
     @classmethod
-    def list(cls, controller: Controller | None = None) -> list["Sandbox"]:
+    def list(cls, controller: Controller | None = None, *, labels: dict[str, str] | None = None) -> list["Sandbox"]:
         controller = controller or Controller()
-        return [cls(i, controller) for i in controller.list_sandboxes()]
+        return [cls(i, controller) for i in controller.list_sandboxes(labels=labels)]
 
     @property
     def id(self) -> str:
@@ -600,6 +635,10 @@ class Sandbox:
     @property
     def snapshot_tag(self) -> str:
         return self.info["snapshot_tag"]
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self.info.get("labels") or {})
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, snapshot_tag={self.snapshot_tag!r})"
@@ -656,11 +695,12 @@ class Sandbox:
         return self.controller.interrupt(self.id)
 
     def branch(self, tag: str | None = None, *, mode: str | None = None, wait: bool = True,
-               lossy: bool = False) -> "Snapshot":
+               lossy: bool = False, labels: dict[str, str] | None = None) -> "Snapshot":
         """Turn this running sandbox into a new snapshot (it keeps running). ``lossy``: fork even if
-        running work stays behind (a ForkWarning and ``Snapshot.warnings`` list it)."""
-        return Snapshot(self.controller.branch_sandbox(self.id, tag, mode=mode, wait=wait, lossy=lossy),
-                        self.controller)
+        running work stays behind (a ForkWarning and ``Snapshot.warnings`` list it). ``labels``
+        update the ones it inherits from this sandbox."""
+        return Snapshot(self.controller.branch_sandbox(self.id, tag, mode=mode, wait=wait, lossy=lossy,
+                                                       labels=labels), self.controller)
 
     def inventory(self) -> list[str]:
         """What a branch now would not carry (always [] on the VM engine)."""
@@ -719,6 +759,10 @@ class Snapshot:
     @property
     def branched_from(self) -> str | None:
         return self.info.get("branched_from")
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self.info.get("labels") or {})
 
     @property
     def warnings(self) -> list[str]:

@@ -4,7 +4,8 @@
     python3 scripts/execute_notebooks.py quickstart      # one (name without .ipynb)
 
 Each notebook runs on the kernel its metadata names (``python3``, or ``forkd-python`` for the ones
-that run on the forkd kernel), then everything the server still holds is deleted and it stops.
+that run on the forkd kernel), with ``$JPY_SESSION_NAME`` set as Jupyter sets it (the magics label what
+they make with it: "this notebook"), then everything the server still holds is deleted and it stops.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def main(names: list[str]) -> int:
     try:
         for path in notebooks:
             print(f"executing {path.name} ...", flush=True)
+            env = {**os.environ, "JPY_SESSION_NAME": f"notebooks/{path.name}"}
             done = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
                                    "--inplace", "--ExecutePreprocessor.timeout=300", str(path)],
-                                  cwd=path.parent, env=os.environ.copy())
+                                  cwd=path.parent, env=env)
             failed += done.returncode != 0
     finally:
         server.stop()

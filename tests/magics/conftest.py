@@ -17,7 +17,10 @@ import tempfile
 from dataclasses import dataclass
 
 import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
 
+from forkd_magics._scope import Scope
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
 def free_port() -> int:
@@ -102,4 +105,41 @@ def forkd(forkd_server):
     yield forkd_server
     forkd_server.clean()
 
-__all__ = ["ForkdServer", "free_port"]
+@pytest.fixture(scope="session")
+def shell():
+    """One IPython shell (IPython keeps one per process), with the magics loaded."""
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "forkd_magics")
+    yield ip
+    ip.run_line_magic("unload_ext", "forkd_magics")
+
+
+@pytest.fixture
+def ip(shell, forkd, monkeypatch):
+    """The shell with fresh magics pointed at the test's server, outside any notebook."""
+    monkeypatch.setenv("FORKD_URL", forkd.url)
+    monkeypatch.setenv("FORKD_TOKEN", forkd.token)
+    shell.run_line_magic("reload_ext", "forkd_magics")  # a fresh ForkdMagics reads the env
+    for name in [n for n in shell.user_ns if not n.startswith("_") and n not in shell.user_ns_hidden]:
+        del shell.user_ns[name]
+    return shell
+
+
+def magics(ip):
+    return ip.magics_manager.registry["ForkdMagics"]
+
+
+def in_notebook(ip, kernel_id: str, notebook: str | None = None) -> None:
+    """From now on the magics act as a notebook's kernel would (its id and path: see
+    test_scope.py for the same labels taken from a real kernel)."""
+    magics(ip)._scope = Scope(kernel_id, notebook)
+
+
+def cell(ip, source: str):
+    """Run a cell like the notebook does; returns (result, captured output)."""
+    with capture_output() as out:
+        result = ip.run_cell(source, store_history=False)
+    return result, out
+
+
+__all__ = ["ForkdServer", "free_port", "cell", "magics", "in_notebook"]

@@ -53,7 +53,8 @@ def lab(forkd):
          "--ServerApp.port_retries=0", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
          f"--LabApp.workspaces_dir={root}/ws", f"--LabApp.user_settings_dir={root}/settings",
          "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True"],
-        env={**forkd.env, "JUPYTER_RUNTIME_DIR": os.path.join(root, "rt")},
+        # a data dir of its own: one server per data dir, and the kernels use `forkd` anyway
+        env={**forkd.env, "JUPYTER_RUNTIME_DIR": os.path.join(root, "rt"), "FORKD_DATA_DIR": os.path.join(root, "fd")},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90

@@ -3,37 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.lib.pretty import pretty
-from IPython.utils.capture import capture_output
 
 from forkd_magics._magics import SUBCOMMANDS, ExecResult, ForkdMagics, Listing
 from forkd_magics._render import RunResults
 from forkd_server.client import Sandbox, Snapshot
 
-
-@pytest.fixture(scope="module")
-def shell():
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "forkd_magics")
-    yield ip
-    ip.run_line_magic("unload_ext", "forkd_magics")
-
-
-@pytest.fixture
-def ip(shell, forkd, monkeypatch):
-    monkeypatch.setenv("FORKD_URL", forkd.url)
-    monkeypatch.setenv("FORKD_TOKEN", forkd.token)
-    shell.run_line_magic("reload_ext", "forkd_magics")  # a fresh ForkdMagics reads the env
-    shell.user_ns.pop("kids", None)
-    return shell
-
-
-def cell(ip, source: str):
-    """Run a cell like the notebook does; returns (result, captured output)."""
-    with capture_output() as out:
-        result = ip.run_cell(source, store_history=False)
-    return result, out
+from .conftest import cell
 
 
 def test_load_ext_registers_line_and_cell_magic_idempotently(shell):
@@ -133,8 +109,8 @@ def test_delete_snapshot(ip, forkd):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("fork -t nope", "UsageError: forkd fork: snapshot nope not found (HTTP 404)"),
-    ("kill sb-nope", "UsageError: forkd kill: sandbox sb-nope not found (HTTP 404)"),
+    ("fork -t nope", "UsageError: forkd fork: snapshot nope not found on http://127.0.0.1:"),
+    ("kill sb-nope", "UsageError: forkd kill: sb-nope: no such sandbox is running (killed already, or a wrong id)"),
     ("frobnicate", "UsageError: forkd: unknown subcommand 'frobnicate'"),
     ("fork -n 2", 'UsageError: forkd fork: this notebook runs in a plain kernel, not in a sandbox; use the '
                   '"Python 3 (forkd)" kernel'),
@@ -143,7 +119,7 @@ def test_delete_snapshot(ip, forkd):
     ("branch sb-x --diff --live", "UsageError: forkd branch: --diff and --live exclude each other"),
     ("run sb-x", "UsageError: forkd run is a cell magic"),
     ("exec sb-x", "UsageError: forkd exec: give a command"),
-    ("branch two", "UsageError: forkd: two names 2 sandboxes; give exactly one"),
+    ("branch two", "UsageError: forkd branch: two names 2 sandboxes; give exactly one"),
     ("snapshot -t pk --engine process --package python3-numpy", "UsageError: forkd snapshot: packages need engine vm"),
     ("snapshot -t pk --package Bad_Name", "UsageError: forkd snapshot: 'Bad_Name' is not a Debian package name"),
 ])

@@ -1,5 +1,7 @@
-"""The demo notebooks under nbval (strict: every output compared, after sanitizing ids and timings),
-each on a fresh kernel, against the real ``forkd serve`` this session started."""
+"""The demo notebooks under nbval (strict: every output compared, after sanitizing ids, timings and
+measured sizes), each on a fresh kernel, against the real ``forkd serve`` this session started, with
+``$JPY_SESSION_NAME`` set as Jupyter sets it for a notebook's kernel. Each starts by removing what an
+earlier run of it left, so it passes again after a run that was cut short."""
 
 from __future__ import annotations
 
@@ -9,32 +11,39 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from jupyter_client.manager import KernelManager
 
 NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
 SANITIZE = NOTEBOOKS / "nbval-sanitize.cfg"
 ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
+FRESH_START = "%forkd kill --all"
 
 
 def test_the_demo_notebooks_are_there():
     assert ALL == ["agent-mid-thought.ipynb", "hyperparameter-fanout.ipynb", "quickstart.ipynb",
-                   "safe-destructive-operation.ipynb", "time-travel.ipynb"]
+                   "safe-destructive-operation.ipynb", "time-travel.ipynb", "what-a-fork-costs.ipynb"]
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_notebook_under_nbval(forkd, name):
+def env_of(forkd, name: str) -> dict:
+    return {**forkd.env, "JPY_SESSION_NAME": f"notebooks/{name}"}
+
+
+def under_nbval(forkd, name: str) -> None:
+    """Run one notebook under strict nbval; it must pass and leave the server as it found it."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     on_forkd_kernel = nb.metadata.get("kernelspec", {}).get("name") == "forkd-python"
-    if not on_forkd_kernel:
-        assert code[0].source == "%load_ext forkd_magics"
-    assert all(c.outputs or c.source.startswith("%load_ext") or "=" in c.source.splitlines()[-1]
-               for c in code), "stored outputs are what nbval compares: run the notebook before committing it"
+    first = code[0].source.splitlines()
+    assert (first[0] == "%load_ext forkd_magics" or on_forkd_kernel) and any(
+        line.startswith(FRESH_START) for line in first), "a demo starts by removing what an earlier run left"
+    assert all(c.outputs or "=" in c.source.splitlines()[-1] for c in code), \
+        "stored outputs are what nbval compares: run scripts/execute_notebooks.py before committing"
     # A notebook on the forkd kernel runs on that kernel (its kernelspec); the others in this environment.
     current_env = [] if on_forkd_kernel else ["--nbval-current-env"]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", *current_env,
          "--nbval-sanitize-with", str(SANITIZE), "--nbval-cell-timeout", "120", str(NOTEBOOKS / name)],
-        env=forkd.env, cwd=NOTEBOOKS, capture_output=True, text=True, timeout=300)
+        env=env_of(forkd, name), cwd=NOTEBOOKS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert f"{len(code)} passed" in proc.stdout
     # the notebook cleaned up after itself (a forkd kernel's shutdown frees its own sandbox; its base
@@ -51,3 +60,31 @@ def test_notebook_under_nbval(forkd, name):
             ctl.kill_sandbox(kernel["head"])
             ctl.forget_kernel(kernel["kernel_id"])
     assert ctl.list_sandboxes() == []
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_notebook_under_nbval(forkd, name):
+    under_nbval(forkd, name)
+
+
+def test_a_notebook_cut_short_runs_again(forkd):
+    """Run the quickstart's cells up to its branch in a kernel, kill the kernel (what is made stays on
+    the server, as after a crash or an interrupted "Run all"), then run the whole notebook again."""
+    nb = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    upto = next(i for i, src in enumerate(code) if src.startswith("branch.wait()"))
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env=env_of(forkd, "quickstart.ipynb"), cwd=str(NOTEBOOKS))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        for src in code[:upto + 1]:
+            assert kc.execute_interactive(src, timeout=120, output_hook=lambda m: None)["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    ctl = forkd.controller()
+    assert sorted(s["tag"] for s in ctl.list_snapshots()) == ["quickstart", "quickstart-b1"]
+    assert len(ctl.list_sandboxes()) == 3
+    under_nbval(forkd, "quickstart.ipynb")
