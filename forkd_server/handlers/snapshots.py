@@ -48,7 +48,7 @@ class SnapshotsHandler(ForkdHandler):
             if body.get("boot_wait_secs", 10) > 60:
                 raise ApiError(400, "boot_wait_secs must be at most 60")
             engine = "vm"
-        info = await self.call(self.controller.create_snapshot, body["tag"], engine=engine,
+        info = await self.long_call("a snapshot", self.controller.create_snapshot, body["tag"], engine=engine,
                                setup=body.get("setup"), setup_commands=body.get("setup_commands"),
                                mem_size_mib=body.get("mem_size_mib"), host_network=body.get("host_network", False),
                                disk_mib=body.get("disk_mib"), packages=body.get("packages"),
@@ -89,4 +89,4 @@ class SnapshotCompactHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, tag: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.call(self.controller.compact_snapshot, tag, body["to"]))  # 200, as in forkd
+        self.send(await self.long_call("a compaction", self.controller.compact_snapshot, tag, body["to"]))  # 200

@@ -25,7 +25,7 @@ class WorkspacesHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.call(self.controller.create_workspace, body["name"], body["snapshot_tag"],
+        self.send(await self.long_call("a workspace", self.controller.create_workspace, body["name"], body["snapshot_tag"],
                                   memory_limit_mib=body.get("memory_limit_mib")), 201)
 
 
@@ -52,7 +52,7 @@ class WorkspaceSuspendHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, name: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.call(self.controller.suspend_workspace, name, diff=body.get("diff", False)))
+        self.send(await self.long_call("a suspend", self.controller.suspend_workspace, name, diff=body.get("diff", False)))
 
 
 class WorkspaceResumeHandler(ForkdHandler):
@@ -63,4 +63,4 @@ class WorkspaceResumeHandler(ForkdHandler):
     @web.authenticated
     @authorized(action="execute")
     async def post(self, name: str) -> None:
-        self.send(await self.call(self.controller.resume_workspace, name))
+        self.send(await self.long_call("a resume", self.controller.resume_workspace, name))
