@@ -100,8 +100,8 @@ def out_of_range(name: str, value, bounds: dict) -> str | None:
     above = bounds.get("exclusiveMinimum")
     if (low is not None and value < low) or (high is not None and value > high) or \
             (above is not None and value <= above):
-        lower = f"more than {above:g}" if above is not None else f"at least {low:g}" if low is not None else ""
-        upper = f"at most {high:g}" if high is not None else ""
+        lower = f"more than {above}" if above is not None else f"at least {low}" if low is not None else ""
+        upper = f"at most {high}" if high is not None else ""
         return f"field `{name}` must be {' and '.join(p for p in (lower, upper) if p)}, got {value!r:.40}"
     return None
 

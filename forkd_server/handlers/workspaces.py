@@ -6,9 +6,10 @@ from jupyter_server.auth.decorator import authorized
 from tornado import web
 
 from .base import ForkdHandler
+from .sandboxes import MEMORY_LIMIT
 
 WORKSPACE_CREATE = {"name": ("string", True), "snapshot_tag": ("string", True),
-                    "per_child_netns": ("boolean", False), "memory_limit_mib": ("integer", False)}
+                    "per_child_netns": ("boolean", False), "memory_limit_mib": ("integer", False, MEMORY_LIMIT)}
 SUSPEND = {"diff": ("boolean", False)}
 
 
