@@ -48,7 +48,7 @@ def scrub(uri: str) -> str:
 MIB = 1 << 20
 # A body spec maps each field to (JSON type, required) or (JSON type, required, range), the range
 # in JSON Schema's words (minimum, maximum, exclusiveMinimum), as openapi.json states it. Types:
-# string, integer (>= 0 unless its range says more), number (finite), boolean, string[],
+# string, integer (>= 0 unless its range says more; 3.0 counts), number (finite), boolean, string[],
 # string[][], env, labels.
 
 
@@ -57,8 +57,9 @@ def _is(kind: str, value) -> bool:
         return isinstance(value, str)
     if kind == "boolean":
         return isinstance(value, bool)
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if kind == "integer":  # JSON Schema's integer: 3.0 is one (taken as 3)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and value == int(value) and value >= 0
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if kind == "string[]":
@@ -89,7 +90,7 @@ def query_bool(handler: web.RequestHandler, name: str) -> bool:
 def query_labels(handler: web.RequestHandler) -> dict[str, str]:
     """The repeatable ``?label=key=value`` filter (every pair must match)."""
     try:
-        return label_filter(handler.get_query_arguments("label"))
+        return label_filter(handler.get_query_arguments("label", strip=False))  # exact, spaces included
     except ForkdError as exc:
         raise ApiError(exc.status, exc.message) from None
 
@@ -187,8 +188,15 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
             message = (exc.log_message % exc.args) if exc.log_message else (exc.reason or self._reason)
         else:
             message = "internal error" if exc is None else f"internal error: {type(exc).__name__}: {exc}"
+        if status_code == 405:  # RFC 9110: a 405 lists the methods the route has
+            self.set_header("Allow", ", ".join(self.allowed_methods()))
         self.clear_header("Content-Type")
         self.finish(json.dumps({"error": message, **(exc.fields if isinstance(exc, ApiError) else {})}))
+
+    @classmethod
+    def allowed_methods(cls) -> list[str]:
+        return [verb.upper() for verb in ("get", "post", "put", "delete")
+                if getattr(cls, verb) is not getattr(web.RequestHandler, verb)]
 
     def compute_etag(self):
         # Replies describe live state and are never revalidated; hashing every reply (a listing of
@@ -223,16 +231,17 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
             return await call
         except ForkdError as exc:
             failure = exc
-        except Exception as exc:  # noqa: BLE001 - checked below, re-raised when not ours to explain
-            if not is_disk_full(exc):
-                raise
+        except Exception as exc:  # noqa: BLE001 - explained below when it is one of ours, else re-raised
             failure = exc
         if is_disk_full(failure):
             error = full_disk_error(self.controller.data_dir)
             raise ApiError(error.status, error.message, error.fields) from None
-        if failure.status == 500 and sandbox is not None and await self._sandbox_gone(sandbox):
+        status = failure.status if isinstance(failure, ForkdError) else 500
+        if status == 500 and sandbox is not None and await self._sandbox_gone(sandbox):
             raise ApiError(410, f"sandbox {sandbox} ended during this call (killed, or its process exited): "
-                                f"{failure.message}") from None
+                                f"{getattr(failure, 'message', failure)}") from None
+        if not isinstance(failure, ForkdError):
+            raise failure
         raise ApiError(failure.status, failure.message, failure.fields) from None
 
     async def _sandbox_gone(self, sandbox: str) -> bool:
@@ -273,8 +282,11 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
                 data.pop(name, None)
             elif not _is(kind, data[name]):
                 raise ApiError(422, f"invalid type for field `{name}`: expected {kind}")
-            elif bounds and (why := out_of_range(name, data[name], bounds[0])):
-                raise ApiError(400, why)
+            else:
+                if kind == "integer":
+                    data[name] = int(data[name])
+                if bounds and (why := out_of_range(name, data[name], bounds[0])):
+                    raise ApiError(400, why)
         return {k: v for k, v in data.items() if k in spec}
 
 

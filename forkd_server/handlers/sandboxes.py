@@ -194,7 +194,13 @@ class FilesHandler(ForkdHandler):
     max_body_bytes = MAX_FILE_BYTES  # what the agent writes at once
 
     def _path(self) -> str:
-        path = self.get_query_argument("path", "")
+        # The raw value: tornado's get_query_argument drops control characters, which would
+        # silently name another file; a NUL is refused instead (by the controller).
+        raw = (self.request.query_arguments.get("path") or [b""])[-1]
+        try:
+            path = raw.decode()
+        except UnicodeDecodeError:
+            raise ApiError(400, "the path query parameter must be UTF-8") from None
         if not path:
             raise ApiError(400, "the path query parameter is required, e.g. ?path=/tmp/data.csv")
         return path

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LimitReached,
-                    LossyFork,
+                    InvalidSpec, LossyFork,
                     SnapshotSpec)
 from . import rootfs
 from ..cgroups import CgroupError, Cgroups
@@ -242,6 +242,8 @@ class ProcessEngine:
         if got is None or not got[0].get("ok"):
             _unlink(path)
             detail = got[0].get("error") if got else self._log_tail(log_path)
+            if got and got[0].get("setup_failed"):  # the request's own setup: a 400, not an engine failure
+                raise InvalidSpec(f"snapshot {spec.tag!r}: its setup failed: {detail}")
             raise EngineError(f"snapshot {spec.tag!r} failed to start: {detail}")
         os.unlink(log_path)
         return self._handle(got[1], path, role="template")

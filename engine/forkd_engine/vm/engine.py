@@ -714,14 +714,14 @@ class VMEngine:
                 reply = channel.call({"action": "exec", "args": argv, "timeout": spec.setup_timeout},
                                      timeout=spec.setup_timeout + 10)
                 if reply.get("exit_code") != 0:
-                    raise EngineError(f"setup command {argv!r} failed: exit {reply.get('exit_code')}: "
+                    raise InvalidSpec(f"setup command {argv!r} failed: exit {reply.get('exit_code')}: "
                                       f"{(reply.get('stderr') or reply.get('error') or '')[-1500:]}")
             if spec.setup:
                 reply = channel.call({"action": "run_code", "code": spec.setup}, timeout=spec.setup_timeout)
                 if reply.get("error"):
                     err = reply["error"]
                     detail = f"{err.get('ename')}: {err.get('evalue')}" if isinstance(err, dict) else err
-                    raise EngineError(f"setup failed: {detail}")
+                    raise InvalidSpec(f"setup failed: {detail}")
             # Threads of the requests above may still be exiting: let them finish here, once, rather
             # than in every child after every restore.
             channel.call({"action": "settle"})
