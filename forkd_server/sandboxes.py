@@ -216,8 +216,11 @@ class SandboxManager:
         try:
             # queue_wait: a cell the agent cannot start soon (a kernel's cell holds its main thread)
             # is refused as busy before the deadline, so a deadline always finds our own cell running.
-            return self._agent(sandbox_id, {"action": "run_code", "code": code, "queue_wait": min(10.0, timeout / 2)},
-                               "run_code", timeout=timeout)
+            reply = self._agent(sandbox_id, {"action": "run_code", "code": code, "queue_wait": min(10.0, timeout / 2)},
+                                "run_code", timeout=timeout)
+            if reply.get("busy"):  # its main thread runs something else (a kernel's cell)
+                raise Conflict(f"{reply.get('error')} (POST /v1/sandboxes/{sandbox_id}/interrupt stops it)")
+            return reply
         except EngineFailure as exc:
             if not _timed_out(exc):
                 raise

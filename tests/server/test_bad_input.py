@@ -97,3 +97,13 @@ async def test_nested_session_message_is_an_error_reply(jp_fetch, jp_ws_fetch, s
         assert reply["type"] == "error_reply" and reply["content"]["ename"] == "JSONDecodeError"
     finally:
         ws.close()
+
+
+async def test_a_run_past_its_timeout_is_interrupted_not_a_500(jp_fetch, sandbox):  # noqa: F811
+    sid = sandbox["id"]
+    code, reply = await call(jp_fetch, "POST", "sandboxes", sid, "run",
+                             body={"code": "import time\nwhile True: time.sleep(0.01)", "timeout": 0.5})
+    assert code == 200 and reply["timed_out"] is True and reply["exit_code"] == 1
+    assert reply["error"]["ename"] == "TimeoutError" and "was interrupted" in reply["error"]["evalue"]
+    code, reply = await call(jp_fetch, "POST", "sandboxes", sid, "run", body={"code": "6 * 7"})
+    assert code == 200 and reply["result"] == {"text/plain": "42"}  # the sandbox is free again
