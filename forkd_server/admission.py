@@ -111,18 +111,7 @@ class Admission:
             if lane:
                 await self._enter_lane(sandbox, what)
             try:
-                self.running += 1
-                try:
-                    return await asyncio.get_running_loop().run_in_executor(self.long_pool, fn)
-                finally:
-                    self.running -= 1
-            except Exception as exc:
-                ended = self.lanes.get(sandbox) if sandbox is not None else None
-                if ended is not None and ended.ended and not isinstance(exc, Gone):
-                    self.ended_by_kill.inc()
-                    raise Gone(f"sandbox {sandbox} was killed during this call ({what}); "
-                               f"{ended.ended}") from exc
-                raise
+                return await self._run(fn, sandbox, what, lane)
             finally:
                 if lane:
                     self._leave_lane(sandbox)
@@ -131,6 +120,28 @@ class Admission:
             self.callers[caller] -= 1
             if self.callers[caller] <= 0:
                 del self.callers[caller]
+
+    async def _run(self, fn: Callable, sandbox: str | None, what: str, lane: bool):
+        self.running += 1
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self.long_pool, fn)
+        except Exception as exc:
+            if self._killed(sandbox):
+                raise self._gone(sandbox, what) from exc
+            raise
+        finally:
+            self.running -= 1
+        if lane and self._killed(sandbox):  # an answer the kill made (an exec whose process it ended)
+            raise self._gone(sandbox, what)
+        return result
+
+    def _killed(self, sandbox: str | None) -> bool:
+        lane = self.lanes.get(sandbox) if sandbox is not None else None
+        return lane is not None and lane.ended is not None
+
+    def _gone(self, sandbox: str, what: str) -> Gone:
+        self.ended_by_kill.inc()
+        return Gone(f"sandbox {sandbox} was killed during this call ({what}); {self.lanes[sandbox].ended}")
 
     def _take_slot(self, caller: str) -> None:
         if self.admitted >= self.max_long_calls:

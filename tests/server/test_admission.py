@@ -163,3 +163,16 @@ async def test_a_client_that_goes_away_passes_its_turn_on(admission):
     await t1
     third.release.set()
     assert await admission.long(third, caller="x", what="an eval", sandbox="s", lane=True) == "done"
+
+
+async def test_an_answer_that_comes_after_the_kill_began_is_410(admission):
+    """An exec whose process the kill ended answers normally (exit -9); the caller learns the truth."""
+    running = Blocker()
+    t1 = asyncio.ensure_future(admission.long(running, caller="x", what="an exec", sandbox="s", lane=True))
+    await until(running.started.is_set, "a call running")
+    done = admission.ending("s", "DELETE /v1/sandboxes/s")
+    running.release.set()  # returns "done", but after the kill began
+    with pytest.raises(Gone, match=r"sandbox s was killed during this call \(an exec\)"):
+        await t1
+    done(True)
+    assert not admission.lanes
