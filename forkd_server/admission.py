@@ -46,7 +46,7 @@ class Lane:
 
     running: str | None = None           # what runs ("an eval"), None when the lane is free
     since: float = 0.0
-    waiting: deque = field(default_factory=deque)   # futures, first come first served
+    waiting: deque = field(default_factory=deque)   # (future, what), first come first served
     ended: str | None = None             # why the sandbox is going away (a kill), if it is
 
 
@@ -166,13 +166,14 @@ class Admission:
             self.refused.labels(reason="sandbox_busy").inc()
             raise Conflict(self._busy(sandbox, lane, f"{len(lane.waiting)} more calls already wait for it"))
         turn = asyncio.get_running_loop().create_future()
-        lane.waiting.append(turn)
+        entry = (turn, what)
+        lane.waiting.append(entry)
         try:
             await asyncio.wait_for(asyncio.shield(turn), self.sandbox_queue_timeout)
         except asyncio.TimeoutError:
             if turn.done() and not turn.exception():  # our turn came as the wait ran out: take it
                 return
-            lane.waiting.remove(turn)
+            lane.waiting.remove(entry)
             self._drop_if_idle(sandbox)
             self.refused.labels(reason="queue_timeout").inc()
             raise Conflict(self._busy(sandbox, lane, f"this call waited {self.sandbox_queue_timeout:g} s for its "
@@ -180,8 +181,8 @@ class Admission:
         except asyncio.CancelledError:  # the client went away
             if turn.done() and not turn.cancelled() and not turn.exception():
                 self._leave_lane(sandbox)  # the turn was handed to us: pass it on
-            elif turn in lane.waiting:
-                lane.waiting.remove(turn)
+            elif entry in lane.waiting:
+                lane.waiting.remove(entry)
                 self._drop_if_idle(sandbox)
             raise
         # the lane was handed over with lane.running already set for us (see _leave_lane)
@@ -192,9 +193,9 @@ class Admission:
             return
         lane.running = None
         while lane.waiting:
-            turn = lane.waiting.popleft()
+            turn, what = lane.waiting.popleft()
             if not turn.done():
-                lane.running, lane.since = "a call", time.monotonic()
+                lane.running, lane.since = what, time.monotonic()
                 turn.set_result(None)
                 return
         self._drop_if_idle(sandbox)
@@ -228,7 +229,7 @@ class Admission:
 
     def _end_waiters(self, lane: Lane, why: str, sandbox: str) -> None:
         while lane.waiting:
-            turn = lane.waiting.popleft()
+            turn, _what = lane.waiting.popleft()
             if not turn.done():
                 self.ended_by_kill.inc()
                 turn.set_exception(Gone(f"sandbox {sandbox} was killed while this call waited for its turn; {why}"))
