@@ -18,7 +18,7 @@ SNAPSHOT_CREATE = {
     "shell": ("string", False), "lossy": ("boolean", False), "labels": ("labels", False),
     # forkd's own form (kernel + rootfs) selects the VM engine
     "kernel": ("string", False), "rootfs": ("string", False), "rw": ("boolean", False),
-    "tap": ("string", False), "boot_wait_secs": ("integer", False),
+    "tap": ("string", False), "boot_wait_secs": ("integer", False, {"maximum": 60}),
 }
 COMPACT = {"to": ("string", True)}
 
