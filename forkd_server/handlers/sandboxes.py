@@ -14,14 +14,14 @@ from tornado import web
 
 from forkd_engine.agent.runtime import MAX_FILE_BYTES
 
-from .base import MIB, ApiError, ForkdHandler, dumps, query_bool, query_labels
+from .base import ApiError, ForkdHandler, dumps, query_bool, query_labels
 
 # What no machine has: more is refused on the wire (400), before it reaches a registry column.
 MEMORY_LIMIT = {"maximum": 1 << 20}  # the controller checks the minimum (16), in forkd's order
 SPAWN = {
     "snapshot_tag": ("string", True), "n": ("integer", False), "per_child_netns": ("boolean", False),
-    "memory_limit_mib": ("integer", False, MEMORY_LIMIT), "prewarm": ("boolean", False), "live_fork": ("boolean", False),
-    "hugepages": ("boolean", False), "labels": ("labels", False),
+    "memory_limit_mib": ("integer", False, MEMORY_LIMIT), "prewarm": ("boolean", False),
+    "live_fork": ("boolean", False), "hugepages": ("boolean", False), "labels": ("labels", False),
 }
 MAX_TIMEOUT = 86400  # a day: past it a call is a job, not a request
 TIMEOUT = {"exclusiveMinimum": 0, "maximum": MAX_TIMEOUT}

@@ -26,8 +26,8 @@ class WorkspacesHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.long_call("a workspace", self.controller.create_workspace, body["name"], body["snapshot_tag"],
-                                  memory_limit_mib=body.get("memory_limit_mib")), 201)
+        self.send(await self.long_call("a workspace", self.controller.create_workspace, body["name"],
+                                       body["snapshot_tag"], memory_limit_mib=body.get("memory_limit_mib")), 201)
 
 
 class WorkspaceHandler(ForkdHandler):
@@ -53,7 +53,8 @@ class WorkspaceSuspendHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, name: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.long_call("a suspend", self.controller.suspend_workspace, name, diff=body.get("diff", False)))
+        self.send(await self.long_call("a suspend", self.controller.suspend_workspace, name,
+                                       diff=body.get("diff", False)))
 
 
 class WorkspaceResumeHandler(ForkdHandler):
