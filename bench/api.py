@@ -3,6 +3,8 @@
 Two operations, as issue 5's target states them (REST adds <= 2 ms p50):
   * ``POST /v1/sandboxes/{id}/ping`` versus ``Controller.ping(id)``, on one real sandbox;
   * ``GET /v1/sandboxes`` versus ``Controller.list_sandboxes()`` with 1000 registered sandboxes.
+And one under load, as issue 11's target states it (p99 <= 50 ms): ping of an idle sandbox while
+64 long calls run (64 other sandboxes each in an eval of ``time.sleep(1e6)``, until DELETE).
 
 Method. One data dir, a Controller in this process (the direct calls) and ``forkd serve`` on the
 same data dir (a subprocess, as users run it; it attaches to the same sandbox). Each round times
@@ -37,6 +39,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,6 +75,61 @@ def fake_rows(count: int, real: dict) -> list[dict]:
              "memory_limit_mib": None, "handle": real["handle"]} for i in range(count)]
 
 
+def percentile(samples_s: list[float], q: float) -> float:
+    ms = sorted(s * 1000 for s in samples_s)
+    return round(ms[min(len(ms) - 1, int(len(ms) * q))], 4)
+
+
+def metric(port: int, token: str, name: str) -> float | None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
+def ping_while_stuck(client, port: int, token: str, idle: str, stuck_count: int, n: int, keepalive) -> dict:
+    """p50/p99 of ping (keep-alive) of an idle sandbox while ``stuck_count`` evals sleep in others."""
+    stuck = [s["id"] for s in client.spawn_sandboxes("bench", n=stuck_count)]
+
+    def sleep_forever(sid: str) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/sandboxes/{sid}/eval", method="POST",
+                                     data=b'{"code": "__import__(\'time\').sleep(1e6)"}',
+                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    pool = ThreadPoolExecutor(stuck_count)
+    try:
+        calls = [pool.submit(sleep_forever, sid) for sid in stuck]
+        deadline = time.monotonic() + 120
+        while metric(port, token, "forkd_long_calls_running") != stuck_count:  # readiness, bounded
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {stuck_count} evals did not all start")
+            time.sleep(0.05)
+        ping_path = f"/v1/sandboxes/{idle}/ping"
+        for _ in range(20):
+            keepalive("POST", ping_path)
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            keepalive("POST", ping_path)
+            samples.append(time.perf_counter() - t0)
+        still_running = metric(port, token, "forkd_long_calls_running")
+    finally:
+        for sid in stuck:  # frees the stuck calls (each answers 410)
+            client.kill_sandbox(sid)
+        answers = sorted({c.result(120) for c in calls}) if "calls" in locals() else []
+        pool.shutdown()
+    return {**stats(samples), "p99_ms": percentile(samples, 0.99), "long_calls_running": still_running,
+            "stuck_calls_answered_after_delete": answers, "target_p99_ms": 50.0,
+            "target_met": percentile(samples, 0.99) <= 50.0}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,6 +141,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--iterations", type=int, default=500, help="samples of ping (list: a fifth of it)")
     parser.add_argument("--sandboxes", type=int, default=1000, help="registered sandboxes for the list test")
+    parser.add_argument("--stuck", type=int, default=64, help="long calls running during the ping-under-load test")
     args = parser.parse_args()
     n_list = max(50, args.iterations // 5)
 
@@ -154,6 +215,9 @@ def main() -> int:
             out["list_sandboxes"]["response_bytes"] = len(keepalive("GET", "/v1/sandboxes"))
         finally:
             ctl.registry.delete_sandboxes([r["id"] for r in fakes])
+        out["ping_while_long_calls_run"] = ping_while_stuck(client, port, token, sid, args.stuck, args.iterations,
+                                                            keepalive)
+        out["ping_while_long_calls_run"]["long_calls"] = args.stuck
         conn.close()
     finally:
         if server is not None:
@@ -181,6 +245,9 @@ def main() -> int:
                 if k.startswith("overhead_paired_median_ms_"):
                     way = k.removeprefix("overhead_paired_median_ms_")
                     print(f"  {way:24s} p50 {o[way]['p50_ms']:8.3f} ms   adds {v:7.3f} ms (paired median)")
+        o = out["ping_while_long_calls_run"]
+        print(f"ping while {o['long_calls']} long calls run: p50 {o['p50_ms']:.3f} ms, p99 {o['p99_ms']:.3f} ms "
+              f"(target p99 <= 50 ms: {'met' if o['target_met'] else 'NOT met'})")
     return 0
 
 

@@ -2,9 +2,9 @@
 
 Inside ``jupyter lab`` / ``jupyter server`` the routes live under ``{base_url}forkd/``; ``forkd serve``
 runs a standalone server with only this extension and ``route_prefix = ""``, so the routes sit at
-the root like forkd's daemon. The app owns the controller, the thread pool the (blocking)
-controller runs in, the Prometheus registry and the event fan-out (SSE subscribers and
-jupyter_server's event bus).
+the root like forkd's daemon. The app owns the controller, the admission of its (blocking) calls
+(admission.py: a pool for control calls, another for long ones, and their limits), the Prometheus
+registry and the event fan-out (SSE subscribers and jupyter_server's event bus).
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from jupyter_server.extension.application import ExtensionApp
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from traitlets import Int, Unicode, default, validate
+from traitlets import Float, Int, Unicode, default, validate
 
 from . import __version__
 from .controller import default_data_dir
@@ -106,7 +105,16 @@ class ForkdApp(ExtensionApp):
     branch_concurrency = Int(4, config=True, help="Branches that may be in flight at once (forkd's cap).")
     route_prefix = Unicode("forkd/", config=True, help="Prefix of every route under base_url: "
                                                        "'forkd/' inside jupyter lab, '' for `forkd serve`.")
-    max_workers = Int(64, config=True, help="Threads running blocking controller calls (exec, branch...).")
+    max_long_calls = Int(128, config=True, help="Long calls (exec, eval, run, files, branch, spawn, snapshot "
+                                                "create...) admitted at once, each with a thread; 503 past it.")
+    max_long_calls_per_caller = Int(64, config=True, help="Long calls one caller (one token, or one logged-in "
+                                                          "user) may hold at once; 429 past it.")
+    control_workers = Int(16, config=True, help="Threads for control calls (list, get, kill, ping, interrupt, "
+                                                "tree, metrics...), never shared with long calls.")
+    sandbox_queue_size = Int(8, config=True, help="Calls (exec, eval, run) that may wait while one runs in the "
+                                                  "same sandbox; 409 busy past it.")
+    sandbox_queue_timeout = Float(60.0, config=True, help="Seconds a call waits for its sandbox before it is "
+                                                          "answered 409 busy.")
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
     max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
@@ -119,6 +127,18 @@ class ForkdApp(ExtensionApp):
     def _valid_cap(self, proposal):
         if proposal["value"] < 1:
             raise ValueError("branch_concurrency must be at least 1")
+        return proposal["value"]
+
+    @validate("max_long_calls", "max_long_calls_per_caller", "control_workers")
+    def _valid_pool(self, proposal):
+        if proposal["value"] < 1:
+            raise ValueError(f"{proposal['trait'].name} must be at least 1")
+        return proposal["value"]
+
+    @validate("sandbox_queue_size")
+    def _valid_queue(self, proposal):
+        if proposal["value"] < 0:
+            raise ValueError("sandbox_queue_size must be at least 0")
         return proposal["value"]
 
     @validate("route_prefix")
@@ -140,12 +160,16 @@ class ForkdApp(ExtensionApp):
             self.serverapp.exit(1)  # as jupyter_server refuses root without --allow-root
         self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
                                      default_engine=self.default_engine)
-        self.executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="forkd")
         from .kernels import KernelHeads
         from .sessions import SessionManager
         self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)
         self.kernels = KernelHeads(self.controller.registry, self.controller.publish)
         self.metrics = Metrics(self)
+        from .admission import Admission
+        self.admission = Admission(max_long_calls=self.max_long_calls,
+                                   max_long_calls_per_caller=self.max_long_calls_per_caller,
+                                   control_workers=self.control_workers, sandbox_queue_size=self.sandbox_queue_size,
+                                   sandbox_queue_timeout=self.sandbox_queue_timeout, registry=self.metrics.registry)
         self.events = EventHub(self)
         io_loop = getattr(self.serverapp, "io_loop", None)  # the loop the server will run
         self.events.loop = getattr(io_loop, "asyncio_loop", None)
@@ -173,7 +197,7 @@ class ForkdApp(ExtensionApp):
         self.events.close()
         self.sessions.close_all()
         self._unsubscribe()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.admission.close()
         self.controller.close()
         self.controller = None
         self.data_dir_lock.release()

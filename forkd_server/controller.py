@@ -13,6 +13,7 @@ orders are its own; the wire shapes of its answers are in wire.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable
 
@@ -171,7 +172,8 @@ class Controller:
         })
         engine = self.engines.get(row["engine"])
         if row["status"] == "ready" and engine is not None and engine.alive(row["handle"]):
-            info["memory"] = engine.memory(row["handle"])
+            with contextlib.suppress(EngineError, OSError):  # its template ended meanwhile: no figures
+                info["memory"] = engine.memory(row["handle"])
         return info
 
     def delete_snapshot(self, tag, *, cascade: bool = False, force: bool = False) -> None:

@@ -31,3 +31,18 @@ class Busy(ForkdError):
 class EngineFailure(ForkdError):
     """The engine failed doing valid work (a crash, a timeout); the message names the cause."""
     status = 500
+
+
+class Gone(ForkdError):
+    """The sandbox a call ran or waited in was killed (or its process ended) meanwhile."""
+    status = 410
+
+
+class TooManyRequests(ForkdError):
+    status = 429
+
+
+class InsufficientStorage(ForkdError):
+    """The data dir's file system is full; the body names the path and its free space."""
+    status = 507
+

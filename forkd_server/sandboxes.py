@@ -20,6 +20,15 @@ if TYPE_CHECKING:
     from .controller import Controller
 
 
+def _timed_out(exc: BaseException | None) -> bool:
+    """True if the agent call failed because its deadline passed (not because the agent went away)."""
+    while exc is not None:
+        if isinstance(exc, TimeoutError):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 class SandboxManager:
     def __init__(self, controller: "Controller"):
         self.ctl = controller
@@ -191,7 +200,29 @@ class SandboxManager:
         self.row(sandbox_id)
         if not isinstance(code, str):
             raise BadRequest("code must be a string")
-        return self._agent(sandbox_id, {"action": "run_code", "code": code}, "run_code", timeout=timeout)
+        try:
+            # queue_wait: a cell the agent cannot start soon (a kernel's cell holds its main thread)
+            # is refused as busy before the deadline, so a deadline always finds our own cell running.
+            reply = self._agent(sandbox_id, {"action": "run_code", "code": code, "queue_wait": min(10.0, timeout / 2)},
+                                "run_code", timeout=timeout)
+            if reply.get("busy"):  # its main thread runs something else (a kernel's cell)
+                raise Conflict(f"{reply.get('error')} (POST /v1/sandboxes/{sandbox_id}/interrupt stops it)")
+            return reply
+        except EngineFailure as exc:
+            if not _timed_out(exc):
+                raise
+        # The caller's own deadline passed: stop the cell (so the sandbox is free again) and say so,
+        # as exec says timed_out; nothing the cell printed reaches this reply.
+        interrupted = False
+        try:
+            interrupted = bool(self.interrupt(sandbox_id).get("interrupted"))
+        except EngineFailure:
+            pass
+        return {"stdout": "", "stderr": "", "outputs": [], "result": None, "exit_code": 1, "timed_out": True,
+                "error": {"ename": "TimeoutError", "traceback": [],
+                          "evalue": f"the cell ran past its timeout of {timeout:g} s"
+                                    + (" and was interrupted" if interrupted else
+                                       "; it could not be interrupted: it may still run (kill the sandbox)")}}
 
     def files(self, sandbox_id, op: str, path, **options) -> dict:
         self.row(sandbox_id)

@@ -2,8 +2,10 @@
 
 Like forkd's daemon: 127.0.0.1:8889 by default, ``/healthz`` and ``/v1/...`` at the root, optional
 TLS, a token from ``--token-file`` (or one generated and printed once), and a refusal to listen on
-a non-loopback address without a token. Jupyter's own contents, kernels and terminals services are
-left out: a token holder may run code in sandboxes, not on the host.
+a non-loopback address without a token. Only forkd's routes are served: none of jupyter-server's
+services (contents, files, kernels, shutdown, api, events...), static files or login pages, so a
+token holder may run code in sandboxes, not on the host, and the data dir is never served. Tokens
+are compared in constant time (identity.py).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import socket
 import sys
 
 from jupyter_server.serverapp import ServerApp
+from tornado import web
+from traitlets import default
 
 from .app import ForkdApp
 from .controller import default_data_dir
+from .identity import ForkdIdentityProvider
 
 PLACEHOLDER_PREFIXES = ("REPLACE_ME", "CHANGE_ME")
 
@@ -26,11 +31,35 @@ class ServeError(Exception):
     """A configuration ``forkd serve`` refuses; the message says what to do."""
 
 
+class OutsideTheApi(web.RequestHandler):
+    """Every path that is not forkd's: a JSON 404 (no Jupyter page, no file, whatever the method)."""
+
+    def check_xsrf_cookie(self) -> None:
+        pass  # nothing here changes state
+
+    def prepare(self) -> None:
+        self.set_status(404)
+        self.set_header("Content-Type", "application/json")
+        self.finish('{"error": "not found: forkd serve answers /healthz, /version, /metrics and /v1/... only"}')
+
+
 class ForkdServerApp(ServerApp):
-    """jupyter-server without the services that reach the host (contents, kernels, terminals...)."""
+    """jupyter-server carrying forkd's routes and nothing of its own (no service reaches the host)."""
 
     name = "forkd-serve"
-    default_services = ("api", "auth", "shutdown", "events")
+    default_services = ()
+
+    @default("identity_provider_class")
+    def _forkd_identity(self):
+        return ForkdIdentityProvider
+
+    def init_webapp(self) -> None:
+        super().init_webapp()
+        # jupyter-server's own routes (the contents manager's /files/ rooted at the data dir, the
+        # base handlers, static files, its 404 page) all sit in the wildcard router; extensions'
+        # routes are added later, ahead of it. Only a JSON 404 is left there.
+        self.web_app.wildcard_router.rules = []
+        self.web_app.wildcard_router.add_rules([(r".*", OutsideTheApi)])
 
 
 class _StandaloneForkd(ForkdApp):

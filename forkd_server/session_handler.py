@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import orjson
+
 from jupyter_server.auth.decorator import ws_authenticated
 from jupyter_server.base.handlers import JupyterHandler
 from jupyter_server.base.websocket import WebSocketMixin
@@ -98,7 +100,7 @@ class SessionHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandle
 
     def on_message(self, message) -> None:
         try:
-            data = json.loads(message)
+            data = orjson.loads(message)  # NaN and 1,000-deep nesting are refused, not raised
             if not isinstance(data, dict):
                 raise ValueError("a session message is a JSON object")
             self._send(data)

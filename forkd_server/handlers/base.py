@@ -1,40 +1,55 @@
-"""The base of every forkd handler: forkd's auth answers and ``{"error"}`` bodies, the thread the
-controller runs in, and the request-body check (forkd's extractor: 415, 400, 422 before anything else).
+"""The base of every forkd handler: forkd's auth answers and ``{"error"}`` bodies, the pools the
+controller runs on (admission.py decides which, and what is refused), bounded request bodies and
+the body check (forkd's extractor: 415, 400, 422 before anything else).
 
 Wire rules (reference/forkd-api.md): every error body is ``{"error": "..."}``; a missing or wrong
 token answers 401 (``missing bearer token`` / ``invalid bearer token``), not jupyter_server's 403;
-``/healthz`` needs no token; request bodies are checked before anything else (415 without a JSON
-content type, 400 for malformed JSON, 422 for a missing field or a wrong type), then the controller
-applies forkd's check order.
+``/healthz`` needs no token; request bodies are checked before anything else (413 past the size
+limit, 415 without a JSON content type, 400 for malformed JSON, 422 for a missing field or a wrong
+type, 400 for a number outside its range), then the controller applies forkd's check order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
+import math
+import re
 
+import orjson
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
+from tornado.log import app_log, gen_log
 
-from ..errors import ForkdError
+from ..errors import ForkdError, NotFound
+from ..storage import full_disk_error, is_disk_full
 from ..wire import label_filter
 
-try:  # 5-10x faster than json.dumps on a list of 1000 sandboxes; the stdlib is the fallback
-    import orjson
 
-    def dumps(obj) -> bytes:
-        try:
-            return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
-        except TypeError:
-            return json.dumps(obj).encode()
-except ImportError:  # pragma: no cover
-    def dumps(obj) -> bytes:
+def dumps(obj) -> bytes:
+    """orjson: 5-10x faster than json.dumps on a list of 1000 sandboxes."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
         return json.dumps(obj).encode()
 
-# A body spec maps each field to (JSON type, required). Types: string, integer, number, boolean,
-# string[], string[][], env.
+
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:token|_xsrf)=)[^&#]*")
+
+
+def scrub(uri: str) -> str:
+    """A request URI fit for a log: the values of ``?token=`` and ``?_xsrf=`` replaced."""
+    return _SECRET_PARAM.sub(r"\1[secret]", uri)
+
+
+MIB = 1 << 20
+# A body spec maps each field to (JSON type, required) or (JSON type, required, range), the range
+# in JSON Schema's words (minimum, maximum, exclusiveMinimum), as openapi.json states it. Types:
+# string, integer (>= 0 unless its range says more; 3.0 counts), number (finite), boolean, string[],
+# string[][], env, labels.
 
 
 def _is(kind: str, value) -> bool:
@@ -42,10 +57,11 @@ def _is(kind: str, value) -> bool:
         return isinstance(value, str)
     if kind == "boolean":
         return isinstance(value, bool)
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if kind == "integer":  # JSON Schema's integer: 3.0 is one (taken as 3)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and value == int(value) and value >= 0
     if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if kind == "string[]":
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     if kind == "string[][]":
@@ -74,17 +90,37 @@ def query_bool(handler: web.RequestHandler, name: str) -> bool:
 def query_labels(handler: web.RequestHandler) -> dict[str, str]:
     """The repeatable ``?label=key=value`` filter (every pair must match)."""
     try:
-        return label_filter(handler.get_query_arguments("label"))
+        return label_filter(handler.get_query_arguments("label", strip=False))  # exact, spaces included
     except ForkdError as exc:
         raise ApiError(exc.status, exc.message) from None
 
 
+def out_of_range(name: str, value, bounds: dict) -> str | None:
+    """Why ``value`` is outside ``bounds`` (JSON Schema's minimum/maximum/exclusiveMinimum), or None."""
+    low, high = bounds.get("minimum"), bounds.get("maximum")
+    above = bounds.get("exclusiveMinimum")
+    if (low is not None and value < low) or (high is not None and value > high) or \
+            (above is not None and value <= above):
+        lower = f"more than {above}" if above is not None else f"at least {low}" if low is not None else ""
+        upper = f"at most {high}" if high is not None else ""
+        return f"field `{name}` must be {' and '.join(p for p in (lower, upper) if p)}, got {value!r:.40}"
+    return None
+
+
+@web.stream_request_body
 class ForkdHandler(ExtensionHandlerMixin, APIHandler):
-    """Base of every forkd route: forkd's auth answers and error bodies, a thread for the controller."""
+    """Base of every forkd route: forkd's auth answers and error bodies, the controller on a pool.
+
+    Bodies are streamed in and kept up to ``max_body_bytes``; past it the rest is read and dropped
+    (so the client gets its answer rather than a reset) and the route answers 413.
+    """
 
     auth_resource = "forkd:server"
     public = False  # only /healthz
     body_spec: dict | None = None  # the JSON body a POST takes (checked like forkd's extractor)
+    max_body_bytes = 16 * MIB
+    _received = 0
+    _chunks: list | None = None
 
     @property
     def app(self):
@@ -116,6 +152,31 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
         if not self.public and self.current_user is None:
             raise self._unauthorized()
 
+    def data_received(self, chunk: bytes) -> None:
+        self._received += len(chunk)
+        if self._received <= self.max_body_bytes:
+            if self._chunks is None:
+                self._chunks = []
+            self._chunks.append(chunk)
+
+    def raw_body(self) -> bytes:
+        if self._received > self.max_body_bytes:
+            raise ApiError(413, f"the request body is {self._received} bytes, more than the "
+                                f"{self.max_body_bytes} this route takes", {"limit_bytes": self.max_body_bytes})
+        return b"".join(self._chunks or ())
+
+    def _request_summary(self) -> str:
+        return f"{self.request.method} {scrub(self.request.uri)} ({self.request.remote_ip})"
+
+    def log_exception(self, typ, value, tb) -> None:
+        # tornado's would log the request URI (a ?token= in it) in clear; this one never does
+        if isinstance(value, web.HTTPError):
+            if value.log_message:
+                gen_log.warning("%d %s: %s", value.status_code, self._request_summary(),
+                                value.log_message % value.args)
+        else:
+            app_log.error("Uncaught exception %s", self._request_summary(), exc_info=(typ, value, tb))
+
     def write_error(self, status_code: int, **kwargs) -> None:
         exc = (kwargs.get("exc_info") or (None, None, None))[1]
         if status_code == 403 and getattr(self, "_jupyter_current_user", None) is None and not self.public:
@@ -127,8 +188,15 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
             message = (exc.log_message % exc.args) if exc.log_message else (exc.reason or self._reason)
         else:
             message = "internal error" if exc is None else f"internal error: {type(exc).__name__}: {exc}"
+        if status_code == 405:  # RFC 9110: a 405 lists the methods the route has
+            self.set_header("Allow", ", ".join(self.allowed_methods()))
         self.clear_header("Content-Type")
         self.finish(json.dumps({"error": message, **(exc.fields if isinstance(exc, ApiError) else {})}))
+
+    @classmethod
+    def allowed_methods(cls) -> list[str]:
+        return [verb.upper() for verb in ("get", "post", "put", "delete")
+                if getattr(cls, verb) is not getattr(web.RequestHandler, verb)]
 
     def compute_etag(self):
         # Replies describe live state and are never revalidated; hashing every reply (a listing of
@@ -143,35 +211,82 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
         self.set_status(204)
         self.finish()
 
-    async def call(self, fn, *args, **kwargs):
-        """Run a blocking controller method on the app's thread pool; ForkdError -> {"error"}."""
-        loop = asyncio.get_running_loop()
+    # --- running controller calls (admission.py) ---------------------------------------------------
+
+    async def call(self, fn, *args, sandbox: str | None = None, **kwargs):
+        """A control call (short: list, get, kill, ping...) on the control pool."""
+        return await self._answer(self.app.admission.control(functools.partial(fn, *args, **kwargs)), sandbox)
+
+    async def long_call(self, what: str, fn, *args, sandbox: str | None = None, lane: bool = False, **kwargs):
+        """A long call (exec, branch, spawn...), admitted by the server's, the caller's and, with
+        ``lane``, the sandbox's limits (user code runs one call at a time per sandbox)."""
+        run = self.app.admission.long(functools.partial(fn, *args, **kwargs), caller=self.caller(), what=what,
+                                      sandbox=sandbox, lane=lane)
+        return await self._answer(run, sandbox)
+
+    async def _answer(self, call, sandbox: str | None):
+        """Await ``call``; every failure becomes its ``{"error"}`` answer, never a bare 500 for what a
+        user can fix: a full disk is 507, a sandbox killed during the call is 410."""
         try:
-            return await loop.run_in_executor(self.app.executor, functools.partial(fn, *args, **kwargs))
+            return await call
         except ForkdError as exc:
-            raise ApiError(exc.status, exc.message, exc.fields) from None
+            failure = exc
+        except Exception as exc:  # noqa: BLE001 - explained below when it is one of ours, else re-raised
+            failure = exc
+        if is_disk_full(failure):
+            error = full_disk_error(self.controller.data_dir)
+            raise ApiError(error.status, error.message, error.fields) from None
+        status = failure.status if isinstance(failure, ForkdError) else 500
+        if status == 500 and sandbox is not None and await self._sandbox_gone(sandbox):
+            raise ApiError(410, f"sandbox {sandbox} ended during this call (killed, or its process exited): "
+                                f"{getattr(failure, 'message', failure)}") from None
+        if not isinstance(failure, ForkdError):
+            raise failure
+        raise ApiError(failure.status, failure.message, failure.fields) from None
+
+    async def _sandbox_gone(self, sandbox: str) -> bool:
+        try:
+            await self.app.admission.control(functools.partial(self.controller.get_sandbox, sandbox))
+        except NotFound:
+            return True
+        except Exception:  # noqa: BLE001 - cannot tell: the original error stands
+            return False
+        return False
+
+    def caller(self) -> str:
+        """Whose long calls these are: the token sent (its hash, never the token), else the user."""
+        token = self.identity_provider.get_token(self) if self.token_authenticated else None
+        if token:
+            return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+        user = self.current_user
+        return "user:" + (getattr(user, "username", None) or "anonymous")
 
     def body(self, spec: dict) -> dict:
         """Parse and type-check a JSON body, the way forkd's extractor does (before any other check)."""
         ctype = self.request.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
             raise ApiError(415, "expected request with `Content-Type: application/json`")
-        raw = self.request.body.strip()
+        raw = self.raw_body().strip()
         if not raw:
             raise ApiError(400, "invalid JSON body: the body is empty (send {} when every field is optional)")
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
+        try:  # orjson: NaN and Infinity are not JSON, and nesting stops at 1024 levels (no RecursionError)
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
             raise ApiError(400, f"invalid JSON body: {exc}") from None
         if not isinstance(data, dict):
             raise ApiError(422, "the body must be a JSON object")
-        for name, (kind, required) in spec.items():
+        for name, (kind, required, *bounds) in spec.items():
             if data.get(name) is None:
                 if required:
                     raise ApiError(422, f"missing field `{name}`")
                 data.pop(name, None)
             elif not _is(kind, data[name]):
                 raise ApiError(422, f"invalid type for field `{name}`: expected {kind}")
+            else:
+                if kind == "integer":
+                    data[name] = int(data[name])
+                if bounds and (why := out_of_range(name, data[name], bounds[0])):
+                    raise ApiError(400, why)
         return {k: v for k, v in data.items() if k in spec}
 
 

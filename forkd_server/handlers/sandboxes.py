@@ -1,5 +1,8 @@
 """Sandbox routes: spawn and list, get and kill, the agent calls (ping, exec, eval, run, files,
-interrupt), branch, inventory and memory."""
+interrupt), branch, inventory and memory.
+
+Control calls (list, get, kill, ping, interrupt, inventory, memory) use ``self.call``; long ones
+``self.long_call``, and exec, eval and run in the sandbox's lane (admission.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +12,23 @@ import time
 from jupyter_server.auth.decorator import authorized
 from tornado import web
 
+from forkd_engine.agent.runtime import MAX_FILE_BYTES
+
 from .base import ApiError, ForkdHandler, dumps, query_bool, query_labels
 
+# What no machine has: more is refused on the wire (400), before it reaches a registry column.
+MEMORY_LIMIT = {"maximum": 1 << 20}  # the controller checks the minimum (16), in forkd's order
 SPAWN = {
     "snapshot_tag": ("string", True), "n": ("integer", False), "per_child_netns": ("boolean", False),
-    "memory_limit_mib": ("integer", False), "prewarm": ("boolean", False), "live_fork": ("boolean", False),
-    "hugepages": ("boolean", False), "labels": ("labels", False),
+    "memory_limit_mib": ("integer", False, MEMORY_LIMIT), "prewarm": ("boolean", False),
+    "live_fork": ("boolean", False), "hugepages": ("boolean", False), "labels": ("labels", False),
 }
-EXEC = {"args": ("string[]", True), "timeout_secs": ("number", False), "env": ("env", False),
+MAX_TIMEOUT = 86400  # a day: past it a call is a job, not a request
+TIMEOUT = {"exclusiveMinimum": 0, "maximum": MAX_TIMEOUT}
+EXEC = {"args": ("string[]", True), "timeout_secs": ("number", False, TIMEOUT), "env": ("env", False),
         "cwd": ("string", False)}
 EVAL = {"code": ("string", True)}
-RUN = {"code": ("string", True), "timeout": ("number", False)}
+RUN = {"code": ("string", True), "timeout": ("number", False, TIMEOUT)}
 BRANCH = {
     "tag": ("string", False), "mode": ("string", False), "diff": ("boolean", False), "live": ("boolean", False),
     "measure_diff": ("boolean", False), "wait": ("boolean", False), "parent_tag": ("string", False),
@@ -52,8 +61,9 @@ class SandboxesHandler(ForkdHandler):
         body = self.body(self.body_spec)
         options = {k: body[k] for k in ("per_child_netns", "prewarm", "live_fork", "hugepages") if k in body}
         t0 = time.perf_counter()
-        out = await self.call(self.controller.spawn, body["snapshot_tag"], body.get("n", 1),
-                              memory_limit_mib=body.get("memory_limit_mib"), labels=body.get("labels"), **options)
+        out = await self.long_call("a spawn", self.controller.spawn, body["snapshot_tag"], body.get("n", 1),
+                                   memory_limit_mib=body.get("memory_limit_mib"), labels=body.get("labels"),
+                                   **options)
         self.app.metrics.spawn_latency.observe(time.perf_counter() - t0)
         self.send(out, 201)
 
@@ -69,7 +79,14 @@ class SandboxHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def delete(self, sandbox_id: str) -> None:
-        await self.call(self.controller.kill_sandbox, sandbox_id)
+        # Calls waiting for the sandbox end now; the one running ends when its agent goes.
+        done = self.app.admission.ending(sandbox_id, f"DELETE /v1/sandboxes/{sandbox_id}")
+        killed = False
+        try:
+            await self.call(self.controller.kill_sandbox, sandbox_id)
+            killed = True
+        finally:
+            done(killed)
         self.no_content()
 
 
@@ -79,7 +96,7 @@ class PingHandler(ForkdHandler):
     @web.authenticated
     @authorized(action="read")
     async def post(self, sandbox_id: str) -> None:
-        self.send(await self.call(self.controller.ping, sandbox_id))
+        self.send(await self.call(self.controller.ping, sandbox_id, sandbox=sandbox_id))
 
 
 class ExecHandler(ForkdHandler):
@@ -90,8 +107,9 @@ class ExecHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.call(self.controller.exec, sandbox_id, body["args"], body.get("timeout_secs", 30),
-                                  env=body.get("env"), cwd=body.get("cwd")))
+        self.send(await self.long_call("an exec", self.controller.exec, sandbox_id, body["args"],
+                                       body.get("timeout_secs", 30), env=body.get("env"), cwd=body.get("cwd"),
+                                       sandbox=sandbox_id, lane=True))
 
 
 class EvalHandler(ForkdHandler):
@@ -102,7 +120,8 @@ class EvalHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.call(self.controller.eval, sandbox_id, body["code"]))
+        self.send(await self.long_call("an eval", self.controller.eval, sandbox_id, body["code"],
+                                       sandbox=sandbox_id, lane=True))
 
 
 class RunHandler(ForkdHandler):
@@ -114,7 +133,8 @@ class RunHandler(ForkdHandler):
     async def post(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
         kwargs = {"timeout": body["timeout"]} if "timeout" in body else {}
-        self.send(await self.call(self.controller.run_code, sandbox_id, body["code"], **kwargs))
+        self.send(await self.long_call("a run", self.controller.run_code, sandbox_id, body["code"],
+                                       sandbox=sandbox_id, lane=True, **kwargs))
 
 
 class BranchHandler(ForkdHandler):
@@ -126,11 +146,11 @@ class BranchHandler(ForkdHandler):
     async def post(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
         wait = body.get("wait", True)
-        info = await self.call(self.controller.branch, sandbox_id, body.get("tag"), mode=body.get("mode"),
-                               diff=body.get("diff", False), live=body.get("live", False),
-                               measure_diff=body.get("measure_diff", False), wait=wait,
-                               parent_tag=body.get("parent_tag"), lossy=body.get("lossy", False),
-                               labels=body.get("labels"))
+        info = await self.long_call("a branch", self.controller.branch, sandbox_id, body.get("tag"),
+                                    mode=body.get("mode"), diff=body.get("diff", False), live=body.get("live", False),
+                                    measure_diff=body.get("measure_diff", False), wait=wait,
+                                    parent_tag=body.get("parent_tag"), lossy=body.get("lossy", False),
+                                    labels=body.get("labels"), sandbox=sandbox_id)
         if info.get("pause_us") is not None:  # the precise figure (pause_ms is rounded up)
             self.app.metrics.branch_pause.observe(info["pause_us"] / 1e6)
         self.send(info, 202 if not wait else 201)
@@ -144,7 +164,7 @@ class InterruptHandler(ForkdHandler):
     @web.authenticated
     @authorized(action="execute")
     async def post(self, sandbox_id: str) -> None:
-        self.send(await self.call(self.controller.interrupt, sandbox_id))
+        self.send(await self.call(self.controller.interrupt, sandbox_id, sandbox=sandbox_id))
 
 
 class InventoryHandler(ForkdHandler):
@@ -155,7 +175,7 @@ class InventoryHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def get(self, sandbox_id: str) -> None:
-        self.send(await self.call(self.controller.inventory, sandbox_id))
+        self.send(await self.call(self.controller.inventory, sandbox_id, sandbox=sandbox_id))
 
 
 class MemoryHandler(ForkdHandler):
@@ -164,16 +184,23 @@ class MemoryHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def get(self, sandbox_id: str) -> None:
-        self.send(await self.call(self.controller.memory, sandbox_id))
+        self.send(await self.call(self.controller.memory, sandbox_id, sandbox=sandbox_id))
 
 
 class FilesHandler(ForkdHandler):
     """``GET`` reads a file (or lists a directory), ``PUT`` writes the raw body, ``DELETE`` removes."""
 
     auth_resource = "forkd:sandboxes"
+    max_body_bytes = MAX_FILE_BYTES  # what the agent writes at once
 
     def _path(self) -> str:
-        path = self.get_query_argument("path", "")
+        # The raw value: tornado's get_query_argument drops control characters, which would
+        # silently name another file; a NUL is refused instead (by the controller).
+        raw = (self.request.query_arguments.get("path") or [b""])[-1]
+        try:
+            path = raw.decode()
+        except UnicodeDecodeError:
+            raise ApiError(400, "the path query parameter must be UTF-8") from None
         if not path:
             raise ApiError(400, "the path query parameter is required, e.g. ?path=/tmp/data.csv")
         return path
@@ -183,11 +210,13 @@ class FilesHandler(ForkdHandler):
     async def get(self, sandbox_id: str) -> None:
         path = self._path()
         try:
-            self.send(await self.call(self.controller.files, sandbox_id, "read", path))
+            self.send(await self.long_call("a file read", self.controller.files, sandbox_id, "read", path,
+                                           sandbox=sandbox_id))
         except ApiError as exc:
             if exc.status_code != 400 or not exc.message.startswith("IsADirectoryError"):
                 raise
-            self.send(await self.call(self.controller.files, sandbox_id, "list", path))
+            self.send(await self.long_call("a listing", self.controller.files, sandbox_id, "list", path,
+                                           sandbox=sandbox_id))
 
     @web.authenticated
     @authorized(action="execute")
@@ -200,13 +229,15 @@ class FilesHandler(ForkdHandler):
                 options["mode"] = int(mode, 8)
             except ValueError:
                 raise ApiError(400, f"invalid query parameter mode={mode!r}: use octal, e.g. 644") from None
-        data = base64.b64encode(self.request.body).decode()
-        self.send(await self.call(self.controller.files, sandbox_id, "write", path, data_b64=data, **options))
+        data = base64.b64encode(self.raw_body()).decode()
+        self.send(await self.long_call("a file write", self.controller.files, sandbox_id, "write", path,
+                                       data_b64=data, sandbox=sandbox_id, **options))
 
     @web.authenticated
     @authorized(action="execute")
     async def delete(self, sandbox_id: str) -> None:
         path = self._path()
         recursive = query_bool(self, "recursive")
-        await self.call(self.controller.files, sandbox_id, "remove", path, recursive=recursive)
+        await self.long_call("a file removal", self.controller.files, sandbox_id, "remove", path,
+                             recursive=recursive, sandbox=sandbox_id)
         self.no_content()

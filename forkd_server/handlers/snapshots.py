@@ -46,16 +46,15 @@ class SnapshotsHandler(ForkdHandler):
             for what in ("kernel", "rootfs"):
                 if not os.path.exists(body.get(what, "")):
                     raise ApiError(400, f"{what} not found: {body.get(what, '')}")
-            if body.get("boot_wait_secs", 10) > 60:
-                raise ApiError(400, "boot_wait_secs must be at most 60")
             engine = "vm"
-        info = await self.call(self.controller.create_snapshot, body["tag"], engine=engine,
-                               setup=body.get("setup"), setup_commands=body.get("setup_commands"),
-                               mem_size_mib=body.get("mem_size_mib"), host_network=body.get("host_network", False),
-                               disk_mib=body.get("disk_mib"), packages=body.get("packages"),
-                               shell=body.get("shell", "plain"), lossy=body.get("lossy", False),
-                               labels=body.get("labels"), setup_timeout_secs=body.get("setup_timeout_secs"),
-                               memory_limit_mib=body.get("memory_limit_mib"))
+        if body.get("boot_wait_secs", 10) > 60:  # both forms (forkd's checks it after the paths, as here)
+            raise ApiError(400, "boot_wait_secs must be at most 60")
+        info = await self.long_call(
+            "a snapshot", self.controller.create_snapshot, body["tag"], engine=engine, setup=body.get("setup"),
+            setup_commands=body.get("setup_commands"), mem_size_mib=body.get("mem_size_mib"),
+            host_network=body.get("host_network", False), disk_mib=body.get("disk_mib"), packages=body.get("packages"),
+            shell=body.get("shell", "plain"), lossy=body.get("lossy", False), labels=body.get("labels"),
+            setup_timeout_secs=body.get("setup_timeout_secs"), memory_limit_mib=body.get("memory_limit_mib"))
         if "kernel" in body or "rootfs" in body:
             # Say so rather than pretend: the VM runs forkd's own guest (its agent speaks our protocol).
             info["warning"] = ("kernel and rootfs were checked, but the VM boots this server's guest image "
@@ -91,4 +90,4 @@ class SnapshotCompactHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, tag: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.call(self.controller.compact_snapshot, tag, body["to"]))  # 200, as in forkd
+        self.send(await self.long_call("a compaction", self.controller.compact_snapshot, tag, body["to"]))  # 200

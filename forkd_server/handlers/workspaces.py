@@ -6,9 +6,10 @@ from jupyter_server.auth.decorator import authorized
 from tornado import web
 
 from .base import ForkdHandler
+from .sandboxes import MEMORY_LIMIT
 
 WORKSPACE_CREATE = {"name": ("string", True), "snapshot_tag": ("string", True),
-                    "per_child_netns": ("boolean", False), "memory_limit_mib": ("integer", False)}
+                    "per_child_netns": ("boolean", False), "memory_limit_mib": ("integer", False, MEMORY_LIMIT)}
 SUSPEND = {"diff": ("boolean", False)}
 
 
@@ -25,8 +26,8 @@ class WorkspacesHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.call(self.controller.create_workspace, body["name"], body["snapshot_tag"],
-                                  memory_limit_mib=body.get("memory_limit_mib")), 201)
+        self.send(await self.long_call("a workspace", self.controller.create_workspace, body["name"],
+                                       body["snapshot_tag"], memory_limit_mib=body.get("memory_limit_mib")), 201)
 
 
 class WorkspaceHandler(ForkdHandler):
@@ -52,7 +53,8 @@ class WorkspaceSuspendHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, name: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.call(self.controller.suspend_workspace, name, diff=body.get("diff", False)))
+        self.send(await self.long_call("a suspend", self.controller.suspend_workspace, name,
+                                       diff=body.get("diff", False)))
 
 
 class WorkspaceResumeHandler(ForkdHandler):
@@ -63,4 +65,4 @@ class WorkspaceResumeHandler(ForkdHandler):
     @web.authenticated
     @authorized(action="execute")
     async def post(self, name: str) -> None:
-        self.send(await self.call(self.controller.resume_workspace, name))
+        self.send(await self.long_call("a resume", self.controller.resume_workspace, name))

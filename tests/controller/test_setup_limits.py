@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from forkd_server.errors import Conflict, EngineFailure, NotFound
+from forkd_server.errors import BadRequest, Conflict, NotFound
 
 from ..conftest import requires_root
 from .conftest import ev
@@ -32,7 +32,7 @@ def setup_leaves(ctl, tag: str) -> list[str]:
 
 
 def test_a_setup_that_forks_1500_times_is_stopped_by_the_pids_limit(ctl):
-    with pytest.raises(EngineFailure) as failure:
+    with pytest.raises(BadRequest) as failure:  # the request's own setup: a 400
         ctl.create_snapshot("fork-bomb", setup=FORK_BOMB)
     message = str(failure.value)
     assert "BlockingIOError" in message                     # fork() was refused inside the setup
@@ -43,7 +43,7 @@ def test_a_setup_that_forks_1500_times_is_stopped_by_the_pids_limit(ctl):
 
 
 def test_a_setup_over_its_memory_limit_is_stopped_saying_so(ctl):
-    with pytest.raises(EngineFailure, match="memory limit was reached") as failure:
+    with pytest.raises(BadRequest, match="memory limit was reached") as failure:
         ctl.create_snapshot("too-big", setup="blob = bytearray(400 * 2**20)", memory_limit_mib=128)
     assert "128 MiB" in str(failure.value) and "memory_limit_mib" in str(failure.value)
     assert ctl.create_snapshot("big-enough", setup="blob = bytearray(100 * 2**20)", memory_limit_mib=256)["status"] == "ready"
@@ -55,7 +55,7 @@ def test_a_setup_over_its_memory_limit_is_stopped_saying_so(ctl):
 
 def test_a_setup_over_time_is_stopped_with_a_clear_error(ctl):
     t0 = time.monotonic()
-    with pytest.raises(EngineFailure, match=r"did not finish within 3 s \(setup_timeout_secs"):
+    with pytest.raises(BadRequest, match=r"did not finish within 3 s \(setup_timeout_secs"):
         ctl.create_snapshot("slow", setup="import time\ntime.sleep(600)", setup_timeout_secs=3)
     assert time.monotonic() - t0 < 30
     with pytest.raises(NotFound):

@@ -129,7 +129,9 @@ async def test_create_snapshot_errors(jp_fetch, forkd_app):
     code, body = await call(jp_fetch, "POST", "snapshots", body={"tag": "ok", "setup_commands": "pip"})
     assert code == 422
     code, body = await call(jp_fetch, "POST", "snapshots", body={"tag": "ok", "setup": "raise SystemExit(3)"})
-    assert code == 500 and body["error"]
+    assert code == 400 and "snapshot 'ok': its setup failed: SetupFailed: setup code failed" in body["error"]
+    code, body = await call(jp_fetch, "POST", "snapshots", body={"tag": "ok", "setup_commands": [["false"]]})
+    assert code == 400 and "setup command ['false'] exited 1" in body["error"]  # the request's fault, not a 500
     code, listed = await call(jp_fetch, "GET", "snapshots")
     assert listed == []  # a failed build leaves nothing behind
 

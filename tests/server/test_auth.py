@@ -114,3 +114,10 @@ def test_jupyter_server_finds_no_undecorated_endpoint(jp_web_app, forkd_app):
     """jupyter_server's own check (what raises JupyterServerAuthWarning) passes for every forkd route."""
     for pattern, handler in route_table("forkd/"):
         assert jp_web_app._check_handler_auth(pattern, handler) == [], handler.__name__
+
+
+async def test_jupyter_lab_keeps_its_own_routes(jp_fetch, forkd_app):
+    """Only `forkd serve` drops jupyter-server's routes; inside jupyter lab/server they stay."""
+    for path in (("api", "contents"), ("api", "status"), ("api", "me")):
+        r = await jp_fetch(*path)
+        assert r.code == 200, path

@@ -17,6 +17,13 @@ def load() -> dict:
         return json.load(f)
 
 
+def resolve(doc: dict, ref: str) -> dict:
+    node = doc
+    for part in ref.lstrip("#/").split("/"):
+        node = node[part]
+    return node
+
+
 def handler_ops() -> dict[tuple[str, str], type]:
     """(openapi path, verb) -> handler, from the route table."""
     ops = {}
@@ -49,9 +56,17 @@ def test_request_bodies_match_the_handlers():
             schema = content["application/json"]["schema"]
             spec = handler.body_spec
             assert set(schema["properties"]) == set(spec), path
-            assert set(schema.get("required", [])) == {k for k, (_, req) in spec.items() if req}, path
-            for name, (kind, _) in spec.items():
-                assert schema["properties"][name]["type"] == JSON_TYPES[kind], (path, name)
+            assert set(schema.get("required", [])) == {k for k, (_, req, *_) in spec.items() if req}, path
+            for name, (kind, _, *bounds) in spec.items():
+                prop = schema["properties"][name]
+                if "$ref" in prop:
+                    prop = resolve(doc, prop["$ref"])
+                types = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
+                assert JSON_TYPES[kind] in types and set(types) <= {JSON_TYPES[kind], "null"}, (path, name)
+                for keyword, value in (bounds[0] if bounds else {}).items():  # the wire's range is stated
+                    assert prop.get(keyword) == value, (path, name, keyword)
+                if kind == "integer":
+                    assert prop.get("minimum", -1) >= 0, (path, name)  # integers on the wire are >= 0
         else:
             assert "application/json" not in content, f"{verb} {path} documents a JSON body it does not take"
 
@@ -84,3 +99,24 @@ def test_refs_resolve():
         node = doc
         for part in ref.split("/"):
             node = node[part]
+
+
+def test_every_answer_a_route_can_give_is_documented():
+    """What admission, the body limit and a full disk add: 413 on bodies, 429/503 on long calls, 409
+    on the sandbox's lane, 410 on a sandbox's routes, 507 wherever the registry is written."""
+    doc = load()
+    for (path, verb), handler in handler_ops().items():
+        responses = doc["paths"][path][verb]["responses"]
+        if path in ("/healthz", "/version", "/metrics", "/v1/openapi.json", "/v1/events"):
+            continue
+        assert "507" in responses and "500" in responses, (verb, path)
+        if getattr(handler, "body_spec", None) is not None and verb in ("post", "put"):
+            assert "413" in responses, (verb, path)
+        if path.startswith("/v1/sandboxes/{id}/") and path != "/v1/sandboxes/{id}/session":
+            assert "410" in responses, (verb, path)
+
+
+def test_405_lists_the_allowed_methods():
+    from forkd_server.handlers import SandboxHandler, SnapshotsHandler
+    assert SandboxHandler.allowed_methods() == ["GET", "DELETE"]
+    assert SnapshotsHandler.allowed_methods() == ["GET", "POST"]

@@ -162,16 +162,50 @@ def test_sdk_and_cli_find_the_running_server(server, monkeypatch):
     assert (done.returncode, json.loads(done.stdout or "null")) == (0, []), done.stderr
 
 
-def test_jupyter_host_services_are_not_served(server):
-    req = urllib.request.Request(f"{server.url}/api/contents", headers={"Authorization": f"Bearer {server.token}"})
-    with pytest.raises(urllib.error.HTTPError) as info:
-        urllib.request.urlopen(req, timeout=5)
-    assert info.value.code == 404
-    req = urllib.request.Request(f"{server.url}/api/kernels", data=b"{}", method="POST",
-                                 headers={"Authorization": f"Bearer {server.token}"})
-    with pytest.raises(urllib.error.HTTPError) as info:
-        urllib.request.urlopen(req, timeout=5)
-    assert info.value.code in (404, 405)
+def _fetch(url: str, token: str | None, method: str = "GET", data: bytes | None = None):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.mark.parametrize("method,path", [
+    ("GET", "/files/registry.sqlite3"), ("GET", "/files/"), ("POST", "/api/shutdown"), ("GET", "/api/me"),
+    ("GET", "/api/status"), ("GET", "/api"), ("GET", "/api/contents"), ("POST", "/api/kernels"),
+    ("GET", "/api/kernelspecs"), ("GET", "/api/events"), ("GET", "/api/sessions"), ("GET", "/login"),
+    ("GET", "/logout"), ("GET", "/static/style/index.css"), ("GET", "/tree"), ("GET", "/lab"),
+    ("PUT", "/api/contents/x.txt"),
+])
+@pytest.mark.parametrize("with_token", [True, False], ids=["token", "no-token"])
+def test_only_forkds_routes_are_served(server, method, path, with_token):
+    """None of jupyter-server's own handlers: the data dir (its registry, a VM's disks) is never a file
+    route, no shutdown, no identity or status API, no pages (the audit found all of these)."""
+    assert os.path.exists(os.path.join(server.data_dir, "registry.sqlite3"))  # there, and not served
+    code, body = _fetch(server.url + path, server.token if with_token else None, method,
+                        b"{}" if method in ("POST", "PUT") else None)
+    assert code == 404, (method, path, code, body[:200])
+    assert json.loads(body)["error"].startswith("not found: forkd serve answers /healthz")
+    assert server.proc.poll() is None  # POST /api/shutdown did not stop it
+
+
+def test_metrics_are_forkds_own(server):
+    code, body = _fetch(server.url + "/metrics", server.token)
+    assert code == 200 and b"forkd_build_info" in body and b"forkd_long_calls_running" in body
+
+
+def test_no_token_in_the_log(server):
+    """tornado logs each 4xx with its URI: a ?token= must not reach the log in clear."""
+    wrong = "wrong-" + secrets.token_hex(12)
+    assert _fetch(f"{server.url}/v1/sandboxes?token={wrong}", None)[0] == 401
+    assert _fetch(f"{server.url}/v1/sandboxes/sb-none?token={server.token}", None)[0] == 404
+    assert _fetch(f"{server.url}/v1/nothing?a=1&token={server.token}", None)[0] == 404
+    assert _fetch(f"{server.url}/files/x?token={server.token}", None)[0] == 404
+    log = server.output()
+    assert "GET /v1/sandboxes/sb-none?token=[secret]" in log  # the request is logged, the token is not
+    assert wrong not in log and server.token not in log
 
 
 # --- the CLI ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import os
 import random
 import signal
@@ -226,8 +227,8 @@ class Runtime:
         path = self._path(request)
         if op == "read":
             limit = min(int(request.get("max_bytes", MAX_FILE_BYTES)), MAX_FILE_BYTES)
-            size = os.stat(path).st_size
-            with open(path, "rb") as f:
+            with _regular_file(path, os.O_RDONLY) as f:
+                size = os.fstat(f.fileno()).st_size
                 data = f.read(limit + 1)
             return {"path": path, "size": size, "truncated": len(data) > limit,
                     "data_b64": base64.b64encode(data[:limit]).decode()}
@@ -237,7 +238,8 @@ class Runtime:
                 raise AgentError(f"file too large: {len(data)} bytes (limit {MAX_FILE_BYTES})")
             if request.get("mkdirs", True):
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "ab" if request.get("append") else "wb") as f:
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request.get("append") else os.O_TRUNC)
+            with _regular_file(path, flags) as f:
                 f.write(data)
             if "mode" in request:
                 os.chmod(path, int(request["mode"]))
@@ -260,6 +262,31 @@ class Runtime:
                 os.remove(path)
             return {"path": path, "removed": True}
         raise AgentError(f"unknown files op: {op!r} (read, write, list, remove)")
+
+
+def _regular_file(path: str, flags: int):
+    """``path`` opened as a file object, if it is a regular file. A FIFO, socket or device is
+    refused without blocking (a FIFO's open or read would wait for a peer forever)."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO nobody reads, opened for writing
+            raise AgentError(f"{path} is a FIFO, not a regular file: the files API reads and writes regular "
+                             f"files only (use exec for anything else)") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+            raise AgentError(f"{path} is {kind}, not a regular file: the files API reads and writes regular "
+                             f"files only (use exec for anything else)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb" if flags & os.O_ACCMODE == os.O_RDONLY else "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def reset_per_process_names() -> None:

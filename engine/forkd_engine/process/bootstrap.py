@@ -20,6 +20,10 @@ from . import rootfs
 from ..agent import inventory
 from .inside import SandboxProcess, report
 
+
+class SetupFailed(RuntimeError):
+    """The snapshot's own setup (its commands, its code, its shell) failed: the request's fault."""
+
 _PROC_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
 
 
@@ -46,18 +50,18 @@ def template_main(cfg: dict) -> None:
         if cfg.get("shell") == "ipython":
             out = rt.handle({"action": "shell"})
             if out.get("error"):
-                raise RuntimeError(f"IPython could not start: {out['error']}")
+                raise SetupFailed(f"IPython could not start: {out['error']}")
         for argv in cfg.get("setup_commands") or []:
             out = rt.handle({"action": "exec", "args": argv, "timeout": cfg["setup_timeout"]})
             if out.get("exit_code") != 0:
                 detail = (out.get("stderr") or out.get("error") or "").strip()[-2000:]
-                raise RuntimeError(f"setup command {argv!r} exited {out.get('exit_code')}: {detail}")
+                raise SetupFailed(f"setup command {argv!r} exited {out.get('exit_code')}: {detail}")
         if cfg.get("setup"):
             out = rt.handle({"action": "run_code", "code": cfg["setup"]})
             if out.get("error"):
                 err = out["error"]
                 tb = "".join(err.get("traceback", []))[-2000:] if isinstance(err, dict) else str(err)
-                raise RuntimeError(f"setup code failed: {tb.strip()}")
+                raise SetupFailed(f"setup code failed: {tb.strip()}")
         # Every sandbox is a fork of this process: what setup left running would not be in them.
         lost = inventory.lost({report_fd, listen_fd})
         if lost and not cfg.get("lossy"):
@@ -70,7 +74,8 @@ def template_main(cfg: dict) -> None:
             os.dup2(devnull, fd)
         os.close(devnull)
     except BaseException as exc:  # noqa: BLE001
-        report(report_fd, {"id": cfg["tag"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        report(report_fd, {"id": cfg["tag"], "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                           "setup_failed": isinstance(exc, SetupFailed)})
         os._exit(1)
     proc.serve(listen_fd, report_fd)
 

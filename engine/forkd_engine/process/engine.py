@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
-                    LimitReached, LossyFork, SnapshotSpec)
+                    InvalidSpec, LimitReached, LossyFork, SnapshotSpec)
 from . import hugepages, rootfs
 from .setup import Setup
 from ..cgroups import CgroupError, Cgroups, subtree
@@ -316,15 +316,19 @@ class ProcessEngine:
         with self._creating_lock:  # from here on cancel() no longer finds it: cancelled now, or never
             self._creating.pop(spec.tag, None)
         if setup.cancelled or got is None or not got[0].get("ok"):
-            detail = (got[0].get("error") if got else self._log_tail(log_path)) + setup.limits_hit()
+            limits = setup.limits_hit()
+            detail = (got[0].get("error") if got else self._log_tail(log_path)) + limits
             self._end_setup(setup, path, log_path)
             if setup.cancelled:
                 raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its setup was stopped")
+            # The request's own setup failed, ran out of time or hit a limit: a 400, not an engine failure.
             if time.monotonic() >= deadline:
-                raise EngineError(f"snapshot {spec.tag!r}: its setup did not finish within {spec.setup_timeout:g} s "
+                raise InvalidSpec(f"snapshot {spec.tag!r}: its setup did not finish within {spec.setup_timeout:g} s "
                                   f"(setup_timeout_secs, start-up included) and was stopped")
             if got is not None and got[0].get("lost"):
                 raise LossyFork(got[0]["lost"], f"snapshot {spec.tag!r}: every sandbox is a fork of it, and its setup")
+            if limits or (got and got[0].get("setup_failed")):
+                raise InvalidSpec(f"snapshot {spec.tag!r}: its setup failed: {detail}")
             raise EngineError(f"snapshot {spec.tag!r} failed to start: {detail}")
         with contextlib.suppress(subprocess.TimeoutExpired):
             setup.boot.wait(timeout=30)  # it exits once the template runs

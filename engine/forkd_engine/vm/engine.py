@@ -784,8 +784,8 @@ class VMEngine:
             deadline = time.monotonic() + spec.setup_timeout
 
             def left() -> float:
-                if time.monotonic() >= deadline:
-                    raise EngineError(f"snapshot {spec.tag!r}: its setup did not finish within "
+                if time.monotonic() >= deadline:  # the request's own setup: a 400, as a failing one
+                    raise InvalidSpec(f"snapshot {spec.tag!r}: its setup did not finish within "
                                       f"{spec.setup_timeout:g} s (setup_timeout_secs) and was stopped")
                 return deadline - time.monotonic()
 
@@ -806,14 +806,14 @@ class VMEngine:
                 if reply.get("exit_code") != 0:
                     if reply.get("timed_out"):
                         left()
-                    raise EngineError(f"setup command {argv!r} failed: exit {reply.get('exit_code')}: "
+                    raise InvalidSpec(f"setup command {argv!r} failed: exit {reply.get('exit_code')}: "
                                       f"{(reply.get('stderr') or reply.get('error') or '')[-1500:]}")
             if spec.setup:
                 reply = setup_call({"action": "run_code", "code": spec.setup})
                 if reply.get("error"):
                     err = reply["error"]
                     detail = f"{err.get('ename')}: {err.get('evalue')}" if isinstance(err, dict) else err
-                    raise EngineError(f"setup failed: {detail}")
+                    raise InvalidSpec(f"setup failed: {detail}")
             # Threads of the requests above may still be exiting: let them finish here, once, rather
             # than in every child after every restore.
             channel.call({"action": "settle"})

@@ -1,0 +1,52 @@
+"""schemathesis against a real ``forkd serve``: generated requests for every operation of
+/v1/openapi.json, checked for server errors and for answers the document does not describe.
+
+The audit's run found 53 mismatches and 5xx; this keeps both at zero. Bounded: a few examples per
+operation and a time budget (``FORKD_SCHEMATHESIS_EXAMPLES`` / ``FORKD_SCHEMATHESIS_SECONDS`` raise
+them for a deeper run). Left out: /v1/events (a stream that never ends) and the session
+WebSocket; the stateful phase is left out too, since chained calls spawn up to 1000 sandboxes each.
+The seed is printed on failure (``st run --seed`` replays it).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from ..serving import Server, cleanup
+
+ST = shutil.which("st") or shutil.which("schemathesis")
+CONFIG = os.path.join(os.path.dirname(__file__), "schemathesis.toml")
+
+
+@pytest.mark.skipif(ST is None, reason="needs schemathesis (pip install schemathesis; the test extra has it)")
+def test_schemathesis_finds_no_server_error_and_no_mismatch():
+    work = tempfile.mkdtemp(prefix="fk")
+    token = secrets.token_hex(20)
+    token_file = os.path.join(work, "token")
+    with open(token_file, "w") as f:
+        f.write(token)
+    srv = Server("--token-file", token_file, data_dir=os.path.join(work, "d"))
+    url = f"http://127.0.0.1:{srv.port}"
+    try:
+        srv.wait_healthy()
+        done = subprocess.run(
+            [ST, "--config-file", CONFIG, "--no-color", "run", f"{url}/v1/openapi.json", "-H", f"Authorization: Bearer {token}",
+             "--max-examples", os.environ.get("FORKD_SCHEMATHESIS_EXAMPLES", "5"),
+             "--max-time", os.environ.get("FORKD_SCHEMATHESIS_SECONDS", "150"),
+             "--phases", "examples,coverage,fuzzing", "--workers", "1", "--request-timeout", "60",
+             "--exclude-path", "/v1/events", "--exclude-path", "/v1/sandboxes/{id}/session",
+             "--output-truncate", "true"],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "NO_COLOR": "1"})
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out[-12000:]
+        assert "No issues found" in out or "passed" in out, out[-3000:]
+    finally:
+        cleanup(url, token)
+        srv.stop()
+        shutil.rmtree(work, ignore_errors=True)
