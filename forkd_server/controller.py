@@ -17,6 +17,7 @@ import contextlib
 import os
 from typing import Callable
 
+from forkd_engine import EngineError
 
 from .branching import BranchManager
 from .changes import ChangeFeed
