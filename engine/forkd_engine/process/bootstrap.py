@@ -38,7 +38,7 @@ def template_main(cfg: dict) -> None:
         os.chdir("/tmp")
         os.environ.clear()
         os.environ.update(cfg["env"])
-        linux.install_seccomp()
+        linux.install_seccomp(deny_hugetlb=bool(cfg.get("deny_hugetlb")))
         proc = SandboxProcess({"id": cfg["tag"], "role": "template", "lineage": [cfg["tag"]]},
                               {"host_network": cfg["host_network"], "tmp_size_mib": cfg["tmp_size_mib"],
                                "shm_size_mib": cfg["shm_size_mib"], "lossy": bool(cfg.get("lossy"))})

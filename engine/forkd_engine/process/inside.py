@@ -160,7 +160,7 @@ class SandboxProcess:
             else:
                 executor = self.runtime.executor = Executor()
                 self.compactor = Compactor(executor, self.runtime.namespace,
-                                           huge_pages=bool(self.identity.get("huge_pages")))
+                                           huge_pages_mib=int(self.identity.get("huge_pages_mib") or 0))
                 executor.after_user_code = self.compactor.poke
                 self.server = AgentServer(self.runtime, listener,
                                           {"branch": self.branch, "retire": self.retire,
@@ -257,7 +257,7 @@ class SandboxProcess:
             for child, lfd in zip(children_spec, listen_fds):
                 identity = {"id": child["id"], "role": "sandbox",
                             "lineage": list(child.get("lineage") or []),
-                            "huge_pages": bool(child.get("huge_pages"))}
+                            "huge_pages_mib": int(child.get("huge_pages_mib") or 0)}
                 tmpfs = {k: int(child[k]) for k in ("tmp_size_mib", "shm_size_mib") if child.get(k)}
                 pid, _ = self._fork_into_new_pidns()
                 if pid == 0:
