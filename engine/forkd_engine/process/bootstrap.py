@@ -64,7 +64,6 @@ def template_main(cfg: dict) -> None:
             report(report_fd, {"id": cfg["tag"], "ok": False, "lost": lost,
                                "error": "setup left running work that forks cannot carry"})
             os._exit(1)
-        proc.config["lost"] = lost
         devnull = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
@@ -72,7 +71,7 @@ def template_main(cfg: dict) -> None:
     except BaseException as exc:  # noqa: BLE001
         report(report_fd, {"id": cfg["tag"], "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         os._exit(1)
-    proc.serve(listen_fd, report_fd)
+    proc.serve(listen_fd, report_fd, warnings=lost)  # its ready report says what a lossy setup left
 
 
 def main() -> int:

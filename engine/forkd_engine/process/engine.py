@@ -333,7 +333,9 @@ class ProcessEngine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             setup.boot.wait(timeout=30)  # it exits once the template runs
         os.unlink(log_path)
-        return self._handle(got[1], path, role="template", cgroups=setup.done())
+        # A lossy setup's template says what it left running (its children lack it): for the caller.
+        lost = {"warnings": got[0]["warnings"]} if got[0].get("warnings") else {}
+        return self._handle(got[1], path, role="template", cgroups=setup.done(), **lost)
 
     def _end_setup(self, setup: Setup, path: str, log_path: str) -> None:
         """A creation that failed, timed out or was cancelled: nothing of it stays."""

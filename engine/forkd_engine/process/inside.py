@@ -137,8 +137,9 @@ class SandboxProcess:
 
     # --- becoming a template or a sandbox --------------------------------------------------------
 
-    def serve(self, listen_fd: int, report_fd: int) -> None:
-        """Report ready and serve forever (never returns).
+    def serve(self, listen_fd: int, report_fd: int, warnings: list[str] | None = None) -> None:
+        """Report ready (with ``warnings``: what a lossy setup left running) and serve forever
+        (never returns).
 
         A template serves on this thread, one request at a time (it only spawns). A sandbox accepts
         on a thread and runs user code, and its forks, on this one: the main thread."""
@@ -154,7 +155,7 @@ class SandboxProcess:
                 self.runtime.executor = None
                 prewarm_for_forks()
                 self.server = AgentServer(self.runtime, listener, actions, threaded=False)
-                report(report_fd, {"id": self.identity["id"], "ok": True})
+                report(report_fd, {"id": self.identity["id"], "ok": True, **({"warnings": warnings} if warnings else {})})
                 os.close(report_fd)
                 self.server.serve_forever()
             else:
