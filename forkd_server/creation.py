@@ -5,6 +5,8 @@ A snapshot's setup is user code like any sandbox's, so it runs within a sandbox'
 whole creation, start-up included; 600 s unless asked). Every number of the request is bounded
 (checks.py) with a 400 that states the bound. ``DELETE`` of a snapshot being created cancels it:
 the engine stops the setup, the create call answers 409 saying so, and nothing of it stays.
+A setup that leaves running work is refused (409) unless ``lossy``; a lossy one's snapshot keeps
+what its children lack as ``warnings``.
 """
 
 from __future__ import annotations
@@ -115,7 +117,10 @@ class CreationManager:
                 with self._lock:
                     self._running.pop(tag, None)
                 running["ended"].set()
-            self.registry.update_snapshot(tag, status="ready", handle=handle)
+            # A lossy setup left running work its children lack: the snapshot keeps the list (as a
+            # lossy branch does), and the reply carries it.
+            lost = list(handle.pop("warnings", None) or [])
+            self.registry.update_snapshot(tag, status="ready", handle=handle, **({"warnings": lost} if lost else {}))
             self.feed.emit("snapshot", "status", tag=tag, status="ready")
             return self.ctl.snapshot_info(self.registry.get_snapshot(tag))
 

@@ -107,6 +107,28 @@ def check_cgroups() -> dict:
                 "mount cgroup2 on /sys/fs/cgroup")
 
 
+def check_hugepages() -> dict:
+    from forkd_engine.cgroups import locate
+
+    pool = []
+    for knob in ("nr_overcommit_hugepages", "nr_hugepages"):
+        try:
+            with open(f"/proc/sys/vm/{knob}") as f:
+                pool.append(f"vm.{knob}={f.read().strip()}")
+        except OSError:
+            pass
+    where = locate("hugetlb")
+    if where is not None:
+        return _row("huge pages", "ok", f"cgroup {where[0]} hugetlb at {where[1]}: each process sandbox's huge pages "
+                    f"are capped at its memory limit, and its big arrays move into them while it idles "
+                    f"({', '.join(pool) or 'no hugetlb pool'}; a zero surplus pool is raised when the engine starts)")
+    return _row("huge pages", "warn", "no hugetlb cgroup controller: huge pages could not be capped per sandbox, so "
+                f"the process engine gives no sandbox any, refuses MAP_HUGETLB in them, and keeps the pool as found "
+                f"({', '.join(pool) or 'none'}); a live branch right after a cell rewrote a big array pauses longer",
+                "enable the controller: `echo +hugetlb > /sys/fs/cgroup/cgroup.subtree_control` (cgroup v2) or mount "
+                "a cgroup v1 hugetlb hierarchy at /sys/fs/cgroup/hugetlb")
+
+
 def check_userfaultfd() -> dict:
     libc = ctypes.CDLL(None, use_errno=True)
     nr = {"x86_64": 323, "aarch64": 282}.get(os.uname().machine)
@@ -178,7 +200,7 @@ def check_server(url: str | None, token: str | None) -> dict:
 
 
 def run_checks(data_dir: str, url: str | None = None, token: str | None = None) -> list[dict]:
-    rows = [check_root(), check_namespaces(), check_cgroups(), check_seccomp(), check_kvm(), check_pvm(),
+    rows = [check_root(), check_namespaces(), check_cgroups(), check_hugepages(), check_seccomp(), check_kvm(), check_pvm(),
             check_qemu(), check_userfaultfd(), check_disk(data_dir), check_reflink(data_dir)]
     rows.append(check_server(url, token))
     return rows

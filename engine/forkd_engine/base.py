@@ -107,6 +107,8 @@ class Session(Protocol):
 class Engine(Protocol):
     name: str
 
+    # The handle may carry "warnings": what a lossy setup left running that its children lack
+    # (the caller takes them out of the handle and keeps them with the snapshot).
     def create_snapshot(self, spec: SnapshotSpec) -> Handle: ...
     # Stop a create_snapshot(tag) running in this engine (it then raises Cancelled); False if none.
     def cancel(self, tag: str) -> bool: ...

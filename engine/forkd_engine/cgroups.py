@@ -1,8 +1,15 @@
-"""Per-sandbox memory and pids limits through cgroups, v2 where its controllers are enabled, else v1.
+"""Per-sandbox memory, pids and huge-page limits through cgroups, v2 where a controller is enabled,
+else v1 (a host may mix them: here memory and pids are v1 and hugetlb is v2).
 
 Each engine of each server has a subtree of its own, ``<hierarchy>/<prefix>/<id of its data dir>``,
 so two servers on one host never share (or sweep) each other's leaves; one leaf per sandbox (or
-snapshot setup) below it.
+snapshot setup, or branch) below it.
+
+Huge pages (hugetlb) are not charged to the memory controller, so a leaf with a memory limit also
+caps them, separately, at the same figure: 2 MiB pages up to the memory limit, faults and
+reservations alike, and every other huge page size at 0. A sandbox thus holds at most its limit in
+ordinary memory and at most its limit in huge pages; a ``MAP_HUGETLB`` past the cap fails (ENOMEM at
+``mmap``, SIGBUS at the fault of a ``MAP_NORESERVE`` mapping), and the host's pool is never drained.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import signal
 import time
 
@@ -30,7 +38,7 @@ def _controllers_v2(path: str) -> set[str]:
 
 
 def locate(controller: str) -> tuple[str, str] | None:
-    """Where ``controller`` ("memory" or "pids") can be used: ("v2"|"v1", hierarchy path)."""
+    """Where ``controller`` ("memory", "pids" or "hugetlb") can be used: ("v2"|"v1", hierarchy path)."""
     for v2 in (ROOT, os.path.join(ROOT, "unified")):
         if controller in _controllers_v2(v2):
             return "v2", v2
@@ -43,6 +51,35 @@ def locate(controller: str) -> tuple[str, str] | None:
 _FILES = {("memory", "v2"): "memory.max", ("memory", "v1"): "memory.limit_in_bytes",
           ("pids", "v2"): "pids.max", ("pids", "v1"): "pids.max"}
 _UNLIMITED = {("memory", "v2"): "max", ("memory", "v1"): "-1", ("pids", "v2"): "max", ("pids", "v1"): "max"}
+CONTROLLERS = ("memory", "pids", "hugetlb")
+HUGE_SIZE = "2MB"  # the huge page size sandboxes may use (process/hugepages.py); every other is capped at 0
+# A huge-page cap file: faults ("max", v1 "limit_in_bytes") and reservations ("rsvd."...), per size.
+_HUGETLB_CAP = re.compile(r"hugetlb\.(\w+)\.(?:rsvd\.)?(?:max|limit_in_bytes)")
+
+
+def _hugetlb_caps(leaf: str) -> dict[str, list[str]]:
+    """The huge-page cap files of a leaf, by page size ("2MB": [fault cap, reservation cap])."""
+    caps: dict[str, list[str]] = {}
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(leaf)):
+            m = _HUGETLB_CAP.fullmatch(name)
+            if m:
+                caps.setdefault(m[1], []).append(os.path.join(leaf, name))
+    return caps
+
+
+def _cap_hugetlb(leaf: str, nbytes: int) -> None:
+    """Cap the leaf's huge pages: ``nbytes`` of 2 MiB pages, faults and reservations; none of any
+    other size. Raises CgroupError where the reservations cannot be capped (before Linux 5.7): a
+    reservation of surplus pages takes them from the host however the faults are capped."""
+    caps = _hugetlb_caps(leaf)
+    if len(caps.get(HUGE_SIZE, [])) != 2:
+        raise CgroupError(errno.ENOTSUP, f"{leaf} has no fault and reservation caps for {HUGE_SIZE} huge pages "
+                                         f"(hugetlb.{HUGE_SIZE}.rsvd.* needs Linux 5.7)")
+    for size, paths in caps.items():
+        for path in paths:
+            with open(path, "w") as f:
+                f.write(str(nbytes if size == HUGE_SIZE else 0))
 
 
 def subtree(prefix: str, data_dir: str) -> str:
@@ -55,28 +92,53 @@ class Cgroups:
 
     def __init__(self, group: str = "forkd"):
         self.group = group
+        self._enabled: set[tuple[str, str]] = set()  # (v2 hierarchy, controller) enabled down to our group
+        self.caps_huge_pages = False  # whether leaves cap huge pages: once hugetlb_status() found they hold
 
     def status(self) -> dict:
-        return {c: (locate(c) or ("none", ""))[0] for c in ("memory", "pids")}
+        return {c: (locate(c) or ("none", ""))[0] for c in CONTROLLERS}
 
-    def _parent(self, version: str, base: str) -> str:
+    def _parent(self, version: str, base: str, controller: str) -> str:
         parent = os.path.join(base, self.group)
-        if version == "v2" and not os.path.isdir(parent):
-            # v2 hands a controller to a group's children only when each ancestor enables it.
+        if version == "v2" and (base, controller) not in self._enabled:
+            # v2 hands a controller to a group's children only when each ancestor enables it (one
+            # controller a write: a write naming one the hierarchy lacks would enable none).
             path = base
-            for part in self.group.split("/"):
+            for part in self.group.split("/") + [None]:
                 with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.subtree_control"), "w") as f:
-                    f.write("+memory +pids")
-                path = os.path.join(path, part)
-                os.makedirs(path, exist_ok=True)
-            with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.subtree_control"), "w") as f:
-                f.write("+memory +pids")
+                    f.write(f"+{controller}")
+                if part is not None:
+                    path = os.path.join(path, part)
+                    os.makedirs(path, exist_ok=True)
+            self._enabled.add((base, controller))
         return parent
 
+    def hugetlb_status(self) -> tuple[bool, str]:
+        """(enforced, why): whether this host caps each leaf's huge pages, tried on a leaf of ours;
+        from then on the leaves made cap them (where they do not hold, they are left alone)."""
+        where = locate("hugetlb")
+        if where is None:
+            return False, (f"no cgroup v2 'hugetlb' controller and no cgroup v1 'hugetlb' hierarchy under {ROOT}, "
+                           f"so huge pages could not be capped per sandbox")
+        probe = os.path.join(self._parent(*where, "hugetlb"), f"probe-{os.getpid()}")
+        try:
+            os.makedirs(probe, exist_ok=True)
+            _cap_hugetlb(probe, 0)
+        except OSError as exc:
+            return False, f"huge pages cannot be capped per sandbox ({where[0]} hugetlb at {where[1]}): {exc}"
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(probe)
+        self.caps_huge_pages = True
+        return True, f"each sandbox's huge pages are capped at its memory limit (cgroup {where[0]} hugetlb at {where[1]})"
+
     def apply(self, name: str, pid: int, memory_mib: int | None, pids_max: int | None) -> list[str]:
-        """Put ``pid`` into leaves limiting it; returns the leaf paths made."""
+        """Put ``pid`` into leaves limiting it (a memory limit caps huge pages too, with
+        ``caps_huge_pages``); returns the leaf paths made."""
         made = []
-        for controller, value in (("memory", memory_mib and memory_mib * 1024 * 1024), ("pids", pids_max)):
+        memory = memory_mib and memory_mib * 1024 * 1024
+        for controller, value in (("memory", memory), ("pids", pids_max),
+                                  ("hugetlb", memory if self.caps_huge_pages else None)):
             if not value:
                 continue
             where = locate(controller)
@@ -86,29 +148,38 @@ class Cgroups:
                                   f"and no cgroup v1 '{controller}' hierarchy under {ROOT}; run as root "
                                   f"or enable the controller (echo +{controller} > cgroup.subtree_control)")
             version, base = where
-            leaf = os.path.join(self._parent(version, base), name)
+            leaf = os.path.join(self._parent(version, base, controller), name)
             os.makedirs(leaf, exist_ok=True)
-            with open(os.path.join(leaf, _FILES[(controller, version)]), "w") as f:
-                f.write(str(value))
+            if controller == "hugetlb":
+                _cap_hugetlb(leaf, value)
+            else:
+                with open(os.path.join(leaf, _FILES[(controller, version)]), "w") as f:
+                    f.write(str(value))
             if controller == "memory" and version == "v1":
                 with contextlib.suppress(OSError):  # no swap accounting on many hosts
                     with open(os.path.join(leaf, "memory.memsw.limit_in_bytes"), "w") as f:
                         f.write(str(value))
             with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
                 f.write(str(pid))
-            made.append(leaf)
+            if leaf not in made:
+                made.append(leaf)
         return made
 
     def move(self, name: str, pid: int) -> list[str]:
-        """Put ``pid`` into leaves of its own, without limits, wherever memory and pids can be
-        accounted (nowhere when neither can); returns the leaf paths made."""
+        """Put ``pid`` (a new template) into leaves of its own wherever memory and pids can be
+        accounted (nowhere when neither can): without memory and pids limits, and with no huge page
+        of its own (``caps_huge_pages``; a template only forks, and the huge pages it holds are its
+        source's, charged there).
+        Returns the leaf paths made."""
         made = []
-        for controller in ("memory", "pids"):
+        for controller in CONTROLLERS:
             where = locate(controller)
-            if where is None:
+            if where is None or (controller == "hugetlb" and not self.caps_huge_pages):
                 continue
-            leaf = os.path.join(self._parent(*where), name)
+            leaf = os.path.join(self._parent(*where, controller), name)
             os.makedirs(leaf, exist_ok=True)
+            if controller == "hugetlb":
+                _cap_hugetlb(leaf, 0)
             with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
                 f.write(str(pid))
             if leaf not in made:
@@ -117,7 +188,8 @@ class Cgroups:
 
     @staticmethod
     def unlimit(leaves: list[str]) -> None:
-        """Lift the memory and pids limits of these leaves (the leaves stay)."""
+        """Lift the memory and pids limits of these leaves (the leaves stay). The huge-page cap stays:
+        a template takes no more huge pages, and it bounds what work a lossy setup left could take."""
         for leaf in leaves:
             for controller in ("memory", "pids"):
                 version = "v2" if os.path.exists(os.path.join(leaf, "cgroup.controllers")) else "v1"
@@ -132,7 +204,8 @@ class Cgroups:
 
     @staticmethod
     def limits_hit(leaves: list[str]) -> list[str]:
-        """What stopped processes in these leaves: the pids limit refusing a fork, the OOM killer."""
+        """What stopped processes in these leaves: the pids limit refusing a fork, the OOM killer, the
+        huge-page cap refusing a page (the process faulting it got SIGBUS, or its mmap ENOMEM)."""
         hit = []
         for leaf in leaves:
             with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, "pids.events")) as f:
@@ -143,6 +216,12 @@ class Cgroups:
                 with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, name)) as f:
                     if int(dict(line.split() for line in f).get("oom_kill", 0)):
                         hit.append("the memory limit was reached and the OOM killer ended a process")
+            for name in (f"hugetlb.{HUGE_SIZE}.events", f"hugetlb.{HUGE_SIZE}.failcnt"):  # v2, v1
+                with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, name)) as f:
+                    text = f.read().split()
+                    if int(text[-1]):
+                        hit.append(f"the huge-page cap (as much as the memory limit) refused {HUGE_SIZE} pages "
+                                   f"(a process faulting one gets SIGBUS, an mmap of them ENOMEM)")
         return hit
 
     @staticmethod
@@ -181,7 +260,7 @@ class Cgroups:
 
     def sweep(self) -> None:
         """Remove every empty leaf of ours (left behind by sandboxes that ended on their own)."""
-        for controller in ("memory", "pids"):
+        for controller in CONTROLLERS:
             where = locate(controller)
             if where is None:
                 continue

@@ -181,6 +181,12 @@ _FLAG_RULES = {
     "x86_64": [(165, 3, MS_MOVE), (272, 0, CLONE_NEWUSER), (56, 0, CLONE_NEWUSER)],
     "aarch64": [(40, 3, MS_MOVE), (97, 0, CLONE_NEWUSER), (220, 0, CLONE_NEWUSER)],
 }
+# Huge-page mappings, refused where the host cannot cap them per sandbox (cgroups.py): mmap's
+# MAP_HUGETLB, memfd_create's MFD_HUGETLB, shmget's SHM_HUGETLB.
+_HUGETLB_RULES = {
+    "x86_64": [(9, 3, 0x40000), (319, 1, 0x4), (29, 2, 0o4000)],
+    "aarch64": [(222, 3, 0x40000), (279, 1, 0x4), (194, 2, 0o4000)],
+}
 # clone3 passes flags in memory that a filter cannot read: answer ENOSYS so libc falls back to clone.
 _CLONE3 = 435
 
@@ -193,8 +199,9 @@ def seccomp_supported() -> bool:
     return _MACHINE in _DENIED
 
 
-def seccomp_program() -> list[tuple[int, int, int, int]]:
-    """The BPF filter as (code, jt, jf, k) tuples; a deny answers EPERM."""
+def seccomp_program(deny_hugetlb: bool = False) -> list[tuple[int, int, int, int]]:
+    """The BPF filter as (code, jt, jf, k) tuples; a deny answers EPERM. ``deny_hugetlb``: huge-page
+    mappings too (a host whose cgroups cannot cap them per sandbox)."""
     if not seccomp_supported():
         raise OSError(errno.ENOSYS, f"no seccomp syscall table for architecture {_MACHINE}")
     deny = SECCOMP_RET_ERRNO | errno.EPERM
@@ -207,7 +214,7 @@ def seccomp_program() -> list[tuple[int, int, int, int]]:
     prog += [(_JEQ, 0, 1, _CLONE3), (_RET, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS)]
     for nr in sorted(_DENIED[_MACHINE].values()):
         prog += [(_JEQ, 0, 1, nr), (_RET, 0, 0, deny)]
-    for nr, arg, bits in _FLAG_RULES[_MACHINE]:
+    for nr, arg, bits in _FLAG_RULES[_MACHINE] + (_HUGETLB_RULES[_MACHINE] if deny_hugetlb else []):
         # if nr matches: load low word of the flags argument, deny when any forbidden bit is set
         prog += [(_JEQ, 0, 4, nr), (_LD_W_ABS, 0, 0, 16 + 8 * arg), (_JSET, 0, 1, bits),
                  (_RET, 0, 0, deny), (_RET, 0, 0, SECCOMP_RET_ALLOW)]
@@ -215,7 +222,7 @@ def seccomp_program() -> list[tuple[int, int, int, int]]:
     return prog
 
 
-def install_seccomp() -> None:
+def install_seccomp(deny_hugetlb: bool = False) -> None:
     """Install the sandbox filter on the calling thread and every future child (irreversible)."""
     PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 
@@ -226,7 +233,7 @@ def install_seccomp() -> None:
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
-    prog = seccomp_program()
+    prog = seccomp_program(deny_hugetlb)
     filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
     fprog = SockFprog(len(prog), filters)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")

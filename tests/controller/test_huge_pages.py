@@ -1,15 +1,20 @@
 """Big arrays move into hugetlb pages while a sandbox idles (process/hugepages.py): the values, the
 forks and the allocator stay exactly as they were, and a rewrite after a branch no longer splits
-the memory into 4 KiB pages. Timing is bench/kernel.py's business; these assert what is copied."""
+the memory into 4 KiB pages. Each sandbox's huge pages are capped at its memory limit (cgroups.py):
+no more moves, and user code mapping huge pages itself meets the cap, never the host's pool.
+Timing is bench/kernel.py's business; these assert what is copied."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 
 import pytest
 
 from ..conftest import requires_root
-from .conftest import ev
+from .conftest import cleanup, ev
 
 pytestmark = requires_root
 
@@ -95,11 +100,110 @@ def ctl_snap_with_array(ctl, numpy_snap):
                                                  "big = np.ones(2**25)")["tag"]
 
 
-def test_a_memory_limited_sandbox_keeps_its_memory(ctl, numpy_snap):
-    # hugetlb pages are not charged to the memory cgroup: a limited sandbox never takes them
-    sb = ctl.spawn(numpy_snap, 1, memory_limit_mib=1024)[0]["id"]
-    assert ev(ctl, sb, "[c.huge_pages for c in __import__('gc').get_objects() "
-                       "if isinstance(c, compactor.Compactor)]") == "[False]"
-    free = ctl.spawn(numpy_snap, 1)[0]["id"]
-    assert ev(ctl, free, "[c.huge_pages for c in __import__('gc').get_objects() "
-                         "if isinstance(c, compactor.Compactor)]") == "[True]"
+def hugetlb_leaf(ctl, handle: dict) -> str:
+    """The leaf that caps a sandbox's (or template's) huge pages."""
+    return next(p for p in handle["cgroups"] if os.path.exists(os.path.join(p, "hugetlb.2MB.max")))
+
+
+def read(leaf: str, name: str) -> str:
+    with open(os.path.join(leaf, name)) as f:
+        return f.read().strip()
+
+
+def meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        return int(next(line.split()[1] for line in f if line.startswith(key + ":")))
+
+
+def test_moves_stop_at_the_sandboxs_cap_and_the_rest_stays_exact(ctl, numpy_snap):
+    # The cap is the memory limit, apart from it: 256 MiB of huge pages for a 256 MiB sandbox.
+    sb = ctl.spawn(numpy_snap, 1, memory_limit_mib=256)[0]["id"]
+    leaf = hugetlb_leaf(ctl, ctl.registry.get_sandbox(sb)["handle"])
+    assert int(read(leaf, "hugetlb.2MB.max")) == int(read(leaf, "hugetlb.2MB.rsvd.max")) == 256 * MIB
+    assert ev(ctl, sb, "[c.huge_pages_cap for c in __import__('gc').get_objects() "
+                       "if isinstance(c, compactor.Compactor)]") == f"[{256 * MIB}]"
+    run(ctl, sb, "import hashlib\ndigest = lambda a: hashlib.sha256(a.data).hexdigest()\n"
+                 "a = np.arange(20 * 2**20, dtype=np.float64)\nda = digest(a)")  # 160 MiB
+    assert moved_kib(ctl, sb, 150 * 1024) >= 150 * 1024
+    # a was moved, so its ordinary memory is free again: b fits in the memory limit, and moves
+    # until the huge pages reach the cap; its other pieces stay in ordinary pages
+    run(ctl, sb, "b = np.arange(20 * 2**20, dtype=np.float64)\nb *= 3\ndb = digest(b)")
+    held = moved_kib(ctl, sb, 240 * 1024)
+    assert 240 * 1024 <= held <= 256 * 1024
+    assert int(read(leaf, "hugetlb.2MB.current")) <= 256 * MIB
+    assert read(leaf, "hugetlb.2MB.events") == "max 0"  # the compactor kept within the cap itself
+    assert ev(ctl, sb, "(digest(a) == da, digest(b) == db, float(b[-1]), float(a[12345]))") == \
+        f"(True, True, {3.0 * (20 * 2**20 - 1):.1f}, 12345.0)"
+
+
+TOUCH = """
+import mmap, sys
+m = mmap.mmap(-1, 128 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000 | 0x4000)  # HUGETLB, NORESERVE
+for i in range(64):
+    m[i << 21] = 1
+    print(i + 1, flush=True)
+"""
+
+
+def test_map_hugetlb_past_the_limit_fails_and_takes_nothing_from_the_host(ctl, numpy_snap):
+    sb = ctl.spawn(numpy_snap, 1, memory_limit_mib=64)[0]["id"]
+    leaf = hugetlb_leaf(ctl, ctl.registry.get_sandbox(sb)["handle"])
+    # the host's pool could give 128 MiB: only the sandbox's cap stands in the way
+    with open("/proc/sys/vm/nr_overcommit_hugepages") as f:
+        assert int(f.read()) - meminfo("HugePages_Surp") >= 64
+    rsvd = meminfo("HugePages_Rsvd")
+    # a mapping that reserves its pages: refused at mmap, in the cell
+    reply = ctl.run_code(sb, "import mmap\ntry:\n    mmap.mmap(-1, 128 << 20, flags=mmap.MAP_PRIVATE | "
+                             "mmap.MAP_ANONYMOUS | 0x40000)\nexcept OSError as e:\n    err = e.errno\nerr")
+    assert reply["result"]["text/plain"] == "12"  # ENOMEM
+    assert meminfo("HugePages_Rsvd") < rsvd + 64  # nothing of the 64 pages was reserved
+    # a mapping that reserves nothing: each page is charged as it is touched, and the 33rd is refused
+    out = ctl.exec(sb, ["python3", "-c", TOUCH])
+    assert out["exit_code"] == -7 and out["stdout"].split()[-1] == "32"  # SIGBUS at 64 MiB exactly
+    assert int(read(leaf, "hugetlb.2MB.events").split()[1]) >= 2
+    assert int(read(leaf, "hugetlb.2MB.current")) == 0  # and what it had went back with it
+    assert ctl.ping(sb)["pong"] is True
+
+
+def test_a_setup_takes_no_huge_pages_past_its_limit(ctl, numpy_snap):
+    from forkd_server.errors import EngineFailure
+
+    setup = "import mmap\nm = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000)"
+    with pytest.raises(EngineFailure, match="Cannot allocate memory") as failure:
+        ctl.create_snapshot("hp-setup", setup=setup, memory_limit_mib=128)
+    assert "huge-page cap" in str(failure.value)
+
+
+def test_a_branch_takes_no_huge_pages_of_its_own(ctl, numpy_snap):
+    sb = ctl.spawn(numpy_snap, 1)[0]["id"]
+    tag = ctl.branch(sb)["tag"]
+    leaf = hugetlb_leaf(ctl, ctl.registry.get_snapshot(tag)["handle"])
+    assert int(read(leaf, "hugetlb.2MB.max")) == int(read(leaf, "hugetlb.2MB.rsvd.max")) == 0
+
+
+def test_where_huge_pages_cannot_be_capped_no_sandbox_may_map_them(monkeypatch):
+    from forkd_engine.cgroups import Cgroups
+    from forkd_server.controller import Controller
+
+    monkeypatch.setattr(Cgroups, "hugetlb_status", lambda self: (False, "no hugetlb controller (test)"))
+    with open("/proc/sys/vm/nr_overcommit_hugepages") as f:
+        pool = f.read()
+    path = tempfile.mkdtemp(prefix="fkh")
+    c = Controller(path)
+    try:
+        engine = c.engines["process"]
+        assert not engine.huge_pages and "kept as found" in engine.huge_pages_note
+        with open("/proc/sys/vm/nr_overcommit_hugepages") as f:
+            assert f.read() == pool
+        tag = c.create_snapshot("no-hp", setup="import mmap")["tag"]
+        sb = c.spawn(tag, 1)[0]["id"]
+        got = ev(c, sb, "[getattr(c, 'huge_pages_cap', None) for c in __import__('gc').get_objects() "
+                        "if type(c).__name__ == 'Compactor']")
+        assert got == "[0]"
+        reply = c.run_code(sb, "try:\n    mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS "
+                               "| 0x40000 | 0x4000)\nexcept OSError as e:\n    err = e.errno\nerr")
+        assert reply["result"]["text/plain"] == "1"  # EPERM: the seccomp filter refuses it
+    finally:
+        cleanup(c)
+        c.close()
+        shutil.rmtree(path, ignore_errors=True)

@@ -42,7 +42,7 @@ def template_main(cfg: dict) -> None:
         os.chdir("/tmp")
         os.environ.clear()
         os.environ.update(cfg["env"])
-        linux.install_seccomp()
+        linux.install_seccomp(deny_hugetlb=bool(cfg.get("deny_hugetlb")))
         proc = SandboxProcess({"id": cfg["tag"], "role": "template", "lineage": [cfg["tag"]]},
                               {"host_network": cfg["host_network"], "tmp_size_mib": cfg["tmp_size_mib"],
                                "shm_size_mib": cfg["shm_size_mib"], "lossy": bool(cfg.get("lossy"))})
@@ -68,7 +68,6 @@ def template_main(cfg: dict) -> None:
             report(report_fd, {"id": cfg["tag"], "ok": False, "lost": lost,
                                "error": "setup left running work that forks cannot carry"})
             os._exit(1)
-        proc.config["lost"] = lost
         devnull = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
@@ -77,7 +76,7 @@ def template_main(cfg: dict) -> None:
         report(report_fd, {"id": cfg["tag"], "ok": False, "error": f"{type(exc).__name__}: {exc}",
                            "setup_failed": isinstance(exc, SetupFailed)})
         os._exit(1)
-    proc.serve(listen_fd, report_fd)
+    proc.serve(listen_fd, report_fd, warnings=lost)  # its ready report says what a lossy setup left
 
 
 def main() -> int:

@@ -6,7 +6,8 @@ entries. Two remedies, run on a low-priority thread once the sandbox has been id
 
 1. Big NumPy arrays move into hugetlb pages (``hugepages.py``), which copy-on-write never splits:
    once moved, a branch right after a cell rewrote them forks as fast as one after an idle pause.
-   Done once per array (where the host has a hugetlb pool and the sandbox no memory limit).
+   Done once per array, where the host caps each sandbox's huge pages (at its memory limit): no
+   more than the cap moves, and what the cap refuses stays in ordinary memory, exact.
 2. What stays in ordinary memory is put back into huge pages (``MADV_COLLAPSE``), which takes
    seconds for a gigabyte, hence in the background, after each cell that split some.
 
@@ -53,10 +54,11 @@ def hugetlb_kib() -> int:
 
 
 class Compactor:
-    def __init__(self, executor=None, namespace: dict | None = None, huge_pages: bool = False):
+    def __init__(self, executor=None, namespace: dict | None = None, huge_pages_mib: int = 0):
         self.executor = executor      # the sandbox's main thread: moves run there, between cells
         self.namespace = namespace    # where the big arrays are found
-        self.huge_pages = huge_pages and executor is not None and namespace is not None
+        # The sandbox's huge-page cap (its memory limit; 0: none may move).
+        self.huge_pages_cap = huge_pages_mib << 20 if executor is not None and namespace is not None else 0
         self.lock = threading.Lock()  # held while a step touches the memory map
         self._wake = threading.Event()
         self._yield = threading.Event()  # a branch wants the lock: the background pass stops
@@ -89,7 +91,7 @@ class Compactor:
             if self._wake.wait(SETTLE) or not self._idle():
                 continue  # more is running: its end pokes again
             try:
-                if self.huge_pages:
+                if self.huge_pages_cap:
                     self._move_buffers()
                 if split_anonymous_kib() >= SPLIT_THRESHOLD_KIB:
                     with self.lock:
@@ -112,6 +114,8 @@ class Compactor:
             if self._stop():
                 return
             for start, size in hugepages.pieces(lo, hi):
+                if hugetlb_kib() * 1024 + size > self.huge_pages_cap:
+                    continue  # past the cap: this piece stays in ordinary memory (a smaller one may fit)
                 with self.lock:
                     if self._yield.is_set():
                         return
@@ -119,8 +123,10 @@ class Compactor:
                     try:
                         filled = dest.fill(self._yield.is_set)
                     except OSError:
+                        # The host's pool, or the cap counting pages we no longer see (held by a
+                        # branch since a rewrite): the rest stays where it is; the next pass retries.
                         dest.close()
-                        raise
+                        return
                 if not filled:
                     dest.close()
                     return

@@ -109,8 +109,12 @@ class ProcessEngine:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         self.cgroups = Cgroups(subtree("forkd", self.data_dir))  # this server's own leaves
         self.cgroups.sweep()
-        # Big arrays of sandboxes without a memory limit move into hugetlb pages (process/hugepages.py).
-        self.huge_pages, self.huge_pages_note = hugepages.allow_surplus()
+        # Big arrays move into hugetlb pages (process/hugepages.py), up to each sandbox's cap: only
+        # where each leaf's huge pages can be capped (they are not charged to its memory limit);
+        # elsewhere sandboxes may map none at all (their seccomp filter refuses MAP_HUGETLB).
+        capped = self.cgroups.hugetlb_status()
+        self.hugetlb_capped = capped[0]
+        self.huge_pages, self.huge_pages_note = hugepages.allow_surplus(capped)
         self._busy_leaves: set[str] = set()
         self._creating: dict[str, Setup] = {}  # tag -> its setup, while it runs
         self._creating_lock = threading.Lock()
@@ -288,7 +292,7 @@ class ProcessEngine:
             "tmp_size_mib": tmp_mib, "shm_size_mib": shm_mib, "uid": self.uid, "gid": self.gid,
             "root_dir": self.root_dir, "hidden": [self.data_dir], "env": _sandbox_env(),
             "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
-            "shell": spec.shell,
+            "shell": spec.shell, "deny_hugetlb": not self.hugetlb_capped,
         }
         setup = Setup(self.cgroups, spec.tag, memory_mib, self.pids_max)
         with self._creating_lock:
@@ -333,7 +337,9 @@ class ProcessEngine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             setup.boot.wait(timeout=30)  # it exits once the template runs
         os.unlink(log_path)
-        return self._handle(got[1], path, role="template", cgroups=setup.done())
+        # A lossy setup's template says what it left running (its children lack it): for the caller.
+        lost = {"warnings": got[0]["warnings"]} if got[0].get("warnings") else {}
+        return self._handle(got[1], path, role="template", cgroups=setup.done(), **lost)
 
     def _end_setup(self, setup: Setup, path: str, log_path: str) -> None:
         """A creation that failed, timed out or was cancelled: nothing of it stays."""
@@ -385,8 +391,8 @@ class ProcessEngine:
         limits = {c.id: c.memory_limit_mib or self.default_memory_limit_mib for c in batch}
         request = {"action": "spawn", "children": [
             {"id": c.id, "lineage": c.lineage, **dict(zip(("tmp_size_mib", "shm_size_mib"), tmpfs_sizes(limits[c.id]))),
-             # hugetlb pages are not charged to a memory cgroup: limited ones keep theirs
-             "huge_pages": self.huge_pages and not c.memory_limit_mib}
+             # its leaves cap its huge pages at its memory limit: the compactor moves up to that
+             "huge_pages_mib": limits[c.id] if self.huge_pages else 0}
             for c in batch]}
         started: dict[str, Handle] = {}
         try:

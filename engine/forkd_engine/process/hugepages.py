@@ -27,8 +27,11 @@ The pages come from the kernel's surplus pool on demand (``vm.nr_overcommit_huge
 ``MAP_NORESERVE`` reserves nothing, so no page is ever taken back from a fork (a private hugetlb
 mapping holding a reservation takes its pages back from its forks, which then die with SIGBUS, when
 the pool runs dry); if the host cannot supply a huge page for a later copy-on-write, the process
-writing gets SIGBUS, as it would meet the OOM killer with 4 KiB pages. A sandbox with a memory
-limit keeps its memory as it is: hugetlb pages are not charged to its memory cgroup.
+writing gets SIGBUS, as it would meet the OOM killer with 4 KiB pages.
+
+Hugetlb pages are not charged to a memory cgroup, so each sandbox's leaf caps them apart, at its
+memory limit (``cgroups.py``); the compactor moves no more than that, and a piece the cap refuses
+stays in ordinary pages. Where the host cannot cap them, no pool is raised and no sandbox moves any.
 """
 
 from __future__ import annotations
@@ -80,13 +83,21 @@ def _errno_error(what: str) -> OSError:
 
 # --- the host side ------------------------------------------------------------------------------
 
-def allow_surplus() -> tuple[bool, str]:
+def allow_surplus(capped: tuple[bool, str]) -> tuple[bool, str]:
     """(usable, why): let the kernel make 2 MiB huge pages on demand, as the engine starts (root).
+
+    Only where each sandbox's huge pages are capped (``capped``: ``Cgroups.hugetlb_status()``):
+    hugetlb pages are not charged to a memory cgroup, so elsewhere a pool would let any sandbox's
+    ``MAP_HUGETLB`` take memory past its limit. There the settings are kept as found, no sandbox
+    gets huge pages, and the sandboxes' seccomp filter refuses them.
 
     Raises ``vm.nr_overcommit_hugepages`` from 0 to the machine's memory in huge pages: a ceiling,
     not a reservation (nothing is allocated until a sandbox asks, and freed pages go back). A
     setting an administrator made (either knob non-zero) is left as it is. ``FORKD_HUGE_PAGES=0``
     keeps sandboxes off huge pages altogether."""
+    enforced, why_capped = capped
+    if not enforced:
+        return False, f"{why_capped}: vm.nr_overcommit_hugepages is kept as found and no sandbox gets huge pages"
     if os.environ.get("FORKD_HUGE_PAGES", "1") == "0":
         return False, "FORKD_HUGE_PAGES=0"
     try:
@@ -99,11 +110,11 @@ def allow_surplus() -> tuple[bool, str]:
         with open("/proc/sys/vm/nr_hugepages") as f:
             static = int(f.read())
         if surplus or static:
-            return True, f"the host allows {surplus} surplus and has {static} static huge pages"
+            return True, f"the host allows {surplus} surplus and has {static} static huge pages; {why_capped}"
         ceiling = int(info["MemTotal"]) * 1024 // HUGE
         with open("/proc/sys/vm/nr_overcommit_hugepages", "w") as f:
             f.write(str(ceiling))
-        return True, f"vm.nr_overcommit_hugepages raised from 0 to {ceiling}"
+        return True, f"vm.nr_overcommit_hugepages raised from 0 to {ceiling}; {why_capped}"
     except (OSError, KeyError, ValueError) as exc:
         return False, f"no hugetlb pool: {exc}"
 

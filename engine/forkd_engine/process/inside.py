@@ -137,8 +137,9 @@ class SandboxProcess:
 
     # --- becoming a template or a sandbox --------------------------------------------------------
 
-    def serve(self, listen_fd: int, report_fd: int) -> None:
-        """Report ready and serve forever (never returns).
+    def serve(self, listen_fd: int, report_fd: int, warnings: list[str] | None = None) -> None:
+        """Report ready (with ``warnings``: what a lossy setup left running) and serve forever
+        (never returns).
 
         A template serves on this thread, one request at a time (it only spawns). A sandbox accepts
         on a thread and runs user code, and its forks, on this one: the main thread."""
@@ -154,13 +155,13 @@ class SandboxProcess:
                 self.runtime.executor = None
                 prewarm_for_forks()
                 self.server = AgentServer(self.runtime, listener, actions, threaded=False)
-                report(report_fd, {"id": self.identity["id"], "ok": True})
+                report(report_fd, {"id": self.identity["id"], "ok": True, **({"warnings": warnings} if warnings else {})})
                 os.close(report_fd)
                 self.server.serve_forever()
             else:
                 executor = self.runtime.executor = Executor()
                 self.compactor = Compactor(executor, self.runtime.namespace,
-                                           huge_pages=bool(self.identity.get("huge_pages")))
+                                           huge_pages_mib=int(self.identity.get("huge_pages_mib") or 0))
                 executor.after_user_code = self.compactor.poke
                 self.server = AgentServer(self.runtime, listener,
                                           {"branch": self.branch, "retire": self.retire,
@@ -257,7 +258,7 @@ class SandboxProcess:
             for child, lfd in zip(children_spec, listen_fds):
                 identity = {"id": child["id"], "role": "sandbox",
                             "lineage": list(child.get("lineage") or []),
-                            "huge_pages": bool(child.get("huge_pages"))}
+                            "huge_pages_mib": int(child.get("huge_pages_mib") or 0)}
                 tmpfs = {k: int(child[k]) for k in ("tmp_size_mib", "shm_size_mib") if child.get(k)}
                 pid, _ = self._fork_into_new_pidns()
                 if pid == 0:
