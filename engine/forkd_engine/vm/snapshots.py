@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from ..base import AgentUnreachable, Cancelled, EngineError, Handle, InvalidSpec, SnapshotSpec
 from . import memory as vmem
 from .channel import restore_request
-from .image import PACKAGES_FILE, ImageError, PackageNotFound, build_packages_image
+from .image import ImageError
+from .packages import PACKAGES_FILE, PackageNotFound, build_packages_image
 from .qemu import MACHINE, tool
 from .qmp import QMP, QMPError
 
