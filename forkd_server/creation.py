@@ -61,10 +61,10 @@ class CreationManager:
             check_disk_mib(disk_mib, self.ctl.data_dir)
         timeout = DEFAULT_SETUP_TIMEOUT_SECS if setup_timeout_secs is None else check_setup_timeout(setup_timeout_secs)
         if packages:
-            from forkd_engine.vm.image import ImageError, validate_packages
+            from forkd_engine.vm.packages import PackageNotFound, validate_packages
             try:
                 packages = validate_packages(packages)
-            except ImageError as exc:
+            except PackageNotFound as exc:
                 raise BadRequest(str(exc)) from None
         packages = list(packages or [])
         if engine == "auto" and (packages or disk_mib is not None):

@@ -45,7 +45,7 @@ def check_kvm() -> dict:
                     "check `dmesg | grep -i kvm`")
     finally:
         os.close(fd)
-    from forkd_engine.vm.engine import kvm_status
+    from forkd_engine.vm import kvm_status
 
     usable, why = kvm_status()  # the VM engine's own verdict: the one it acts on
     if usable:

@@ -7,13 +7,13 @@ import time
 import pytest
 
 from forkd_engine.agent.serial import parse_restore
-from forkd_engine.vm.engine import VMEngine
+from forkd_engine.vm.channel import restore_request
 
 
 def test_round_trip_of_identity_entropy_and_clock():
     identity = {"id": "sb-0001-ü", "role": "sandbox", "lineage": ["base", "branch-sb-1-0", "sb-0001-ü"]}
     before = time.time_ns()
-    line = VMEngine._restore_request(identity)("a1b2c3d4-7")
+    line = restore_request(identity)("a1b2c3d4-7")
     assert line.endswith(b"\n") and b"{" not in line
     rid, entropy, host_ns, got = parse_restore(line.rstrip(b"\n"))
     assert rid == "a1b2c3d4-7" and len(entropy) == 64
@@ -22,8 +22,8 @@ def test_round_trip_of_identity_entropy_and_clock():
 
 
 def test_every_line_draws_fresh_entropy_and_empty_lineage_survives():
-    a = parse_restore(VMEngine._restore_request({"id": "t", "role": "template"})("r-1").rstrip(b"\n"))
-    b = parse_restore(VMEngine._restore_request({"id": "t", "role": "template"})("r-2").rstrip(b"\n"))
+    a = parse_restore(restore_request({"id": "t", "role": "template"})("r-1").rstrip(b"\n"))
+    b = parse_restore(restore_request({"id": "t", "role": "template"})("r-2").rstrip(b"\n"))
     assert a[1] != b[1] and a[3]["lineage"] == [] and a[3]["hostname"] == "t"
 
 

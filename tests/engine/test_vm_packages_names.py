@@ -6,8 +6,9 @@ import shutil
 
 import pytest
 
-from forkd_engine.vm.image import (BASE_PROVIDES, ImageError, _alternatives, _apply_alternatives, _deb822,
-                                   resolve_packages, validate_packages)
+from forkd_engine.vm.image import ImageError
+from forkd_engine.vm.packages import (BASE_PROVIDES, _alternatives, _apply_alternatives, _deb822, resolve_packages,
+                                      validate_packages)
 
 
 @pytest.mark.parametrize("names, expected", [

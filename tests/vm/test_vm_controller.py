@@ -95,7 +95,7 @@ def test_sigkill_of_qemu_inside_the_pause_leaves_nothing(ctl, vm_engine, monkeyp
         calls.append(p)
         if len(calls) == (2 if mode == "diff" else 1):  # diff scans once before the pause
             os.kill(p, 9)
-            os.waitpid(p, 0) if p in vm_engine._children else None
+            os.waitpid(p, 0) if p in vm_engine.qemu.children else None
         return real(p, start, size)
 
     monkeypatch.setattr(vmem, "private_runs", crash_then_scan)

@@ -251,9 +251,9 @@ def test_settle_waits_for_exiting_threads_not_live_ones(vm_engine, parent, kids)
 
 def test_snapshot_waits_for_an_idle_guest(vm_engine, parent, kids):
     (a,) = spawn(vm_engine, parent, kids)
-    assert vm_engine._vcpu_ns(a["pid"]) > 0          # the vCPU threads are found by name
+    assert vm_engine.qemu.vcpu_ns(a["pid"]) > 0          # the vCPU threads are found by name
     run(vm_engine, a, "x = sum(range(10))")
-    assert vm_engine._wait_idle(a) is True            # an idle guest's vCPU sleeps
+    assert vm_engine.qemu.wait_idle(a) is True            # an idle guest's vCPU sleeps
     busy = threading.Thread(target=vm_engine.call, args=(a, {
         "action": "run_code",
         "code": "open('/tmp/spinning', 'w').close()\nt_end = time.time() + 300\n"
@@ -264,7 +264,7 @@ def test_snapshot_waits_for_an_idle_guest(vm_engine, parent, kids):
         while "spinning" not in {e["name"] for e in
                                  vm_engine.call(a, {"action": "files", "op": "list", "path": "/tmp"})["entries"]}:
             assert time.monotonic() < deadline, "the busy loop never started"
-        assert vm_engine._wait_idle(a, limit=0.5) is False   # a spinning guest never goes quiet
+        assert vm_engine.qemu.wait_idle(a, limit=0.5) is False   # a spinning guest never goes quiet
     finally:
         release(vm_engine, a)
         busy.join(60)
@@ -278,7 +278,7 @@ def test_a_failing_child_takes_down_the_whole_spawn_and_leaves_nothing(vm_engine
     ids = [f"bad{i}-{time.monotonic_ns()}" for i in range(4)]
     with pytest.raises(EngineError, match="did not come up"):
         vm_engine.spawn(bad, [ChildSpec(id=i) for i in ids])
-    assert not any(os.path.exists(vm_engine._vm_dir(i)) for i in ids)
+    assert not any(os.path.exists(vm_engine.qemu.vm_dir(i)) for i in ids)
     cmdlines = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -286,4 +286,4 @@ def test_a_failing_child_takes_down_the_whole_spawn_and_leaves_nothing(vm_engine
                 cmdlines.append(f.read().decode(errors="replace"))
         except OSError:
             pass  # it exited meanwhile
-    assert not any(vm_engine._vm_dir(i) in c for i in ids for c in cmdlines)  # no QEMU of theirs is left
+    assert not any(vm_engine.qemu.vm_dir(i) in c for i in ids for c in cmdlines)  # no QEMU of theirs is left

@@ -107,7 +107,7 @@ def test_bad_packages_fail_clearly_and_leave_nothing(vm_engine):
 
 
 def test_packages_image_is_cached(vm_engine, np_snap):
-    from forkd_engine.vm.image import build_packages_image
+    from forkd_engine.vm.packages import build_packages_image
     t0 = time.monotonic()
     again = build_packages_image(vm_engine.cache_dir, ["python3-numpy"])
     assert time.monotonic() - t0 < 1.0  # remembered: no apt, no build

@@ -20,6 +20,7 @@ import pytest
 
 from forkd_engine import ChildSpec, EngineError
 from forkd_engine.vm import memory as vmem
+from forkd_engine.vm import snapshots
 
 from .conftest import ev, requires_qemu, run
 
@@ -162,10 +163,10 @@ def test_delete_of_a_vm_snapshot_being_created_cancels_it(vm_engine):
     try:
         creator.start()
         deadline = time.monotonic() + 120
-        while vm_engine._creating.get("vm-doomed", {}).get("handle") is None:
+        while vm_engine.creating.get("vm-doomed", {}).get("handle") is None:
             assert time.monotonic() < deadline and creator.is_alive(), outcome
             time.sleep(0.05)                               # bounded: until its VM runs
-        pid = vm_engine._creating["vm-doomed"]["handle"]["pid"]
+        pid = vm_engine.creating["vm-doomed"]["handle"]["pid"]
         c.delete_snapshot("vm-doomed")
         creator.join(60)
         assert isinstance(outcome.get("error"), Conflict), outcome
@@ -190,7 +191,7 @@ def test_mem_size_mib_that_cannot_fit_is_a_400_at_once(vm_engine, monkeypatch):
         with pytest.raises(BadRequest, match="mem_size_mib must be between 64 and"):
             c.create_snapshot("huge", engine="vm", mem_size_mib=1 << 20)      # 1 TiB: past the host's RAM
         # within the host's RAM but not within the tmpfs that holds RAM files (here: made small)
-        monkeypatch.setattr(vm_engine, "_mem_root_free_mib", lambda: 200)
+        monkeypatch.setattr(snapshots, "mem_root_free_mib", lambda mem_root: 200)
         with pytest.raises(BadRequest, match="mem_size_mib 256 does not fit.*200 MiB free"):
             c.create_snapshot("huge", engine="vm", mem_size_mib=256)
         assert time.monotonic() - t0 < 5

@@ -1,5 +1,6 @@
 """The VM engine: QEMU microVMs (KVM where usable, TCG otherwise) with file snapshots."""
 
-from .engine import VMEngine, kvm_status, qemu_binary
+from .engine import VMEngine
+from .host import kvm_status, qemu_binary
 
 __all__ = ["VMEngine", "kvm_status", "qemu_binary"]

@@ -104,7 +104,7 @@ def sweep(engine: "VMEngine", known: list[Handle]) -> list[str]:
                 with contextlib.suppress(OSError, ValueError, KeyError), open(os.path.join(entry.path, "pid")) as f:
                     rec = json.load(f)
                     if engine.alive({"pid": rec["pid"], "start_time": rec["start_time"]}):
-                        engine._stop_process(rec["pid"], rec["start_time"])
+                        engine.qemu.stop(rec["pid"], rec["start_time"])
                         ended = f", ending its QEMU {rec['pid']}"
                 size = _disk_usage(entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)

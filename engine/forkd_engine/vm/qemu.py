@@ -1,0 +1,212 @@
+"""The QEMU processes of one engine: their command line, starting one on pre-bound sockets, reading
+its logs, telling when its vCPUs have gone idle, and stopping it for good.
+
+Its own room because every operation (creating a snapshot, spawning, branching, recovery) starts or
+ends QEMU processes the same way, while none of this knows what a snapshot or a branch is: a
+``Qemu`` is given paths and files and returns handles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+from .. import linux
+from ..base import EngineError, Handle
+from .image import DATA_SERIAL, PACKAGES_SERIAL
+
+MAX_SOCKET_PATH = 107
+MACHINE = "microvm"
+DISK_ID = "d0"
+PACKAGES_ID = "p0"  # the read-only packages disk (SnapshotSpec.packages), shared by every child
+# QEMU's seccomp filter: no obsolete syscalls, no setuid/setgid/capset, no fork/exec, no
+# scheduling or priority changes. A guest that escapes into QEMU meets it first.
+SECCOMP_SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+
+def tool(cmd: list[str]) -> None:
+    """Run a host tool (``qemu-img``, ``mkfs.ext4``); EngineError says what failed."""
+    try:
+        subprocess.run(cmd, check=True, capture_output=True)
+    except FileNotFoundError as exc:
+        raise EngineError(f"{cmd[0]} is not installed (scripts/setup.sh installs it)") from exc
+    except subprocess.CalledProcessError as exc:
+        raise EngineError(f"{' '.join(cmd)} failed: {exc.stderr.decode(errors='replace').strip()[-800:]}") from exc
+
+
+class Qemu:
+    """Starts and stops the VMs of one engine: each in its own directory under ``run_dir``."""
+
+    def __init__(self, binary: str, run_dir: str, accel: str, accel_opts: str, smp: int, tsc_khz: int | None):
+        self.binary = binary
+        self.run_dir = run_dir
+        self.accel = accel
+        self.accel_opts = accel_opts
+        self.smp = smp
+        self.tsc_khz = tsc_khz
+        self.children: dict[int, subprocess.Popen] = {}  # the QEMUs this process started, by pid
+
+    def vm_dir(self, name: str) -> str:
+        return os.path.join(self.run_dir, hashlib.sha1(name.encode()).hexdigest()[:16])
+
+    def command(self, image: dict, mem_path: str, mem_mib: int, share: bool, qmp_fd: int, agent_fd: int,
+                console: str, incoming: str | None, disk: tuple[str, str] | None = None,
+                packages: str | None = None) -> list[str]:
+        append = "console=ttyS0 quiet panic=-1 tsc=reliable"
+        if self.tsc_khz:
+            append += f" tsc_early_khz={self.tsc_khz}"
+        cpu = "max" if self.accel == "tcg" else "host,-arch-capabilities"
+        cmd = [self.binary, "-nodefaults", "-no-user-config", "-nographic", "-name", "forkd,debug-threads=on",
+               "-sandbox", SECCOMP_SANDBOX, "-accel", self.accel + self.accel_opts, "-cpu", cpu,
+               "-m", f"{mem_mib}M", "-smp", str(self.smp)]
+        if not incoming:
+            # A restored child's RAM already holds the running kernel: loading the 50 MB ELF and the
+            # initramfs again would only cost start-up time (-no-reboot: it never boots them).
+            cmd += ["-kernel", image["kernel"], "-initrd", image["initrd"], "-append", append]
+        cmd += ["-serial", f"file:{console}", "-no-reboot",
+               "-chardev", f"socket,id=qmp,fd={qmp_fd},server=on,wait=off", "-mon", "chardev=qmp,mode=control",
+               "-chardev", f"socket,id=agent,fd={agent_fd},server=on,wait=off",
+               "-M", f"{MACHINE},memory-backend=mem",
+               "-device", "virtio-serial-device", "-device", "virtserialport,chardev=agent,name=agent",
+               "-object", f"memory-backend-file,id=mem,size={mem_mib}M,mem-path={mem_path},"
+                          f"share={'on' if share else 'off'}",
+               # Device state files carry no configuration section (xen-save-devices-state format).
+               "-global", "migration.send-configuration=off"]
+        if disk:
+            path, fmt = disk
+            cmd += ["-drive", f"file={path},if=none,id={DISK_ID},format={fmt}",
+                    "-device", f"virtio-blk-device,drive={DISK_ID},serial={DATA_SERIAL}"]
+        if packages:
+            # Read-only and never written: every child of the snapshot opens the same file. The guest
+            # finds it by its serial, whatever vdX it became.
+            cmd += ["-drive", f"file={packages.replace(',', ',,')},if=none,id={PACKAGES_ID},format=raw,readonly=on",
+                    "-device", f"virtio-blk-device,drive={PACKAGES_ID},serial={PACKAGES_SERIAL}"]
+        if incoming:
+            cmd += ["-incoming", incoming]
+        return cmd
+
+    def launch(self, name: str, image: dict, mem_path: str, mem_mib: int, share: bool,
+               incoming_file: str | None = None, disk: tuple[str, str] | None = None,
+               vm_dir_ready: bool = False, defer: bool = False, packages: str | None = None) -> Handle:
+        vm_dir = self.vm_dir(name)
+        if not vm_dir_ready:
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            os.makedirs(vm_dir, mode=0o700)
+        socks = []
+        state_fd = -1
+        try:
+            incoming = None
+            if incoming_file:
+                # The device state goes in as an open file (``fd:``), no shell or cat per child.
+                state_fd = os.open(incoming_file, os.O_RDONLY)
+                incoming = "defer" if defer else f"fd:{state_fd}"
+            for sock_name in ("qmp.sock", "agent.sock"):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.bind(os.path.join(vm_dir, sock_name))
+                s.listen(8)
+                socks.append(s)
+            cmd = self.command(image, mem_path, mem_mib, share, socks[0].fileno(), socks[1].fileno(),
+                               os.path.join(vm_dir, "console.log"), incoming, disk, packages)
+            with open(os.path.join(vm_dir, "qemu.log"), "wb") as log:
+                fds = [s.fileno() for s in socks] + ([state_fd] if state_fd >= 0 else [])
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        pass_fds=fds, start_new_session=True, cwd=vm_dir)
+        except OSError as exc:
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            raise EngineError(f"could not start QEMU: {exc}") from exc
+        finally:
+            for s in socks:
+                s.close()
+            if state_fd >= 0:
+                os.close(state_fd)
+        self.children[proc.pid] = proc
+        start = linux.process_start_time(proc.pid)
+        handle = {"engine": "vm", "kind": "vm", "name": name, "pid": proc.pid, "start_time": start,
+                  "dir": vm_dir, "qmp": os.path.join(vm_dir, "qmp.sock"),
+                  "socket": os.path.join(vm_dir, "agent.sock"), "mem_mib": mem_mib}
+        if disk:
+            handle["disk"] = disk[0]
+        if packages:
+            handle["packages_image"] = packages
+        if defer:
+            handle["incoming_fd"] = state_fd  # QEMU's copy keeps this number
+        with open(os.path.join(vm_dir, "pid"), "w") as f:
+            json.dump({"pid": proc.pid, "start_time": start}, f)
+        return handle
+
+    @staticmethod
+    def log_tail(handle: Handle) -> str:
+        parts = []
+        for name in ("qemu.log", "console.log"):
+            with contextlib.suppress(OSError), open(os.path.join(handle["dir"], name), "rb") as f:
+                text = f.read()[-1500:].decode("utf-8", "replace").strip()
+                if text:
+                    parts.append(f"{name}: {text}")
+        return "; ".join(parts) or "no output"
+
+    @staticmethod
+    def vcpu_ns(pid: int) -> int:
+        """CPU time (schedstat, ns) of a QEMU's vCPU threads, named "CPU n/ACCEL" (debug-threads)."""
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    if not f.read().startswith("CPU "):
+                        continue
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+        return total
+
+    def wait_idle(self, handle: Handle, quiet: float = 0.03, limit: float = 1.0) -> bool:
+        """Wait until the guest is idle: its vCPUs ran no guest code for ``quiet`` seconds (a halted
+        vCPU thread sleeps). A snapshot saved mid-work (a thread still exiting, the agent still on
+        its way back to read) makes every child finish that work again, translated afresh: ~10 % of
+        a restore's CPU. Bounded by ``limit``; returns whether the guest went quiet."""
+        pid = handle["pid"]
+        start = quiet_since = time.monotonic()
+        last = self.vcpu_ns(pid)
+        while time.monotonic() - start < limit:
+            time.sleep(0.002)  # the sampling interval of the CPU counter, not a guess at readiness
+            now, used = time.monotonic(), self.vcpu_ns(pid)
+            if used != last:
+                last, quiet_since = used, now
+            elif now - quiet_since >= quiet:
+                return True
+        return False
+
+    def stop(self, pid: int, start_time) -> None:
+        """SIGKILL QEMU ``pid`` (if it is still the one started at ``start_time``) and wait until it
+        is gone, all its threads: only then are its cgroup leaves empty."""
+        proc = self.children.pop(pid, None)
+        if proc is not None:  # our child: its pid cannot have been reused before we reap it
+            with contextlib.suppress(OSError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            return
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            current = linux.process_start_time(pid)
+            if current is not None and current != start_time:
+                return  # another process has this pid now
+            if current is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            # Dying or dead: a pidfd turns readable once every thread has exited. poll(), not
+            # select(): descriptors may be past 1024.
+            waiter = select.poll()
+            waiter.register(pidfd, select.POLLIN)
+            waiter.poll(10_000)
+        finally:
+            os.close(pidfd)
