@@ -166,10 +166,10 @@ def test_map_hugetlb_past_the_limit_fails_and_takes_nothing_from_the_host(ctl, n
 
 
 def test_a_setup_takes_no_huge_pages_past_its_limit(ctl, numpy_snap):
-    from forkd_server.errors import EngineFailure
+    from forkd_server.errors import BadRequest
 
     setup = "import mmap\nm = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000)"
-    with pytest.raises(EngineFailure, match="Cannot allocate memory") as failure:
+    with pytest.raises(BadRequest, match="Cannot allocate memory") as failure:
         ctl.create_snapshot("hp-setup", setup=setup, memory_limit_mib=128)
     assert "huge-page cap" in str(failure.value)
 

@@ -138,3 +138,9 @@ def test_packages_through_the_controller(ctl):
     with pytest.raises(BadRequest, match="apt-cache search"):
         ctl.create_snapshot("vmpkgs-bad", engine="vm", packages=["no-such-package-forkd"])
     assert ctl.registry.get_snapshot("vmpkgs-bad") is None
+
+
+def test_an_ipython_shell_without_ipython_in_the_guest_is_a_400_saying_what_to_add(ctl):
+    with pytest.raises(BadRequest, match="add the Debian package python3-ipython"):
+        ctl.create_snapshot("no-ipython", engine="vm", shell="ipython", mem_size_mib=256)
+    assert "no-ipython" not in {s["tag"] for s in ctl.list_snapshots()}
