@@ -167,7 +167,9 @@ def lost(agent_fds: set[int], running: tuple[str, float] | None = None) -> list[
     """Everything a fork now would not carry, one line a thing (empty: the fork is exact)."""
     items = []
     if running is not None:
-        items.append(f"{running[0]} has been running for {time.time() - running[1]:.1f} s: a fork holds the "
+        ran = time.time() - running[1]
+        took = f"{ran:.1f} s" if ran >= 1 else f"{ran * 1000:.0f} ms"
+        items.append(f"{running[0]} has been running for {took}: a fork holds the "
                      f"variables as they are at the fork, and the cell does not go on running in it")
     items += [_describe_thread(t) for t in other_threads()]
     procs = user_processes()
