@@ -200,6 +200,9 @@ class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherite
     def head_state(self) -> object:
         return (self.kernel.head.sandbox_id, self.kernel.cells_run)
 
+    def head_memory_limit_mib(self) -> int | None:
+        return self.kernel.memory_limit_mib
+
     def _checkout(self, args, cell):
         target = args.target
         if target != "-":
