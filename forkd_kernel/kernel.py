@@ -24,13 +24,14 @@ from IPython.core.error import UsageError
 from ipykernel.kernelbase import Kernel
 from traitlets import Integer, List, Unicode, default
 
+from forkd_magics._complete import install as install_completer
 from forkd_magics._scope import kernel_id, notebook_path
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
 from . import __version__
 from .base import BaseSnapshot, host_memory_mib
 from .head import Head, HeadGone
-from .local import KernelMagics, LocalShell, is_forkd_cell
+from .local import KernelMagics, LocalShell, is_forkd_cell, on_forkd_line, with_forkd_magic
 
 REPLIES = ("status", "interrupt_reply", "session_reply")
 
@@ -108,7 +109,9 @@ class ForkdKernel(Kernel):
         self.kernel_id = kernel_id() or f"pid-{os.getpid()}"
         self.notebook = notebook_path()
         self.local = LocalShell.make(self._publish_local)
-        self.local.register_magics(KernelMagics(self.local, self))
+        magics = KernelMagics(self.local, self)
+        self.local.register_magics(magics)
+        magics.completer = install_completer(self.local, magics)  # %forkd lines complete here
         self._install_comms()
         for kind in ("comm_open", "comm_msg", "comm_close"):
             self.shell_handlers[kind] = getattr(self, f"_{kind}")
@@ -341,25 +344,14 @@ class ForkdKernel(Kernel):
 
     # --- the rest of the protocol: forwarded to HEAD ---------------------------------------------
 
-    def _forkd_line(self, code: str, cursor_pos: int) -> bool:
-        line = code[:cursor_pos].rsplit("\n", 1)[-1]
-        return bool(re.match(r"\s*(\w+\s*=\s*)?%%?forkd\b", line))
-
     async def do_complete(self, code, cursor_pos):
-        if self._forkd_line(code, cursor_pos) or not self._started.is_set() or self._start_error:
-            return self._local_complete(code, cursor_pos)
+        if on_forkd_line(code, cursor_pos) or not self._started.is_set() or self._start_error:
+            return self.local.complete_reply(code, cursor_pos)
         try:
-            return self.head.request("complete", code=code, cursor_pos=cursor_pos)
+            reply = self.head.request("complete", code=code, cursor_pos=cursor_pos)
         except HeadGone:
-            return self._local_complete(code, cursor_pos)
-
-    def _local_complete(self, code: str, cursor_pos: int) -> dict:
-        from IPython.core.completer import provisionalcompleter
-        with provisionalcompleter():
-            found = list(self.local.Completer.completions(code, cursor_pos))
-        return {"status": "ok", "matches": [c.text for c in found], "metadata": {},
-                "cursor_start": min((c.start for c in found), default=cursor_pos),
-                "cursor_end": max((c.end for c in found), default=cursor_pos)}
+            return self.local.complete_reply(code, cursor_pos)
+        return with_forkd_magic(reply, code, cursor_pos)
 
     async def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
         try:

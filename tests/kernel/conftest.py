@@ -8,6 +8,7 @@ import shutil
 import tempfile
 
 import pytest
+from jupyter_client.manager import start_new_kernel
 
 from ..serving import Server, cleanup
 
@@ -48,3 +49,12 @@ def forkd_server():
     srv = ServerForKernels()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def kernel(forkd_server):
+    km, kc = start_new_kernel(kernel_name="forkd-python")
+    yield km, kc
+    kc.stop_channels()
+    if km.is_alive():
+        km.shutdown_kernel(now=False)

@@ -12,50 +12,7 @@ from jupyter_client.manager import start_new_kernel
 
 from forkd_server.client import Controller
 
-
-class Cell:
-    def __init__(self, reply: dict, messages: list[dict]):
-        self.reply, self.messages = reply, messages
-        self.content = reply["content"]
-
-    @property
-    def ok(self) -> bool:
-        return self.content["status"] == "ok"
-
-    @property
-    def count(self) -> int:
-        return self.content["execution_count"]
-
-    def of(self, kind: str) -> list[dict]:
-        return [m["content"] for m in self.messages if m["msg_type"] == kind]
-
-    @property
-    def text(self) -> str:
-        """What the cell showed as text: its streams, then its results."""
-        parts = [c["text"] for c in self.of("stream")]
-        parts += [c["data"].get("text/plain", "") for c in self.of("execute_result") + self.of("display_data")]
-        parts += [f"{c['ename']}: {c['evalue']}" for c in self.of("error")]
-        return "\n".join(parts)
-
-    @property
-    def result(self) -> str | None:
-        results = self.of("execute_result")
-        return results[-1]["data"]["text/plain"] if results else None
-
-
-def run(kc, code: str, timeout: float = 120, **options) -> Cell:
-    messages: list[dict] = []
-    reply = kc.execute_interactive(code, output_hook=messages.append, timeout=timeout, **options)
-    return Cell(reply, messages)
-
-
-@pytest.fixture
-def kernel(forkd_server):
-    km, kc = start_new_kernel(kernel_name="forkd-python")
-    yield km, kc
-    kc.stop_channels()
-    if km.is_alive():
-        km.shutdown_kernel(now=False)
+from .cells import head_of, run
 
 
 def test_branch_fork_checkout_and_back(kernel):
@@ -130,10 +87,6 @@ def test_getpass_round_trip_asks_for_a_password(kernel):
                allow_stdin=True, stdin_hook=answer)
     assert asked == [("pin? ", True)]  # the frontend hides what is typed
     assert cell.result == "(6, True)" and "s3cret" not in cell.text
-
-
-def head_of(kc) -> str:
-    return run(kc, "%forkd head").result.split()[1]
 
 
 def test_checkout_of_a_tag_is_a_fresh_child_holding_its_state(kernel, forkd_server):
