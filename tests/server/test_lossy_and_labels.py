@@ -116,6 +116,29 @@ def test_the_cli_says_what_a_lossy_branch_left_behind(server, ctl, snap):
         sb.kill()
 
 
+def test_a_lossy_setup_warns_through_the_sdk_and_the_cli(server, ctl):
+    with pytest.warns(ForkWarning, match="ticker") as caught:
+        info = ctl.create_snapshot("lossy-setup", setup=THREAD, lossy=True)
+    assert "lossy-setup: its children lack what its setup left running" in str(caught[0].message)
+    assert any("ticker" in w for w in info["warnings"])
+    env = {**os.environ, "FORKD_URL": server.url, "FORKD_TOKEN": server.token}
+    done = subprocess.run([*FORKD, "snapshot", "--tag", "lossy-setup-cli", "--setup", THREAD, "--lossy"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "lossy-setup-cli did not carry (--lossy)" in done.stderr and "ticker" in done.stderr
+    assert "ForkWarning" not in done.stderr  # said once, in the CLI's words
+    for tag in ("lossy-setup", "lossy-setup-cli"):
+        ctl.delete_snapshot(tag)
+
+
+def test_a_clean_setup_warns_nothing(ctl):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForkWarning)
+        assert "warnings" not in ctl.create_snapshot("clean-setup", setup="x = 1", lossy=True)
+    ctl.delete_snapshot("clean-setup")
+
+
 def test_a_sandbox_with_nothing_running_branches_without_a_word(ctl, snap):
     sb = snap.fork()[0]
     try:

@@ -244,6 +244,39 @@ def test_cli_round_trip(server, ctl):
     assert [s for s in json.loads(cli(server, "ls", "-s", "--json").stdout) if s["tag"].startswith("cli")] == []
 
 
+def test_cli_snapshot_limits_and_labels(server, ctl):
+    slow = cli(server, "snapshot", "--tag", "cli-slow", "--setup", "import time; time.sleep(600)",
+               "--setup-timeout-secs", "2", check=False)
+    assert slow.returncode == 1 and "did not finish within 2 s" in slow.stderr, slow.stderr
+    big = cli(server, "snapshot", "--tag", "cli-big", "--setup", "blob = bytearray(400 * 2**20)",
+              "--memory-limit-mib", "128", check=False)
+    assert big.returncode == 1 and "memory limit was reached" in big.stderr and "128 MiB" in big.stderr, big.stderr
+    assert {"cli-slow", "cli-big"}.isdisjoint(s["tag"] for s in ctl.list_snapshots())
+
+    snap = json.loads(cli(server, "snapshot", "--tag", "cli-lab", "--label", "team=ml", "--label", "step=1",
+                          "--json").stdout)
+    assert snap["labels"] == {"team": "ml", "step": "1"}
+    (kid,) = json.loads(cli(server, "spawn", "-t", "cli-lab", "--label", "who=me", "--json").stdout)
+    assert kid["labels"] == {"team": "ml", "step": "1", "who": "me"}   # the snapshot's, then its own
+    other = ctl.spawn_sandboxes("cli-lab", 1)[0]
+    branch = json.loads(cli(server, "snapshot", "--from-sandbox", kid["id"], "--tag", "cli-lab-b", "--label", "step=2",
+                            "--json").stdout)
+    assert branch["labels"] == {"team": "ml", "step": "2", "who": "me"}
+    assert [b["id"] for b in json.loads(cli(server, "ls", "--label", "who=me", "--json").stdout)] == [kid["id"]]
+    assert [s["tag"] for s in json.loads(cli(server, "ls", "-s", "--label", "step=2", "--json").stdout)] == ["cli-lab-b"]
+
+    bad = cli(server, "snapshot", "--tag", "cli-x", "--label", "novalue", check=False)
+    assert bad.returncode != 0 and "--label takes KEY=VALUE" in bad.stderr
+    bad = cli(server, "snapshot", "--from-sandbox", kid["id"], "--memory-limit-mib", "256", check=False)
+    assert bad.returncode != 0 and "takes no --memory-limit-mib" in bad.stderr
+    forkds = cli(server, "snapshot", "--tag", "cli-vm", "--kernel", "/nonexistent/vmlinux", "--rootfs", "/x",
+                 check=False)  # forkd's form reaches the server as forkd sends it
+    assert forkds.returncode == 1 and "kernel not found: /nonexistent/vmlinux" in forkds.stderr
+    for sb in (kid["id"], other["id"]):
+        ctl.kill_sandbox(sb)
+    ctl.delete_snapshot("cli-lab", cascade=True)
+
+
 def test_cli_compact_and_workspaces(server, ctl):
     ctl.create_snapshot("cliw", setup="v = 1")
     copy = json.loads(cli(server, "snapshot-compact", "--from", "cliw", "--to", "cliw-copy", "--json").stdout)
