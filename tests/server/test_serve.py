@@ -16,7 +16,7 @@ import pytest
 
 from forkd_server.client import Controller, ControllerError, Sandbox, Snapshot
 
-from ..serving import FORKD, Server, cleanup, free_port
+from ..serving import FORKD, Server, free_port
 
 @pytest.fixture(scope="module")
 def workdir():
@@ -31,27 +31,6 @@ def token_file(workdir):
     with open(path, "w") as f:
         f.write(secrets.token_hex(20) + "\n")
     return path
-
-
-@pytest.fixture(scope="module")
-def server(workdir, token_file):
-    runtime = os.path.join(workdir, "runtime")  # Jupyter's runtime files: this server's alone
-    srv = Server("--token-file", token_file, data_dir=os.path.join(workdir, "d"),
-                 env={**os.environ, "JUPYTER_RUNTIME_DIR": runtime})
-    srv.runtime_dir = runtime
-    srv.token = open(token_file).read().strip()
-    srv.url = f"http://127.0.0.1:{srv.port}"
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        cleanup(srv.url, srv.token)
-        srv.stop()
-
-
-@pytest.fixture
-def ctl(server):
-    return Controller(server.url, server.token)
 
 
 def cli(server, *args: str, token: str | None = None, check: bool = True, url: str | None = None):
