@@ -5,6 +5,7 @@ a ping, nothing is left writing, and no call hangs (every call is bounded by the
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 
 import pytest
