@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import json
 import os
 import re
 import sys
@@ -24,35 +22,18 @@ import threading
 
 from IPython.core.error import UsageError
 from ipykernel.kernelbase import Kernel
-from traitlets import List, Unicode, default
+from traitlets import Integer, List, Unicode, default
 
+from forkd_magics._complete import install as install_completer
+from forkd_magics._scope import kernel_id, notebook_path
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
 from . import __version__
+from .base import BaseSnapshot, host_memory_mib
 from .head import Head, HeadGone
-from .local import KernelMagics, LocalShell, is_forkd_cell
+from .local import KernelMagics, LocalShell, is_forkd_cell, on_forkd_line, with_forkd_magic
 
-# Warms what every cell would load: the shell (created by the snapshot's shell option), jedi.
-BASE_SETUP = "import os, sys, time, random\n"
 REPLIES = ("status", "interrupt_reply", "session_reply")
-
-
-def notebook_path() -> str | None:
-    """The notebook this kernel runs, relative to its Jupyter server's root (as Lab names files):
-    jupyter_server gives the kernel the absolute path in $JPY_SESSION_NAME."""
-    path = os.environ.get("JPY_SESSION_NAME") or None
-    parent = os.environ.get("JPY_PARENT_PID")
-    if not path or not os.path.isabs(path) or not parent:
-        return path
-    try:
-        from jupyter_core.paths import jupyter_runtime_dir
-        with open(os.path.join(jupyter_runtime_dir(), f"jpserver-{parent}.json")) as f:
-            root = json.load(f).get("root_dir")
-    except (OSError, ValueError, ImportError):
-        return path
-    if root and os.path.commonpath([os.path.abspath(root), path]) == os.path.abspath(root):
-        return os.path.relpath(path, root)
-    return path
 
 
 def _env_list(name: str) -> list[str]:
@@ -78,6 +59,11 @@ class ForkdKernel(Kernel):
     packages = List(Unicode(), config=True, help="Debian packages for a vm base ($FORKD_KERNEL_PACKAGES).")
     base_snapshot = Unicode(config=True, help="Fork the notebook from this snapshot ($FORKD_KERNEL_BASE); "
                                               "default: one made for these settings, shared by every kernel.")
+    memory_limit_mib = Integer(config=True, help="Memory limit (MiB) of the notebook's sandboxes: HEAD, the "
+                                                 "children checkout makes, %forkd fork of HEAD, the base's setup "
+                                                 "($FORKD_KERNEL_MEMORY_LIMIT_MIB; default: the host's memory, "
+                                                 "since the pages a notebook shares with the branches it keeps "
+                                                 "stay charged to it).")
 
     @default("engine")
     def _engine(self) -> str:
@@ -91,20 +77,25 @@ class ForkdKernel(Kernel):
     def _packages(self) -> list:
         return _env_list("FORKD_KERNEL_PACKAGES")
 
-    def packages_for(self, engine: str) -> list[str]:
-        if engine == "vm" and "python3-ipython" not in self.packages:
-            return [*self.packages, "python3-ipython"]  # the guest's shell
-        return list(self.packages)
-
     @default("base_snapshot")
     def _base(self) -> str:
         return os.environ.get("FORKD_KERNEL_BASE", "")
 
+    @default("memory_limit_mib")
+    def _memory_limit(self) -> int:
+        value = os.environ.get("FORKD_KERNEL_MEMORY_LIMIT_MIB")
+        if not value:
+            return host_memory_mib()  # the largest limit the server accepts (forkd_server/checks.py)
+        try:
+            return int(value)
+        except ValueError:  # said under the first cell (_start)
+            raise ValueError(f"$FORKD_KERNEL_MEMORY_LIMIT_MIB={value!r} is not a whole number of MiB") from None
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.controller = Controller()
-        # "auto" starts on the process engine; _ensure_base moves to vm if the setup needs it
-        self.resolved_engine = "process" if self.engine == "auto" else self.engine
+        self.base = BaseSnapshot(self.controller, engine=self.engine, setup=self.setup, packages=self.packages,
+                                 tag=self.base_snapshot)
         self.head = Head(self.controller, self._on_other)
         self.stack: list[str] = []     # where %forkd checkout - goes back to
         self.cells_run = 0              # cells sent to HEAD (a fork of an unchanged HEAD reuses its branch)
@@ -115,84 +106,49 @@ class ForkdKernel(Kernel):
         self._notice: str | None = None
         self._start_error: str | None = None
         self._started = threading.Event()
-        self.kernel_id = self._kernel_id()
+        self.kernel_id = kernel_id() or f"pid-{os.getpid()}"
         self.notebook = notebook_path()
         self.local = LocalShell.make(self._publish_local)
-        self.local.register_magics(KernelMagics(self.local, self))
+        magics = KernelMagics(self.local, self)
+        self.local.register_magics(magics)
+        magics.completer = install_completer(self.local, magics)  # %forkd lines complete here
         self._install_comms()
         for kind in ("comm_open", "comm_msg", "comm_close"):
             self.shell_handlers[kind] = getattr(self, f"_{kind}")
         threading.Thread(target=self._start, name="forkd-kernel-start", daemon=True).start()
 
-    def _kernel_id(self) -> str:
-        connection = getattr(self.parent, "connection_file", "") or ""
-        name = os.path.basename(connection)
-        m = re.match(r"kernel-(.+)\.json$", name)
-        return m.group(1) if m else (os.path.splitext(name)[0] or f"pid-{os.getpid()}")
-
     # --- start: a fresh child of the base snapshot becomes HEAD ----------------------------------
 
-    def base_tag(self) -> str:
-        if self.base_snapshot:
-            return self.base_snapshot
-        engine = self.resolved_engine
-        recipe = "\n".join([engine, self.setup, ",".join(sorted(self.packages_for(engine))), __version__])
-        return f"forkd-kernel-{engine}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
-
-    def _ensure_base(self) -> str:
-        tag = self.base_tag()
-        for _attempt in range(3):
-            try:
-                info = self.controller.snapshot_info(tag)
-            except ControllerError as exc:
-                if exc.status != 404 or self.base_snapshot:
-                    raise
-                engine = self.resolved_engine
-                try:
-                    self.controller.create_snapshot(tag, setup=BASE_SETUP + self.setup, engine=engine,
-                                                    packages=self.packages_for(engine) or None, shell="ipython")
-                    return tag
-                except ControllerError as exc2:
-                    if exc2.lost and self.engine == "auto" and engine == "process":
-                        # The setup leaves running work (threads, servers) a process fork would drop:
-                        # the VM engine carries it. Said under the first cell.
-                        self.resolved_engine = "vm"
-                        tag = self.base_tag()
-                        self._notice = ("forkd: this notebook runs on the VM engine: its setup leaves running "
-                                        "what a process fork cannot carry (" + "; ".join(exc2.lost) + ").\n")
-                        continue
-                    if exc2.lost:
-                        raise RuntimeError(exc2.message) from None
-                    if exc2.status not in (400, 409):  # another kernel is making it right now
-                        raise
-                    continue
-            if info.get("status") == "writing":
-                info = self.controller.wait_snapshot(tag, timeout=900)
-            if info.get("status") == "ready":
-                return tag
-            raise RuntimeError(f"the notebook's base snapshot {tag} is {info.get('status')}: {info.get('warning', '')} "
-                               f"(delete it with %forkd delete {tag} and restart the kernel to make it again)")
-        raise RuntimeError(f"the notebook's base snapshot {tag} could not be made")
+    def _spawn(self, tag: str) -> str:
+        """A sandbox of the notebook's, with its memory limit: a limit of its own, not the server's
+        default, since memcg charges a page to whoever wrote it first, so the pages the notebook
+        shares with every branch it keeps stay charged to it (docs/design/kernel.md)."""
+        sandbox = self.controller.spawn_sandboxes(tag, 1, memory_limit_mib=self.memory_limit_mib)[0]["id"]
+        self.own.add(sandbox)
+        return sandbox
 
     def _start(self) -> None:
         try:
-            base = self._ensure_base()
+            self.base.memory_limit_mib = self.memory_limit_mib
+            base = self.base.ensure()
+            self._notice = self.base.notice
             previous = None
             try:
                 previous = self.controller.get_kernel(self.kernel_id).get("head")
             except ControllerError:
                 pass
-            sandbox = self.controller.spawn_sandboxes(base, 1)[0]["id"]
-            self.own.add(sandbox)
+            sandbox = self._spawn(base)
             self.head.attach(sandbox)
             self._register()
             if previous and previous != sandbox and self._alive(previous):
                 self._notice = (self._notice or "") + (f"forkd: this kernel restarted in a fresh sandbox, {sandbox} (a child of {base}). "
                                 f"The sandbox it ran in before, {previous}, still runs with its state: "
                                 f"%forkd checkout {previous} to continue there, or %forkd kill {previous} to free it.\n")
-        except (ControllerError, ServerUnreachable, RuntimeError, TimeoutError, OSError, HeadGone) as exc:
-            self._start_error = (f"the forkd kernel could not start its sandbox: {exc}. Its %forkd lines still run "
-                                 f"here; fix the cause and restart the kernel")
+        except (ControllerError, ServerUnreachable, RuntimeError, TimeoutError, OSError, ValueError, HeadGone) as exc:
+            hint = (" (set $FORKD_KERNEL_MEMORY_LIMIT_MIB or ForkdKernel.memory_limit_mib within the server's bound)"
+                    if "memory_limit_mib" in str(exc) else "")
+            self._start_error = (f"the forkd kernel could not start its sandbox: {exc}{hint}. Its %forkd lines still "
+                                 f"run here; fix the cause and restart the kernel")
         finally:
             self._started.set()
 
@@ -206,7 +162,7 @@ class ForkdKernel(Kernel):
     def _register(self) -> None:
         try:
             self.controller.set_kernel_head(self.kernel_id, self.head.sandbox_id, notebook=self.notebook,
-                                            base_snapshot=self.base_tag(), engine=self.resolved_engine)
+                                            base_snapshot=self.base.tag, engine=self.base.resolved_engine)
         except (ControllerError, ServerUnreachable) as exc:  # the panel misses a marker; the notebook works
             self.log.warning("forkd: could not record HEAD with the server: %s", exc)
 
@@ -235,8 +191,7 @@ class ForkdKernel(Kernel):
                 except ControllerError:
                     raise UsageError(f"forkd checkout: no sandbox or snapshot is called {target!r} "
                                      f"(%forkd ls lists them)") from None
-                new = self.controller.spawn_sandboxes(snapshot["tag"], 1)[0]["id"]  # a fresh child of it
-                self.own.add(new)
+                new = self._spawn(snapshot["tag"])  # a fresh child of it
         if new == old:
             return f"HEAD is already {new}"
         self._close_sandbox_comms()
@@ -389,25 +344,14 @@ class ForkdKernel(Kernel):
 
     # --- the rest of the protocol: forwarded to HEAD ---------------------------------------------
 
-    def _forkd_line(self, code: str, cursor_pos: int) -> bool:
-        line = code[:cursor_pos].rsplit("\n", 1)[-1]
-        return bool(re.match(r"\s*(\w+\s*=\s*)?%%?forkd\b", line))
-
     async def do_complete(self, code, cursor_pos):
-        if self._forkd_line(code, cursor_pos) or not self._started.is_set() or self._start_error:
-            return self._local_complete(code, cursor_pos)
+        if on_forkd_line(code, cursor_pos) or not self._started.is_set() or self._start_error:
+            return self.local.complete_reply(code, cursor_pos)
         try:
-            return self.head.request("complete", code=code, cursor_pos=cursor_pos)
+            reply = self.head.request("complete", code=code, cursor_pos=cursor_pos)
         except HeadGone:
-            return self._local_complete(code, cursor_pos)
-
-    def _local_complete(self, code: str, cursor_pos: int) -> dict:
-        from IPython.core.completer import provisionalcompleter
-        with provisionalcompleter():
-            found = list(self.local.Completer.completions(code, cursor_pos))
-        return {"status": "ok", "matches": [c.text for c in found], "metadata": {},
-                "cursor_start": min((c.start for c in found), default=cursor_pos),
-                "cursor_end": max((c.end for c in found), default=cursor_pos)}
+            return self.local.complete_reply(code, cursor_pos)
+        return with_forkd_magic(reply, code, cursor_pos)
 
     async def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
         try:

@@ -14,6 +14,7 @@ import re
 import time
 from typing import Callable
 
+from IPython.core.completer import provisionalcompleter
 from IPython.core.display_trap import DisplayTrap
 from IPython.core.displayhook import DisplayHook
 from IPython.core.displaypub import DisplayPublisher
@@ -25,9 +26,13 @@ from traitlets.config import Config
 from forkd_magics._magics import ForkdMagics
 from forkd_server.client import Sandbox, Snapshot
 
-__all__ = ["LocalShell", "KernelMagics", "is_forkd_cell"]
+__all__ = ["LocalShell", "KernelMagics", "is_forkd_cell", "on_forkd_line", "with_forkd_magic"]
 
 _transformer = TransformerManager()
+# A line that is a %forkd / %%forkd magic, or binds one's result (``kids = %forkd fork -n 5``).
+_FORKD_LINE = re.compile(r"(?:^|\n)[ \t]*(?:\w+[ \t]*=[ \t]*)?%%?forkd\b")
+# A magic's name being typed at the end of a line (``%fo``, ``kids = %%f``).
+_TYPING_MAGIC = re.compile(r"(?:^|\n)[ \t]*(?:\w+[ \t]*=[ \t]*)?(%%?\w*)\Z")
 # A sandbox id or snapshot tag as the server accepts them: `%forkd checkout good-run` means the tag,
 # though it also parses as an expression over names the kernel does not have.
 _ID_OR_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
@@ -36,7 +41,7 @@ _ID_OR_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
 def is_forkd_cell(code: str) -> bool:
     """True when every statement of the cell is a ``%forkd``/``%%forkd`` magic (or binds one's result).
     A cell that mixes them with Python is refused: the two run in different places."""
-    if not re.search(r"(^|\n)\s*(\w+\s*=\s*)?%%?forkd\b", code):
+    if not _FORKD_LINE.search(code):
         return False
     try:
         tree = ast.parse(_transformer.transform_cell(code))
@@ -50,6 +55,34 @@ def is_forkd_cell(code: str) -> bool:
         raise UsageError("a cell with %forkd lines runs in the kernel, between the notebook's cells, while Python "
                          "runs in the notebook's sandbox: put the %forkd lines in a cell of their own")
     return False
+
+
+def on_forkd_line(code: str, cursor_pos: int) -> bool:
+    """Is the cursor on a ``%forkd`` line? It completes here, where the names it takes live."""
+    return bool(_FORKD_LINE.match(code[:cursor_pos].rsplit("\n", 1)[-1]))
+
+
+def with_forkd_magic(reply: dict, code: str, cursor_pos: int) -> dict:
+    """The sandbox's completion reply, plus ``%forkd`` / ``%%forkd`` where a magic's name is being
+    typed: the sandbox's shell has no such magic, the kernel has."""
+    m = _TYPING_MAGIC.search(code[:cursor_pos])
+    if m is None:
+        return reply
+    typed, first_line = m.group(1), "\n" not in code[:m.start(1)]
+    names = [n for n in ("%forkd", "%%forkd") if n.startswith(typed) and (first_line or n == "%forkd")]
+    start = cursor_pos - len(typed)
+    theirs = reply.get("cursor_start", start)
+    if not names or not start <= theirs <= cursor_pos or reply.get("cursor_end", cursor_pos) != cursor_pos:
+        return reply
+    # The sandbox's matches replace [theirs, cursor); widened to [start, cursor) with what lies between.
+    between = code[start:theirs]
+    metadata = dict(reply.get("metadata") or {})
+    if "_jupyter_types_experimental" in metadata:  # kept in step with the matches
+        metadata["_jupyter_types_experimental"] = [
+            *({"start": start, "end": cursor_pos, "text": n, "type": "magic"} for n in names),
+            *({**t, "start": start, "text": between + t.get("text", "")} for t in metadata["_jupyter_types_experimental"])]
+    return {**reply, "status": "ok", "matches": [*names, *(between + m for m in reply.get("matches", []))],
+            "metadata": metadata, "cursor_start": start, "cursor_end": cursor_pos}
 
 
 def _is_forkd_call(stmt: ast.stmt) -> bool:
@@ -112,6 +145,14 @@ class LocalShell(InteractiveShell):
 
     def init_virtualenv(self) -> None:
         pass
+
+    def complete_reply(self, code: str, cursor_pos: int) -> dict:
+        """A ``complete_reply`` from this shell's completer (``%forkd`` lines: forkd_magics' own)."""
+        with provisionalcompleter():
+            found = list(self.Completer.completions(code, cursor_pos))
+        return {"status": "ok", "matches": [c.text for c in found], "metadata": {},
+                "cursor_start": min((c.start for c in found), default=cursor_pos),
+                "cursor_end": max((c.end for c in found), default=cursor_pos)}
 
     def show_usage_error(self, exc) -> None:
         self.last_error = {"ename": "UsageError", "evalue": str(exc), "traceback": [f"\x1b[0;31mUsageError\x1b[0m: {exc}"]}
@@ -199,6 +240,9 @@ class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherite
 
     def head_state(self) -> object:
         return (self.kernel.head.sandbox_id, self.kernel.cells_run)
+
+    def head_memory_limit_mib(self) -> int | None:
+        return self.kernel.memory_limit_mib
 
     def _checkout(self, args, cell):
         target = args.target

@@ -196,6 +196,10 @@ class ForkdMagics(Magics):
         """A token that changes whenever the notebook's state may have (a cell ran, HEAD moved)."""
         return None
 
+    def head_memory_limit_mib(self) -> int | None:
+        """The memory limit of copies of the notebook (``fork -n`` of HEAD); None: the server's default."""
+        return None
+
     def _needs_kernel(self, what: str) -> UsageError:
         return UsageError(f"forkd {what}: this notebook runs in a plain kernel, not in a sandbox; use the "
                           f"\"Python 3 (forkd)\" kernel (Kernel > Change Kernel) for the notebook to {what} "
@@ -234,7 +238,7 @@ class ForkdMagics(Magics):
     def _fork(self, args, cell):
         if args.n < 1:
             raise UsageError("forkd fork: -n must be at least 1")
-        labels = self.scope.labels
+        labels, limit = self.scope.labels, args.memory_limit_mib
         if args.tag is None:
             head = self.head()
             if head is None:
@@ -244,9 +248,11 @@ class ForkdMagics(Magics):
             if tag is None or state != self.head_state() or not self._snapshot_ready(tag):
                 tag = self.controller.branch_sandbox(head, lossy=args.lossy, labels=labels)["tag"]
                 self._head_branch = (self.head_state(), tag)
+            if limit is None:  # copies of the notebook, which may be checked out: the notebook's limit
+                limit = self.head_memory_limit_mib()
         else:
             tag = self._tag(args.tag, "fork")
-        infos = self.controller.spawn_sandboxes(tag, args.n, memory_limit_mib=args.memory_limit_mib, labels=labels)
+        infos = self.controller.spawn_sandboxes(tag, args.n, memory_limit_mib=limit, labels=labels)
         return [Sandbox(i, self.controller) for i in infos]
 
     def _branch(self, args, cell):

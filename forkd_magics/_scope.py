@@ -25,8 +25,8 @@ KERNEL_ID = "jupyter.kernel_id"
 
 def notebook_path() -> str | None:
     """The notebook this kernel runs, relative to its Jupyter server's root (as Lab names files):
-    jupyter_server gives the kernel the absolute path in $JPY_SESSION_NAME. (The same rule as
-    ``forkd_kernel.kernel.notebook_path``, so both kernels label alike.)"""
+    jupyter_server gives the kernel the absolute path in $JPY_SESSION_NAME. The forkd kernel uses it
+    too, so both kernels name a notebook alike."""
     path = os.environ.get("JPY_SESSION_NAME") or None
     parent = os.environ.get("JPY_PARENT_PID")
     if not path or not os.path.isabs(path) or not parent:
@@ -43,8 +43,9 @@ def notebook_path() -> str | None:
 
 
 def kernel_id() -> str | None:
-    """The running kernel's id, from its connection file as ``forkd_kernel`` reads it: ``kernel-<id>.json``
-    (jupyter_server's name), else the file's own name (nbclient's temporary ones); None outside a kernel."""
+    """The running kernel's id (an ipykernel's or the forkd kernel's), from its connection file:
+    ``kernel-<id>.json`` (jupyter_server's name), else the file's own name (nbclient's temporary ones);
+    None outside a kernel."""
     try:
         from ipykernel.kernelapp import IPKernelApp
     except ImportError:

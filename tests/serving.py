@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import shutil
 import signal
 import socket
 import ssl
@@ -31,6 +34,10 @@ class Server:
         self.args, self.env = args, env or os.environ.copy()
         self.log = tempfile.NamedTemporaryFile(prefix="fk-serve-", suffix=".log", delete=False)
         self._start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def _start(self) -> None:
         self.proc = subprocess.Popen([*FORKD, "serve", "--port", str(self.port), "--data-dir", self.data_dir,
@@ -91,3 +98,26 @@ def cleanup(url: str, token: str | None) -> None:
                 pass
     except ServerUnreachable:
         pass
+
+
+@contextlib.contextmanager
+def serving(*args: str, env: dict | None = None):
+    """A healthy ``forkd serve`` with a token and a directory of its own (``workdir``: its data dir
+    ``d``, its token file, its Jupyter runtime dir ``rt``, so no other test's discovery finds it).
+    On exit everything it holds is deleted, it stops, and the directory goes."""
+    workdir = tempfile.mkdtemp(prefix="fk")
+    token = secrets.token_hex(20)
+    token_file = os.path.join(workdir, "token")
+    with open(token_file, "w") as f:
+        f.write(token)
+    runtime = os.path.join(workdir, "rt")
+    srv = Server("--token-file", token_file, *args, data_dir=os.path.join(workdir, "d"),
+                 env={**(env if env is not None else os.environ), "JUPYTER_RUNTIME_DIR": runtime})
+    srv.workdir, srv.token, srv.runtime_dir = workdir, token, runtime
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        cleanup(srv.url, token)
+        srv.stop()
+        shutil.rmtree(workdir, ignore_errors=True)

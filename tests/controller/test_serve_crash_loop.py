@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
-import tempfile
 import threading
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
 from ..conftest import requires_root, wait_gone
-from ..serving import Server, cleanup
+from ..serving import cleanup, serving
 
 pytestmark = [requires_root, pytest.mark.slow]
 
@@ -62,18 +60,10 @@ def check_after_restart(client: Controller) -> None:
 
 
 def test_kill_9_of_serve_mid_burst_then_restart_loop():
-    workdir = tempfile.mkdtemp(prefix="fkl")
-    token = secrets.token_hex(20)
-    token_file = os.path.join(workdir, "token")
-    with open(token_file, "w") as f:
-        f.write(token)
-    data = os.path.join(workdir, "d")
-    server = Server("--token-file", token_file, data_dir=data)
-    url = f"http://127.0.0.1:{server.port}"
-    client = Controller(url, token, timeout=CALL_TIMEOUT)
-    seen_pids: set[int] = set()
-    try:
-        server.wait_healthy()
+    with serving() as server:
+        url, token = server.url, server.token
+        client = Controller(url, token, timeout=CALL_TIMEOUT)
+        seen_pids: set[int] = set()
         client.create_snapshot("base", setup="value = 41", engine="process")
         for round_no in range(ROUNDS):
             stop, started = threading.Event(), threading.Semaphore(0)
@@ -93,8 +83,4 @@ def test_kill_9_of_serve_mid_burst_then_restart_loop():
         cleanup(url, token)
         assert client.list_sandboxes() == []
         assert wait_gone(seen_pids) == set()                    # every sandbox ever made is gone
-        assert os.listdir(os.path.join(data, "process", "run")) == []   # and every template's socket
-    finally:
-        cleanup(url, token)
-        server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        assert os.listdir(os.path.join(server.data_dir, "process", "run")) == []   # and every template's socket

@@ -12,50 +12,7 @@ from jupyter_client.manager import start_new_kernel
 
 from forkd_server.client import Controller
 
-
-class Cell:
-    def __init__(self, reply: dict, messages: list[dict]):
-        self.reply, self.messages = reply, messages
-        self.content = reply["content"]
-
-    @property
-    def ok(self) -> bool:
-        return self.content["status"] == "ok"
-
-    @property
-    def count(self) -> int:
-        return self.content["execution_count"]
-
-    def of(self, kind: str) -> list[dict]:
-        return [m["content"] for m in self.messages if m["msg_type"] == kind]
-
-    @property
-    def text(self) -> str:
-        """What the cell showed as text: its streams, then its results."""
-        parts = [c["text"] for c in self.of("stream")]
-        parts += [c["data"].get("text/plain", "") for c in self.of("execute_result") + self.of("display_data")]
-        parts += [f"{c['ename']}: {c['evalue']}" for c in self.of("error")]
-        return "\n".join(parts)
-
-    @property
-    def result(self) -> str | None:
-        results = self.of("execute_result")
-        return results[-1]["data"]["text/plain"] if results else None
-
-
-def run(kc, code: str, timeout: float = 120, **options) -> Cell:
-    messages: list[dict] = []
-    reply = kc.execute_interactive(code, output_hook=messages.append, timeout=timeout, **options)
-    return Cell(reply, messages)
-
-
-@pytest.fixture
-def kernel(forkd_server):
-    km, kc = start_new_kernel(kernel_name="forkd-python")
-    yield km, kc
-    kc.stop_channels()
-    if km.is_alive():
-        km.shutdown_kernel(now=False)
+from .cells import head_of, run
 
 
 def test_branch_fork_checkout_and_back(kernel):
@@ -130,10 +87,6 @@ def test_getpass_round_trip_asks_for_a_password(kernel):
                allow_stdin=True, stdin_hook=answer)
     assert asked == [("pin? ", True)]  # the frontend hides what is typed
     assert cell.result == "(6, True)" and "s3cret" not in cell.text
-
-
-def head_of(kc) -> str:
-    return run(kc, "%forkd head").result.split()[1]
 
 
 def test_checkout_of_a_tag_is_a_fresh_child_holding_its_state(kernel, forkd_server):
@@ -305,3 +258,42 @@ def test_a_setup_that_leaves_a_thread_says_why_on_the_process_engine(forkd_serve
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_the_notebooks_sandboxes_have_its_memory_limit_not_the_servers_default(kernel, forkd_server):
+    """Pages a notebook shares with the branches it keeps stay charged to it, so its sandboxes get
+    the host's memory as their limit, not the 2048 MiB every other sandbox gets."""
+    from forkd_engine.process.engine import DEFAULT_MEMORY_LIMIT_MIB
+    from forkd_server.checks import host_memory_mib
+    _, kc = kernel
+    ctl = Controller(forkd_server.url, forkd_server.token)
+    host = host_memory_mib()
+
+    def limits_of_new(line: str) -> list[int]:
+        before = {s["id"] for s in ctl.list_sandboxes()}
+        cell = run(kc, line)
+        assert cell.ok, cell.text
+        return sorted(s["memory_limit_mib"] for s in ctl.list_sandboxes() if s["id"] not in before)
+
+    assert ctl.get_sandbox(head_of(kc))["memory_limit_mib"] == host
+    assert run(kc, "%forkd branch -t limits").ok
+    assert limits_of_new("copies = %forkd fork -n 2") == [host, host]            # copies of the notebook
+    assert limits_of_new("small = %forkd fork -n 1 --memory-limit-mib 300") == [300]  # as asked
+    assert limits_of_new("others = %forkd fork -t limits -n 1") == [DEFAULT_MEMORY_LIMIT_MIB]  # of a tag: the server's
+    assert limits_of_new("%forkd checkout limits") == [host]                      # a fresh child: HEAD
+
+
+@pytest.mark.parametrize("value", ["700", "lots"])
+def test_the_memory_limit_is_configurable_and_a_bad_value_says_so(forkd_server, value):
+    km, kc = start_new_kernel(kernel_name="forkd-python", env={**os.environ, "FORKD_KERNEL_MEMORY_LIMIT_MIB": value})
+    try:
+        if value == "lots":
+            cell = run(kc, "1 + 1")
+            assert cell.content["ename"] == "ForkdKernelError"
+            assert "$FORKD_KERNEL_MEMORY_LIMIT_MIB='lots' is not a whole number of MiB" in cell.content["evalue"]
+        else:
+            head = head_of(kc)
+            assert Controller(forkd_server.url, forkd_server.token).get_sandbox(head)["memory_limit_mib"] == 700
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)

@@ -7,6 +7,10 @@ import tempfile
 
 import pytest
 
+from forkd_server.client import Controller
+
+from ..serving import serving
+
 # pytest_jupyter's server fixtures and its coroutine-test hooks, for this directory only: a
 # non-root conftest may not set pytest_plugins, and the plugin's autouse fixtures (a private HOME
 # and Jupyter paths per test) must not reach the other suites.
@@ -49,3 +53,17 @@ def forkd_app(jp_serverapp):
             ctl.delete_snapshot(snap["tag"], cascade=True)
         except Exception:  # noqa: BLE001 - already gone with its parent
             pass
+
+
+# --- a real ``forkd serve`` for the modules that drive one as a user does (SDK, CLI, sessions) ----
+
+@pytest.fixture(scope="module")
+def server():
+    """This module's own ``forkd serve`` (``tests.serving.serving``); a module may override it."""
+    with serving() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def ctl(server):
+    return Controller(server.url, server.token)

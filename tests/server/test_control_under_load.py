@@ -10,10 +10,6 @@ hang, it measures nothing.
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ..serving import Server, cleanup
+from ..serving import serving
 
 STUCK = 64
 HANG = 120  # seconds: only a hung server takes this long
@@ -47,23 +43,11 @@ def metrics(url: str, token: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def server():
-    work = tempfile.mkdtemp(prefix="fk")
-    token_file = os.path.join(work, "token")
-    with open(token_file, "w") as f:
-        f.write(secrets.token_hex(20))
     # room for the 64 stuck evals, the two queued behind one and a spawn, all from one caller; two
     # may wait per sandbox, until the kill
-    srv = Server("--token-file", token_file, "--ForkdApp.max_long_calls_per_caller=80",
-                 "--ForkdApp.sandbox_queue_size=2", "--ForkdApp.sandbox_queue_timeout=600",
-                 data_dir=os.path.join(work, "d"))
-    srv.url, srv.token = f"http://127.0.0.1:{srv.port}", open(token_file).read().strip()
-    try:
-        srv.wait_healthy()
+    with serving("--ForkdApp.max_long_calls_per_caller=80", "--ForkdApp.sandbox_queue_size=2",
+                 "--ForkdApp.sandbox_queue_timeout=600") as srv:
         yield srv
-    finally:
-        cleanup(srv.url, srv.token)
-        srv.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_control_answers_while_64_long_calls_are_stuck(server):

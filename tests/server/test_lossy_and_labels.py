@@ -10,45 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import subprocess
-import tempfile
 import urllib.error
 import urllib.request
 
 import pytest
 
-from forkd_server.client import Controller, ControllerError, ForkWarning, Snapshot
+from forkd_server.client import ForkWarning, Snapshot
 
-from ..serving import FORKD, Server, cleanup
+from ..serving import FORKD
 
 THREAD = ("import threading, time\n"
           "ticker = threading.Thread(target=lambda: time.sleep(3600), name='ticker', daemon=True)\n"
           "ticker.start()")
-
-
-@pytest.fixture(scope="module")
-def server():
-    workdir = tempfile.mkdtemp(prefix="fk")
-    token = secrets.token_hex(16)
-    with open(os.path.join(workdir, "token"), "w") as f:
-        f.write(token)
-    srv = Server("--token-file", os.path.join(workdir, "token"), data_dir=os.path.join(workdir, "d"),
-                 env={**os.environ, "JUPYTER_RUNTIME_DIR": os.path.join(workdir, "rt")})
-    srv.url, srv.token = f"http://127.0.0.1:{srv.port}", token
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        cleanup(srv.url, srv.token)
-        srv.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def ctl(server):
-    return Controller(server.url, server.token)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +88,29 @@ def test_the_cli_says_what_a_lossy_branch_left_behind(server, ctl, snap):
         assert "did not carry" in done.stderr and "ticker" in done.stderr
     finally:
         sb.kill()
+
+
+def test_a_lossy_setup_warns_through_the_sdk_and_the_cli(server, ctl):
+    with pytest.warns(ForkWarning, match="ticker") as caught:
+        info = ctl.create_snapshot("lossy-setup", setup=THREAD, lossy=True)
+    assert "lossy-setup: its children lack what its setup left running" in str(caught[0].message)
+    assert any("ticker" in w for w in info["warnings"])
+    env = {**os.environ, "FORKD_URL": server.url, "FORKD_TOKEN": server.token}
+    done = subprocess.run([*FORKD, "snapshot", "--tag", "lossy-setup-cli", "--setup", THREAD, "--lossy"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "lossy-setup-cli did not carry (--lossy)" in done.stderr and "ticker" in done.stderr
+    assert "ForkWarning" not in done.stderr  # said once, in the CLI's words
+    for tag in ("lossy-setup", "lossy-setup-cli"):
+        ctl.delete_snapshot(tag)
+
+
+def test_a_clean_setup_warns_nothing(ctl):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForkWarning)
+        assert "warnings" not in ctl.create_snapshot("clean-setup", setup="x = 1", lossy=True)
+    ctl.delete_snapshot("clean-setup")
 
 
 def test_a_sandbox_with_nothing_running_branches_without_a_word(ctl, snap):

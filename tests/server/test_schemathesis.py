@@ -11,14 +11,12 @@ The seed is printed on failure (``st run --seed`` replays it).
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import subprocess
-import tempfile
 
 import pytest
 
-from ..serving import Server, cleanup
+from ..serving import serving
 
 ST = shutil.which("st") or shutil.which("schemathesis")
 CONFIG = os.path.join(os.path.dirname(__file__), "schemathesis.toml")
@@ -26,15 +24,8 @@ CONFIG = os.path.join(os.path.dirname(__file__), "schemathesis.toml")
 
 @pytest.mark.skipif(ST is None, reason="needs schemathesis (pip install schemathesis; the test extra has it)")
 def test_schemathesis_finds_no_server_error_and_no_mismatch():
-    work = tempfile.mkdtemp(prefix="fk")
-    token = secrets.token_hex(20)
-    token_file = os.path.join(work, "token")
-    with open(token_file, "w") as f:
-        f.write(token)
-    srv = Server("--token-file", token_file, data_dir=os.path.join(work, "d"))
-    url = f"http://127.0.0.1:{srv.port}"
-    try:
-        srv.wait_healthy()
+    with serving() as srv:
+        url, token = srv.url, srv.token
         done = subprocess.run(
             [ST, "--config-file", CONFIG, "--no-color", "run", f"{url}/v1/openapi.json", "-H", f"Authorization: Bearer {token}",
              "--max-examples", os.environ.get("FORKD_SCHEMATHESIS_EXAMPLES", "5"),
@@ -46,7 +37,3 @@ def test_schemathesis_finds_no_server_error_and_no_mismatch():
         out = done.stdout + done.stderr
         assert done.returncode == 0, out[-12000:]
         assert "No issues found" in out or "passed" in out, out[-3000:]
-    finally:
-        cleanup(url, token)
-        srv.stop()
-        shutil.rmtree(work, ignore_errors=True)

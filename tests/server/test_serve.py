@@ -16,7 +16,7 @@ import pytest
 
 from forkd_server.client import Controller, ControllerError, Sandbox, Snapshot
 
-from ..serving import FORKD, Server, cleanup, free_port
+from ..serving import FORKD, Server, free_port
 
 @pytest.fixture(scope="module")
 def workdir():
@@ -31,27 +31,6 @@ def token_file(workdir):
     with open(path, "w") as f:
         f.write(secrets.token_hex(20) + "\n")
     return path
-
-
-@pytest.fixture(scope="module")
-def server(workdir, token_file):
-    runtime = os.path.join(workdir, "runtime")  # Jupyter's runtime files: this server's alone
-    srv = Server("--token-file", token_file, data_dir=os.path.join(workdir, "d"),
-                 env={**os.environ, "JUPYTER_RUNTIME_DIR": runtime})
-    srv.runtime_dir = runtime
-    srv.token = open(token_file).read().strip()
-    srv.url = f"http://127.0.0.1:{srv.port}"
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        cleanup(srv.url, srv.token)
-        srv.stop()
-
-
-@pytest.fixture
-def ctl(server):
-    return Controller(server.url, server.token)
 
 
 def cli(server, *args: str, token: str | None = None, check: bool = True, url: str | None = None):
@@ -242,6 +221,39 @@ def test_cli_round_trip(server, ctl):
     assert done.returncode != 0 and "mutually exclusive" in done.stderr
     assert json.loads(cli(server, "rmi", "cli", "--cascade", "--json").stdout) == {"removed": ["cli"], "failed": {}}
     assert [s for s in json.loads(cli(server, "ls", "-s", "--json").stdout) if s["tag"].startswith("cli")] == []
+
+
+def test_cli_snapshot_limits_and_labels(server, ctl):
+    slow = cli(server, "snapshot", "--tag", "cli-slow", "--setup", "import time; time.sleep(600)",
+               "--setup-timeout-secs", "2", check=False)
+    assert slow.returncode == 1 and "did not finish within 2 s" in slow.stderr, slow.stderr
+    big = cli(server, "snapshot", "--tag", "cli-big", "--setup", "blob = bytearray(400 * 2**20)",
+              "--memory-limit-mib", "128", check=False)
+    assert big.returncode == 1 and "memory limit was reached" in big.stderr and "128 MiB" in big.stderr, big.stderr
+    assert {"cli-slow", "cli-big"}.isdisjoint(s["tag"] for s in ctl.list_snapshots())
+
+    snap = json.loads(cli(server, "snapshot", "--tag", "cli-lab", "--label", "team=ml", "--label", "step=1",
+                          "--json").stdout)
+    assert snap["labels"] == {"team": "ml", "step": "1"}
+    (kid,) = json.loads(cli(server, "spawn", "-t", "cli-lab", "--label", "who=me", "--json").stdout)
+    assert kid["labels"] == {"team": "ml", "step": "1", "who": "me"}   # the snapshot's, then its own
+    other = ctl.spawn_sandboxes("cli-lab", 1)[0]
+    branch = json.loads(cli(server, "snapshot", "--from-sandbox", kid["id"], "--tag", "cli-lab-b", "--label", "step=2",
+                            "--json").stdout)
+    assert branch["labels"] == {"team": "ml", "step": "2", "who": "me"}
+    assert [b["id"] for b in json.loads(cli(server, "ls", "--label", "who=me", "--json").stdout)] == [kid["id"]]
+    assert [s["tag"] for s in json.loads(cli(server, "ls", "-s", "--label", "step=2", "--json").stdout)] == ["cli-lab-b"]
+
+    bad = cli(server, "snapshot", "--tag", "cli-x", "--label", "novalue", check=False)
+    assert bad.returncode != 0 and "--label takes KEY=VALUE" in bad.stderr
+    bad = cli(server, "snapshot", "--from-sandbox", kid["id"], "--memory-limit-mib", "256", check=False)
+    assert bad.returncode != 0 and "takes no --memory-limit-mib" in bad.stderr
+    forkds = cli(server, "snapshot", "--tag", "cli-vm", "--kernel", "/nonexistent/vmlinux", "--rootfs", "/x",
+                 check=False)  # forkd's form reaches the server as forkd sends it
+    assert forkds.returncode == 1 and "kernel not found: /nonexistent/vmlinux" in forkds.stderr
+    for sb in (kid["id"], other["id"]):
+        ctl.kill_sandbox(sb)
+    ctl.delete_snapshot("cli-lab", cascade=True)
 
 
 def test_cli_compact_and_workspaces(server, ctl):

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
-import tempfile
 import threading
 
 import pytest
@@ -13,30 +10,6 @@ import pytest
 from forkd_server.client import Controller, ControllerError, Snapshot
 from forkd_server.streaming import Session, SessionClosed
 
-from ..serving import Server, cleanup
-
-
-@pytest.fixture(scope="module")
-def server():
-    workdir = tempfile.mkdtemp(prefix="fk")
-    token = secrets.token_hex(16)
-    with open(os.path.join(workdir, "token"), "w") as f:
-        f.write(token)
-    srv = Server("--token-file", os.path.join(workdir, "token"), data_dir=os.path.join(workdir, "d"),
-                 env={**os.environ, "JUPYTER_RUNTIME_DIR": os.path.join(workdir, "rt")})
-    srv.url, srv.token = f"http://127.0.0.1:{srv.port}", token
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        cleanup(srv.url, srv.token)
-        srv.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def ctl(server):
-    return Controller(server.url, server.token)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from ..kernel.conftest import ServerForKernels
-from ..kernel.test_forkd_kernel import run
+from ..kernel.cells import run
 from .conftest import requires_qemu
 
 pytestmark = [requires_qemu, pytest.mark.slow]

@@ -1,0 +1,66 @@
+"""The ``forkd`` command line.
+
+Every subcommand except ``serve``, ``doctor``, ``demo`` and ``image`` talks to a server (``--url``
+/ ``$FORKD_URL``, token ``--token`` / ``$FORKD_TOKEN``) through the client SDK; tables and progress
+bars for people, ``--json`` for scripts. The commands live beside the REST routes they use, one
+module each: ``_snapshots``, ``_sandboxes``, ``_workspaces``, and ``_host`` for the commands about
+this host; ``_output`` is how they show what they got. Here: the parser and ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import _host, _sandboxes, _snapshots, _workspaces
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forkd", description="Fork-on-write Python sandboxes.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    options = argparse.ArgumentParser(add_help=False)  # what every command that talks to a server takes
+    options.add_argument("--url", "--daemon-url", dest="url", default=os.environ.get("FORKD_URL"),
+                         help="the server (default: $FORKD_URL, a running server found on this host, "
+                              "else http://127.0.0.1:8889)")
+    options.add_argument("--token", "--daemon-token", dest="token", default=None,
+                         help="bearer token (default: $FORKD_TOKEN)")
+    options.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout in seconds (default 60)")
+    options.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
+
+    _host.add_serve_command(sub)
+    _snapshots.add_commands(sub, options)
+    _sandboxes.add_commands(sub, options)
+    _workspaces.add_commands(sub, options)
+    _host.add_commands(sub, options)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..client import ControllerError, ServerUnreachable
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "serve" or not all(a.startswith(("--ServerApp.", "--ForkdApp.", "--IdentityProvider."))
+                                               for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.jupyter_args = extra
+    try:
+        return args.func(args)
+    except ServerUnreachable as exc:
+        print(f"forkd: {exc}", file=sys.stderr)
+        return 2
+    except ControllerError as exc:
+        if getattr(args, "json", False):
+            print(json.dumps({"status": exc.status, "error": exc.message}))
+        print(f"forkd {args.command}: {exc.message} (HTTP {exc.status})", file=sys.stderr)
+        if exc.status == 401:
+            print("forkd: set FORKD_TOKEN (or --token) to the server's token", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,126 @@
+"""The commands about this host rather than a server's sandboxes: ``serve`` (run the API server),
+``doctor`` (check the host), ``bench`` (latency through a server), ``demo`` (in-process, needs no
+server) and ``image build`` (the VM engine's guest image)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from ._output import client, console, emit_json
+
+
+def cmd_serve(args) -> int:
+    from ..serve import serve
+
+    return serve(host=args.host, port=args.port, data_dir=args.data_dir, token_file=args.token_file,
+                 tls_cert=args.tls_cert, tls_key=args.tls_key, no_token=args.no_token,
+                 branch_concurrency=args.branch_concurrency, extra_args=args.jupyter_args)
+
+
+def cmd_doctor(args) -> int:
+    from rich.table import Table
+
+    from ..controller import default_data_dir
+    from ..doctor import run_checks
+
+    data_dir = args.data_dir or default_data_dir()
+    rows = run_checks(data_dir, url=args.url or os.environ.get("FORKD_URL"), token=args.token)
+    if args.json:
+        emit_json(rows)
+    else:
+        colour = {"ok": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
+        table = Table(title="forkd doctor", title_justify="left")
+        for col in ("check", "status", "detail", "fix"):
+            table.add_column(col, overflow="fold")
+        for r in rows:
+            c = colour.get(r["status"], "white")
+            table.add_row(r["check"], f"[{c}]{r['status']}[/]", r["detail"], r.get("fix") or "")
+        console().print(table)
+    return 1 if any(r["status"] == "fail" and r.get("required") for r in rows) else 0
+
+
+def cmd_bench(args) -> int:
+    from ..bench import run_bench
+
+    figures = run_bench(client(args), n=args.n, show=not args.json)
+    if args.json:
+        emit_json(figures)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from ..demo import run_demo
+
+    figures = run_demo(data_dir=args.data_dir, children=args.children, grandchildren=args.grandchildren,
+                       mib=args.mib)
+    if args.json:
+        print(json.dumps(figures))
+    checks = ("source_result_unchanged", "state_carried_to_grandchildren", "children_random_streams_distinct")
+    return 0 if all(figures[c] for c in checks) else 1
+
+
+def cmd_image_build(args) -> int:
+    """Build (or reuse) the VM engine's guest image under the data dir: kernel + initramfs."""
+    from forkd_engine.vm.image import ImageError, build_image
+
+    from ..controller import default_data_dir
+
+    data_dir = os.path.expanduser(args.data_dir or default_data_dir())
+    t0 = time.monotonic()
+    try:
+        image = build_image(os.path.join(data_dir, "vm", "cache"),
+                            log=None if args.json else lambda msg: print(msg, file=sys.stderr))
+    except ImageError as exc:
+        print(f"forkd image build: {exc}", file=sys.stderr)
+        return 1
+    out = dict(image.to_dict(), seconds=round(time.monotonic() - t0, 2))
+    print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
+    return 0
+
+
+def add_serve_command(sub) -> None:
+    p = sub.add_parser("serve", help="run the API server (a standalone jupyter-server) on 127.0.0.1:8889")
+    p.add_argument("--host", default=os.environ.get("FORKD_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("FORKD_PORT", "8889")))
+    p.add_argument("--data-dir", default=os.environ.get("FORKD_DATA_DIR"),
+                   help="state directory (default: $FORKD_DATA_DIR or ~/.local/share/forkd)")
+    p.add_argument("--token-file", default=os.environ.get("FORKD_TOKEN_FILE"),
+                   help="file holding the bearer token (16+ bytes); default: generate one and print it once")
+    p.add_argument("--no-token", action="store_true", help="no authentication (loopback addresses only)")
+    p.add_argument("--tls-cert", default=os.environ.get("FORKD_TLS_CERT"))
+    p.add_argument("--tls-key", default=os.environ.get("FORKD_TLS_KEY"))
+    p.add_argument("--branch-concurrency", type=int, default=None,
+                   help="branches in flight at once (default 4)")
+    p.set_defaults(func=cmd_serve, jupyter_args=[])
+    p.epilog = "Other jupyter-server options pass through, e.g. --ServerApp.log_level=DEBUG."
+
+
+def add_commands(sub, options) -> None:
+    """doctor, bench, demo and image (serve comes first in the help: add_serve_command)."""
+    p = sub.add_parser("doctor", parents=[options], help="check this host: engines, kernel features, disk")
+    p.add_argument("--data-dir", help="the data directory to check (default: $FORKD_DATA_DIR or ~/.local/share/forkd)")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("bench", parents=[options], help="latency probe through the server: spawn, exec, branch, fan-out")
+    p.add_argument("--n", type=int, default=5, help="fan-out size (default 5)")
+    p.set_defaults(func=cmd_bench)
+
+    demo = sub.add_parser("demo", help="snapshot, fork 10 children, branch a busy child, fork grandchildren "
+                                       "(in-process: needs no server)")
+    demo.add_argument("--data-dir", help="state directory (default: a temporary one, removed afterwards)")
+    demo.add_argument("--children", type=int, default=10)
+    demo.add_argument("--grandchildren", type=int, default=3)
+    demo.add_argument("--mib", type=int, default=200, help="size of the array the snapshot holds")
+    demo.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    demo.set_defaults(func=cmd_demo)
+
+    image = sub.add_parser("image", help="the VM engine's guest image").add_subparsers(dest="image_command",
+                                                                                      required=True)
+    p = image.add_parser("build", help="build (or reuse, when its inputs are unchanged) the guest kernel and "
+                                       "initramfs from Debian's packages, cached under the data dir")
+    p.add_argument("--data-dir", help="state directory (default: $FORKD_DATA_DIR or ~/.local/share/forkd)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=cmd_image_build)

@@ -1,0 +1,178 @@
+"""``forkd spawn``/``fork``, ``ls``, ``kill``, ``exec``, ``eval``, ``run``, ``ping``: sandboxes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ._output import add_label_option, ago, busy, client, console, emit_json, labels_arg, progress, table
+from ._snapshots import SNAPSHOT_COLUMNS, snapshot_rows
+
+
+def cmd_spawn(args) -> int:
+    ctl = client(args)
+    options = {k: True for k in ("per_child_netns", "prewarm", "live_fork", "hugepages") if getattr(args, k)}
+    labels = labels_arg(args.label, args.command)
+    t0 = time.perf_counter()
+    with busy(args, f"forking {args.n} from {args.tag}"):
+        kids = ctl.spawn_sandboxes(args.tag, args.n, memory_limit_mib=args.memory_limit_mib, labels=labels, **options)
+    total_ms = (time.perf_counter() - t0) * 1000
+    if args.json:
+        emit_json(kids)
+        return 0
+    out = console()
+    out.print(table(f"{len(kids)} sandbox(es) from {args.tag}", ["id", "pid", "engine", "snapshot"],
+                    [[k["id"], k.get("pid"), k.get("engine"), k["snapshot_tag"]] for k in kids]))
+    out.print(f"spawn: {total_ms:.1f} ms for {len(kids)} ({total_ms / max(1, len(kids)):.2f} ms each, "
+              f"round trip included)")
+    return 0
+
+
+def cmd_ls(args) -> int:
+    ctl = client(args)
+    labels = labels_arg(args.label, "ls")
+    if args.snapshots:
+        snaps = ctl.list_snapshots(labels=labels)
+        if args.json:
+            emit_json(snaps)
+        else:
+            console().print(table(f"{len(snaps)} snapshot(s)", SNAPSHOT_COLUMNS, snapshot_rows(snaps)))
+        return 0
+    boxes = ctl.list_sandboxes(labels=labels)
+    if args.json:
+        emit_json(boxes)
+    else:
+        console().print(table(f"{len(boxes)} sandbox(es)", ["id", "snapshot", "engine", "pid", "branches",
+                                                            "memory limit", "created"],
+                              [[b["id"], b["snapshot_tag"], b.get("engine"), b.get("pid"), b.get("branch_count"),
+                                b.get("memory_limit_mib"), ago(b.get("created_at_unix"))] for b in boxes]))
+    return 0
+
+
+def cmd_kill(args) -> int:
+    from ..client import ControllerError
+
+    ctl = client(args)
+    if bool(args.ids) + bool(args.all) + bool(args.tag) != 1:
+        raise SystemExit("forkd kill: give sandbox IDS, or --all, or --tag TAG (exactly one)")
+    ids = args.ids
+    if args.all or args.tag:
+        ids = [b["id"] for b in ctl.list_sandboxes() if args.all or b["snapshot_tag"] == args.tag]
+    killed, failed = [], {}
+    bar, desc, total = progress(len(ids), "killing", enabled=not args.json and len(ids) > 1)
+    with bar:
+        task = bar.add_task(desc, total=total)
+        for sid in ids:
+            try:
+                ctl.kill_sandbox(sid)
+                killed.append(sid)
+            except ControllerError as exc:
+                failed[sid] = exc.message
+            bar.advance(task)
+    if args.json:
+        emit_json({"killed": killed, "failed": failed})
+    else:
+        out = console()
+        out.print(f"killed {len(killed)} sandbox(es)" + (f": {', '.join(killed)}" if len(killed) <= 5 else ""))
+        for sid, why in failed.items():
+            out.print(f"[red]{sid}: {why}[/]")
+    return 1 if failed else 0
+
+
+def cmd_exec(args) -> int:
+    ctl = client(args)
+    argv = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not argv:
+        raise SystemExit("forkd exec: give a command after the sandbox id, e.g. forkd exec ID -- ls -l")
+    reply = ctl.exec_command(args.id, argv, args.timeout_secs)
+    if args.json:
+        emit_json(reply)
+    else:
+        sys.stdout.write(reply.get("stdout", ""))
+        sys.stderr.write(reply.get("stderr", ""))
+        if reply.get("error"):
+            sys.stderr.write(f"forkd exec: {reply['error']}\n")
+    return int(reply.get("exit_code", 1)) & 0xFF
+
+
+def cmd_eval(args) -> int:
+    reply = client(args).eval_code(args.id, args.code)
+    if args.json:
+        emit_json(reply)
+    elif reply.get("error"):
+        print(reply["error"], file=sys.stderr)
+    else:
+        print(reply.get("result"))
+    return 0 if not reply.get("error") else 1
+
+
+def cmd_run(args) -> int:
+    code = sys.stdin.read() if args.code == "-" else args.code
+    reply = client(args).run_code(args.id, code)
+    if args.json:
+        emit_json(reply)
+        return 0 if not reply.get("error") else 1
+    sys.stdout.write(reply.get("stdout", ""))
+    sys.stderr.write(reply.get("stderr", ""))
+    if reply.get("result"):
+        print(reply["result"].get("text/plain", ""))
+    if reply.get("error"):
+        sys.stderr.write("".join(reply["error"].get("traceback") or [f"{reply['error']['ename']}: "
+                                                                       f"{reply['error']['evalue']}\n"]))
+        return 1
+    return 0
+
+
+def cmd_ping(args) -> int:
+    t0 = time.perf_counter()
+    reply = client(args).ping_sandbox(args.id)
+    ms = (time.perf_counter() - t0) * 1000
+    if args.json:
+        emit_json(reply)
+    else:
+        print(f"pong from {args.id} in {ms:.1f} ms (pid {reply.get('pid')} inside, python {reply.get('python')})")
+    return 0
+
+
+def add_commands(sub, options) -> None:
+    for name, helptext in (("spawn", "fork N sandboxes from a snapshot"), ("fork", "same as spawn")):
+        p = sub.add_parser(name, parents=[options], help=helptext)
+        p.add_argument("--tag", "-t", required=True, help="the snapshot to fork from")
+        p.add_argument("-n", type=int, default=1, help="how many sandboxes (1-1000)")
+        p.add_argument("--memory-limit-mib", type=int)
+        add_label_option(p, "each sandbox carries, besides the snapshot's")
+        for flag in ("--per-child-netns", "--prewarm", "--live-fork", "--hugepages"):
+            p.add_argument(flag, action="store_true", help="forkd VM option (accepted; the process engine ignores it)")
+        p.set_defaults(func=cmd_spawn)
+
+    p = sub.add_parser("ls", parents=[options], help="list sandboxes (or snapshots with --snapshots)")
+    p.add_argument("--snapshots", "-s", action="store_true", help="list snapshots instead")
+    add_label_option(p, "that what is listed carries (all of them must match)")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("kill", parents=[options], help="kill sandboxes: IDS, --all, or --tag T")
+    p.add_argument("ids", nargs="*")
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--tag", help="every sandbox forked from this snapshot")
+    p.set_defaults(func=cmd_kill)
+
+    p = sub.add_parser("exec", parents=[options], help="run a command in a sandbox: forkd exec ID -- CMD...")
+    p.add_argument("id")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.add_argument("--timeout-secs", type=float, default=30)
+    p.set_defaults(func=cmd_exec)
+
+    p = sub.add_parser("eval", parents=[options], help="evaluate a Python expression in a sandbox")
+    p.add_argument("id")
+    p.add_argument("code")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("run", parents=[options], help="run Python statements like a notebook cell ('-' reads stdin)")
+    p.add_argument("id")
+    p.add_argument("code")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("ping", parents=[options], help="round trip to a sandbox's agent")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_ping)

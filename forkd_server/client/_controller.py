@@ -1,0 +1,287 @@
+"""``Controller``: the client of forkd's /v1 REST API.
+
+It keeps the PyPI ``forkd`` SDK's method names, arguments and wire bodies (reference/forkd-api.md
+§8), so code written for forkd works unchanged, and adds ``create_snapshot``, ``run_code``, files,
+workspaces, kernels, events and waiting for ``ready``. One method per route; the wire itself
+(finding the server, errors) is ``_transport``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import time
+
+from ._transport import Connection, ControllerError, EventStream, ServerUnreachable, label_query, warn_lossy
+
+__all__ = ["Controller"]
+
+
+class Controller(Connection):
+    """forkd's ``Controller``: the same method names, arguments and wire bodies, plus extras."""
+
+    # -- forkd's methods (wire-identical) --
+
+    def list_snapshots(self, *, labels: dict[str, str] | None = None) -> list[dict]:
+        """Every snapshot; with ``labels``, those carrying all of them (``?label=k=v``)."""
+        return self._request("GET", "/v1/snapshots", query=label_query(labels))
+
+    def delete_snapshot(self, tag: str, *, cascade: bool = False, force: bool = False) -> None:
+        query = {k: "true" for k, v in (("cascade", cascade), ("force", force)) if v}
+        return self._request("DELETE", f"/v1/snapshots/{tag}", query=query or None)
+
+    def spawn_sandboxes(self, snapshot_tag: str, n: int = 1, per_child_netns: bool = False,
+                        memory_limit_mib: int | None = None, prewarm: bool = False, live_fork: bool = False,
+                        hugepages: bool = False, *, labels: dict[str, str] | None = None) -> list[dict]:
+        """``labels``: added to the ones each child inherits from its snapshot."""
+        body: dict = {"snapshot_tag": snapshot_tag, "n": n, "per_child_netns": per_child_netns}
+        if memory_limit_mib is not None:
+            body["memory_limit_mib"] = memory_limit_mib
+        if labels:
+            body["labels"] = dict(labels)
+        for name, value in (("prewarm", prewarm), ("live_fork", live_fork), ("hugepages", hugepages)):
+            if value:
+                body[name] = True
+        return self._request("POST", "/v1/sandboxes", body)
+
+    def list_sandboxes(self, *, labels: dict[str, str] | None = None) -> list[dict]:
+        """Every running sandbox; with ``labels``, those carrying all of them."""
+        return self._request("GET", "/v1/sandboxes", query=label_query(labels))
+
+    def get_sandbox(self, sandbox_id: str) -> dict:
+        return self._request("GET", f"/v1/sandboxes/{sandbox_id}")
+
+    def kill_sandbox(self, sandbox_id: str) -> None:
+        return self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+    def branch_sandbox(self, sandbox_id: str, tag: str | None = None, diff: bool = False,
+                       measure_diff: bool = False, mode: str | None = None, wait: bool = True,
+                       parent_tag: str | None = None, lossy: bool = False, *,
+                       labels: dict[str, str] | None = None) -> dict:
+        """Branch a running sandbox. A branch that would lose running work is refused (409 naming
+        each item) unless ``lossy``; then the reply's ``warnings`` list it and a ForkWarning says so.
+        The snapshot keeps the sandbox's labels, updated by ``labels``."""
+        body: dict = {}
+        if tag is not None:
+            body["tag"] = tag
+        if mode is not None:
+            body["mode"] = mode
+        elif diff:
+            body["diff"] = True
+        if measure_diff:
+            body["measure_diff"] = True
+        if not wait:
+            body["wait"] = False
+        if parent_tag is not None:
+            body["parent_tag"] = parent_tag
+        if lossy:
+            body["lossy"] = True
+        if labels:
+            body["labels"] = dict(labels)
+        info = self._request("POST", f"/v1/sandboxes/{sandbox_id}/branch", body)
+        warn_lossy(info, f"branch {info.get('tag')} of {sandbox_id} did not carry")
+        return info
+
+    def inventory(self, sandbox_id: str) -> dict:
+        """What a branch of the sandbox now would not carry: ``{"id", "engine", "lost": [...]}``."""
+        return self._request("GET", f"/v1/sandboxes/{sandbox_id}/inventory")
+
+    def exec_command(self, sandbox_id: str, args: list[str], timeout_secs: float = 30, *,
+                     env: dict | None = None, cwd: str | None = None) -> dict:
+        body: dict = {"args": list(args), "timeout_secs": timeout_secs}
+        if env:
+            body["env"] = env
+        if cwd:
+            body["cwd"] = cwd
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", body,
+                             timeout=max(self.timeout, timeout_secs + 10))
+
+    def eval_code(self, sandbox_id: str, code: str) -> dict:
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/eval", {"code": code})
+
+    def ping_sandbox(self, sandbox_id: str) -> dict:
+        # No body: urllib then sends Content-Length: 0 and no Content-Type, like forkd's SDK.
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/ping")
+
+    # -- beyond forkd --
+
+    def healthz(self) -> dict:
+        return self._request("GET", "/healthz")
+
+    def version(self) -> dict:
+        return self._request("GET", "/version")
+
+    def metrics(self) -> str:
+        with self._open("GET", "/metrics") as resp:
+            return resp.read().decode()
+
+    def create_snapshot(self, tag: str, setup: str | None = None, setup_commands: list[list[str]] | None = None,
+                        engine: str = "auto", mem_size_mib: int | None = None, host_network: bool = False,
+                        disk_mib: int | None = None, packages: list[str] | None = None,
+                        timeout: float = 900, shell: str | None = None, lossy: bool = False,
+                        setup_timeout_secs: float | None = None, memory_limit_mib: int | None = None,
+                        labels: dict[str, str] | None = None, *, kernel: str | None = None,
+                        rootfs: str | None = None, boot_wait_secs: int | None = None) -> dict:
+        """``setup_timeout_secs`` bounds the whole creation (600 s unless given); the setup runs within
+        a sandbox's limits, ``memory_limit_mib`` (the engine's default unless given) among them.
+        ``labels``: string -> string pairs the snapshot carries, and its children and branches inherit.
+        ``lossy``: a setup that leaves running work its children lack is kept, and the reply's
+        ``warnings`` list what (a ForkWarning says so). ``kernel``/``rootfs``/``boot_wait_secs``:
+        forkd's form, which selects the VM engine."""
+        given = {"setup": setup, "setup_commands": setup_commands or None, "mem_size_mib": mem_size_mib,
+                 "host_network": host_network or None, "disk_mib": disk_mib,
+                 "packages": list(packages) if packages else None, "shell": shell, "lossy": lossy or None,
+                 "setup_timeout_secs": setup_timeout_secs, "memory_limit_mib": memory_limit_mib,
+                 "labels": dict(labels) if labels else None,
+                 "kernel": kernel, "rootfs": rootfs, "boot_wait_secs": boot_wait_secs}
+        body = {"tag": tag, "engine": engine, **{k: v for k, v in given.items() if v is not None}}
+        if setup_timeout_secs is not None:  # the call waits for the whole creation
+            timeout = max(timeout, setup_timeout_secs + 60)
+        info = self._request("POST", "/v1/snapshots", body, timeout=timeout)
+        warn_lossy(info, f"snapshot {tag}: its children lack what its setup left running")
+        return info
+
+    def snapshot_info(self, tag: str) -> dict:
+        return self._request("GET", f"/v1/snapshots/{tag}/info")
+
+    def compact_snapshot(self, tag: str, to: str, timeout: float = 900) -> dict:
+        """An independent copy of snapshot ``tag`` under ``to`` (``branched_from: "compact:<tag>"``)."""
+        return self._request("POST", f"/v1/snapshots/{tag}/compact", {"to": to}, timeout=timeout)
+
+    # -- workspaces: named sandboxes that suspend into ws-<name>-state and resume from it --
+
+    def list_workspaces(self) -> list[dict]:
+        return self._request("GET", "/v1/workspaces")
+
+    def create_workspace(self, name: str, snapshot_tag: str, memory_limit_mib: int | None = None) -> dict:
+        body: dict = {"name": name, "snapshot_tag": snapshot_tag}
+        if memory_limit_mib is not None:
+            body["memory_limit_mib"] = memory_limit_mib
+        return self._request("POST", "/v1/workspaces", body)
+
+    def get_workspace(self, name: str) -> dict:
+        return self._request("GET", f"/v1/workspaces/{name}")
+
+    def suspend_workspace(self, name: str, diff: bool = False, timeout: float = 900) -> dict:
+        return self._request("POST", f"/v1/workspaces/{name}/suspend", {"diff": bool(diff)}, timeout=timeout)
+
+    def resume_workspace(self, name: str) -> dict:
+        return self._request("POST", f"/v1/workspaces/{name}/resume")  # no body, like ping
+
+    def delete_workspace(self, name: str) -> None:
+        return self._request("DELETE", f"/v1/workspaces/{name}")
+
+    def run_code(self, sandbox_id: str, code: str, timeout: float | None = None) -> dict:
+        body: dict = {"code": code}
+        if timeout is not None:
+            body["timeout"] = timeout
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/run", body,
+                             timeout=max(self.timeout, (timeout or 600) + 10))
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        reply = self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", query={"path": path})
+        if "entries" in reply:
+            raise IsADirectoryError(f"{path} is a directory; use list_files")
+        return base64.b64decode(reply["data_b64"])
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes | str, *, append: bool = False,
+                   mode: int | None = None) -> dict:
+        query = {"path": path}
+        if append:
+            query["append"] = "true"
+        if mode is not None:
+            query["mode"] = format(mode, "o")
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return self._request("PUT", f"/v1/sandboxes/{sandbox_id}/files", raw=raw, query=query)
+
+    def list_files(self, sandbox_id: str, path: str = ".") -> list[dict]:
+        reply = self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", query={"path": path})
+        if "entries" not in reply:
+            raise NotADirectoryError(f"{path} is a file; use read_file")
+        return reply["entries"]
+
+    def remove_file(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        query = {"path": path, **({"recursive": "true"} if recursive else {})}
+        return self._request("DELETE", f"/v1/sandboxes/{sandbox_id}/files", query=query)
+
+    def memory(self, sandbox_id: str) -> dict:
+        return self._request("GET", f"/v1/sandboxes/{sandbox_id}/memory")
+
+    # -- forkd kernels: which sandbox each notebook runs in --
+
+    def list_kernels(self) -> list[dict]:
+        return self._request("GET", "/v1/kernels")
+
+    def get_kernel(self, kernel_id: str) -> dict:
+        return self._request("GET", f"/v1/kernels/{kernel_id}")
+
+    def set_kernel_head(self, kernel_id: str, head: str, *, notebook: str | None = None,
+                        base_snapshot: str | None = None, engine: str | None = None) -> dict:
+        body = {"head": head, **{k: v for k, v in (("notebook", notebook), ("base_snapshot", base_snapshot),
+                                                    ("engine", engine)) if v is not None}}
+        return self._request("PUT", f"/v1/kernels/{kernel_id}", body)
+
+    def forget_kernel(self, kernel_id: str) -> None:
+        return self._request("DELETE", f"/v1/kernels/{kernel_id}")
+
+    def interrupt(self, sandbox_id: str) -> dict:
+        """Interrupt the cell a sandbox is running (KeyboardInterrupt in it)."""
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/interrupt")
+
+    def session(self, sandbox_id: str, shell: str = "plain", timeout: float = 120.0):
+        """A streaming session with the sandbox (``forkd_server.streaming.Session``): cells whose
+        output arrives as it is printed, input(), interrupts; ``shell="ipython"`` for IPython."""
+        from ..streaming import Session
+        return Session(self, sandbox_id, shell=shell, timeout=timeout)
+
+    def tree(self, *, labels: dict[str, str] | None = None) -> list[dict]:
+        """The lineage as nodes; with ``labels``, the nodes carrying all of them and their ancestors."""
+        return self._request("GET", "/v1/tree", query=label_query(labels))
+
+    def events(self, timeout: float | None = None) -> "EventStream":
+        """Subscribe to change events (``{"kind", "action", "tag"|"id", "status", ...}``).
+
+        The subscription is open when this returns, so no later change is missed; iterate the
+        returned ``EventStream`` for events as they happen, ``close()`` it (from any thread) to stop.
+        ``timeout`` bounds the wait for each next event (the server sends keep-alives every 15 s);
+        ``socket.timeout`` / ``TimeoutError`` ends the iteration with an exception.
+        """
+        return EventStream(self._open("GET", "/v1/events", timeout=timeout or 3600))
+
+    def wait_snapshot(self, tag: str, timeout: float = 120.0) -> dict:
+        """Block until snapshot ``tag`` is ``ready`` or ``failed``; returns its SnapshotInfo.
+
+        Listens on /v1/events, subscribed before each look at the snapshot, so no change is missed.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            stream = self._open("GET", "/v1/events", timeout=max(1.0, min(left, 20.0)))
+            with stream:
+                info = next((s for s in self.list_snapshots() if s["tag"] == tag), None)
+                if info is None:
+                    raise ControllerError(404, {"error": f"snapshot {tag} not found"}, self.base_url)
+                if info.get("status", "ready") != "writing":
+                    return info
+                if left <= 0:
+                    raise TimeoutError(f"snapshot {tag} still writing after {timeout:g} s")
+                try:  # until an event names this tag; then look again
+                    for line in stream:
+                        if line.startswith(b"data:") and json.loads(line[5:]).get("tag") == tag:
+                            break
+                        if time.monotonic() > deadline:
+                            break
+                except (socket.timeout, TimeoutError):
+                    pass  # a fresh stream and a fresh look
+
+    def wait_ready(self, timeout: float = 30.0) -> dict:
+        """Wait until the server answers /healthz (bounded polling); returns its answer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._request("GET", "/healthz", timeout=2)
+            except ServerUnreachable:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
