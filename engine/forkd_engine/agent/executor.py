@@ -24,8 +24,10 @@ class Busy(Exception):
 
 
 class Job:
-    def __init__(self, fn: Callable[[], Any], what: str, user_code: bool):
+    def __init__(self, fn: Callable[[], Any], what: str, user_code: bool,
+                 then: Callable[[Any], None] | None = None):
         self.fn, self.what, self.user_code = fn, what, user_code
+        self.then = then  # given fn's result once the main thread is idle again (a session's reply)
         self.done = threading.Event()
         self.started_at: float | None = None
         self.cancelled = False
@@ -53,10 +55,11 @@ class Executor:
 
     # --- other threads ---------------------------------------------------------------------------
 
-    def submit(self, fn: Callable[[], Any], what: str, *, user_code: bool = True) -> Job:
+    def submit(self, fn: Callable[[], Any], what: str, *, user_code: bool = True,
+               then: Callable[[Any], None] | None = None) -> Job:
         if self.jobs.qsize() >= self.max_queued:
             raise Busy(self._busy_message(f"{self.max_queued} more requests are already waiting"))
-        job = Job(fn, what, user_code)
+        job = Job(fn, what, user_code, then)
         self.jobs.put(job)
         return job
 
@@ -128,8 +131,14 @@ class Executor:
             self.current = None
             self._interrupting = False
             job.done.set()
-            if job.user_code and self.after_user_code is not None:
-                self.after_user_code()
+        # Answered only now: whoever gets the answer finds the sandbox idle, never busy with it.
+        if job.then is not None and job.error is None:
+            try:
+                job.then(job.result)
+            except Exception:  # noqa: BLE001 - a reply that cannot be sent (the client left)
+                pass
+        if job.user_code and self.after_user_code is not None:
+            self.after_user_code()
 
     def after_fork(self) -> None:
         """In a fork made from the main thread: nothing queued here belongs to the child."""

@@ -70,8 +70,9 @@ class Session:
             self.reply("interrupt", rid, {"status": "ok", "interrupted": interrupted})
         elif kind in QUEUED:
             try:
-                self._executor().submit(lambda: self._run(kind, msg), f"a session {kind}",
-                                        user_code=(kind == "execute" or kind.startswith("comm_")))
+                self._executor().submit(lambda: self._answered(kind, msg), f"a session {kind}",
+                                        user_code=(kind == "execute" or kind.startswith("comm_")),
+                                        then=lambda answer: answer is not None and self.reply(*answer))
             except Busy as exc:
                 self.reply(kind, rid, {"status": "error", "ename": "Busy", "evalue": str(exc), "traceback": []})
         else:
@@ -100,9 +101,20 @@ class Session:
 
     # --- on the main thread ----------------------------------------------------------------------
 
-    def _run(self, kind: str, msg: dict) -> None:
+    def _answered(self, kind: str, msg: dict) -> tuple | None:
+        """``_run``, and an error reply whatever escapes it (an interrupt landing after the cell):
+        every request gets its reply."""
+        try:
+            return self._run(kind, msg)
+        except BaseException as exc:  # noqa: BLE001
+            return kind, msg.get("id"), {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
+                                         "traceback": []}
+
+    def _run(self, kind: str, msg: dict) -> tuple | None:
+        """Run one request; returns its reply (kind, id, content), sent once the main thread is
+        idle again, or None when there is none."""
         if self.closed:
-            return
+            return None
         rid = msg.get("id")
         runner = self.runtime.runner
         try:
@@ -129,12 +141,12 @@ class Session:
                     finally:
                         self.current = None
                 if content is None:
-                    return  # comm_open/msg/close have no reply in Jupyter's protocol
+                    return None  # comm_open/msg/close have no reply in Jupyter's protocol
         except KeyboardInterrupt:
             content = {"status": "error", "ename": "KeyboardInterrupt", "evalue": "", "traceback": []}
         except Exception as exc:  # noqa: BLE001 - answer, never die
             content = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc), "traceback": []}
-        self.reply(kind, rid, content)
+        return kind, rid, content
 
     def _execute(self, runner, msg: dict) -> dict:
         rid = msg.get("id")
