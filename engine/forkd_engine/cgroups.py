@@ -22,11 +22,36 @@ import re
 import signal
 import time
 
+from .base import LimitHit
+
 ROOT = "/sys/fs/cgroup"
 
 
 class CgroupError(OSError):
     pass
+
+
+def _counter(leaf: str, name: str, key: str | None) -> int:
+    """A counter of a cgroup file: the value of ``key`` in a "key value" file, or (key None) the
+    file's single number; 0 where the file is absent."""
+    try:
+        with open(os.path.join(leaf, name)) as f:
+            text = f.read()
+        if key is None:
+            return int(text)
+        return int(dict(line.split() for line in text.splitlines() if line.strip()).get(key, 0))
+    except (OSError, ValueError):
+        return 0
+
+
+def _limit(leaf: str, *names: str) -> int:
+    """A limit of a leaf, from the first of ``names`` it has (v2's, then v1's); -1 for none ("max")."""
+    for name in names:
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, name)) as f:
+            text = f.read().strip()
+            value = -1 if text == "max" else int(text)
+            return -1 if value >= 1 << 60 else value  # v1's "unlimited" is a number near 2^63
+    return -1
 
 
 def _controllers_v2(path: str) -> set[str]:
@@ -203,26 +228,37 @@ class Cgroups:
                     f.write(_UNLIMITED[(controller, version)])
 
     @staticmethod
-    def limits_hit(leaves: list[str]) -> list[str]:
-        """What stopped processes in these leaves: the pids limit refusing a fork, the OOM killer, the
-        huge-page cap refusing a page (the process faulting it got SIGBUS, or its mmap ENOMEM)."""
+    def hits(leaves: list[str]) -> list[LimitHit]:
+        """The limits the kernel enforced on the processes of these leaves, with their values: the
+        OOM killer at the memory limit, the huge-page cap refusing a page (the process faulting it
+        got SIGBUS, or its mmap ENOMEM), the pids limit refusing a fork. Read before the leaves go."""
         hit = []
         for leaf in leaves:
-            with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, "pids.events")) as f:
-                if int(dict(line.split() for line in f)["max"]):
-                    with open(os.path.join(leaf, "pids.max")) as m:
-                        hit.append(f"the pids limit ({m.read().strip()} processes and threads) refused a fork")
-            for name in ("memory.events", "memory.oom_control"):  # v2, v1
-                with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, name)) as f:
-                    if int(dict(line.split() for line in f).get("oom_kill", 0)):
-                        hit.append("the memory limit was reached and the OOM killer ended a process")
-            for name in (f"hugetlb.{HUGE_SIZE}.events", f"hugetlb.{HUGE_SIZE}.failcnt"):  # v2, v1
-                with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, name)) as f:
-                    text = f.read().split()
-                    if int(text[-1]):
-                        hit.append(f"the huge-page cap (as much as the memory limit) refused {HUGE_SIZE} pages "
-                                   f"(a process faulting one gets SIGBUS, an mmap of them ENOMEM)")
+            kills = max(_counter(leaf, "memory.events", "oom_kill"), _counter(leaf, "memory.oom_control", "oom_kill"))
+            if kills:
+                mib = _limit(leaf, "memory.max", "memory.limit_in_bytes") >> 20
+                ended = "a process" if kills == 1 else f"{kills} processes"
+                hit.append(LimitHit("memory", mib, kills, f"the memory limit was reached ({mib} MiB): the kernel's "
+                                                          f"OOM killer ended {ended} in it"))
+            refused = max(_counter(leaf, f"hugetlb.{HUGE_SIZE}.events", "max"),
+                          _counter(leaf, f"hugetlb.{HUGE_SIZE}.failcnt", None))
+            if refused:
+                mib = _limit(leaf, f"hugetlb.{HUGE_SIZE}.max", f"hugetlb.{HUGE_SIZE}.limit_in_bytes") >> 20
+                hit.append(LimitHit("huge_pages", mib, refused,
+                                    f"the huge-page cap ({mib} MiB of {HUGE_SIZE} pages, as much as the memory limit) "
+                                    f"refused {HUGE_SIZE} pages (a process faulting one gets SIGBUS, an mmap of them "
+                                    f"ENOMEM)"))
+            forks = _counter(leaf, "pids.events", "max")
+            if forks:
+                most = _limit(leaf, "pids.max")
+                hit.append(LimitHit("pids", most, forks, f"the pids limit ({most} processes and threads) refused a fork"
+                                                         + (f" ({forks} times)" if forks > 1 else "")))
         return hit
+
+    @classmethod
+    def limits_hit(cls, leaves: list[str]) -> list[str]:
+        """What stopped processes in these leaves, one sentence a limit (see ``hits``)."""
+        return [h.message for h in cls.hits(leaves)]
 
     @staticmethod
     def procs(leaf: str) -> list[int]:

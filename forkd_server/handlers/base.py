@@ -237,21 +237,26 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
             error = full_disk_error(self.controller.data_dir)
             raise ApiError(error.status, error.message, error.fields) from None
         status = failure.status if isinstance(failure, ForkdError) else 500
-        if status == 500 and sandbox is not None and await self._sandbox_gone(sandbox):
-            raise ApiError(410, f"sandbox {sandbox} ended during this call (killed, or its process exited): "
-                                f"{getattr(failure, 'message', failure)}") from None
+        gone = await self._sandbox_gone(sandbox) if status == 500 and sandbox is not None else None
+        if gone is not None:
+            ended = gone.fields.get("ended") or {}
+            why = ended.get("reason") or "killed, or its process exited"
+            raise ApiError(410, f"sandbox {sandbox} ended during this call: {why} "
+                                f"(the call: {getattr(failure, 'message', failure)})",
+                           {"ended": ended} if ended else None) from None
         if not isinstance(failure, ForkdError):
             raise failure
         raise ApiError(failure.status, failure.message, failure.fields) from None
 
-    async def _sandbox_gone(self, sandbox: str) -> bool:
+    async def _sandbox_gone(self, sandbox: str) -> NotFound | None:
+        """The 404 of ``sandbox`` if it is gone (saying why, when known), else None."""
         try:
             await self.app.admission.control(functools.partial(self.controller.get_sandbox, sandbox))
-        except NotFound:
-            return True
+        except NotFound as exc:
+            return exc
         except Exception:  # noqa: BLE001 - cannot tell: the original error stands
-            return False
-        return False
+            return None
+        return None
 
     def caller(self) -> str:
         """Whose long calls these are: the token sent (its hash, never the token), else the user."""

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
-                    InvalidSpec, LimitReached, LossyFork, SnapshotSpec)
+                    InvalidSpec, LimitHit, LimitReached, LossyFork, SnapshotSpec)
 from . import hugepages, rootfs
 from .setup import Setup
 from ..cgroups import CgroupError, Cgroups, subtree
@@ -216,6 +216,14 @@ class ProcessEngine:
                     os.close(fd)
                     del self._pidfds[key]
             return [fd >= 0 and fd not in exited for fd in fds]
+
+    def wait_exit(self, handle: Handle, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the process to exit; True once it has."""
+        return linux.wait_exit(handle["pid"], handle["start_time"], timeout)
+
+    def limits_hit(self, handle: Handle) -> list[LimitHit]:
+        """The limits the kernel enforced in this sandbox's leaves (read before ``kill`` removes them)."""
+        return self.cgroups.hits(handle.get("cgroups") or [])
 
     def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
         """Why each process does not answer a ping within ``timeout`` (None: it does), all at once."""
