@@ -19,7 +19,10 @@ import errno
 import hashlib
 import os
 import re
+import select
+import secrets
 import signal
+import threading
 import time
 
 from .base import LimitHit
@@ -107,6 +110,13 @@ def _cap_hugetlb(leaf: str, nbytes: int) -> None:
                 f.write(str(nbytes if size == HUGE_SIZE else 0))
 
 
+def leaf_name(kind: str, tag: str) -> str:
+    """A leaf's name for a setup or a branch of snapshot ``tag``: unique to this one, so a snapshot
+    made again under a tag never shares (or kills, or limits) the leaves its previous one's reaper
+    may still hold."""
+    return f"{kind}-{tag}-{secrets.token_hex(4)}"
+
+
 def subtree(prefix: str, data_dir: str) -> str:
     """The group of one engine's leaves: ``prefix/<12 hex digits of the data dir's path>``."""
     return f"{prefix}/{hashlib.sha1(os.path.realpath(data_dir).encode()).hexdigest()[:12]}"
@@ -119,6 +129,7 @@ class Cgroups:
         self.group = group
         self._enabled: set[tuple[str, str]] = set()  # (v2 hierarchy, controller) enabled down to our group
         self.caps_huge_pages = False  # whether leaves cap huge pages: once hugetlb_status() found they hold
+        self.janitor = Janitor()  # removes given-up leaves once their last process has exited
 
     def status(self) -> dict:
         return {c: (locate(c) or ("none", ""))[0] for c in CONTROLLERS}
@@ -283,7 +294,9 @@ class Cgroups:
             time.sleep(0.01)  # the kernel tears the processes down; their leaves empty when it is done
 
     def remove(self, leaves: list[str]) -> list[str]:
-        """Remove empty leaves; returns those still busy (a retired reaper may live in one)."""
+        """Remove these leaves: the empty ones now, the others once their last process has exited
+        (a retired sandbox's reaper goes after its last fork; a killed process once the kernel has
+        torn it down), by the janitor. Returns those still busy now."""
         busy = []
         for leaf in leaves:
             try:
@@ -292,6 +305,8 @@ class Cgroups:
                 pass
             except OSError:
                 busy.append(leaf)
+        if busy:
+            self.janitor.add(busy)
         return busy
 
     def sweep(self) -> None:
@@ -307,3 +322,93 @@ class Cgroups:
                     if os.path.isdir(path):
                         with contextlib.suppress(OSError):
                             os.rmdir(path)
+
+    def close(self) -> None:
+        """The engine stops: remove our empty leaves and, if none is left, our group (sandboxes outlive
+        the server, so leaves that still hold processes stay, and the janitor keeps watching them
+        while this process lives; the next engine on the data dir sweeps what it missed)."""
+        self.sweep()
+        for controller in CONTROLLERS:
+            where = locate(controller)
+            if where is not None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(where[1], self.group))
+
+
+JANITOR_RETRY = 1.0  # s between tries of a leaf whose rmdir fails though no process is left in it
+JANITOR_TRIES = 30   # such tries before it is left to the next sweep
+
+
+class Janitor:
+    """Removes leaves that still held processes when they were given up, once those have exited.
+
+    One thread, started when there is work and ending when there is none: it tries each leaf, then
+    waits on the pidfds of the processes left in them (no polling while they live), and tries again
+    when one exits or a leaf is added. ``idle`` is set while nothing waits for removal."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, int] = {}  # leaf -> tries while it had no process yet stayed
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._running = False
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def add(self, leaves: list[str]) -> None:
+        with self._lock:
+            for leaf in leaves:
+                self._pending.setdefault(leaf, 0)
+            self.idle.clear()
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="forkd-cgroup-janitor", daemon=True).start()
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                leaves = list(self._pending)
+            pids: set[int] = set()
+            emptied = False
+            for leaf in leaves:
+                try:
+                    os.rmdir(leaf)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    held = Cgroups.procs(leaf)
+                    pids.update(held)
+                    if held:
+                        continue
+                    with self._lock:
+                        self._pending[leaf] += 1
+                        if self._pending[leaf] < JANITOR_TRIES:
+                            emptied = True  # no process, yet busy (the kernel still tears one down)
+                            continue
+                with self._lock:
+                    self._pending.pop(leaf, None)
+            with self._lock:
+                if not self._pending:
+                    self._running = False
+                    self.idle.set()
+                    return
+            self._wait(pids, JANITOR_RETRY if emptied or not pids else None)
+
+    def _wait(self, pids: set[int], timeout: float | None) -> None:
+        """Until one of ``pids`` exits, a leaf is added, or ``timeout``."""
+        fds = []
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                fds.append(os.pidfd_open(pid))
+        try:
+            waiter = select.poll()
+            waiter.register(self._wake_r, select.POLLIN)
+            for fd in fds:
+                waiter.register(fd, select.POLLIN)
+            waiter.poll(None if timeout is None else int(timeout * 1000))
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+        finally:
+            for fd in fds:
+                os.close(fd)

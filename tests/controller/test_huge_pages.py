@@ -178,10 +178,10 @@ def test_a_sandbox_killed_by_its_huge_page_cap_says_so(ctl, numpy_snap):
 
 
 def test_a_setup_takes_no_huge_pages_past_its_limit(ctl, numpy_snap):
-    from forkd_server.errors import EngineFailure
+    from forkd_server.errors import BadRequest
 
     setup = "import mmap\nm = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000)"
-    with pytest.raises(EngineFailure, match="Cannot allocate memory") as failure:
+    with pytest.raises(BadRequest, match="Cannot allocate memory") as failure:  # the setup's own: a 400
         ctl.create_snapshot("hp-setup", setup=setup, memory_limit_mib=128)
     assert "huge-page cap" in str(failure.value)
 

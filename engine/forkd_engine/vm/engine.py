@@ -236,6 +236,7 @@ class VMEngine:
             channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
             ch.close()
+        self.cgroups.close()
 
     # --- snapshots, sandboxes, branches ----------------------------------------------------------
 
