@@ -198,8 +198,8 @@ class SandboxManager:
             raise EngineFailure(f"inventory: {exc}") from exc
         return {"id": row["id"], "engine": row["engine"], "lost": lost}
 
-    def ping(self, sandbox_id) -> dict:
-        return self._agent(sandbox_id, {"action": "ping"}, "ping", timeout=5)
+    def ping(self, sandbox_id, timeout: float = 5.0) -> dict:
+        return self._agent(sandbox_id, {"action": "ping"}, "ping", timeout=timeout)
 
     def exec(self, sandbox_id, args, timeout_secs: float = 30, env: dict | None = None, cwd: str | None = None) -> dict:
         self.row(sandbox_id)

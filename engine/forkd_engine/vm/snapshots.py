@@ -13,6 +13,7 @@ create/cancel lifecycle of a parent VM.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -98,6 +99,24 @@ def create(engine: "VMEngine", spec: SnapshotSpec) -> Handle:
         engine.delete_snapshot(snapshot)
         raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created")
     return snapshot
+
+
+FULL_BELOW = 2 << 20  # bytes: a file system with less free is taken as full when a create fails
+
+
+def full_filesystem(*paths: str) -> tuple[str, int] | None:
+    """(path, free bytes) of the first of ``paths`` (directories, or their nearest existing parent)
+    whose file system is full, else None."""
+    for path in paths:
+        while not os.path.exists(path):
+            path = os.path.dirname(path)
+        try:
+            free = shutil.disk_usage(path).free
+        except OSError:
+            continue
+        if free < FULL_BELOW:
+            return path, free
+    return None
 
 
 def mem_root_free_mib(mem_root: str) -> int:
@@ -191,8 +210,16 @@ def _create(engine: "VMEngine", spec: SnapshotSpec, mem_mib: int, creating: dict
     except BaseException as exc:
         if handle is not None:
             engine.kill(handle)
+        # Before the files go (the RAM file holds the room): a full file system, not the VM, is the
+        # cause a user can act on (QEMU dies of SIGBUS when the guest touches RAM its tmpfs lacks).
+        full = None if isinstance(exc, (Cancelled, InvalidSpec)) else full_filesystem(engine.mem_root, engine.snap_dir)
         shutil.rmtree(snap, ignore_errors=True)
         shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
+        if full is not None:
+            path, free = full
+            raise EngineError(f"snapshot {spec.tag!r} failed: No space left on device: {path} had {free >> 10} KiB "
+                              f"free when it failed ({exc})") from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                                                                           path)
         if creating["cancelled"] and not isinstance(exc, Cancelled):
             raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its VM was "
                             f"stopped") from exc
