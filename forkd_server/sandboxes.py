@@ -41,6 +41,7 @@ class SandboxManager:
         self.engines = controller.engines
         self.feed = controller.feed
         self._listing: tuple | None = None    # (registry generation, running rows, their infos)
+        self._killing: set[str] = set()       # ids a kill is ending: it records their end, no one else
 
     def row(self, sandbox_id) -> dict:
         row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
@@ -58,7 +59,8 @@ class SandboxManager:
         engine = self.engines.get(row["engine"])
         if engine is not None and row["handle"] and engine.alive(row["handle"]):
             return True
-        self.drop(row, self.death(row))
+        if row["id"] not in self._killing:
+            self.drop(row, self.death(row))
         return False
 
     def death(self, row: dict) -> dict:
@@ -84,7 +86,9 @@ class SandboxManager:
             return engine.call(row["handle"], request, timeout=timeout)
         except (AgentUnreachable, EngineError) as exc:
             if not _timed_out(exc) and engine.wait_exit(row["handle"], EXIT_WAIT):
-                if self.registry.get_sandbox(sandbox_id) is not None:
+                if sandbox_id in self._killing:  # a kill ends it: the kill records that
+                    ended = endings.killed(sandbox_id)
+                elif self.registry.get_sandbox(sandbox_id) is not None:
                     ended = self.death(row)  # it died during the call: say of what
                     self.drop(row, ended)
                 else:  # a kill dropped it meanwhile
@@ -170,8 +174,12 @@ class SandboxManager:
 
     def kill(self, sandbox_id) -> None:
         row = self.row(sandbox_id)
-        self.engines[row["engine"]].kill(row["handle"])
-        self.registry.delete_sandboxes([row["id"]], ended=endings.killed(row["id"]))
+        self._killing.add(row["id"])
+        try:
+            self.engines[row["engine"]].kill(row["handle"])
+            self.registry.delete_sandboxes([row["id"]], ended=endings.killed(row["id"]))
+        finally:
+            self._killing.discard(row["id"])
         self.feed.emit("sandbox", "killed", id=row["id"])
 
     def memory(self, sandbox_id) -> dict:

@@ -349,8 +349,7 @@ class Janitor:
     def __init__(self) -> None:
         self._pending: dict[str, int] = {}  # leaf -> tries while it had no process yet stayed
         self._lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._running = False
+        self._wake: tuple[int, int] | None = None  # the running thread's wake-up pipe
         self.idle = threading.Event()
         self.idle.set()
 
@@ -359,13 +358,14 @@ class Janitor:
             for leaf in leaves:
                 self._pending.setdefault(leaf, 0)
             self.idle.clear()
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name="forkd-cgroup-janitor", daemon=True).start()
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"x")
+            if self._wake is None:
+                self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                threading.Thread(target=self._run, args=(self._wake[0],), name="forkd-cgroup-janitor",
+                                 daemon=True).start()
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake[1], b"x")
 
-    def _run(self) -> None:
+    def _run(self, wake: int) -> None:
         while True:
             with self._lock:
                 leaves = list(self._pending)
@@ -390,25 +390,30 @@ class Janitor:
                     self._pending.pop(leaf, None)
             with self._lock:
                 if not self._pending:
-                    self._running = False
+                    for fd in self._wake:
+                        os.close(fd)
+                    self._wake = None
                     self.idle.set()
                     return
-            self._wait(pids, JANITOR_RETRY if emptied or not pids else None)
+            self._wait(wake, pids, JANITOR_RETRY if emptied or not pids else None)
 
-    def _wait(self, pids: set[int], timeout: float | None) -> None:
+    @staticmethod
+    def _wait(wake: int, pids: set[int], timeout: float | None) -> None:
         """Until one of ``pids`` exits, a leaf is added, or ``timeout``."""
         fds = []
         for pid in pids:
             with contextlib.suppress(OSError):
                 fds.append(os.pidfd_open(pid))
+        if not fds and timeout is None:
+            timeout = JANITOR_RETRY  # they exited before we could watch them: look again soon
         try:
             waiter = select.poll()
-            waiter.register(self._wake_r, select.POLLIN)
+            waiter.register(wake, select.POLLIN)
             for fd in fds:
                 waiter.register(fd, select.POLLIN)
             waiter.poll(None if timeout is None else int(timeout * 1000))
             with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
+                os.read(wake, 4096)
         finally:
             for fd in fds:
                 os.close(fd)
