@@ -105,14 +105,14 @@ def test_a_vm_create_whose_ram_tmpfs_runs_out_is_507_naming_it(small_disk, monke
     from forkd_server.storage import full_disk_error, is_disk_full
 
     data = tempfile.mkdtemp(prefix="fkvd")
-    mem_root = os.path.join(small_disk, "ram")   # 32 MiB for a guest of 128 MiB
+    mem_root = os.path.join(small_disk, "ram")   # 32 MiB for a guest of 256 MiB
     engine = VMEngine(os.path.join(data, "vm"), mem_root=mem_root,
                       cache_dir=os.environ.get("FORKD_VM_CACHE") or os.path.join(data, "cache"))
     ctl = Controller(data, engines={"vm": engine})
     monkeypatch.setattr(snapshots, "mem_root_free_mib", lambda root: 1 << 20)  # the check passed, then...
     try:
         with pytest.raises(EngineFailure) as failure:
-            ctl.create_snapshot("ram", engine="vm", setup="x = 1", mem_size_mib=128)
+            ctl.create_snapshot("ram", engine="vm", setup="x = 1")
         assert "No space left on device" in str(failure.value) and mem_root in str(failure.value)
         assert is_disk_full(failure.value)
         answer = full_disk_error(ctl.data_dir, failure.value)

@@ -177,7 +177,8 @@ def _create(engine: "VMEngine", spec: SnapshotSpec, mem_mib: int, creating: dict
         if spec.shell == "ipython":
             reply = setup_call({"action": "shell"})
             if reply.get("error"):
-                raise EngineError(f"IPython could not start in the guest: {reply['error']} (add the Debian "
+                # the request's own: a shell its packages do not hold (a 400, as a failing setup)
+                raise InvalidSpec(f"IPython could not start in the guest: {reply['error']} (add the Debian "
                                   f"package python3-ipython to the snapshot's packages)")
         for argv in spec.setup_commands:
             reply = setup_call({"action": "exec", "args": argv, "timeout": left()}, margin=10)
