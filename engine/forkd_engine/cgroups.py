@@ -326,7 +326,9 @@ class Cgroups:
     def close(self) -> None:
         """The engine stops: remove our empty leaves and, if none is left, our group (sandboxes outlive
         the server, so leaves that still hold processes stay, and the janitor keeps watching them
-        while this process lives; the next engine on the data dir sweeps what it missed)."""
+        while this process lives; the next engine on the data dir sweeps what it missed). Leaves
+        given up just before (a reaper whose last fork was just deleted) have ``CLOSE_WAIT`` s to empty."""
+        self.janitor.idle.wait(CLOSE_WAIT)
         self.sweep()
         for controller in CONTROLLERS:
             where = locate(controller)
@@ -335,6 +337,7 @@ class Cgroups:
                     os.rmdir(os.path.join(where[1], self.group))
 
 
+CLOSE_WAIT = 2.0     # s a closing engine gives the janitor to remove leaves whose processes are exiting
 JANITOR_RETRY = 1.0  # s between tries of a leaf whose rmdir fails though no process is left in it
 JANITOR_TRIES = 30   # such tries before it is left to the next sweep
 

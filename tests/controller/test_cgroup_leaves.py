@@ -108,3 +108,16 @@ def test_a_snapshot_made_again_under_its_tag_never_touches_the_leaves_of_the_one
     own.delete_snapshot("copy2")
     own.delete_snapshot("copy")
     assert settled(own) == set()
+
+
+def test_a_close_right_after_the_last_deletes_still_removes_everything(own):
+    """The server stops right after its cleanup (as every test server does): the reapers that the
+    last deletes set exiting are given the moment they need, and nothing of the engine stays."""
+    own.create_snapshot("base", setup="x = 1")
+    sb = own.spawn("base", 1)[0]["id"]
+    own.branch(sb, "br")
+    own.kill_sandbox(sb)            # a reaper (its branch lives), nested in base's template
+    own.delete_snapshot("base")     # a reaper too (its fork, the sandbox's reaper, lives)
+    own.delete_snapshot("br")       # the chain's last fork: both reapers exit now, one after the other
+    own.engines["process"].close()  # at once, as the server's close does
+    assert not any(os.path.exists(g) for g in groups(own))
