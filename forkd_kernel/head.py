@@ -153,9 +153,17 @@ class Head:
                 self.on_other(event)
 
     def _why_ended(self) -> str:
+        # A ping, not a GET: right after the session broke the sandbox may still be exiting, and
+        # the server's ping waits for that before it answers why it ended (410, or 404 once gone).
         try:
-            self.controller.get_sandbox(self.sandbox_id)
-        except Exception as exc:  # noqa: BLE001 - any failure to find it is the answer
+            self.controller.ping_sandbox(self.sandbox_id)
+        except Exception as exc:  # noqa: BLE001 - any failure to reach it is the answer
             status = getattr(exc, "status", None)
-            return "killed or exited: the server no longer has it" if status == 404 else f"unreachable: {exc}"
+            if status is None:
+                return f"unreachable: {exc}"
+            if status not in (404, 410):
+                return f"its session closed, though the server still lists it ({exc})"
+            # The server says when and why it ended (a limit it died of, a kill), when it knows.
+            ended = (exc.body.get("ended") if isinstance(getattr(exc, "body", None), dict) else None) or {}
+            return str(ended.get("reason") or "killed or exited: the server no longer has it")
         return "its session closed, though the server still lists it"

@@ -21,6 +21,10 @@ pools keep long work from starving control:
      Files and branch stay outside the lane: reading a file a cell writes, or a lossy branch of a
      sandbox mid-cell, must work while the cell runs.
 
+Pings of many sandboxes at once (``GET /v1/tree?busy=true``) run on a third pool, ``PROBE_WORKERS``
+threads, each ping bounded by its own short timeout and the whole by a deadline: a frozen agent
+costs one probe thread for a second, never a control thread, and shows as not answering.
+
 A kill (``ending``) ends the sandbox's lane: waiting calls are answered 410 at once and the running
 one 410 when its agent connection breaks, so nothing queued behind a loop waits forever.
 """
@@ -38,6 +42,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from .errors import Busy, Conflict, Gone, TooManyRequests
+
+PROBE_WORKERS = 32  # threads for pings of many sandboxes at once (the tree's busy column)
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Admission:
         self.sandbox_queue_timeout = sandbox_queue_timeout
         self.control_pool = ThreadPoolExecutor(control_workers, thread_name_prefix="forkd-control")
         self.long_pool = ThreadPoolExecutor(max_long_calls, thread_name_prefix="forkd-long")
+        self.probe_pool = ThreadPoolExecutor(PROBE_WORKERS, thread_name_prefix="forkd-probe")
         self.admitted = 0                 # long calls holding a slot (running or waiting in a lane)
         self.running = 0                  # long calls on a thread now
         self.control_running = 0
@@ -89,8 +96,8 @@ class Admission:
     def close(self) -> None:
         for sandbox, lane in list(self.lanes.items()):
             self._end_waiters(lane, "the server is shutting down", sandbox)
-        self.control_pool.shutdown(wait=False, cancel_futures=True)
-        self.long_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.control_pool, self.long_pool, self.probe_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # --- control ---------------------------------------------------------------------------------
 
@@ -100,6 +107,19 @@ class Admission:
             return await asyncio.get_running_loop().run_in_executor(self.control_pool, fn)
         finally:
             self.control_running -= 1
+
+    async def probe(self, fns: list[Callable], deadline: float) -> list:
+        """Run ``fns`` (each bounded by its own timeout) on the probe pool, at most ``PROBE_WORKERS``
+        at once server-wide, all within ``deadline`` seconds. Returns, per fn, its result or its
+        exception; ``None`` for one not started by the deadline (it is not started at all)."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.run_in_executor(self.probe_pool, fn) for fn in fns]
+        if not futures:
+            return []
+        done, pending = await asyncio.wait(futures, timeout=deadline)
+        for future in pending:
+            future.cancel()  # not started yet: never will be; a running one ends by its own timeout
+        return [(f.exception() or f.result()) if f in done else None for f in futures]
 
     # --- long calls ------------------------------------------------------------------------------
 

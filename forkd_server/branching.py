@@ -4,7 +4,9 @@ A branch holds one of ``cap`` concurrency slots from the moment it is accepted u
 ``ready`` or ``failed`` (forkd's cap: 503 beyond it). A tag being written, by a branch, a create or
 a workspace suspend, is *in flight*, so a second writer of it is 409. ``branch_into`` records the
 new snapshot as ``writing``, asks the engine, and marks it ``ready`` or ``failed`` when the engine's
-completion resolves, giving the slot back then. Used by the controller (branch, compact) and the
+completion resolves, giving the slot back then. That final record never leaves a snapshot
+``writing`` (``settle``): one the registry refuses (a full disk) makes the snapshot ``failed``, its
+template ended, and is written as soon as the registry takes it. Used by the controller (branch, compact) and the
 workspace manager (suspend).
 """
 
@@ -23,6 +25,7 @@ from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFo
 from .registry import Registry
 from .wire import pause_fields
 
+SETTLE_RETRY = 5.0  # s between writes of a snapshot's final record that the registry refused
 READY_TIMEOUT = 600.0  # a waiting branch gives up on the engine's completion after this long
 
 
@@ -44,6 +47,10 @@ class BranchManager:
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()  # tags being written (create, branch, suspend)
         self._slots = 0                    # branches holding a concurrency slot
+        self._unsettled: dict[str, dict] = {}  # tag -> the final record the registry refused, until it takes it
+        self._retrying = False
+        self.unsettled_idle = threading.Event()  # set when no refused record waits for a retry
+        self.unsettled_idle.set()
 
     @property
     def slots_in_use(self) -> int:
@@ -131,15 +138,20 @@ class BranchManager:
                            **({"warnings": list(result.warnings)} if result.warnings else {}))
 
             settled = threading.Event()
+            unrecorded: list[BaseException] = []
 
             def complete(future) -> None:
                 try:
                     fields = {"status": "ready", "handle": future.result()}
                 except BaseException as exc:  # noqa: BLE001
                     fields = {"status": "failed", "warning": f"branch failed: {exc}"}
-                self.registry.update_snapshot(tag, **fields)
-                release()
-                settled.set()
+                try:
+                    fields, error = self.settle(tag, fields, engine)
+                    if error is not None:
+                        unrecorded.append(error)
+                finally:
+                    release()
+                    settled.set()
                 self.feed.emit("snapshot", "status", tag=tag, status=fields["status"],
                                **({"warning": fields["warning"]} if "warning" in fields else {}))
 
@@ -152,18 +164,81 @@ class BranchManager:
                 except EngineError as exc:
                     raise EngineFailure(f"branch: {exc}") from exc
                 settled.wait()  # the done-callback may still be running in the engine's thread
-            return self.registry.get_snapshot(tag)
+                if unrecorded:
+                    raise EngineFailure(f"branch {tag}: the snapshot was written but its record could not be "
+                                        f"({unrecorded[0]}); it is failed") from unrecorded[0]
+            return self.overlay(self.registry.get_snapshot(tag))
         except BaseException:
             written = self.registry.get_snapshot(tag)
             if written is None or written["status"] != "writing":
                 release()
             raise
 
+    # --- the final record of a write --------------------------------------------------------------
+
+    def settle(self, tag: str, fields: dict, engine) -> tuple[dict, BaseException | None]:
+        """Record how the write of snapshot ``tag`` ended: ``fields`` is ``ready`` with its handle, or
+        ``failed`` with a warning. It never stays ``writing``: if the registry refuses the record (a
+        full disk), a ready snapshot's template is ended (nothing runs that no record names) and the
+        snapshot is failed, saying why, in the registry as soon as it takes a write (retried every
+        ``SETTLE_RETRY`` s) and in every read meanwhile (``overlay``).
+        Returns (the fields that stand, the registry's error or None)."""
+        try:
+            self.registry.update_snapshot(tag, **fields)
+            return fields, None
+        except Exception as exc:  # noqa: BLE001 - sqlite3 or OS: the disk, most likely; said below
+            error = exc
+        if fields["status"] == "ready":
+            with contextlib.suppress(Exception):
+                engine.delete_snapshot(fields["handle"])
+            fields = {"status": "failed", "warning": f"snapshot is not bootable: it was written but its record "
+                                                     f"could not be ({error}), so its template was ended"}
+        try:
+            self.registry.update_snapshot(tag, **fields)
+        except Exception:  # noqa: BLE001 - the same refusal: retried until the registry takes it
+            with self._lock:
+                self._unsettled[tag] = fields
+                self.unsettled_idle.clear()
+                start = not self._retrying
+                self._retrying = True
+            if start:
+                threading.Thread(target=self._retry_unsettled, name="forkd-settle", daemon=True).start()
+        return fields, error
+
+    def overlay(self, row: dict | None) -> dict | None:
+        """A snapshot row as it stands: a write whose final record the registry refused reads as the
+        ``failed`` it is, not ``writing``."""
+        if row is None or row["status"] != "writing":
+            return row
+        with self._lock:
+            fields = self._unsettled.get(row["tag"])
+        return dict(row, **fields) if fields else row
+
+    def _retry_unsettled(self) -> None:
+        while True:
+            with self._lock:
+                pending = dict(self._unsettled)
+            for tag, fields in pending.items():
+                row = self.registry.get_snapshot(tag)
+                try:
+                    if row is not None and row["status"] == "writing":
+                        self.registry.update_snapshot(tag, **fields)
+                except Exception:  # noqa: BLE001 - still refused: next round
+                    continue
+                with self._lock:
+                    self._unsettled.pop(tag, None)
+            with self._lock:
+                if not self._unsettled:
+                    self._retrying = False
+                    self.unsettled_idle.set()
+                    return
+            time.sleep(SETTLE_RETRY)  # the disk is still full: try again later
+
     def wait_snapshot(self, tag: str, timeout: float = 60.0) -> dict:
         """Block until snapshot ``tag`` is ``ready`` or ``failed``; returns its registry row."""
 
         def settled() -> dict | None:
-            row = self.registry.get_snapshot(tag)
+            row = self.overlay(self.registry.get_snapshot(tag))
             if row is None:
                 raise NotFound(f"snapshot {tag} not found")
             return row if row["status"] != "writing" else None

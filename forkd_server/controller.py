@@ -110,6 +110,7 @@ class Controller:
 
     def checked_snapshot(self, row: dict) -> dict:
         """A ready snapshot whose template died outside our control becomes failed, with a reason."""
+        row = self.branches.overlay(row)  # a write whose final record was refused reads as failed
         if row["status"] != "ready":
             return row
         engine = self.engines.get(row["engine"])
@@ -229,8 +230,8 @@ class Controller:
     def memory(self, sandbox_id) -> dict:
         return self.sandboxes.memory(sandbox_id)
 
-    def ping(self, sandbox_id) -> dict:
-        return self.sandboxes.ping(sandbox_id)
+    def ping(self, sandbox_id, timeout: float = 5.0) -> dict:
+        return self.sandboxes.ping(sandbox_id, timeout)
 
     def sandbox_engine(self, sandbox_id) -> tuple:
         """(engine, handle) of a running sandbox, for managers that talk to its agent (404 if none)."""
@@ -366,7 +367,8 @@ class Controller:
     def tree(self, labels: dict[str, str] | None = None) -> list[dict]:
         """Every snapshot and live sandbox as nodes with a parent id (None for roots). With
         ``labels``: the nodes carrying all of them and their ancestors, so the lineage stays whole."""
-        nodes = tree_nodes(self.registry.list_snapshots(), self.registry.list_sandboxes())
+        nodes = tree_nodes([self.branches.overlay(r) for r in self.registry.list_snapshots()],
+                           self.registry.list_sandboxes())
         if not labels:
             return nodes
         keep = {a for n in nodes if has_labels(n["labels"], labels) for a in n["lineage"]}

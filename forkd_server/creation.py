@@ -120,8 +120,13 @@ class CreationManager:
             # A lossy setup left running work its children lack: the snapshot keeps the list (as a
             # lossy branch does), and the reply carries it.
             lost = list(handle.pop("warnings", None) or [])
-            self.registry.update_snapshot(tag, status="ready", handle=handle, **({"warnings": lost} if lost else {}))
-            self.feed.emit("snapshot", "status", tag=tag, status="ready")
+            fields, error = self.ctl.branches.settle(
+                tag, {"status": "ready", "handle": handle, **({"warnings": lost} if lost else {})}, eng)
+            self.feed.emit("snapshot", "status", tag=tag, status=fields["status"],
+                           **({"warning": fields["warning"]} if "warning" in fields else {}))
+            if error is not None:  # never left writing: failed, its template ended (a full disk: 507)
+                raise EngineFailure(f"snapshot {tag}: its setup ran but its record could not be written "
+                                    f"({error}); it is failed") from error
             return self.ctl.snapshot_info(self.registry.get_snapshot(tag))
 
     def cancel(self, tag: str) -> bool:

@@ -111,10 +111,8 @@ class Recovery:
 
     def _drop_sandbox(self, engine, row: dict, reason: str) -> str:
         if engine.alive(row["handle"]):
-            why = f"it did not answer when the server started ({reason}); it was ended"
+            ended = {"reason": f"it did not answer when the server started ({reason}); it was ended", "limit_hit": None}
         else:
-            why = "its process ended unexpectedly"
-        engine.kill(row["handle"])  # ends it, or releases what it held (socket, cgroup leaves)
-        self.registry.delete_sandboxes([row["id"]])
-        self.feed.emit("sandbox", "killed", id=row["id"], reason=why)
-        return f"sandbox {row['id']}: {why}"
+            ended = self.ctl.sandboxes.death(row)  # a limit it died of while no server watched
+        self.ctl.sandboxes.drop(row, ended)
+        return f"sandbox {row['id']}: {ended['reason']}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import time
 
 import orjson
 import threading
@@ -40,6 +41,13 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     branch_count INTEGER NOT NULL DEFAULT 0,
     handle TEXT
 );
+CREATE TABLE IF NOT EXISTS ended_sandboxes (
+    id TEXT PRIMARY KEY,
+    snapshot_tag TEXT NOT NULL,
+    ended_at REAL NOT NULL,
+    reason TEXT NOT NULL,
+    limit_hit TEXT
+);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS workspaces (
     name TEXT PRIMARY KEY,
@@ -62,6 +70,7 @@ _ADDED_COLUMNS = {
                   "labels": "TEXT"},   # JSON object str -> str
     "sandboxes": {"labels": "TEXT"},
 }
+ENDED_KEPT = 1000  # sandboxes whose end (when, why) is remembered, the latest first
 _JSON = {"lineage", "spec", "handle", "retiring", "warnings", "labels"}
 
 
@@ -204,9 +213,26 @@ class Registry:
         """(generation, rows) of the sandboxes table; the rows must not be modified."""
         return self._table("sandboxes", "id")
 
-    def delete_sandboxes(self, ids: list[str]) -> None:
+    def delete_sandboxes(self, ids: list[str], ended: dict | None = None) -> None:
+        """Drop sandboxes; with ``ended`` (``{"reason", "limit_hit"}``), in the same transaction,
+        remember why they ended (``ended_sandbox``), for the last ``ENDED_KEPT`` sandboxes."""
         with self.tx() as db:
+            if ended is not None:
+                now = time.time()
+                for i in ids:
+                    row = db.execute("SELECT snapshot_tag FROM sandboxes WHERE id=?", (i,)).fetchone()
+                    if row is not None:
+                        db.execute("INSERT OR REPLACE INTO ended_sandboxes (id, snapshot_tag, ended_at, reason, "
+                                   "limit_hit) VALUES (?, ?, ?, ?, ?)",
+                                   (i, row[0], now, ended["reason"], ended.get("limit_hit")))
+                db.execute("DELETE FROM ended_sandboxes WHERE id IN (SELECT id FROM ended_sandboxes "
+                           "ORDER BY ended_at DESC LIMIT -1 OFFSET ?)", (ENDED_KEPT,))
             db.executemany("DELETE FROM sandboxes WHERE id=?", [(i,) for i in ids])
+
+    def ended_sandbox(self, sandbox_id: str) -> dict | None:
+        """Why a sandbox that is no more ended: ``{"id", "snapshot_tag", "ended_at", "reason",
+        "limit_hit"}``, or None (never known, or forgotten)."""
+        return self._get("ended_sandboxes", "id", sandbox_id)
 
     def bump_branch_count(self, sandbox_id: str) -> int:
         """Increment a sandbox's branch counter; returns the value before (the branch's seq)."""

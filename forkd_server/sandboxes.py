@@ -2,7 +2,8 @@
 
 A sandbox is running once its engine handle is recorded; one whose process ended outside our control
 is dropped (and its engine leftovers released) the first time it is looked at, with a ``killed``
-event that says why.
+event that says why: a limit it died of, read before its leaves go (endings.py). The registry
+remembers each end, so a later call naming the id answers 404 saying when and why it ended.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ from typing import TYPE_CHECKING
 
 from forkd_engine import AgentUnreachable, ChildSpec, EngineError, LimitReached
 
+from . import endings
 from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag
-from .errors import BadRequest, Conflict, EngineFailure, NotFound
+from .errors import BadRequest, Conflict, EngineFailure, Gone, NotFound
 from .wire import sandbox_info
 
 if TYPE_CHECKING:
     from .controller import Controller
+
+
+EXIT_WAIT = 1.0  # s an agent whose connection broke has to finish exiting before it is judged alive
 
 
 def _timed_out(exc: BaseException | None) -> bool:
@@ -36,23 +41,43 @@ class SandboxManager:
         self.engines = controller.engines
         self.feed = controller.feed
         self._listing: tuple | None = None    # (registry generation, running rows, their infos)
+        self._killing: set[str] = set()       # ids a kill is ending: it records their end, no one else
 
     def row(self, sandbox_id) -> dict:
         row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
         if row is None or row["status"] != "running" or not self.alive(row):
-            raise NotFound(f"sandbox {sandbox_id} not found")
+            raise self.not_found(sandbox_id)
         return row
+
+    def not_found(self, sandbox_id):
+        """404 for ``sandbox_id``, saying when and why it ended if that is remembered."""
+        ended = self.registry.ended_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
+        return endings.not_found(sandbox_id, ended)
 
     def alive(self, row: dict) -> bool:
         """True if its process lives; a sandbox that died outside our control is dropped."""
         engine = self.engines.get(row["engine"])
         if engine is not None and row["handle"] and engine.alive(row["handle"]):
             return True
-        if engine is not None and row["handle"]:
-            engine.kill(row["handle"])  # releases what it held (socket, cgroup leaves)
-        self.registry.delete_sandboxes([row["id"]])
-        self.feed.emit("sandbox", "killed", id=row["id"], reason="its process ended unexpectedly")
+        if row["id"] not in self._killing:
+            self.drop(row, self.death(row))
         return False
+
+    def death(self, row: dict) -> dict:
+        """Why a sandbox whose process ended did (``endings.died``): a limit its cgroup says it hit.
+        Read before ``drop``, which removes the cgroup."""
+        engine = self.engines.get(row["engine"])
+        hits = engine.limits_hit(row["handle"]) if engine is not None and row["handle"] else []
+        return endings.died(row, hits)
+
+    def drop(self, row: dict, ended: dict) -> None:
+        """Release what an ended (or ending) sandbox held, forget it, remember why, and say so."""
+        engine = self.engines.get(row["engine"])
+        if engine is not None and row["handle"]:
+            engine.kill(row["handle"])  # ends it, or releases what it held (socket, cgroup leaves)
+        self.registry.delete_sandboxes([row["id"]], ended=ended)
+        self.feed.emit("sandbox", "killed", id=row["id"], reason=ended["reason"],
+                       **({"limit": ended["limit_hit"]} if ended["limit_hit"] else {}))
 
     def _agent(self, sandbox_id: str, request: dict, what: str, timeout: float | None = None) -> dict:
         row = self.row(sandbox_id)
@@ -60,6 +85,16 @@ class SandboxManager:
         try:
             return engine.call(row["handle"], request, timeout=timeout)
         except (AgentUnreachable, EngineError) as exc:
+            if not _timed_out(exc) and engine.wait_exit(row["handle"], EXIT_WAIT):
+                if sandbox_id in self._killing:  # a kill ends it: the kill records that
+                    ended = endings.killed(sandbox_id)
+                elif self.registry.get_sandbox(sandbox_id) is not None:
+                    ended = self.death(row)  # it died during the call: say of what
+                    self.drop(row, ended)
+                else:  # a kill dropped it meanwhile
+                    ended = self.registry.ended_sandbox(sandbox_id) or endings.died(row, [])
+                raise Gone(f"sandbox {sandbox_id} ended during this {what}: {ended['reason']}",
+                           ended={"at": time.time(), "reason": ended["reason"], "limit": ended["limit_hit"]}) from exc
             raise EngineFailure(f"{what}: {exc}") from exc
 
     def spawn(self, snapshot_tag, n=1, *, memory_limit_mib=None, labels=None) -> list[dict]:
@@ -139,8 +174,12 @@ class SandboxManager:
 
     def kill(self, sandbox_id) -> None:
         row = self.row(sandbox_id)
-        self.engines[row["engine"]].kill(row["handle"])
-        self.registry.delete_sandboxes([row["id"]])
+        self._killing.add(row["id"])
+        try:
+            self.engines[row["engine"]].kill(row["handle"])
+            self.registry.delete_sandboxes([row["id"]], ended=endings.killed(row["id"]))
+        finally:
+            self._killing.discard(row["id"])
         self.feed.emit("sandbox", "killed", id=row["id"])
 
     def memory(self, sandbox_id) -> dict:
@@ -167,8 +206,8 @@ class SandboxManager:
             raise EngineFailure(f"inventory: {exc}") from exc
         return {"id": row["id"], "engine": row["engine"], "lost": lost}
 
-    def ping(self, sandbox_id) -> dict:
-        return self._agent(sandbox_id, {"action": "ping"}, "ping", timeout=5)
+    def ping(self, sandbox_id, timeout: float = 5.0) -> dict:
+        return self._agent(sandbox_id, {"action": "ping"}, "ping", timeout=timeout)
 
     def exec(self, sandbox_id, args, timeout_secs: float = 30, env: dict | None = None, cwd: str | None = None) -> dict:
         self.row(sandbox_id)

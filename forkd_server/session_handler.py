@@ -4,7 +4,7 @@ Each WebSocket text message is one JSON message, both ways, exactly as the agent
 (``forkd_engine/agent/session.py``); the first message from the server is the session's hello,
 ``{"type": "session_reply", "content": {...}}``. ``?shell=ipython`` asks for the notebook shell
 (started in the sandbox if it has none). Errors before the upgrade are forkd's ``{"error"}``
-bodies with 401/404/503 like every other route.
+bodies with 401/404/429/503 like every other route; opening one is a long call (admission.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web, websocket
 
 from .errors import ForkdError
+from .handlers.base import caller_of
 
 
 class SessionHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandlerMixin, JupyterHandler):
@@ -61,10 +62,12 @@ class SessionHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandle
         shell = self.get_query_argument("shell", "plain")
         if shell not in ("plain", "ipython"):
             raise web.HTTPError(400, f"shell must be plain or ipython, got {shell!r}")
-        loop = asyncio.get_running_loop()
         try:
-            self.session, self.hello = await loop.run_in_executor(
-                None, lambda: self.app.sessions.open(sandbox_id, shell=shell))
+            # A long call like any other (starting IPython in a sandbox takes seconds): admitted by
+            # the server's and the caller's caps, on the long pool, never the control pool.
+            self.session, self.hello = await self.app.admission.long(
+                lambda: self.app.sessions.open(sandbox_id, shell=shell), caller=caller_of(self),
+                what="a session start", sandbox=sandbox_id)
         except ForkdError as exc:
             raise web.HTTPError(exc.status, "%s", exc.message) from None
         self.sandbox_id = sandbox_id

@@ -32,13 +32,29 @@ def is_disk_full(exc: BaseException | None) -> bool:
     return False
 
 
-def full_disk_error(data_dir: str) -> InsufficientStorage:
+def full_path(exc: BaseException | None) -> str | None:
+    """The file an ``ENOSPC`` in ``exc``'s chain names (e.g. a VM's RAM tmpfs), if one does."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS and isinstance(exc.filename, str):
+            return exc.filename
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def full_disk_error(data_dir: str, exc: BaseException | None = None) -> InsufficientStorage:
+    """507 naming the full file system: the one the failure names (``exc``), else the data dir's."""
+    path = full_path(exc) or data_dir
     try:
-        free = shutil.disk_usage(data_dir).free
+        free = shutil.disk_usage(path).free
     except OSError:
         free = None
     shown = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+    if path == data_dir:
+        said = f"the data dir {data_dir} is full ({shown})"
+    else:  # e.g. a VM's RAM tmpfs: what the failed call held there is freed by now
+        said = f"{path} (used by the data dir {data_dir}) ran out of space ({shown} now)"
     return InsufficientStorage(
-        f"the data dir {data_dir} is full ({shown}): this call did not complete; free space there (delete snapshots "
-        f"or sandboxes you no longer need, or other files on that file system) and retry",
-        path=data_dir, free_bytes=free)
+        f"{said}: this call did not complete; free space there (delete snapshots or sandboxes you no "
+        f"longer need, or other files on that file system) and retry", path=path, free_bytes=free)

@@ -86,6 +86,16 @@ class ChildSpec:
     memory_limit_mib: int | None = None
 
 
+@dataclass(frozen=True)
+class LimitHit:
+    """A limit the kernel enforced on a sandbox: read from its cgroup's counters, which say that it
+    happened (and how often), not to which process."""
+    limit: str    # "memory", "huge_pages" or "pids"
+    value: int    # the limit: MiB for memory and huge pages, processes and threads for pids
+    count: int    # times it was enforced: OOM kills, huge pages refused, forks refused
+    message: str  # the fact, said for a user
+
+
 @dataclass
 class BranchResult:
     pause_ms: float  # how long the source was frozen
@@ -121,6 +131,11 @@ class Engine(Protocol):
     def kill(self, handle: Handle) -> None: ...
     def delete_snapshot(self, handle: Handle) -> None: ...
     def alive(self, handle: Handle) -> bool: ...
+    # Wait up to ``timeout`` seconds for a sandbox's process to exit; True once it has.
+    def wait_exit(self, handle: Handle, timeout: float) -> bool: ...
+    # The limits the kernel enforced on a sandbox (its cgroup's counters), so a sandbox that died
+    # of one can say so; read before ``kill``, which removes them.
+    def limits_hit(self, handle: Handle) -> list[LimitHit]: ...
     # Why each handle does not answer its agent within ``timeout`` (None: it lives and answers);
     # all asked at once. A restarted server re-attaches only to what answers.
     def probe(self, handles: list[Handle], timeout: float) -> list[str | None]: ...

@@ -19,14 +19,42 @@ import errno
 import hashlib
 import os
 import re
+import select
+import secrets
 import signal
+import threading
 import time
+
+from .base import LimitHit
 
 ROOT = "/sys/fs/cgroup"
 
 
 class CgroupError(OSError):
     pass
+
+
+def _counter(leaf: str, name: str, key: str | None) -> int:
+    """A counter of a cgroup file: the value of ``key`` in a "key value" file, or (key None) the
+    file's single number; 0 where the file is absent."""
+    try:
+        with open(os.path.join(leaf, name)) as f:
+            text = f.read()
+        if key is None:
+            return int(text)
+        return int(dict(line.split() for line in text.splitlines() if line.strip()).get(key, 0))
+    except (OSError, ValueError):
+        return 0
+
+
+def _limit(leaf: str, *names: str) -> int:
+    """A limit of a leaf, from the first of ``names`` it has (v2's, then v1's); -1 for none ("max")."""
+    for name in names:
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, name)) as f:
+            text = f.read().strip()
+            value = -1 if text == "max" else int(text)
+            return -1 if value >= 1 << 60 else value  # v1's "unlimited" is a number near 2^63
+    return -1
 
 
 def _controllers_v2(path: str) -> set[str]:
@@ -82,6 +110,13 @@ def _cap_hugetlb(leaf: str, nbytes: int) -> None:
                 f.write(str(nbytes if size == HUGE_SIZE else 0))
 
 
+def leaf_name(kind: str, tag: str) -> str:
+    """A leaf's name for a setup or a branch of snapshot ``tag``: unique to this one, so a snapshot
+    made again under a tag never shares (or kills, or limits) the leaves its previous one's reaper
+    may still hold."""
+    return f"{kind}-{tag}-{secrets.token_hex(4)}"
+
+
 def subtree(prefix: str, data_dir: str) -> str:
     """The group of one engine's leaves: ``prefix/<12 hex digits of the data dir's path>``."""
     return f"{prefix}/{hashlib.sha1(os.path.realpath(data_dir).encode()).hexdigest()[:12]}"
@@ -94,6 +129,7 @@ class Cgroups:
         self.group = group
         self._enabled: set[tuple[str, str]] = set()  # (v2 hierarchy, controller) enabled down to our group
         self.caps_huge_pages = False  # whether leaves cap huge pages: once hugetlb_status() found they hold
+        self.janitor = Janitor()  # removes given-up leaves once their last process has exited
 
     def status(self) -> dict:
         return {c: (locate(c) or ("none", ""))[0] for c in CONTROLLERS}
@@ -203,26 +239,37 @@ class Cgroups:
                     f.write(_UNLIMITED[(controller, version)])
 
     @staticmethod
-    def limits_hit(leaves: list[str]) -> list[str]:
-        """What stopped processes in these leaves: the pids limit refusing a fork, the OOM killer, the
-        huge-page cap refusing a page (the process faulting it got SIGBUS, or its mmap ENOMEM)."""
+    def hits(leaves: list[str]) -> list[LimitHit]:
+        """The limits the kernel enforced on the processes of these leaves, with their values: the
+        OOM killer at the memory limit, the huge-page cap refusing a page (the process faulting it
+        got SIGBUS, or its mmap ENOMEM), the pids limit refusing a fork. Read before the leaves go."""
         hit = []
         for leaf in leaves:
-            with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, "pids.events")) as f:
-                if int(dict(line.split() for line in f)["max"]):
-                    with open(os.path.join(leaf, "pids.max")) as m:
-                        hit.append(f"the pids limit ({m.read().strip()} processes and threads) refused a fork")
-            for name in ("memory.events", "memory.oom_control"):  # v2, v1
-                with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, name)) as f:
-                    if int(dict(line.split() for line in f).get("oom_kill", 0)):
-                        hit.append("the memory limit was reached and the OOM killer ended a process")
-            for name in (f"hugetlb.{HUGE_SIZE}.events", f"hugetlb.{HUGE_SIZE}.failcnt"):  # v2, v1
-                with contextlib.suppress(OSError, ValueError), open(os.path.join(leaf, name)) as f:
-                    text = f.read().split()
-                    if int(text[-1]):
-                        hit.append(f"the huge-page cap (as much as the memory limit) refused {HUGE_SIZE} pages "
-                                   f"(a process faulting one gets SIGBUS, an mmap of them ENOMEM)")
+            kills = max(_counter(leaf, "memory.events", "oom_kill"), _counter(leaf, "memory.oom_control", "oom_kill"))
+            if kills:
+                mib = _limit(leaf, "memory.max", "memory.limit_in_bytes") >> 20
+                ended = "a process" if kills == 1 else f"{kills} processes"
+                hit.append(LimitHit("memory", mib, kills, f"the memory limit was reached ({mib} MiB): the kernel's "
+                                                          f"OOM killer ended {ended} in it"))
+            refused = max(_counter(leaf, f"hugetlb.{HUGE_SIZE}.events", "max"),
+                          _counter(leaf, f"hugetlb.{HUGE_SIZE}.failcnt", None))
+            if refused:
+                mib = _limit(leaf, f"hugetlb.{HUGE_SIZE}.max", f"hugetlb.{HUGE_SIZE}.limit_in_bytes") >> 20
+                hit.append(LimitHit("huge_pages", mib, refused,
+                                    f"the huge-page cap ({mib} MiB of {HUGE_SIZE} pages, as much as the memory limit) "
+                                    f"refused {HUGE_SIZE} pages (a process faulting one gets SIGBUS, an mmap of them "
+                                    f"ENOMEM)"))
+            forks = _counter(leaf, "pids.events", "max")
+            if forks:
+                most = _limit(leaf, "pids.max")
+                hit.append(LimitHit("pids", most, forks, f"the pids limit ({most} processes and threads) refused a fork"
+                                                         + (f" ({forks} times)" if forks > 1 else "")))
         return hit
+
+    @classmethod
+    def limits_hit(cls, leaves: list[str]) -> list[str]:
+        """What stopped processes in these leaves, one sentence a limit (see ``hits``)."""
+        return [h.message for h in cls.hits(leaves)]
 
     @staticmethod
     def procs(leaf: str) -> list[int]:
@@ -247,7 +294,9 @@ class Cgroups:
             time.sleep(0.01)  # the kernel tears the processes down; their leaves empty when it is done
 
     def remove(self, leaves: list[str]) -> list[str]:
-        """Remove empty leaves; returns those still busy (a retired reaper may live in one)."""
+        """Remove these leaves: the empty ones now, the others once their last process has exited
+        (a retired sandbox's reaper goes after its last fork; a killed process once the kernel has
+        torn it down), by the janitor. Returns those still busy now."""
         busy = []
         for leaf in leaves:
             try:
@@ -256,6 +305,8 @@ class Cgroups:
                 pass
             except OSError:
                 busy.append(leaf)
+        if busy:
+            self.janitor.add(busy)
         return busy
 
     def sweep(self) -> None:
@@ -271,3 +322,101 @@ class Cgroups:
                     if os.path.isdir(path):
                         with contextlib.suppress(OSError):
                             os.rmdir(path)
+
+    def close(self) -> None:
+        """The engine stops: remove our empty leaves and, if none is left, our group (sandboxes outlive
+        the server, so leaves that still hold processes stay, and the janitor keeps watching them
+        while this process lives; the next engine on the data dir sweeps what it missed). Leaves
+        given up just before (a reaper whose last fork was just deleted) have ``CLOSE_WAIT`` s to empty."""
+        self.janitor.idle.wait(CLOSE_WAIT)
+        self.sweep()
+        for controller in CONTROLLERS:
+            where = locate(controller)
+            if where is not None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(where[1], self.group))
+
+
+CLOSE_WAIT = 2.0     # s a closing engine gives the janitor to remove leaves whose processes are exiting
+JANITOR_RETRY = 1.0  # s between tries of a leaf whose rmdir fails though no process is left in it
+JANITOR_TRIES = 30   # such tries before it is left to the next sweep
+
+
+class Janitor:
+    """Removes leaves that still held processes when they were given up, once those have exited.
+
+    One thread, started when there is work and ending when there is none: it tries each leaf, then
+    waits on the pidfds of the processes left in them (no polling while they live), and tries again
+    when one exits or a leaf is added. ``idle`` is set while nothing waits for removal."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, int] = {}  # leaf -> tries while it had no process yet stayed
+        self._lock = threading.Lock()
+        self._wake: tuple[int, int] | None = None  # the running thread's wake-up pipe
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def add(self, leaves: list[str]) -> None:
+        with self._lock:
+            for leaf in leaves:
+                self._pending.setdefault(leaf, 0)
+            self.idle.clear()
+            if self._wake is None:
+                self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                threading.Thread(target=self._run, args=(self._wake[0],), name="forkd-cgroup-janitor",
+                                 daemon=True).start()
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake[1], b"x")
+
+    def _run(self, wake: int) -> None:
+        while True:
+            with self._lock:
+                leaves = list(self._pending)
+            pids: set[int] = set()
+            emptied = False
+            for leaf in leaves:
+                try:
+                    os.rmdir(leaf)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    held = Cgroups.procs(leaf)
+                    pids.update(held)
+                    if held:
+                        continue
+                    with self._lock:
+                        self._pending[leaf] += 1
+                        if self._pending[leaf] < JANITOR_TRIES:
+                            emptied = True  # no process, yet busy (the kernel still tears one down)
+                            continue
+                with self._lock:
+                    self._pending.pop(leaf, None)
+            with self._lock:
+                if not self._pending:
+                    for fd in self._wake:
+                        os.close(fd)
+                    self._wake = None
+                    self.idle.set()
+                    return
+            self._wait(wake, pids, JANITOR_RETRY if emptied or not pids else None)
+
+    @staticmethod
+    def _wait(wake: int, pids: set[int], timeout: float | None) -> None:
+        """Until one of ``pids`` exits, a leaf is added, or ``timeout``."""
+        fds = []
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                fds.append(os.pidfd_open(pid))
+        if not fds and timeout is None:
+            timeout = JANITOR_RETRY  # they exited before we could watch them: look again soon
+        try:
+            waiter = select.poll()
+            waiter.register(wake, select.POLLIN)
+            for fd in fds:
+                waiter.register(fd, select.POLLIN)
+            waiter.poll(None if timeout is None else int(timeout * 1000))
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake, 4096)
+        finally:
+            for fd in fds:
+                os.close(fd)

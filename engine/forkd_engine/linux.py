@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import platform
+import select
 import signal
 import socket
 import struct
@@ -106,6 +107,23 @@ def process_start_time(pid: int) -> int | None:
     if fields[0] == b"Z" and not _another_thread_runs(pid):
         return None
     return int(fields[19])
+
+
+def wait_exit(pid: int, start_time: int | None, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for the process ``pid`` started at ``start_time`` to exit (on its
+    pidfd, which turns readable then); True once it has, or if the pid names another process now."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        if process_start_time(pid) != start_time:
+            return True
+        waiter = select.poll()  # not select(): a server's descriptors may pass 1024
+        waiter.register(pidfd, select.POLLIN)
+        return bool(waiter.poll(max(0, int(timeout * 1000))))
+    finally:
+        os.close(pidfd)
 
 
 PF_EXITING = 0x4                          # task flag: the thread is in do_exit

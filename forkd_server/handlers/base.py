@@ -45,6 +45,16 @@ def scrub(uri: str) -> str:
     return _SECRET_PARAM.sub(r"\1[secret]", uri)
 
 
+def caller_of(handler) -> str:
+    """Whose long calls a request's are: the token it sent (its hash, never the token), else the user
+    (any authenticated jupyter handler: REST routes and the session WebSocket alike)."""
+    token = handler.identity_provider.get_token(handler) if handler.token_authenticated else None
+    if token:
+        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    user = handler.current_user
+    return "user:" + (getattr(user, "username", None) or "anonymous")
+
+
 MIB = 1 << 20
 # A body spec maps each field to (JSON type, required) or (JSON type, required, range), the range
 # in JSON Schema's words (minimum, maximum, exclusiveMinimum), as openapi.json states it. Types:
@@ -234,32 +244,32 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
         except Exception as exc:  # noqa: BLE001 - explained below when it is one of ours, else re-raised
             failure = exc
         if is_disk_full(failure):
-            error = full_disk_error(self.controller.data_dir)
+            error = full_disk_error(self.controller.data_dir, failure)
             raise ApiError(error.status, error.message, error.fields) from None
         status = failure.status if isinstance(failure, ForkdError) else 500
-        if status == 500 and sandbox is not None and await self._sandbox_gone(sandbox):
-            raise ApiError(410, f"sandbox {sandbox} ended during this call (killed, or its process exited): "
-                                f"{getattr(failure, 'message', failure)}") from None
+        gone = await self._sandbox_gone(sandbox) if status == 500 and sandbox is not None else None
+        if gone is not None:
+            ended = gone.fields.get("ended") or {}
+            why = ended.get("reason") or "killed, or its process exited"
+            raise ApiError(410, f"sandbox {sandbox} ended during this call: {why} "
+                                f"(the call: {getattr(failure, 'message', failure)})",
+                           {"ended": ended} if ended else None) from None
         if not isinstance(failure, ForkdError):
             raise failure
         raise ApiError(failure.status, failure.message, failure.fields) from None
 
-    async def _sandbox_gone(self, sandbox: str) -> bool:
+    async def _sandbox_gone(self, sandbox: str) -> NotFound | None:
+        """The 404 of ``sandbox`` if it is gone (saying why, when known), else None."""
         try:
             await self.app.admission.control(functools.partial(self.controller.get_sandbox, sandbox))
-        except NotFound:
-            return True
+        except NotFound as exc:
+            return exc
         except Exception:  # noqa: BLE001 - cannot tell: the original error stands
-            return False
-        return False
+            return None
+        return None
 
     def caller(self) -> str:
-        """Whose long calls these are: the token sent (its hash, never the token), else the user."""
-        token = self.identity_provider.get_token(self) if self.token_authenticated else None
-        if token:
-            return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
-        user = self.current_user
-        return "user:" + (getattr(user, "username", None) or "anonymous")
+        return caller_of(self)
 
     def body(self, spec: dict) -> dict:
         """Parse and type-check a JSON body, the way forkd's extractor does (before any other check)."""

@@ -4,6 +4,7 @@ the lineage tree."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 
@@ -16,6 +17,9 @@ from tornado.iostream import StreamClosedError
 from .. import __version__
 from ..errors import ForkdError
 from .base import ForkdHandler, dumps, query_bool, query_labels
+
+BUSY_PING_TIMEOUT = 1.0  # s a sandbox has to answer the tree's ping
+BUSY_DEADLINE = 3.0      # s for the tree's pings of all sandboxes
 
 OPENAPI_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "openapi.json")
 
@@ -105,8 +109,8 @@ class TreeHandler(ForkdHandler):
         # one request for the whole tree instead of one per sandbox (the lab panel shows all of them)
         if with_memory:
             await self.call(self._add_memory, sandboxes)
-        if with_busy:  # one agent round trip each, side by side: a slow sandbox costs its own ping only
-            await asyncio.gather(*(self.call(self._add_busy, n) for n in sandboxes))
+        if with_busy:
+            await self._add_busy(sandboxes)
         self.send(nodes)
 
     def _add_memory(self, sandboxes: list[dict]) -> None:
@@ -116,8 +120,19 @@ class TreeHandler(ForkdHandler):
             except ForkdError:  # gone since the listing: the event says so
                 node["memory"] = None
 
-    def _add_busy(self, node: dict) -> None:
-        try:
-            node["busy"] = self.controller.ping(node["id"]).get("busy")
-        except ForkdError:
-            node["busy"] = None
+    async def _add_busy(self, sandboxes: list[dict]) -> None:
+        """What each sandbox's main thread runs, from a ping of each, side by side on the probe pool
+        (admission.py): each ping has ``BUSY_PING_TIMEOUT``, the whole ``BUSY_DEADLINE``, so frozen
+        agents cost probe threads for a second, never a control thread, and show as not answering."""
+        pings = [functools.partial(self.controller.ping, n["id"], timeout=BUSY_PING_TIMEOUT) for n in sandboxes]
+        for node, got in zip(sandboxes, await self.app.admission.probe(pings, BUSY_DEADLINE)):
+            if isinstance(got, dict):
+                node["busy"] = got.get("busy")
+            elif got is None:
+                node["busy"] = (f"unknown: not pinged within {BUSY_DEADLINE:g} s (the server's pings waited on "
+                                f"sandboxes that do not answer)")
+            elif isinstance(got, ForkdError) and got.status in (404, 410):
+                node["busy"] = None  # gone since the listing: its killed event says so
+            else:
+                node["busy"] = (f"not answering: no reply to a ping within {BUSY_PING_TIMEOUT:g} s (frozen, or "
+                                f"stuck outside Python; POST /v1/sandboxes/{node['id']}/interrupt or DELETE it)")

@@ -165,11 +165,23 @@ def test_map_hugetlb_past_the_limit_fails_and_takes_nothing_from_the_host(ctl, n
     assert ctl.ping(sb)["pong"] is True
 
 
+def test_a_sandbox_killed_by_its_huge_page_cap_says_so(ctl, numpy_snap):
+    from forkd_server.errors import Gone, NotFound
+
+    sb = ctl.spawn(numpy_snap, 1, memory_limit_mib=64)[0]["id"]
+    # the agent itself touches huge pages past its cap: SIGBUS ends it (and its sandbox)
+    with pytest.raises(Gone, match=r"huge-page cap \(64 MiB of 2MB pages"):
+        ctl.run_code(sb, TOUCH)
+    with pytest.raises(NotFound, match="SIGBUS") as after:
+        ctl.get_sandbox(sb)
+    assert after.value.fields["ended"]["limit"] == "huge_pages" and "memory_limit_mib" in after.value.message
+
+
 def test_a_setup_takes_no_huge_pages_past_its_limit(ctl, numpy_snap):
     from forkd_server.errors import BadRequest
 
     setup = "import mmap\nm = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000)"
-    with pytest.raises(BadRequest, match="Cannot allocate memory") as failure:
+    with pytest.raises(BadRequest, match="Cannot allocate memory") as failure:  # the setup's own: a 400
         ctl.create_snapshot("hp-setup", setup=setup, memory_limit_mib=128)
     assert "huge-page cap" in str(failure.value)
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+from forkd_server.errors import Gone, NotFound
+
 from ..conftest import requires_root
 from .conftest import sh
 
@@ -20,6 +24,54 @@ def test_memory_limit_kills_an_overgrown_sandbox_process(ctl, snap):
     # the command died, the sandbox lives on
     assert ctl.get_sandbox(sb["id"])["memory_limit_mib"] == 128
     assert ctl.ping(sb["id"])["pong"] is True
+
+
+def test_a_sandbox_killed_by_its_memory_limit_says_so(ctl, snap):
+    """Its cell's call answers 410, its id 404, its killed event: each names the memory limit
+    (64 MiB) and how to raise it. Before, the sandbox just vanished ("not found")."""
+    sb = ctl.spawn(snap, 1, memory_limit_mib=64)[0]["id"]
+    leaves = sb_cgroups(ctl, sb)
+    events = []
+    unsubscribe = ctl.subscribe(events.append)
+    try:
+        with pytest.raises(Gone) as during:  # the agent itself runs the eval: the OOM killer ends it
+            ctl.eval(sb, "len(b'x' * (200 * 2**20))")
+    finally:
+        unsubscribe()
+    for said in (during.value.message, during.value.fields["ended"]["reason"]):
+        assert "memory limit was reached (64 MiB)" in said and "OOM killer" in said
+        assert f'POST /v1/sandboxes {{"snapshot_tag": "{snap}", "memory_limit_mib": 128}}' in said
+    with pytest.raises(NotFound) as after:
+        ctl.get_sandbox(sb)
+    assert after.value.message.startswith(f"sandbox {sb} not found: it ended at ")
+    assert "memory limit was reached (64 MiB)" in after.value.message and "memory_limit_mib" in after.value.message
+    assert after.value.fields["ended"]["limit"] == "memory"
+    (killed,) = [e for e in events if e["action"] == "killed" and e.get("id") == sb]
+    assert killed["limit"] == "memory" and "64 MiB" in killed["reason"]
+    assert not any(os.path.exists(leaf) for leaf in leaves)  # its leaves went with it
+
+
+def test_a_sandbox_that_dies_between_calls_says_why_at_its_next_one(ctl, snap):
+    sb = ctl.spawn(snap, 1, memory_limit_mib=64)[0]["id"]
+    row = ctl.registry.get_sandbox(sb)
+    # a thread grows past the limit after the call has answered
+    ctl.run_code(sb, "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), "
+                     "b'x' * (200 * 2**20))).start()")
+    assert ctl.engines["process"].wait_exit(row["handle"], 30)
+    with pytest.raises(NotFound, match=r"memory limit was reached \(64 MiB\)"):
+        ctl.ping(sb)
+    with pytest.raises(NotFound, match="it was killed"):  # and an ordinary kill says so too
+        other = ctl.spawn(snap, 1)[0]["id"]
+        ctl.kill_sandbox(other)
+        ctl.get_sandbox(other)
+
+
+def test_an_unexpected_end_says_no_limit_was_reached(ctl, snap):
+    sb = ctl.spawn(snap, 1)[0]
+    os.kill(sb["pid"], 9)
+    assert ctl.engines["process"].wait_exit(ctl.registry.get_sandbox(sb["id"])["handle"], 30)
+    with pytest.raises(NotFound, match="ended unexpectedly \\(no limit of its was reached"):
+        ctl.get_sandbox(sb["id"])
 
 
 def sb_cgroups(ctl, sandbox_id):

@@ -3,6 +3,7 @@ DELETE of a snapshot being created cancels it. Nothing of a stopped setup stays.
 
 from __future__ import annotations
 
+import glob
 import os
 import threading
 import time
@@ -28,7 +29,8 @@ for i in range(1500):
 def setup_leaves(ctl, tag: str) -> list[str]:
     engine = ctl.engines["process"]
     from forkd_engine.cgroups import locate
-    return [os.path.join(locate(c)[1], engine.cgroups.group, f"setup-{tag}") for c in ("memory", "pids")]
+    return [leaf for c in ("memory", "pids")
+            for leaf in glob.glob(os.path.join(locate(c)[1], engine.cgroups.group, f"setup-{tag}-*"))]
 
 
 def test_a_setup_that_forks_1500_times_is_stopped_by_the_pids_limit(ctl):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
 from forkd_server.errors import BadRequest, Busy, Conflict, NotFound
@@ -95,6 +98,25 @@ def test_failing_setup_is_reported_and_not_registered(ctl):
     with pytest.raises(BadRequest, match="exited 3"):
         ctl.create_snapshot("broken-cmd", setup_commands=[["sh", "-c", "echo oops >&2; exit 3"]])
     assert {"broken", "broken-cmd"}.isdisjoint(s["tag"] for s in ctl.list_snapshots())
+
+
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs qemu-system-x86_64")
+def test_a_vm_shell_its_packages_lack_is_a_400(short_dir):
+    """shell ipython on a VM whose packages hold no IPython: the request's own, as a failing setup
+    (schemathesis found it a 500)."""
+    from forkd_engine.vm import VMEngine
+
+    from forkd_server.controller import Controller
+
+    engine = VMEngine(os.path.join(short_dir, "vm"),
+                      cache_dir=os.environ.get("FORKD_VM_CACHE") or os.path.join(short_dir, "cache"))
+    vm = Controller(short_dir, engines={"vm": engine})
+    try:
+        with pytest.raises(BadRequest, match="IPython could not start in the guest.*python3-ipython"):
+            vm.create_snapshot("noipy", engine="vm", shell="ipython", setup="x = 1")
+        assert vm.registry.get_snapshot("noipy") is None
+    finally:
+        vm.close()
 
 
 def test_branch_mode_validation_in_forkd_order(ctl, snap):

@@ -242,6 +242,18 @@ async def test_kill(jp_fetch, sandbox):
     assert await call(jp_fetch, "GET", "sandboxes") == (200, [])
 
 
+async def test_a_sandbox_killed_by_its_memory_limit_says_so(jp_fetch, snap):
+    code, kids = await call(jp_fetch, "POST", "sandboxes", body={"snapshot_tag": "py", "memory_limit_mib": 64})
+    sid = kids[0]["id"]
+    code, body = await call(jp_fetch, "POST", "sandboxes", sid, "eval", body={"code": "len(b'x' * (200 * 2**20))"})
+    assert code == 410 and "memory limit was reached (64 MiB)" in body["error"], body
+    assert body["ended"]["limit"] == "memory" and "memory_limit_mib" in body["ended"]["reason"]
+    code, body = await call(jp_fetch, "GET", "sandboxes", sid)
+    assert code == 404 and body["error"].startswith(f"sandbox {sid} not found: it ended at "), body
+    assert "memory limit was reached (64 MiB)" in body["error"] and '"memory_limit_mib": 128}' in body["error"]
+    assert body["ended"]["limit"] == "memory" and body["ended"]["at"] > 0
+
+
 async def test_ping_exec_eval_run(jp_fetch, sandbox):
     sid = sandbox["id"]
     r = await jp_fetch("forkd", "v1", "sandboxes", sid, "ping", method="POST", body=b"")  # no body, no type

@@ -85,7 +85,8 @@ async def test_a_call_racing_a_kill_is_410_not_500(jp_fetch, forkd_app, sandbox)
     code, reply = await running
     assert code == 410 and f"sandbox {sid} was killed during this call (an exec)" in reply["error"]
     code, reply = await call(jp_fetch, "POST", "sandboxes", sid, "exec", body={"args": ["true"]})
-    assert (code, reply) == (404, {"error": f"sandbox {sid} not found"})
+    assert code == 404 and reply["error"].startswith(f"sandbox {sid} not found: it ended at ")
+    assert reply["ended"]["reason"] == f"it was killed (DELETE /v1/sandboxes/{sid})"
 
 
 async def test_nested_session_message_is_an_error_reply(jp_fetch, jp_ws_fetch, sandbox):  # noqa: F811

@@ -91,3 +91,35 @@ def test_full_data_dir_is_507_and_listing_still_works(small_disk):
         cleanup(url, token)
         srv.stop()
         os.unlink(token_file)
+
+
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs qemu-system-x86_64")
+def test_a_vm_create_whose_ram_tmpfs_runs_out_is_507_naming_it(small_disk, monkeypatch):
+    """The room for a VM's RAM is checked before it boots, but others may take it meanwhile: QEMU
+    then dies of SIGBUS when the guest touches RAM the tmpfs lacks. That said only "Connection
+    reset"; it is 507 naming the RAM's file system and its free space."""
+    from forkd_engine.vm import VMEngine, snapshots
+
+    from forkd_server.controller import Controller
+    from forkd_server.errors import EngineFailure
+    from forkd_server.storage import full_disk_error, is_disk_full
+
+    data = tempfile.mkdtemp(prefix="fkvd")
+    mem_root = os.path.join(small_disk, "ram")   # 32 MiB for a guest of 256 MiB
+    engine = VMEngine(os.path.join(data, "vm"), mem_root=mem_root,
+                      cache_dir=os.environ.get("FORKD_VM_CACHE") or os.path.join(data, "cache"))
+    ctl = Controller(data, engines={"vm": engine})
+    monkeypatch.setattr(snapshots, "mem_root_free_mib", lambda root: 1 << 20)  # the check passed, then...
+    try:
+        with pytest.raises(EngineFailure) as failure:
+            ctl.create_snapshot("ram", engine="vm", setup="x = 1")
+        assert "No space left on device" in str(failure.value) and mem_root in str(failure.value)
+        assert is_disk_full(failure.value)
+        answer = full_disk_error(ctl.data_dir, failure.value)
+        assert answer.status == 507 and answer.fields["path"] == os.path.realpath(mem_root)
+        assert answer.fields["free_bytes"] is not None and f"{os.path.realpath(mem_root)} (used by" in answer.message
+        with pytest.raises(Exception):
+            ctl.get_snapshot("ram")  # nothing of it stays
+    finally:
+        ctl.close()
+        shutil.rmtree(data, ignore_errors=True)

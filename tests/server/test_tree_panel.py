@@ -44,3 +44,34 @@ async def test_tree_carries_lineage_and_memory_on_request(jp_fetch, forkd_app, s
 
     code, body = await call(jp_fetch, "GET", "tree", params={"memory": "yes"})
     assert code == 400 and "memory" in body["error"]
+
+
+async def test_frozen_agents_show_as_not_answering_and_never_hold_a_control_thread(jp_fetch, forkd_app, snap):  # noqa: F811
+    """?busy=true pings every sandbox: frozen agents (SIGSTOP) answer nothing. Each ping gives up
+    after a second, on the probe pool: the tree says so, and control calls answer meanwhile."""
+    import os
+    import signal
+    import time
+
+    ctl = forkd_app.controller
+    kids = ctl.spawn("py", 4)
+    frozen = kids[:3]
+    for k in frozen:
+        os.kill(k["pid"], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        tree = asyncio.ensure_future(call(jp_fetch, "GET", "tree", params={"busy": "true"}))
+        listing = await call(jp_fetch, "GET", "sandboxes")  # a control call, while the pings wait
+        assert listing[0] == 200 and len(listing[1]) == 4
+        code, nodes = await tree
+        took = time.monotonic() - t0
+        assert code == 200
+        busy = {n["id"]: n["busy"] for n in nodes if n["kind"] == "sandbox"}
+        assert busy[kids[3]["id"]] is None                  # the one that answers is idle
+        for k in frozen:
+            assert busy[k["id"]].startswith("not answering: no reply to a ping within 1 s"), busy
+        assert took < 10, took                               # bounds a hang only (5 s a ping before, 1 s now)
+        assert forkd_app.admission.control_running == 0
+    finally:
+        for k in frozen:
+            os.kill(k["pid"], signal.SIGCONT)

@@ -26,10 +26,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
-                    InvalidSpec, LimitReached, LossyFork, SnapshotSpec)
+                    InvalidSpec, LimitHit, LimitReached, LossyFork, SnapshotSpec)
 from . import hugepages, rootfs
 from .setup import Setup
-from ..cgroups import CgroupError, Cgroups, subtree
+from ..cgroups import CgroupError, Cgroups, leaf_name, subtree
 
 SPAWN_BATCH = 200  # under the kernel's 253 fds per message
 _UCRED = "3i"
@@ -115,7 +115,6 @@ class ProcessEngine:
         capped = self.cgroups.hugetlb_status()
         self.hugetlb_capped = capped[0]
         self.huge_pages, self.huge_pages_note = hugepages.allow_surplus(capped)
-        self._busy_leaves: set[str] = set()
         self._creating: dict[str, Setup] = {}  # tag -> its setup, while it runs
         self._creating_lock = threading.Lock()
 
@@ -216,6 +215,14 @@ class ProcessEngine:
                     os.close(fd)
                     del self._pidfds[key]
             return [fd >= 0 and fd not in exited for fd in fds]
+
+    def wait_exit(self, handle: Handle, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the process to exit; True once it has."""
+        return linux.wait_exit(handle["pid"], handle["start_time"], timeout)
+
+    def limits_hit(self, handle: Handle) -> list[LimitHit]:
+        """The limits the kernel enforced in this sandbox's leaves (read before ``kill`` removes them)."""
+        return self.cgroups.hits(handle.get("cgroups") or [])
 
     def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
         """Why each process does not answer a ping within ``timeout`` (None: it does), all at once."""
@@ -345,7 +352,7 @@ class ProcessEngine:
         """A creation that failed, timed out or was cancelled: nothing of it stays."""
         with self._creating_lock:
             self._creating.pop(setup.tag, None)
-        self._busy_leaves |= set(setup.end())
+        setup.end()
         _unlink(path)
         _unlink(log_path)
 
@@ -368,7 +375,7 @@ class ProcessEngine:
 
     def delete_snapshot(self, handle: Handle) -> None:
         self._retire(handle)
-        self._busy_leaves = set(self.cgroups.remove(sorted(self._busy_leaves | set(handle.get("cgroups") or []))))
+        self.cgroups.remove(handle.get("cgroups") or [])  # a reaper's go once it exits
 
     # --- sandboxes -------------------------------------------------------------------------------
 
@@ -438,8 +445,7 @@ class ProcessEngine:
 
     def kill(self, handle: Handle) -> None:
         self._retire(handle)
-        # A retired sandbox may leave a reaper in its leaves; retry those on later kills.
-        self._busy_leaves = set(self.cgroups.remove(sorted(self._busy_leaves | set(handle.get("cgroups") or []))))
+        self.cgroups.remove(handle.get("cgroups") or [])  # a reaper's go once its last fork has
 
     def _retire(self, handle: Handle) -> None:
         """Ask the agent to end itself (a reaper stays if it has live forks); force it if it can't."""
@@ -524,7 +530,7 @@ class ProcessEngine:
                     # The new template asks for leaves of its own before it copies /tmp and /dev/shm
                     # (charged to its source's limit otherwise); a snapshot's are unlimited.
                     try:
-                        leaves = self.cgroups.move(f"branch-{tag}", got[1])
+                        leaves = self.cgroups.move(leaf_name("branch", tag), got[1])
                     finally:
                         ours.send(b"moved")
                     got = self._read_report(ours, deadline)
@@ -533,7 +539,7 @@ class ProcessEngine:
                 ready.set_result(self._handle(got[1], path, role="template", cgroups=leaves))
             except BaseException as exc:  # noqa: BLE001
                 _unlink(path)
-                self._busy_leaves |= set(self.cgroups.remove(leaves))
+                self.cgroups.remove(leaves)
                 ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
             finally:
                 ours.close()
@@ -550,8 +556,10 @@ class ProcessEngine:
         return list(reply.get("lost") or [])
 
     def close(self) -> None:
-        """Templates and sandboxes outlive the server by design: only our watchers are closed."""
+        """Templates and sandboxes outlive the server by design: only our watchers are closed, and
+        our cgroup leaves and group removed where empty."""
         with self._pidfd_lock:
             for fd in self._pidfds.values():
                 os.close(fd)
             self._pidfds.clear()
+        self.cgroups.close()

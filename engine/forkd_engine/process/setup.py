@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from ..base import EngineError
-from ..cgroups import CgroupError, Cgroups
+from ..cgroups import CgroupError, Cgroups, leaf_name
 
 
 class Setup:
@@ -32,7 +32,8 @@ class Setup:
                                          stdin=subprocess.PIPE, stdout=log, stderr=log, env=env, pass_fds=pass_fds,
                                          start_new_session=True, cwd="/")
         try:
-            self.leaves = self.cgroups.apply(f"setup-{self.tag}", self.boot.pid, self.memory_mib, self.pids_max)
+            self.leaves = self.cgroups.apply(leaf_name("setup", self.tag), self.boot.pid, self.memory_mib,
+                                             self.pids_max)
         except (CgroupError, OSError) as exc:
             raise EngineError(f"snapshot {self.tag!r}: cannot limit its setup: {exc}") from exc
         if not self.cancelled:
@@ -47,7 +48,8 @@ class Setup:
         self.cgroups.kill_all(self.leaves, wait=wait)
 
     def end(self) -> list[str]:
-        """Nothing of a failed, timed-out or cancelled setup stays; returns leaves still busy."""
+        """Nothing of a failed, timed-out or cancelled setup stays (its leaves go once empty);
+        returns the leaves still busy now."""
         self.stop(wait=10)
         if self.boot is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -29,7 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import linux
-from ..base import AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, SnapshotSpec
+from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LimitHit,
+                    SnapshotSpec)
 from ..cgroups import Cgroups, subtree
 from . import branching, recovery, snapshots, spawning
 from . import memory as vmem
@@ -151,6 +152,14 @@ class VMEngine:
         return handle.get("start_time") is not None and \
             linux.process_start_time(handle["pid"]) == handle["start_time"]
 
+    def wait_exit(self, handle: Handle, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a VM's QEMU to exit; True once it has."""
+        return linux.wait_exit(handle["pid"], handle.get("start_time"), timeout)
+
+    def limits_hit(self, handle: Handle) -> list[LimitHit]:
+        """The limits the kernel enforced on a VM's QEMU (its memory limit: the OOM killer)."""
+        return self.cgroups.hits(handle.get("cgroups") or [])
+
     def memory(self, handle: Handle) -> dict:
         if handle.get("kind") == "snapshot":
             st = os.stat(handle["memory"])
@@ -227,6 +236,7 @@ class VMEngine:
             channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
             ch.close()
+        self.cgroups.close()
 
     # --- snapshots, sandboxes, branches ----------------------------------------------------------
 

@@ -13,6 +13,7 @@ create/cancel lifecycle of a parent VM.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -100,6 +101,24 @@ def create(engine: "VMEngine", spec: SnapshotSpec) -> Handle:
     return snapshot
 
 
+FULL_BELOW = 2 << 20  # bytes: a file system with less free is taken as full when a create fails
+
+
+def full_filesystem(*paths: str) -> tuple[str, int] | None:
+    """(path, free bytes) of the first of ``paths`` (directories, or their nearest existing parent)
+    whose file system is full, else None."""
+    for path in paths:
+        while not os.path.exists(path):
+            path = os.path.dirname(path)
+        try:
+            free = shutil.disk_usage(path).free
+        except OSError:
+            continue
+        if free < FULL_BELOW:
+            return path, free
+    return None
+
+
 def mem_root_free_mib(mem_root: str) -> int:
     path = mem_root
     while not os.path.exists(path):
@@ -158,7 +177,7 @@ def _create(engine: "VMEngine", spec: SnapshotSpec, mem_mib: int, creating: dict
         if spec.shell == "ipython":
             reply = setup_call({"action": "shell"})
             if reply.get("error"):
-                # the request asked for a shell its guest does not hold: a 400 that says what to add
+                # the request's own: a shell its packages do not hold (a 400, as a failing setup)
                 raise InvalidSpec(f"IPython could not start in the guest: {reply['error']} (add the Debian "
                                   f"package python3-ipython to the snapshot's packages)")
         for argv in spec.setup_commands:
@@ -192,8 +211,16 @@ def _create(engine: "VMEngine", spec: SnapshotSpec, mem_mib: int, creating: dict
     except BaseException as exc:
         if handle is not None:
             engine.kill(handle)
+        # Before the files go (the RAM file holds the room): a full file system, not the VM, is the
+        # cause a user can act on (QEMU dies of SIGBUS when the guest touches RAM its tmpfs lacks).
+        full = None if isinstance(exc, (Cancelled, InvalidSpec)) else full_filesystem(engine.mem_root, engine.snap_dir)
         shutil.rmtree(snap, ignore_errors=True)
         shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
+        if full is not None:
+            path, free = full
+            raise EngineError(f"snapshot {spec.tag!r} failed: No space left on device: {path} had {free >> 10} KiB "
+                              f"free when it failed ({exc})") from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                                                                           path)
         if creating["cancelled"] and not isinstance(exc, Cancelled):
             raise Cancelled(f"snapshot {spec.tag!r}: deleted while it was being created; its VM was "
                             f"stopped") from exc

@@ -1,0 +1,50 @@
+"""Opening a streaming session (the WebSocket) is a long call like any other: it starts IPython in
+the sandbox when it has none, so it holds a long-call slot, never a control thread or the event
+loop's default pool, and past the server's cap it is refused 503 before the upgrade."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from .test_api import call, snap  # noqa: F401 - fixtures
+
+
+@pytest.fixture
+def jp_server_config(forkd_data_dir):
+    return {
+        "ServerApp": {
+            "jpserver_extensions": {"forkd_server": True, "jupyter_server_terminals": False},
+            "allow_unauthenticated_access": False,
+        },
+        "ForkdApp": {"data_dir": forkd_data_dir, "max_long_calls": 1},
+    }
+
+
+async def until(predicate, what: str, limit: int = 2000):
+    for _ in range(limit):  # bounded: each state is reached within a few loop turns
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never reached: {what}")
+
+
+async def test_a_session_open_is_admitted_as_a_long_call(jp_fetch, jp_ws_fetch, forkd_app, snap):  # noqa: F811
+    a, b = (s["id"] for s in forkd_app.controller.spawn("py", 2))
+    cell = asyncio.ensure_future(call(jp_fetch, "POST", "sandboxes", a, "run",
+                                      body={"code": "import time\ntime.sleep(60)", "timeout": 120}))
+    await until(lambda: forkd_app.admission.running == 1, "the cell holds the only long-call slot")
+    with pytest.raises(HTTPClientError) as refused:
+        await jp_ws_fetch("forkd", "v1", "sandboxes", b, "session")
+    assert refused.value.code == 503
+    assert "max_long_calls" in json.loads(refused.value.response.body)["error"]
+    assert (await call(jp_fetch, "POST", "sandboxes", a, "interrupt"))[0] == 200
+    assert (await cell)[0] == 200
+    ws = await jp_ws_fetch("forkd", "v1", "sandboxes", b, "session")  # a free slot: it opens
+    hello = json.loads(await ws.read_message())
+    assert hello["type"] == "session_reply" and hello["content"]["status"] == "ok"
+    ws.close()
+    await until(lambda: forkd_app.admission.admitted == 0, "the open gave its slot back")
