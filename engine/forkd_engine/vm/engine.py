@@ -237,6 +237,8 @@ class VMEngine:
         for ch in channels:
             ch.close()
         self.cgroups.close()
+        with contextlib.suppress(OSError):  # nothing of ours holds RAM there: leave no empty folder
+            os.rmdir(self.mem_root)
 
     # --- snapshots, sandboxes, branches ----------------------------------------------------------
 
