@@ -468,10 +468,7 @@ class ProcessEngine:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 # Wait for the exit itself: its pid namespace (and every process in it) is gone then.
-                # poll(), not select(): a server with ~1000 sandboxes has descriptors past 1024.
-                waiter = select.poll()
-                waiter.register(pidfd, select.POLLIN)
-                waiter.poll(10_000)
+                linux.wait_pidfd(pidfd, 10)
         finally:
             os.close(pidfd)
         self._forget(handle)

@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -203,10 +202,6 @@ class Qemu:
             if current is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            # Dying or dead: a pidfd turns readable once every thread has exited. poll(), not
-            # select(): descriptors may be past 1024.
-            waiter = select.poll()
-            waiter.register(pidfd, select.POLLIN)
-            waiter.poll(10_000)
+            linux.wait_pidfd(pidfd, 10)  # dying or dead: until every thread has exited
         finally:
             os.close(pidfd)
