@@ -172,7 +172,7 @@ def test_branch_cap_and_in_flight_conflict(short_dir):
 HOST = "at most this host's memory"
 BOUNDS = [
     ("create", "mem_size_mib", 2**63, HOST), ("create", "mem_size_mib", 1 << 20, HOST),  # 2^63, 1 TiB
-    ("create", "mem_size_mib", 63, "between 64 and"), ("create", "mem_size_mib", "256", "must be an integer"),
+    ("create", "mem_size_mib", 128, "between 192 and"), ("create", "mem_size_mib", "256", "must be an integer"),
     ("create", "memory_limit_mib", 2**63, HOST), ("create", "memory_limit_mib", 1 << 20, HOST),
     ("create", "memory_limit_mib", 15, "between 16 and"), ("create", "memory_limit_mib", 1.5, "must be an integer"),
     ("create", "disk_mib", 2**63, "at most 1 TiB and the free space"), ("create", "disk_mib", 8, "between 16 and"),
