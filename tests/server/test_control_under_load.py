@@ -58,48 +58,58 @@ def test_control_answers_while_64_long_calls_are_stuck(server):
     stuck, spare = [k["id"] for k in kids[:STUCK]], kids[STUCK]["id"]
     loop = {"code": "__import__('time').sleep(1e6)"}
     with ThreadPoolExecutor(STUCK + 4) as pool:
-        evals = {sid: pool.submit(request, url, token, "POST", f"/v1/sandboxes/{sid}/eval", loop, 600)
-                 for sid in stuck}
-        deadline = time.monotonic() + HANG
-        while metrics(url, token).get("forkd_long_calls_running") != STUCK:  # readiness: all on their threads
-            assert time.monotonic() < deadline, metrics(url, token)
-            time.sleep(0.05)
-        queued = [pool.submit(request, url, token, "POST", f"/v1/sandboxes/{stuck[0]}/eval", {"code": "1 + 1"}, 600)
-                  for _ in range(2)]
-        while metrics(url, token).get("forkd_long_calls_waiting") != 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        try:
+            evals = {sid: pool.submit(request, url, token, "POST", f"/v1/sandboxes/{sid}/eval", loop, 600)
+                     for sid in stuck}
+            deadline = time.monotonic() + HANG
+            while metrics(url, token).get("forkd_long_calls_running") != STUCK:  # readiness: all on their threads
+                assert time.monotonic() < deadline, metrics(url, token)
+                time.sleep(0.05)
+            queued = [pool.submit(request, url, token, "POST", f"/v1/sandboxes/{stuck[0]}/eval", {"code": "1 + 1"}, 600)
+                      for _ in range(2)]
+            while metrics(url, token).get("forkd_long_calls_waiting") != 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
 
-        # every stuck sandbox really runs the sleep (one request pings all of them)
-        code, nodes = request(url, token, "GET", "/v1/tree?busy=true")
-        assert code == 200
-        assert {n["id"]: bool(n.get("busy")) for n in nodes if n["kind"] == "sandbox"} == \
-            {**{sid: True for sid in stuck}, spare: False}
+            # every stuck sandbox really runs the sleep (one request pings all of them). A call on its
+            # server thread may not have reached its agent's main thread yet on a loaded host: poll.
+            while True:
+                code, nodes = request(url, token, "GET", "/v1/tree?busy=true")
+                assert code == 200
+                busy = {n["id"]: n.get("busy") for n in nodes if n["kind"] == "sandbox"}
+                if all(busy[sid] for sid in stuck) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert {sid: bool(b) for sid, b in busy.items()} == {**{sid: True for sid in stuck}, spare: False}, busy
 
-        # control routes answer; so does a spawn (a long call of its own, with a free slot)
-        code, listed = request(url, token, "GET", "/v1/sandboxes")
-        assert code == 200 and len(listed) == STUCK + 1
-        assert request(url, token, "POST", f"/v1/sandboxes/{spare}/ping")[1]["pong"] is True
-        assert request(url, token, "POST", f"/v1/sandboxes/{stuck[1]}/ping")[1]["pong"] is True
-        assert request(url, token, "GET", f"/v1/sandboxes/{stuck[1]}")[0] == 200
-        code, extra = request(url, token, "POST", "/v1/sandboxes", {"snapshot_tag": "stuck"})
-        assert code == 201
-        assert request(url, token, "DELETE", f"/v1/sandboxes/{extra[0]['id']}")[0] == 204
+            # control routes answer; so does a spawn (a long call of its own, with a free slot)
+            code, listed = request(url, token, "GET", "/v1/sandboxes")
+            assert code == 200 and len(listed) == STUCK + 1
+            assert request(url, token, "POST", f"/v1/sandboxes/{spare}/ping")[1]["pong"] is True
+            assert request(url, token, "POST", f"/v1/sandboxes/{stuck[1]}/ping")[1]["pong"] is True
+            assert request(url, token, "GET", f"/v1/sandboxes/{stuck[1]}")[0] == 200
+            code, extra = request(url, token, "POST", "/v1/sandboxes", {"snapshot_tag": "stuck"})
+            assert code == 201
+            assert request(url, token, "DELETE", f"/v1/sandboxes/{extra[0]['id']}")[0] == 204
 
-        # a third call for the same sandbox: refused at once (its queue is full), saying what to do
-        code, body = request(url, token, "POST", f"/v1/sandboxes/{stuck[0]}/exec", {"args": ["true"]})
-        assert code == 409 and "is busy: it runs an eval" in body["error"] and "interrupt" in body["error"]
+            # a third call for the same sandbox: refused at once (its queue is full), saying what to do
+            code, body = request(url, token, "POST", f"/v1/sandboxes/{stuck[0]}/exec", {"args": ["true"]})
+            assert code == 409 and "is busy: it runs an eval" in body["error"] and "interrupt" in body["error"]
 
-        # DELETE frees the stuck call and the ones queued behind it: each answers 410, none hangs
-        assert request(url, token, "DELETE", f"/v1/sandboxes/{stuck[0]}")[0] == 204
-        answers = [evals[stuck[0]].result(HANG)] + [q.result(HANG) for q in queued]
-        assert [code for code, _ in answers] == [410, 410, 410], answers
-        assert "was killed during this call (an eval)" in answers[0][1]["error"]
-        assert all("was killed while this call waited for its turn" in body["error"] for _, body in answers[1:])
+            # DELETE frees the stuck call and the ones queued behind it: each answers 410, none hangs
+            assert request(url, token, "DELETE", f"/v1/sandboxes/{stuck[0]}")[0] == 204
+            answers = [evals[stuck[0]].result(HANG)] + [q.result(HANG) for q in queued]
+            assert [code for code, _ in answers] == [410, 410, 410], answers
+            assert "was killed during this call (an eval)" in answers[0][1]["error"]
+            assert all("was killed while this call waited for its turn" in body["error"] for _, body in answers[1:])
 
-        for sid in stuck[1:]:
-            assert request(url, token, "DELETE", f"/v1/sandboxes/{sid}")[0] == 204
-        assert {evals[sid].result(HANG)[0] for sid in stuck[1:]} == {410}
+            for sid in stuck[1:]:
+                assert request(url, token, "DELETE", f"/v1/sandboxes/{sid}")[0] == 204
+            assert {evals[sid].result(HANG)[0] for sid in stuck[1:]} == {410}
+        except BaseException:  # free the stuck calls, or leaving the pool waits on them for good
+            for kid in kids:
+                request(url, token, "DELETE", f"/v1/sandboxes/{kid['id']}")
+            raise
 
     figures = metrics(url, token)
     assert figures["forkd_long_calls_running"] == 0 and figures["forkd_long_calls_waiting"] == 0

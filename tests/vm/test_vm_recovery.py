@@ -188,7 +188,7 @@ def test_mem_size_mib_that_cannot_fit_is_a_400_at_once(vm_engine, monkeypatch):
     c = Controller(data, engines={"vm": vm_engine})
     try:
         t0 = time.monotonic()
-        with pytest.raises(BadRequest, match="mem_size_mib must be between 64 and"):
+        with pytest.raises(BadRequest, match="mem_size_mib must be between 192 and"):
             c.create_snapshot("huge", engine="vm", mem_size_mib=1 << 20)      # 1 TiB: past the host's RAM
         # within the host's RAM but not within the tmpfs that holds RAM files (here: made small)
         monkeypatch.setattr(snapshots, "mem_root_free_mib", lambda mem_root: 200)
