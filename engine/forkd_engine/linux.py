@@ -109,6 +109,23 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def live_children(pid: int) -> list[int]:
+    """The children of ``pid`` that have not exited (zombies left out), from every thread's
+    /proc/<pid>/task/<tid>/children."""
+    found = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return [c for c in found if process_start_time(c) is not None]
+
+
 def wait_exit(pid: int, start_time: int | None, timeout: float) -> bool:
     """Wait up to ``timeout`` s for the process ``pid`` started at ``start_time`` to exit (on its
     pidfd, which turns readable then); True once it has, or if the pid names another process now."""

@@ -14,6 +14,7 @@ from IPython.lib.pretty import pretty
 from jupyter_client.manager import KernelManager
 
 from forkd_magics._scope import KERNEL_ID, NOTEBOOK
+from forkd_server.client import ControllerError
 
 from .conftest import cell, in_notebook
 
@@ -111,6 +112,17 @@ def test_ls_kill_delete_and_tree_mean_this_notebook_until_everyone(ip, forkd):
     res, out = cell(ip, "%forkd delete --all")  # deepest first
     assert res.success and out.stdout == "deleted 2 snapshots\n"
     assert sorted(s["tag"] for s in forkd.controller().list_snapshots()) == ["sb-of-a", "sb0"]  # b's stay
+    # deleting the snapshot b's child was forked from ends none of b's sandboxes
+    assert {b["id"] for b in forkd.controller().list_sandboxes()} == {kid_b.id, kid_b_of_a.id}, \
+        [ended(forkd, sid) for sid in (kid_b.id, kid_b_of_a.id)]
 
     res, out = cell(ip, "%forkd kill --all --everyone\n%forkd delete --all --everyone")
     assert res.success and out.stdout == "killed 2 sandboxes\ndeleted 2 snapshots\n", out.stderr
+
+
+def ended(forkd, sandbox_id: str) -> str:
+    """What the server says of a sandbox: running, or when and why it ended."""
+    try:
+        return f"{sandbox_id}: {forkd.controller().get_sandbox(sandbox_id)['status']}"
+    except ControllerError as exc:
+        return str(exc)

@@ -38,6 +38,7 @@ AGENT_OOM_SCORE_ADJ = -900
 DEFAULT_MEMORY_LIMIT_MIB = 2048  # a sandbox's (and a snapshot setup's) memory limit unless one is asked for
 DEFAULT_PIDS_MAX = 1024          # processes and threads per sandbox (and per snapshot setup)
 PROBE_PARALLELISM = 32  # agents pinged at once by probe()
+RETIRE_TIMEOUT = 10.0   # s an agent has to answer "retire" before it is killed (if no fork of it lives)
 
 
 def _sandbox_env() -> dict:
@@ -191,15 +192,19 @@ class ProcessEngine:
         bound to that exact process even if its pid is later reused.
         """
         with self._pidfd_lock:
-            fds = []
-            for h in handles:
+            fds, unwatched = [], {}  # unwatched: index -> liveness read from /proc (no pidfd to be had)
+            for i, h in enumerate(handles):
                 key = (h["pid"], h["start_time"])
                 fd = self._pidfds.get(key)
                 if fd is None:
                     try:
                         fd = os.pidfd_open(h["pid"])
-                    except OSError:
+                    except ProcessLookupError:
                         fd = -1
+                    except OSError:  # out of descriptors, say: that is no death
+                        unwatched[i] = linux.process_start_time(h["pid"]) == h["start_time"]
+                        fds.append(-1)
+                        continue
                     if fd >= 0 and linux.process_start_time(h["pid"]) != h["start_time"]:
                         os.close(fd)
                         fd = -1
@@ -214,7 +219,7 @@ class ProcessEngine:
                 if fd in exited:
                     os.close(fd)
                     del self._pidfds[key]
-            return [fd >= 0 and fd not in exited for fd in fds]
+            return [unwatched[i] if i in unwatched else fd >= 0 and fd not in exited for i, fd in enumerate(fds)]
 
     def wait_exit(self, handle: Handle, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the process to exit; True once it has."""
@@ -460,9 +465,15 @@ class ProcessEngine:
             return
         try:
             try:
-                reply = self.call(handle, {"action": "retire"}, timeout=5)
+                reply = self.call(handle, {"action": "retire"}, timeout=RETIRE_TIMEOUT)
             except AgentUnreachable:
                 reply = {}
+            if not reply.get("retired") and linux.live_children(pid):
+                # No answer, and it has live forks: a SIGKILL of it (PID 1 of their pid namespace)
+                # would end every one of them. It stays, to do the retire it may have received, or
+                # as their ancestor; its leaves go once it has exited.
+                self._forget(handle)
+                return
             if reply.get("retired") != "reaper":
                 if reply.get("retired") != "exit":
                     with contextlib.suppress(ProcessLookupError):

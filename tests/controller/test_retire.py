@@ -1,0 +1,59 @@
+"""Ending a template or sandbox never takes its live forks with it, even when its agent does not
+answer, and a liveness check that cannot get a pidfd never calls a live sandbox dead (the server
+drops, and kills, what it believes dead)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+from forkd_engine import linux
+from forkd_engine.process import engine as process_engine
+
+from ..conftest import requires_root
+from .conftest import ev
+
+pytestmark = requires_root
+
+
+def test_a_deleted_snapshot_whose_agent_does_not_answer_leaves_its_fork_running(ctl, monkeypatch):
+    ctl.create_snapshot("frozen-parent", setup="x = 7")
+    (kid,) = ctl.spawn("frozen-parent")
+    template = ctl.registry.get_snapshot("frozen-parent")["handle"]["pid"]
+    monkeypatch.setattr(process_engine, "RETIRE_TIMEOUT", 0.5)
+    os.kill(template, signal.SIGSTOP)  # its agent cannot answer the retire
+    try:
+        ctl.delete_snapshot("frozen-parent")
+        assert linux.process_start_time(template) is not None  # left running: its fork needs it
+        assert ev(ctl, kid["id"], "x") == "7"  # a SIGKILL of the template would have ended it
+    finally:
+        os.kill(template, signal.SIGCONT)
+    # continued, it does the retire it received: a reaper while its fork lives, gone after
+    ctl.kill_sandbox(kid["id"])
+    deadline = time.monotonic() + 30
+    while linux.process_start_time(template) is not None:
+        assert time.monotonic() < deadline, "the deleted snapshot's process outlived its last fork"
+        time.sleep(0.05)
+
+
+def test_no_pidfd_to_be_had_is_no_death(ctl, monkeypatch):
+    (kid,) = ctl.spawn(ctl.create_snapshot("watched")["tag"])
+    engine = ctl.engines["process"]
+    handle = ctl.registry.get_sandbox(kid["id"])["handle"]
+    with engine._pidfd_lock:  # no watcher cached: the next check opens one
+        fd = engine._pidfds.pop((handle["pid"], handle["start_time"]), None)
+    if fd is not None:
+        os.close(fd)
+
+    def out_of_descriptors(pid):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(os, "pidfd_open", out_of_descriptors)
+    assert engine.alive_many([handle]) == [True]
+    assert kid["id"] in {s["id"] for s in ctl.list_sandboxes()}
+    monkeypatch.undo()
+    ctl.kill_sandbox(kid["id"])
+    assert engine.alive_many([handle]) == [False]
+    ctl.delete_snapshot("watched")
