@@ -7,7 +7,7 @@ import json
 import socket
 import threading
 
-from .server import MAX_LINE
+from .server import MAX_LINE, encode_line
 
 
 class AgentUnavailable(OSError):
@@ -26,7 +26,7 @@ class AgentClient:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(deadline)
                 s.connect(self.path)
-                data = json.dumps(request, separators=(",", ":")).encode() + b"\n"
+                data = encode_line(request)
                 if fds:
                     s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
                 else:
@@ -76,7 +76,7 @@ class AgentSession:
         self.send({**request, "action": "session"})
 
     def send(self, message: dict) -> None:
-        data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        data = encode_line(message)
         try:
             with self._send_lock:
                 self._sock.sendall(data)

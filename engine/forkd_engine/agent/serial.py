@@ -35,7 +35,7 @@ import time
 from . import children
 from .executor import Executor
 from .runtime import Runtime
-from .server import MAX_LINE
+from .server import MAX_LINE, encode_line
 from .session import Session
 
 PORT_NAME = "agent"
@@ -151,7 +151,7 @@ class SerialAgent:
         return self.runtime.handle(request)
 
     def reply(self, reply: dict) -> None:
-        self.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+        self.write(encode_line(reply))
 
     def write(self, data: bytes) -> None:
         with self.write_lock:

@@ -51,8 +51,13 @@ def recv_request(conn: socket.socket, buf: bytearray) -> tuple[dict | None, list
     return json.loads(line), fds
 
 
+def encode_line(message: dict) -> bytes:
+    """One message as it goes on the wire, both ways: compact JSON and a newline."""
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
 def send_reply(conn: socket.socket, reply: dict) -> None:
-    conn.sendall(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+    conn.sendall(encode_line(reply))
 
 
 class AgentServer:

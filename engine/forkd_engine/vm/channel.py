@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 
+from ..agent.server import encode_line
 from ..base import AgentUnreachable
 
 
@@ -100,16 +101,7 @@ class AgentChannel:
             if self.error:
                 raise AgentUnreachable(self.error)
             self.pending[rid] = slot
-        if callable(request):
-            data = request(rid)
-        else:
-            data = json.dumps({**request, "_rid": rid}, separators=(",", ":")).encode() + b"\n"
-        try:
-            with self.send_lock:
-                self.sock.sendall(data)
-        except OSError as exc:
-            self._fail(str(exc))
-            raise AgentUnreachable(f"agent port write failed: {exc}") from exc
+        self._send_line(request(rid) if callable(request) else encode_line({**request, "_rid": rid}))
         return slot
 
     def wait(self, slot: list, timeout: float) -> dict:
@@ -130,7 +122,9 @@ class AgentChannel:
         self.sock.close()
 
     def write(self, message: dict) -> None:
-        data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        self._send_line(encode_line(message))
+
+    def _send_line(self, data: bytes) -> None:
         try:
             with self.send_lock:
                 self.sock.sendall(data)
