@@ -36,7 +36,7 @@ from . import children
 from .executor import Executor
 from .runtime import Runtime
 from .server import MAX_LINE, encode_line
-from .session import Session
+from .session import Session, error_content
 
 PORT_NAME = "agent"
 INLINE = ("ping", "settle")  # answered on the reader thread; everything else gets its own thread
@@ -169,7 +169,7 @@ class SerialAgent:
         try:
             hello = self.runtime.start_session(request, session)
         except Exception as exc:  # noqa: BLE001
-            hello = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc), "traceback": []}
+            hello = error_content(exc)
         else:
             self.sessions[sid] = session
         session.emit({"type": "session_reply", "content": hello}, request.get("id"))

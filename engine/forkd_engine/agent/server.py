@@ -17,7 +17,7 @@ import threading
 from typing import Callable
 
 from .runtime import Runtime
-from .session import Session
+from .session import Session, error_content
 
 MAX_LINE = 96 * 1024 * 1024
 MAX_FDS = 253  # the kernel's SCM_MAX_FD
@@ -146,8 +146,7 @@ class AgentServer:
             hello = self.runtime.start_session(request, session)
         except Exception as exc:  # noqa: BLE001
             with contextlib.suppress(OSError):
-                send_reply(conn, {"type": "session_reply", "content": {
-                    "status": "error", "ename": type(exc).__name__, "evalue": str(exc), "traceback": []}})
+                send_reply(conn, {"type": "session_reply", "content": error_content(exc)})
             return
         session.emit({"type": "session_reply", "content": hello}, request.get("id"))
         try:

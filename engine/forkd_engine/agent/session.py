@@ -26,6 +26,11 @@ QUEUED = ("execute", "complete", "inspect", "is_complete", "history", "comm_info
           "comm_open", "comm_msg", "comm_close")
 
 
+
+def error_content(exc: BaseException) -> dict:
+    """The content of the error reply to a request that raised ``exc`` (no traceback: not user code)."""
+    return {"status": "error", "ename": type(exc).__name__, "evalue": str(exc), "traceback": []}
+
 class SessionClosed(EOFError):
     """The client went away while the cell waited for it (e.g. for an input reply)."""
 
@@ -74,7 +79,7 @@ class Session:
                                         user_code=(kind == "execute" or kind.startswith("comm_")),
                                         then=lambda answer: answer is not None and self.reply(*answer))
             except Busy as exc:
-                self.reply(kind, rid, {"status": "error", "ename": "Busy", "evalue": str(exc), "traceback": []})
+                self.reply(kind, rid, error_content(exc))
         else:
             self.reply(str(kind), rid, {"status": "error", "ename": "ValueError", "traceback": [],
                                         "evalue": f"unknown session message type {kind!r}; use one of "
@@ -102,13 +107,12 @@ class Session:
     # --- on the main thread ----------------------------------------------------------------------
 
     def _answered(self, kind: str, msg: dict) -> tuple | None:
-        """``_run``, and an error reply whatever escapes it (an interrupt landing after the cell):
-        every request gets its reply."""
+        """``_run``, with an error reply for whatever it raises (an interrupt too, even one landing
+        after the cell): every request gets its reply."""
         try:
             return self._run(kind, msg)
         except BaseException as exc:  # noqa: BLE001
-            return kind, msg.get("id"), {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
-                                         "traceback": []}
+            return kind, msg.get("id"), error_content(exc)
 
     def _run(self, kind: str, msg: dict) -> tuple | None:
         """Run one request; returns its reply (kind, id, content), sent once the main thread is
@@ -117,35 +121,30 @@ class Session:
             return None
         rid = msg.get("id")
         runner = self.runtime.runner
-        try:
-            if kind == "execute":
-                content = self._execute(runner, msg)
-            elif kind == "complete":
-                content = runner.complete_request(msg.get("code", ""), msg.get("cursor_pos"))
-            elif kind == "inspect":
-                content = runner.inspect(msg.get("code", ""), msg.get("cursor_pos"),
-                                         detail_level=msg.get("detail_level", 0),
-                                         omit_sections=msg.get("omit_sections", ()))
-            elif kind == "is_complete":
-                content = runner.is_complete(msg.get("code", ""))
-            elif kind == "history":
-                content = self._history(msg)
-            else:  # comm_info and comm messages: only a shell with comms has them
-                handler = getattr(runner, kind, None)
-                if handler is None:
-                    content = {"status": "ok", "comms": {}} if kind == "comm_info" else None
-                else:
-                    self.current = rid
-                    try:
-                        content = handler(msg, self)
-                    finally:
-                        self.current = None
-                if content is None:
-                    return None  # comm_open/msg/close have no reply in Jupyter's protocol
-        except KeyboardInterrupt:
-            content = {"status": "error", "ename": "KeyboardInterrupt", "evalue": "", "traceback": []}
-        except Exception as exc:  # noqa: BLE001 - answer, never die
-            content = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc), "traceback": []}
+        if kind == "execute":
+            content = self._execute(runner, msg)
+        elif kind == "complete":
+            content = runner.complete_request(msg.get("code", ""), msg.get("cursor_pos"))
+        elif kind == "inspect":
+            content = runner.inspect(msg.get("code", ""), msg.get("cursor_pos"),
+                                     detail_level=msg.get("detail_level", 0),
+                                     omit_sections=msg.get("omit_sections", ()))
+        elif kind == "is_complete":
+            content = runner.is_complete(msg.get("code", ""))
+        elif kind == "history":
+            content = self._history(msg)
+        else:  # comm_info and comm messages: only a shell with comms has them
+            handler = getattr(runner, kind, None)
+            if handler is None:
+                content = {"status": "ok", "comms": {}} if kind == "comm_info" else None
+            else:
+                self.current = rid
+                try:
+                    content = handler(msg, self)
+                finally:
+                    self.current = None
+            if content is None:
+                return None  # comm_open/msg/close have no reply in Jupyter's protocol
         return kind, rid, content
 
     def _execute(self, runner, msg: dict) -> dict:
