@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 Handle = dict
 
@@ -25,6 +25,18 @@ class EngineUnavailable(EngineError):
 
 class AgentUnreachable(EngineError):
     """The sandbox's agent did not answer."""
+
+
+PROBE_PARALLELISM = 32  # agents pinged at once by an engine's probe()
+
+
+def ping_problem(call: Callable[[dict], dict]) -> str | None:
+    """Why an agent fails a ping sent through ``call`` (None: it answers pong), for ``probe``."""
+    try:
+        reply = call({"action": "ping"})
+    except AgentUnreachable as exc:
+        return f"its agent does not answer ({exc})"
+    return None if reply.get("pong") is True else f"its agent answered a ping with {reply!r:.200}"
 
 
 class InvalidSpec(EngineError):

@@ -266,11 +266,6 @@ class Cgroups:
                                                          + (f" ({forks} times)" if forks > 1 else "")))
         return hit
 
-    @classmethod
-    def limits_hit(cls, leaves: list[str]) -> list[str]:
-        """What stopped processes in these leaves, one sentence a limit (see ``hits``)."""
-        return [h.message for h in cls.hits(leaves)]
-
     @staticmethod
     def procs(leaf: str) -> list[int]:
         with contextlib.suppress(OSError), open(os.path.join(leaf, "cgroup.procs")) as f:

@@ -141,6 +141,14 @@ def wait_exit(pid: int, start_time: int | None, timeout: float) -> bool:
         os.close(pidfd)
 
 
+_SYS_PIDFD_GETFD = 438  # the same number on every architecture (Linux 5.6's unified table)
+
+
+def pidfd_getfd(pidfd: int, fd: int) -> int:
+    """A copy, in this process, of descriptor ``fd`` of the process ``pidfd`` names."""
+    return _check(_libc.syscall(ctypes.c_long(_SYS_PIDFD_GETFD), pidfd, fd, 0), f"pidfd_getfd of descriptor {fd}")
+
+
 def wait_pidfd(pidfd: int, timeout: float) -> bool:
     """Wait up to ``timeout`` s for a pidfd to turn readable (its process has exited, every thread).
     poll(), never select(): a server with ~1000 sandboxes has descriptors past 1024."""
@@ -317,14 +325,24 @@ def set_parent_death_signal(sig: int) -> None:
     _check(_libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0), "prctl(PDEATHSIG)")
 
 
-def smaps_memory(pid: int) -> dict:
-    """Rss, Pss and USS (Private_Clean + Private_Dirty) of one process, in KiB."""
-    out = {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0}
+def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+    """/proc/<pid>/smaps_rollup as {field: KiB} (Rss, Pss, Anonymous, Private_Hugetlb...)."""
+    out = {}
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("Rss", "Pss"):
-                out[key.lower() + "_kib"] = int(rest.split()[0])
-            elif key in ("Private_Clean", "Private_Dirty"):
-                out["uss_kib"] += int(rest.split()[0])
+            value = rest.split()
+            if len(value) == 2 and value[1] == "kB":  # the first line names the range, not a field
+                out[key] = int(value[0])
     return out
+
+
+def memory_figures(rollup: dict[str, int]) -> dict:
+    """Rss, Pss and USS (Private_Clean + Private_Dirty) in KiB, from ``smaps_rollup``."""
+    return {"rss_kib": rollup.get("Rss", 0), "pss_kib": rollup.get("Pss", 0),
+            "uss_kib": rollup.get("Private_Clean", 0) + rollup.get("Private_Dirty", 0)}
+
+
+def smaps_memory(pid: int) -> dict:
+    """Rss, Pss and USS (Private_Clean + Private_Dirty) of one process, in KiB."""
+    return memory_figures(smaps_rollup(pid))

@@ -31,34 +31,21 @@ SETTLE = 0.05  # s of idleness before the pass starts: never between two cells s
 
 def split_anonymous_kib() -> int:
     """Private anonymous memory not in huge pages (what makes a fork slow), in KiB."""
-    anon = huge = 0
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key == "Anonymous":
-                anon = int(rest.split()[0])
-            elif key == "AnonHugePages":
-                huge = int(rest.split()[0])
-    return max(0, anon - huge)
+    rollup = linux.smaps_rollup()
+    return max(0, rollup.get("Anonymous", 0) - rollup.get("AnonHugePages", 0))
 
 
 def hugetlb_kib() -> int:
     """Memory this process holds in hugetlb pages (moved buffers), in KiB."""
-    total = 0
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("Private_Hugetlb", "Shared_Hugetlb"):
-                total += int(rest.split()[0])
-    return total
+    rollup = linux.smaps_rollup()
+    return rollup.get("Private_Hugetlb", 0) + rollup.get("Shared_Hugetlb", 0)
 
 
 class Compactor:
-    def __init__(self, executor=None, namespace: dict | None = None, huge_pages_mib: int = 0):
+    def __init__(self, executor, namespace: dict, huge_pages_mib: int = 0):
         self.executor = executor      # the sandbox's main thread: moves run there, between cells
         self.namespace = namespace    # where the big arrays are found
-        # The sandbox's huge-page cap (its memory limit; 0: none may move).
-        self.huge_pages_cap = huge_pages_mib << 20 if executor is not None and namespace is not None else 0
+        self.huge_pages_cap = huge_pages_mib << 20  # the sandbox's huge-page cap (its memory limit; 0: none may move)
         self.lock = threading.Lock()  # held while a step touches the memory map
         self._wake = threading.Event()
         self._yield = threading.Event()  # a branch wants the lock: the background pass stops
@@ -78,7 +65,7 @@ class Compactor:
             yield
 
     def _idle(self) -> bool:
-        return self.executor is None or (self.executor.busy() is None and self.executor.jobs.empty())
+        return self.executor.busy() is None and self.executor.jobs.empty()
 
     def _run(self) -> None:
         try:  # behind the user's next cell, never in front of it

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
-                    InvalidSpec, LimitHit, LimitReached, LossyFork, SnapshotSpec)
+                    InvalidSpec, LimitHit, LimitReached, LossyFork, PROBE_PARALLELISM, SnapshotSpec, ping_problem)
 from . import hugepages, rootfs
 from .setup import Setup
 from ..cgroups import CgroupError, Cgroups, leaf_name, subtree
@@ -37,7 +37,6 @@ MAX_SOCKET_PATH = 107
 AGENT_OOM_SCORE_ADJ = -900
 DEFAULT_MEMORY_LIMIT_MIB = 2048  # a sandbox's (and a snapshot setup's) memory limit unless one is asked for
 DEFAULT_PIDS_MAX = 1024          # processes and threads per sandbox (and per snapshot setup)
-PROBE_PARALLELISM = 32  # agents pinged at once by probe()
 RETIRE_TIMEOUT = 10.0   # s an agent has to answer "retire" before it is killed (if no fork of it lives)
 
 
@@ -113,9 +112,7 @@ class ProcessEngine:
         # Big arrays move into hugetlb pages (process/hugepages.py), up to each sandbox's cap: only
         # where each leaf's huge pages can be capped (they are not charged to its memory limit);
         # elsewhere sandboxes may map none at all (their seccomp filter refuses MAP_HUGETLB).
-        capped = self.cgroups.hugetlb_status()
-        self.hugetlb_capped = capped[0]
-        self.huge_pages, self.huge_pages_note = hugepages.allow_surplus(capped)
+        self.huge_pages, self.huge_pages_note = hugepages.allow_surplus(self.cgroups.hugetlb_status())
         self._creating: dict[str, Setup] = {}  # tag -> its setup, while it runs
         self._creating_lock = threading.Lock()
 
@@ -236,11 +233,7 @@ class ProcessEngine:
         live = [i for i, w in enumerate(why) if w is None]
 
         def ping(handle: Handle) -> str | None:
-            try:
-                reply = self.call(handle, {"action": "ping"}, timeout=timeout)
-            except AgentUnreachable as exc:
-                return f"its agent does not answer ({exc})"
-            return None if reply.get("pong") is True else f"its agent answered a ping with {reply!r:.200}"
+            return ping_problem(lambda request: self.call(handle, request, timeout=timeout))
 
         if live:
             with ThreadPoolExecutor(max_workers=min(PROBE_PARALLELISM, len(live))) as pool:
@@ -272,17 +265,11 @@ class ProcessEngine:
     def memory(self, handle: Handle) -> dict:
         if not self.alive(handle):
             raise EngineError(f"process {handle['pid']} is gone")
-        out = linux.smaps_memory(handle["pid"])
+        rollup = linux.smaps_rollup(handle["pid"])
+        out = linux.memory_figures(rollup)
         # Arrays moved into hugetlb pages are outside Rss/Pss: count them in (a shared one whole in
         # Rss only, as the kernel gives no per-process share of it).
-        private = shared = 0
-        with contextlib.suppress(OSError), open(f"/proc/{handle['pid']}/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key == "Private_Hugetlb":
-                    private = int(rest.split()[0])
-                elif key == "Shared_Hugetlb":
-                    shared = int(rest.split()[0])
+        private, shared = rollup.get("Private_Hugetlb", 0), rollup.get("Shared_Hugetlb", 0)
         out["rss_kib"] += private + shared
         out["pss_kib"] += private
         out["uss_kib"] += private
@@ -304,7 +291,7 @@ class ProcessEngine:
             "tmp_size_mib": tmp_mib, "shm_size_mib": shm_mib, "uid": self.uid, "gid": self.gid,
             "root_dir": self.root_dir, "hidden": [self.data_dir], "env": _sandbox_env(),
             "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
-            "shell": spec.shell, "deny_hugetlb": not self.hugetlb_capped,
+            "shell": spec.shell, "deny_hugetlb": not self.cgroups.caps_huge_pages,
         }
         setup = Setup(self.cgroups, spec.tag, memory_mib, self.pids_max)
         with self._creating_lock:

@@ -225,13 +225,19 @@ def pieces(lo: int, hi: int) -> list[tuple[int, int]]:
     out = []
     for start in range(lo, hi, PIECE):
         end = min(start + PIECE, hi)
-        cursor = start  # covered by movable mappings without a gap (neighbours may be listed apart)
-        for a, b in movable:
-            if a <= cursor < b:
-                cursor = b
-        if cursor >= end:
+        if _covered(movable, start, end):
             out.append((start, end - start))
     return out
+
+
+def _covered(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether ``ranges`` (in address order) cover [start, end) without a gap (neighbours may be
+    listed apart)."""
+    cursor = start
+    for a, b in ranges:
+        if a <= cursor < b:
+            cursor = b
+    return cursor >= end
 
 
 class Destination:
@@ -267,11 +273,7 @@ class Destination:
 # --- the move (the sandbox's main thread, as one job) ------------------------------------------
 
 def _mapped(start: int, size: int) -> bool:
-    cursor = start
-    for a, b, _ in _mappings():
-        if a <= cursor < b:
-            cursor = b
-    return cursor >= start + size
+    return _covered([(a, b) for a, b, _ in _mappings()], start, start + size)
 
 
 @contextlib.contextmanager

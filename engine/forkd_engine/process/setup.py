@@ -58,7 +58,7 @@ class Setup:
 
     def limits_hit(self) -> str:
         """What of the limits stopped the setup, said for its error ("" when none did)."""
-        hit = self.cgroups.limits_hit(self.leaves)
+        hit = [h.message for h in self.cgroups.hits(self.leaves)]
         if not hit:
             return ""
         return (f" [stopped by its limits: {'; '.join(hit)}. A setup runs within a sandbox's limits: "

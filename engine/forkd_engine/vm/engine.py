@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import threading
@@ -30,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import linux
 from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LimitHit,
-                    SnapshotSpec)
+                    PROBE_PARALLELISM, SnapshotSpec, ping_problem)
 from ..cgroups import Cgroups, subtree
 from . import branching, recovery, snapshots, spawning
 from . import memory as vmem
@@ -177,15 +176,11 @@ class VMEngine:
                 return None if self.alive(handle) else f"its files are gone ({handle['memory']}, {handle['devices']})"
             if not self.alive(handle):
                 return f"its QEMU process {handle['pid']} is gone"
-            try:
-                reply = self.channel(handle).call({"action": "ping"}, timeout)
-            except AgentUnreachable as exc:
-                return f"its agent does not answer ({exc})"
-            return None if reply.get("pong") is True else f"its agent answered a ping with {reply!r:.200}"
+            return ping_problem(lambda request: self.channel(handle).call(request, timeout))
 
         if not handles:
             return []
-        with ThreadPoolExecutor(max_workers=min(32, len(handles))) as pool:
+        with ThreadPoolExecutor(max_workers=min(PROBE_PARALLELISM, len(handles))) as pool:
             return list(pool.map(one, handles))
 
     def recover(self, known: list[Handle]) -> list[str]:
@@ -216,9 +211,7 @@ class VMEngine:
     def abandon(self, name: str) -> None:
         """End what an interrupted start left under ``name`` (no handle was recorded)."""
         vm_dir = self.qemu.vm_dir(name)
-        with contextlib.suppress(OSError, ValueError, KeyError), open(os.path.join(vm_dir, "pid")) as f:
-            rec = json.load(f)
-            self.qemu.stop(rec["pid"], rec["start_time"])
+        self.qemu.stop_recorded(vm_dir)
         shutil.rmtree(vm_dir, ignore_errors=True)
         if name.startswith("snap:"):
             tag = name[5:]

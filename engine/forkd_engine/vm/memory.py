@@ -17,6 +17,8 @@ import io
 import os
 import struct
 
+from .. import linux
+
 try:  # vectorised pagemap scan; imported up front so the first branch's pause does not pay for it
     import numpy as np
 except ImportError:  # pragma: no cover - the pure-Python loop below does the same, slower
@@ -212,7 +214,6 @@ class FileView:
 
 # --- a write-protect left behind -----------------------------------------------------------------
 
-SYS_PIDFD_GETFD = 438
 UFFDIO_WRITEPROTECT = 0xC018AA06  # _IOWR(0xAA, 0x06, struct uffdio_writeprotect {start, len, mode})
 UFFDIO_UNREGISTER = 0x8010AA01    # _IOR(0xAA, 0x01, struct uffdio_range {start, len})
 
@@ -240,10 +241,7 @@ def lift_write_protect(pid: int, start: int, size: int) -> int:
     pidfd = os.pidfd_open(pid)
     try:
         for number in userfaultfds(pid):
-            fd = _libc.syscall(SYS_PIDFD_GETFD, pidfd, number, 0)
-            if fd < 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"pidfd_getfd of userfaultfd {number} in process {pid}: {os.strerror(err)}")
+            fd = linux.pidfd_getfd(pidfd, number)
             try:
                 fcntl.ioctl(fd, UFFDIO_WRITEPROTECT, bytearray(struct.pack("QQQ", start, size, 0)))
                 with contextlib.suppress(OSError):  # QEMU may have unregistered it meanwhile

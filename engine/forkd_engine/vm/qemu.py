@@ -181,6 +181,15 @@ class Qemu:
                 return True
         return False
 
+    def stop_recorded(self, vm_dir: str) -> int | None:
+        """Stop the QEMU that ``launch`` recorded in ``vm_dir``'s pid file; its pid if it still ran."""
+        with contextlib.suppress(OSError, ValueError, KeyError), open(os.path.join(vm_dir, "pid")) as f:
+            rec = json.load(f)
+            ran = rec["start_time"] is not None and linux.process_start_time(rec["pid"]) == rec["start_time"]
+            self.stop(rec["pid"], rec["start_time"])
+            return rec["pid"] if ran else None
+        return None
+
     def stop(self, pid: int, start_time) -> None:
         """SIGKILL QEMU ``pid`` (if it is still the one started at ``start_time``) and wait until it
         is gone, all its threads: only then are its cgroup leaves empty."""

@@ -14,7 +14,6 @@ snapshot directories, and VM directories whose QEMU nobody records.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import time
@@ -100,12 +99,8 @@ def sweep(engine: "VMEngine", known: list[Handle]) -> list[str]:
                 if entry.path in owned or not entry.is_dir(follow_symlinks=False) \
                         or entry.stat(follow_symlinks=False).st_mtime >= engine.started:
                     continue
-                ended = ""
-                with contextlib.suppress(OSError, ValueError, KeyError), open(os.path.join(entry.path, "pid")) as f:
-                    rec = json.load(f)
-                    if engine.alive({"pid": rec["pid"], "start_time": rec["start_time"]}):
-                        engine.qemu.stop(rec["pid"], rec["start_time"])
-                        ended = f", ending its QEMU {rec['pid']}"
+                pid = engine.qemu.stop_recorded(entry.path)
+                ended = f", ending its QEMU {pid}" if pid else ""
                 size = _disk_usage(entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
                 found.append(f"vm engine: removed {what} no record owns: {entry.path} ({size >> 20} MiB{ended})")

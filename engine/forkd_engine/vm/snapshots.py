@@ -107,9 +107,7 @@ FULL_BELOW = 2 << 20  # bytes: a file system with less free is taken as full whe
 def full_filesystem(*paths: str) -> tuple[str, int] | None:
     """(path, free bytes) of the first of ``paths`` (directories, or their nearest existing parent)
     whose file system is full, else None."""
-    for path in paths:
-        while not os.path.exists(path):
-            path = os.path.dirname(path)
+    for path in map(_nearest_existing, paths):
         try:
             free = shutil.disk_usage(path).free
         except OSError:
@@ -120,11 +118,13 @@ def full_filesystem(*paths: str) -> tuple[str, int] | None:
 
 
 def mem_root_free_mib(mem_root: str) -> int:
-    path = mem_root
+    return shutil.disk_usage(_nearest_existing(mem_root)).free >> 20
+
+
+def _nearest_existing(path: str) -> str:
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize >> 20
+    return path
 
 
 def _create(engine: "VMEngine", spec: SnapshotSpec, mem_mib: int, creating: dict) -> Handle:
