@@ -48,8 +48,7 @@ class BranchManager:
         self._in_flight: set[str] = set()  # tags being written (create, branch, suspend)
         self._slots = 0                    # branches holding a concurrency slot
         self._unsettled: dict[str, dict] = {}  # tag -> the final record the registry refused, until it takes it
-        self._retrying = False
-        self.unsettled_idle = threading.Event()  # set when no refused record waits for a retry
+        self.unsettled_idle = threading.Event()  # set when no refused record waits for a retry (and none runs)
         self.unsettled_idle.set()
 
     @property
@@ -198,9 +197,8 @@ class BranchManager:
         except Exception:  # noqa: BLE001 - the same refusal: retried until the registry takes it
             with self._lock:
                 self._unsettled[tag] = fields
+                start = self.unsettled_idle.is_set()  # no retry thread runs: start one
                 self.unsettled_idle.clear()
-                start = not self._retrying
-                self._retrying = True
             if start:
                 threading.Thread(target=self._retry_unsettled, name="forkd-settle", daemon=True).start()
         return fields, error
@@ -229,7 +227,6 @@ class BranchManager:
                     self._unsettled.pop(tag, None)
             with self._lock:
                 if not self._unsettled:
-                    self._retrying = False
                     self.unsettled_idle.set()
                     return
             time.sleep(SETTLE_RETRY)  # the disk is still full: try again later

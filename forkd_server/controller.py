@@ -118,10 +118,13 @@ class Controller:
             return row
         if engine is not None:
             engine.delete_snapshot(row["handle"])
-        warning = TEMPLATE_ENDED
-        self.registry.update_snapshot(row["tag"], status="failed", warning=warning)
-        self.feed.emit("snapshot", "status", tag=row["tag"], status="failed", warning=warning)
-        return dict(row, status="failed", warning=warning)
+        self.fail_snapshot(row["tag"], TEMPLATE_ENDED)
+        return dict(row, status="failed", warning=TEMPLATE_ENDED)
+
+    def fail_snapshot(self, tag: str, warning: str) -> None:
+        """Snapshot ``tag`` is failed, for the reason ``warning``: recorded, and said on the feed."""
+        self.registry.update_snapshot(tag, status="failed", warning=warning)
+        self.feed.emit("snapshot", "status", tag=tag, status="failed", warning=warning)
 
     snapshot_info = staticmethod(snapshot_info)
     sandbox_info = staticmethod(sandbox_info)

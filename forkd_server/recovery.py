@@ -105,8 +105,7 @@ class Recovery:
         else:
             engine.delete_snapshot(row["handle"])  # releases what the engine held for it
             warning = TEMPLATE_ENDED
-        self.registry.update_snapshot(row["tag"], status="failed", warning=warning)
-        self.feed.emit("snapshot", "status", tag=row["tag"], status="failed", warning=warning)
+        self.ctl.fail_snapshot(row["tag"], warning)
         return f"snapshot {row['tag']}: {warning}"
 
     def _drop_sandbox(self, engine, row: dict, reason: str) -> str:

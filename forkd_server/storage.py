@@ -17,30 +17,31 @@ _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _FULL_TEXT = ("No space left on device", "database or disk is full", "Disk quota exceeded")
 
 
-def is_disk_full(exc: BaseException | None) -> bool:
-    """True if ``exc``, or anything it was raised from, says the disk is full."""
+def _chain(exc: BaseException | None):
+    """``exc`` and everything it was raised from, each once."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """True if ``exc``, or anything it was raised from, says the disk is full."""
+    for exc in _chain(exc):
         if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
             return True
         if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
             return True
         if any(text in str(exc) for text in _FULL_TEXT):
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
 
 
 def full_path(exc: BaseException | None) -> str | None:
     """The file an ``ENOSPC`` in ``exc``'s chain names (e.g. a VM's RAM tmpfs), if one does."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS and isinstance(exc.filename, str):
-            return exc.filename
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return next((e.filename for e in _chain(exc)
+                 if isinstance(e, OSError) and e.errno in _FULL_ERRNOS and isinstance(e.filename, str)), None)
 
 
 def full_disk_error(data_dir: str, exc: BaseException | None = None) -> InsufficientStorage:

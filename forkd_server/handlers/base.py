@@ -230,7 +230,7 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
     async def long_call(self, what: str, fn, *args, sandbox: str | None = None, lane: bool = False, **kwargs):
         """A long call (exec, branch, spawn...), admitted by the server's, the caller's and, with
         ``lane``, the sandbox's limits (user code runs one call at a time per sandbox)."""
-        run = self.app.admission.long(functools.partial(fn, *args, **kwargs), caller=self.caller(), what=what,
+        run = self.app.admission.long(functools.partial(fn, *args, **kwargs), caller=caller_of(self), what=what,
                                       sandbox=sandbox, lane=lane)
         return await self._answer(run, sandbox)
 
@@ -267,9 +267,6 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
         except Exception:  # noqa: BLE001 - cannot tell: the original error stands
             return None
         return None
-
-    def caller(self) -> str:
-        return caller_of(self)
 
     def body(self, spec: dict) -> dict:
         """Parse and type-check a JSON body, the way forkd's extractor does (before any other check)."""
