@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import hashlib
 
-from forkd_server.checks import host_memory_mib
 from forkd_server.client import ControllerError
 
 from . import __version__
 
-__all__ = ["BASE_SETUP", "BaseSnapshot", "host_memory_mib"]
+__all__ = ["BASE_SETUP", "BaseSnapshot"]
 
 # Warms what every cell would load: the shell (created by the snapshot's shell option), jedi.
 BASE_SETUP = "import os, sys, time, random\n"
@@ -24,11 +23,9 @@ BASE_SETUP = "import os, sys, time, random\n"
 class BaseSnapshot:
     """Which snapshot a notebook forks from, making it on first use."""
 
-    def __init__(self, controller, *, engine: str, setup: str, packages: list[str], tag: str = "",
-                 memory_limit_mib: int | None = None):
+    def __init__(self, controller, *, engine: str, setup: str, packages: list[str], tag: str = ""):
         self.controller = controller
         self.engine, self.setup, self.packages, self.named = engine, setup, list(packages), tag
-        self.memory_limit_mib = memory_limit_mib
         # "auto" starts on the process engine; ensure() moves to vm if the setup needs it
         self.resolved_engine = "process" if engine == "auto" else engine
         self.notice: str | None = None  # what the first cell says about the choice of engine
@@ -47,9 +44,9 @@ class BaseSnapshot:
         recipe = "\n".join([engine, self.setup, ",".join(sorted(self.packages_for(engine))), __version__])
         return f"forkd-kernel-{engine}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
 
-    def ensure(self) -> str:
-        """The base's tag, once it is ready: made here if it does not exist yet, waited for if
-        another kernel is making it."""
+    def ensure(self, memory_limit_mib: int | None = None) -> str:
+        """The base's tag, once it is ready: made here (its setup within ``memory_limit_mib``, the
+        notebook's) if it does not exist yet, waited for if another kernel is making it."""
         for _attempt in range(3):
             tag = self.tag
             try:
@@ -57,7 +54,7 @@ class BaseSnapshot:
             except ControllerError as exc:
                 if exc.status != 404 or self.named:
                     raise
-                if self._create(tag):
+                if self._create(tag, memory_limit_mib):
                     return tag
                 continue
             if info.get("status") == "writing":
@@ -68,7 +65,7 @@ class BaseSnapshot:
                                f"(delete it with %forkd delete {tag} and restart the kernel to make it again)")
         raise RuntimeError(f"the notebook's base snapshot {self.tag} could not be made: {self._refused}")
 
-    def _create(self, tag: str) -> bool:
+    def _create(self, tag: str, memory_limit_mib: int | None) -> bool:
         """Make the base; False when it is to be looked up again (another kernel is making it, or
         it moved to the VM engine)."""
         engine = self.resolved_engine
@@ -76,7 +73,7 @@ class BaseSnapshot:
             # The setup is the notebook's own first code: it runs within the notebook's memory limit.
             self.controller.create_snapshot(tag, setup=BASE_SETUP + self.setup, engine=engine,
                                             packages=self.packages_for(engine) or None, shell="ipython",
-                                            memory_limit_mib=self.memory_limit_mib)
+                                            memory_limit_mib=memory_limit_mib)
             return True
         except ControllerError as exc:
             if exc.lost and self.engine == "auto" and engine == "process":

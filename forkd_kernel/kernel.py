@@ -26,10 +26,11 @@ from traitlets import Integer, List, Unicode, default
 
 from forkd_magics._complete import install as install_completer
 from forkd_magics._scope import kernel_id, notebook_path
+from forkd_server.checks import host_memory_mib
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
 from . import __version__
-from .base import BaseSnapshot, host_memory_mib
+from .base import BaseSnapshot
 from .head import Head, HeadGone
 from .local import KernelMagics, LocalShell, is_forkd_cell, on_forkd_line, with_forkd_magic
 
@@ -129,8 +130,8 @@ class ForkdKernel(Kernel):
 
     def _start(self) -> None:
         try:
-            self.base.memory_limit_mib = self.memory_limit_mib
-            base = self.base.ensure()
+            # the limit is read here, so a bad $FORKD_KERNEL_MEMORY_LIMIT_MIB is said under the first cell
+            base = self.base.ensure(self.memory_limit_mib)
             self._notice = self.base.notice
             previous = None
             try:

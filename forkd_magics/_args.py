@@ -16,6 +16,10 @@ A = magic_arguments.argument
 SANDBOX_ARGS = {"sandbox", "sandboxes"}
 TAG_OPTIONS = {"--tag", "-t"}
 EVERYONE = A("--everyone", action="store_true", help="every notebook's, not only this notebook's")
+# the sandboxes kill and run act on: named, every one of a snapshot, or all of this notebook's
+TARGETS = (A("sandboxes", nargs="*", help="sandbox ids (or variables holding Sandbox objects or lists of them)"),
+           A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
+           A("--all", action="store_true", help="every sandbox of this notebook"), EVERYONE)
 
 
 def strip_comment(line: str) -> str:
@@ -86,9 +90,7 @@ SUBCOMMANDS = {
         "kill", "Kill sandboxes: by id or variable, every sandbox of a snapshot (--tag), or all of this "
                 "notebook's (--all; with --everyone, all on the server). Kills what it can, then reports "
                 "the ones it could not.",
-        A("sandboxes", nargs="*", help="sandbox ids (or variables holding Sandbox objects or lists of them)"),
-        A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
-        A("--all", action="store_true", help="every sandbox of this notebook"), EVERYONE),
+        *TARGETS),
     "exec": _parser(
         "exec", "Run a command in a sandbox: %forkd exec SB -- cmd args. Returns a CommandResult.",
         A("sandbox", help="the sandbox id (or a variable holding a Sandbox)"),
@@ -108,9 +110,7 @@ SUBCOMMANDS = {
         "run", "Cell magic: %%forkd run (SB ... | --tag T | --all) runs the cell in those sandboxes in "
                "parallel and shows their outputs side by side; the cell fails if it failed in any. "
                "Returns {sandbox id: Execution}.",
-        A("sandboxes", nargs="*", help="sandbox ids (or variables holding Sandbox objects or lists of them)"),
-        A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
-        A("--all", action="store_true", help="every sandbox of this notebook"), EVERYONE,
+        *TARGETS,
         A("--timeout", type=float, default=None, help="seconds per sandbox"),
         A("--each", action="append", default=None, metavar="NAME=VALUES",
           help="give each sandbox its own value: NAME=EXPR, EXPR a list as long as the sandboxes, "

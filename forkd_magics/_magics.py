@@ -10,6 +10,7 @@ error or a bad argument is one ``UsageError`` saying what failed and what to do 
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import html
 import os
@@ -221,10 +222,12 @@ class ForkdMagics(Magics):
             tag = self._tag(args.tag, sub)
             found = [s for s in self.controller.list_sandboxes() if s["snapshot_tag"] == tag]
         elif args.all:
-            found = sandboxes_of(self.controller, self._within(args))
+            scope = self._within(args)  # without HEAD, which a sweep leaves out
+            found = sandboxes_of(self.controller, scope and dataclasses.replace(scope, head=None))
         else:
             return self._sandbox_ids(args.sandboxes, sub)
-        return sorted(s["id"] for s in found if s["id"] != self.head())
+        head = self.head()  # checked-out copies carry the notebook's labels, HEAD among them
+        return sorted(s["id"] for s in found if s["id"] != head)
 
     # --- subcommands -----------------------------------------------------------------------------
 
