@@ -11,6 +11,28 @@ import time
 import pytest
 
 
+def cleanup(ctl) -> None:
+    """Delete what an in-process Controller made: workspaces, sandboxes, snapshots."""
+    for ws in ctl.list_workspaces():  # first: a workspace's state snapshot refuses a plain delete
+        ctl.delete_workspace(ws["name"])
+    for sb in ctl.list_sandboxes():
+        ctl.kill_sandbox(sb["id"])
+    for snap in ctl.list_snapshots():
+        ctl.delete_snapshot(snap["tag"])
+
+
+def completed(ask, expected: set[str], timeout: float = 30) -> list[str]:
+    """``ask()`` for completions again, as a user pressing tab again would, until they hold
+    ``expected``: the server's tags and ids are read in the background (a completion waits at most
+    a moment for them). Returns the last answer, whatever it is, once ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = ask()
+        if expected <= set(found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def short_dir():
     path = tempfile.mkdtemp(prefix="fkt")

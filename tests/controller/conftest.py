@@ -7,6 +7,8 @@ import pytest
 
 from forkd_server.controller import Controller
 
+from ..conftest import cleanup
+
 # A variable and a 50 MiB buffer with its hash: the state every fork must carry.
 SETUP = """
 import hashlib, random
@@ -16,15 +18,6 @@ blob = numpy.random.default_rng(7).integers(0, 255, 50 * 2**20, dtype=numpy.uint
 blob_sha = hashlib.sha256(blob.tobytes()).hexdigest()
 open('/tmp/from-setup.txt', 'w').write('setup')
 """
-
-
-def cleanup(ctl: Controller) -> None:
-    for ws in ctl.list_workspaces():  # first: a workspace's state snapshot refuses a plain delete
-        ctl.delete_workspace(ws["name"])
-    for sb in ctl.list_sandboxes():
-        ctl.kill_sandbox(sb["id"])
-    for snap in ctl.list_snapshots():
-        ctl.delete_snapshot(snap["tag"])
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,12 @@ empty leaves under /sys/fs/cgroup/{memory,pids}/forkd*."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
 
 from forkd_engine.cgroups import CONTROLLERS, locate
 from forkd_server.controller import Controller
-from forkd_server.errors import BadRequest
+from forkd_server.errors import BadRequest, Gone
 
 from ..conftest import requires_root
 from .conftest import cleanup
@@ -21,14 +19,12 @@ pytestmark = requires_root
 
 
 @pytest.fixture
-def own():
+def own(short_dir):
     """A controller of its own, so its group can be checked from creation to close."""
-    path = tempfile.mkdtemp(prefix="fkl")
-    ctl = Controller(path)
+    ctl = Controller(short_dir)
     yield ctl
     cleanup(ctl)
     ctl.close()
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def groups(ctl) -> list[str]:
@@ -82,7 +78,7 @@ def test_a_killed_sandbox_that_left_a_reaper_loses_its_leaves_when_the_reaper_go
 def test_a_sandbox_that_died_of_its_limit_loses_its_leaves(own):
     own.create_snapshot("base", setup="x = 1")
     sb = own.spawn("base", 1, memory_limit_mib=64)[0]["id"]
-    with pytest.raises(Exception):
+    with pytest.raises(Gone, match="memory limit"):
         own.eval(sb, "len(b'x' * (200 * 2**20))")
     own.delete_snapshot("base")
     assert settled(own) == set()

@@ -7,8 +7,6 @@ Timing is bench/kernel.py's business; these assert what is copied."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 
 import pytest
@@ -193,15 +191,14 @@ def test_a_branch_takes_no_huge_pages_of_its_own(ctl, numpy_snap):
     assert int(read(leaf, "hugetlb.2MB.max")) == int(read(leaf, "hugetlb.2MB.rsvd.max")) == 0
 
 
-def test_where_huge_pages_cannot_be_capped_no_sandbox_may_map_them(monkeypatch):
+def test_where_huge_pages_cannot_be_capped_no_sandbox_may_map_them(monkeypatch, short_dir):
     from forkd_engine.cgroups import Cgroups
     from forkd_server.controller import Controller
 
     monkeypatch.setattr(Cgroups, "hugetlb_status", lambda self: (False, "no hugetlb controller (test)"))
     with open("/proc/sys/vm/nr_overcommit_hugepages") as f:
         pool = f.read()
-    path = tempfile.mkdtemp(prefix="fkh")
-    c = Controller(path)
+    c = Controller(short_dir)
     try:
         engine = c.engines["process"]
         assert not engine.huge_pages and "kept as found" in engine.huge_pages_note
@@ -218,4 +215,3 @@ def test_where_huge_pages_cannot_be_capped_no_sandbox_may_map_them(monkeypatch):
     finally:
         cleanup(c)
         c.close()
-        shutil.rmtree(path, ignore_errors=True)

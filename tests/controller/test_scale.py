@@ -6,7 +6,7 @@ import os
 
 from forkd_server.controller import Controller
 
-from ..conftest import requires_root, wait_gone
+from ..conftest import cleanup, requires_root, wait_gone
 
 pytestmark = requires_root
 
@@ -29,9 +29,6 @@ def test_1100_live_sandboxes_are_listed_and_all_deleted(short_dir):
         assert c.list_sandboxes() == []
         c.delete_snapshot("many")
     finally:
-        for sb in c.list_sandboxes():
-            c.kill_sandbox(sb["id"])
-        for snap in c.list_snapshots():
-            c.delete_snapshot(snap["tag"])
+        cleanup(c)
         c.close()
     assert wait_gone(pids) == set()

@@ -4,10 +4,9 @@ lines complete in the kernel with forkd_magics' completer (subcommands, flags, t
 
 from __future__ import annotations
 
-import time
-
 from forkd_server.client import Controller
 
+from ..conftest import completed
 from .cells import head_of, run
 
 
@@ -21,15 +20,9 @@ def matches(kc, code: str) -> list[str]:
     return reply["matches"]
 
 
-def server_matches(kc, code: str, expected: set[str], timeout: float = 30) -> list[str]:
-    """The server's tags and ids are read in the background (a completion never waits long for
-    them): ask again, as a user pressing tab again would, until they have been read."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = matches(kc, code)
-        if expected <= set(found) or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
+def server_matches(kc, code: str, expected: set[str]) -> list[str]:
+    """Completions that need the server's tags and ids (``completed``)."""
+    return completed(lambda: matches(kc, code), expected)
 
 
 def test_forkd_lines_complete_in_the_kernel_and_code_in_the_sandbox(kernel, forkd_server):

@@ -150,7 +150,7 @@ def test_widgets_round_trip_through_comms(kernel):
 def test_a_killed_head_is_an_error_naming_it_never_a_fresh_start(kernel, forkd_server):
     _, kc = kernel
     assert run(kc, "y = 1").ok
-    head = run(kc, "%forkd head").result.split()[1]
+    head = head_of(kc)
     Controller(forkd_server.url, forkd_server.token).kill_sandbox(head)
     cell = run(kc, "y")
     assert cell.content["status"] == "error"
@@ -161,7 +161,7 @@ def test_a_killed_head_is_an_error_naming_it_never_a_fresh_start(kernel, forkd_s
 def test_a_head_killed_by_its_memory_limit_says_so(kernel, forkd_server):
     _, kc = kernel
     ctl = Controller(forkd_server.url, forkd_server.token)
-    head = run(kc, "%forkd head").result.split()[1]
+    head = head_of(kc)
     small = ctl.spawn_sandboxes(ctl.get_sandbox(head)["snapshot_tag"], memory_limit_mib=128)[0]["id"]
     assert run(kc, f"%forkd checkout {small}").ok
     cell = run(kc, "blob = b'x' * (400 * 2**20)")
@@ -173,7 +173,7 @@ def test_a_head_killed_by_its_memory_limit_says_so(kernel, forkd_server):
 def test_restart_starts_fresh_and_says_where_the_old_state_is(kernel, forkd_server):
     km, kc = kernel
     assert run(kc, "z = 'old'").ok
-    old_head = run(kc, "%forkd head").result.split()[1]
+    old_head = head_of(kc)
     km.restart_kernel(now=False)
     kc.wait_for_ready(timeout=60)
     fresh = run(kc, "'z' in dir()")
@@ -234,7 +234,7 @@ def test_forkd_tree_marks_head(kernel):
     assert run(kc, "a = 1").ok
     tree = run(kc, "%forkd tree --static")
     assert tree.ok, tree.text
-    head = run(kc, "%forkd head").result.split()[1]
+    head = head_of(kc)
     svg = next(m["content"]["data"]["image/svg+xml"] for m in tree.messages
                if m["msg_type"] in ("execute_result", "display_data") and "image/svg+xml" in m["content"]["data"])
     assert f"{head} · running · HEAD of" in svg

@@ -17,6 +17,7 @@ from IPython.core.error import StdinNotImplementedError
 from forkd_magics import _complete
 from forkd_server.client import Sandbox
 
+from ..conftest import completed
 from .conftest import cell, magics
 
 
@@ -97,7 +98,7 @@ def test_a_cell_that_fails_in_one_sandbox_fails_after_showing_every_column(ip, f
     ip.user_ns["kids"] = kids = ip.run_line_magic("forkd", "fork -t fl -n 3")
     res, _ = cell(ip, "%%forkd run kids --each \"d=[1, 2, 1]\"\n10 / d")
     assert res.success  # control: where no sandbox fails, the cell passes
-    res, out = cell(ip, f"%%forkd run kids --each \"d=[1, 0, 1]\"\nprint('dividing by', d)\n10 / d")
+    res, out = cell(ip, "%%forkd run kids --each \"d=[1, 0, 1]\"\nprint('dividing by', d)\n10 / d")
     assert not res.success
     assert "the cell failed in 1 of 3 sandboxes" in out.stderr and kids[1].id in out.stderr
     shown = out.outputs[-1].data["text/plain"]
@@ -185,11 +186,12 @@ def test_tab_completes_subcommands_flags_tags_ids_and_variables(ip, forkd):
     assert completions(ip, "%forkd ki") == ["kill"]
     assert set(completions(ip, "%forkd br")) == {"branch"}
     assert {"--no-wait", "--live", "--lossy"} <= set(completions(ip, "%forkd branch --"))
-    assert completions(ip, "%forkd fork -t tab-") == ["tab-one"]
-    assert set(completions(ip, "x = %forkd kill ")) >= {"kids", kids[0].id, kids[1].id}
-    assert sorted(completions(ip, "%forkd kill sb-")) == sorted(k.id for k in kids)
+    assert completed(lambda: completions(ip, "%forkd fork -t tab-"), {"tab-one"}) == ["tab-one"]
+    ids = {k.id for k in kids}
+    assert set(completed(lambda: completions(ip, "x = %forkd kill "), ids)) >= {"kids", *ids}
+    assert sorted(completed(lambda: completions(ip, "%forkd kill sb-"), ids)) == sorted(ids)
     assert completions(ip, "%%forkd run ki") == ["kids"]
-    assert completions(ip, "%forkd delete tab") == ["tab-one"]
+    assert completed(lambda: completions(ip, "%forkd delete tab"), {"tab-one"}) == ["tab-one"]
 
 
 def test_completion_does_not_wait_for_a_slow_server(ip, forkd, monkeypatch):

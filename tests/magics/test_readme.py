@@ -28,7 +28,7 @@ def test_the_readme_has_notebook_commands_with_comments():
 
 def test_the_readme_notebook_commands_run_as_written(ip, forkd):
     in_notebook(ip, "readme-kernel", "README.ipynb")
-    widgets = []
+    widgets, checked = [], []
     try:
         for source in notebook_cells():
             res, out = cell(ip, source)
@@ -36,11 +36,14 @@ def test_the_readme_notebook_commands_run_as_written(ip, forkd):
             if isinstance(res.result, LineageWidget):
                 widgets.append(res.result)
             if source.startswith("%%forkd run kids"):
+                checked.append("run")
                 assert [ex.text for ex in res.result.values()] == ["np.float64(20000000.0)"] * 4
             if "%forkd tree" in source:
+                checked.append("tree")
                 assert len(ip.user_ns["kids"]) == 4 and len(ip.user_ns["grand"]) == 3
                 assert ip.user_ns["grand"][0].eval("data[0]") == "np.float64(2.0)"  # kids[0]'s state
                 assert len(res.result.tree) == 2 + 4 + 3  # py, the branch, kids, grand: this notebook's
+        assert checked == ["run", "tree"], "the README's run and tree cells are the ones checked here"
         # the last cell cleaned up after the others: this notebook's sandboxes and snapshots are gone
         ctl = forkd.controller()
         assert ctl.list_sandboxes() == [] and ctl.list_snapshots() == []

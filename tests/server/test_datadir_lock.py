@@ -6,24 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
-
-import pytest
 
 from forkd_server.client import Controller
 
-from ..serving import FORKD, Server, cleanup, free_port
-
-
-@pytest.fixture
-def workdir():
-    path = tempfile.mkdtemp(prefix="fk")  # short: Unix socket paths are limited to 107 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+from ..serving import FORKD, Server, free_port, serving
 
 
 def refused(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -32,8 +20,8 @@ def refused(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProc
     return done
 
 
-def test_a_second_server_on_a_served_data_dir_refuses_and_names_the_owner(workdir):
-    data = os.path.join(workdir, "d")
+def test_a_second_server_on_a_served_data_dir_refuses_and_names_the_owner(short_dir):
+    data = os.path.join(short_dir, "d")
     first = Server("--no-token", data_dir=data)
     try:
         first.wait_healthy()
@@ -46,10 +34,10 @@ def test_a_second_server_on_a_served_data_dir_refuses_and_names_the_owner(workdi
         assert owner in second.stdout + second.stderr
 
         # jupyter lab with the extension, on the same data dir (its default would be ~/.local/share/forkd)
-        env = {**os.environ, "JUPYTER_RUNTIME_DIR": os.path.join(workdir, "rt"), "FORKD_DATA_DIR": data}
+        env = {**os.environ, "JUPYTER_RUNTIME_DIR": os.path.join(short_dir, "rt"), "FORKD_DATA_DIR": data}
         lab = refused([sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={free_port()}",
                        "--ServerApp.port_retries=0", "--ServerApp.jpserver_extensions=forkd_server=True",
-                       f"--ServerApp.root_dir={workdir}"], env=env)
+                       f"--ServerApp.root_dir={short_dir}"], env=env)
         assert owner in lab.stderr and "FORKD_URL=" + url in lab.stderr
 
         Controller(url).healthz()  # the owner never noticed
@@ -57,21 +45,12 @@ def test_a_second_server_on_a_served_data_dir_refuses_and_names_the_owner(workdi
         first.stop()
 
 
-def test_a_crashed_server_leaves_the_data_dir_to_the_next(workdir):
-    data = os.path.join(workdir, "d")
-    token_file = os.path.join(workdir, "token")
-    with open(token_file, "w") as f:
-        f.write(secrets.token_hex(16))
-    server = Server("--token-file", token_file, data_dir=data)
-    try:
-        server.wait_healthy()
-        ctl = Controller(f"http://127.0.0.1:{server.port}", open(token_file).read())
+def test_a_crashed_server_leaves_the_data_dir_to_the_next():
+    with serving() as server:
+        ctl = Controller(server.url, server.token)
         ctl.create_snapshot("lk", setup="x = 1")
         kid = ctl.spawn_sandboxes("lk")[0]  # a process the server started, alive after it dies
         server.crash_and_restart()  # kill -9, then a new server on the same data dir
         assert [s["id"] for s in ctl.list_sandboxes()] == [kid["id"]]
-        with open(os.path.join(data, "server.lock")) as f:
+        with open(os.path.join(server.data_dir, "server.lock")) as f:
             assert json.load(f)["pid"] == server.proc.pid
-    finally:
-        cleanup(f"http://127.0.0.1:{server.port}", open(token_file).read())
-        server.stop()

@@ -101,7 +101,7 @@ def test_a_vm_create_whose_ram_tmpfs_runs_out_is_507_naming_it(small_disk, monke
     from forkd_engine.vm import VMEngine, snapshots
 
     from forkd_server.controller import Controller
-    from forkd_server.errors import EngineFailure
+    from forkd_server.errors import EngineFailure, NotFound
     from forkd_server.storage import full_disk_error, is_disk_full
 
     data = tempfile.mkdtemp(prefix="fkvd")
@@ -118,7 +118,7 @@ def test_a_vm_create_whose_ram_tmpfs_runs_out_is_507_naming_it(small_disk, monke
         answer = full_disk_error(ctl.data_dir, failure.value)
         assert answer.status == 507 and answer.fields["path"] == os.path.realpath(mem_root)
         assert answer.fields["free_bytes"] is not None and f"{os.path.realpath(mem_root)} (used by" in answer.message
-        with pytest.raises(Exception):
+        with pytest.raises(NotFound):
             ctl.get_snapshot("ram")  # nothing of it stays
     finally:
         ctl.close()

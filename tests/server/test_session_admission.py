@@ -10,26 +10,13 @@ import json
 import pytest
 from tornado.httpclient import HTTPClientError
 
+from .test_admission import until
 from .test_api import call, snap  # noqa: F401 - fixtures
 
 
 @pytest.fixture
-def jp_server_config(forkd_data_dir):
-    return {
-        "ServerApp": {
-            "jpserver_extensions": {"forkd_server": True, "jupyter_server_terminals": False},
-            "allow_unauthenticated_access": False,
-        },
-        "ForkdApp": {"data_dir": forkd_data_dir, "max_long_calls": 1},
-    }
-
-
-async def until(predicate, what: str, limit: int = 2000):
-    for _ in range(limit):  # bounded: each state is reached within a few loop turns
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never reached: {what}")
+def jp_server_config(jp_server_config):
+    return {**jp_server_config, "ForkdApp": {**jp_server_config["ForkdApp"], "max_long_calls": 1}}
 
 
 async def test_a_session_open_is_admitted_as_a_long_call(jp_fetch, jp_ws_fetch, forkd_app, snap):  # noqa: F811

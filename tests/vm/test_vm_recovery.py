@@ -22,6 +22,7 @@ from forkd_engine import ChildSpec, EngineError
 from forkd_engine.vm import memory as vmem
 from forkd_engine.vm import snapshots
 
+from ..conftest import cleanup
 from .conftest import ev, requires_qemu, run
 
 pytestmark = requires_qemu
@@ -132,10 +133,7 @@ def test_server_killed_mid_live_branch_then_restart_thaws_the_source(vm_engine):
         info = c.branch(sid, "after-restart", mode="full")
         assert info["status"] == "ready"
     finally:
-        for sb in c.list_sandboxes():
-            c.kill_sandbox(sb["id"])
-        for snap in c.list_snapshots():
-            c.delete_snapshot(snap["tag"])
+        cleanup(c)
         c.close()
         if pid is not None and os.path.exists(f"/proc/{pid}"):
             os.kill(pid, signal.SIGKILL)
