@@ -33,7 +33,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from forkd_server.client import Controller as Client  # noqa: E402
 from forkd_server.controller import Controller  # noqa: E402
-from forkd_server.registry import Registry  # noqa: E402
+from tests.serving import FORKD, free_port  # noqa: E402
 
 
 def stats(samples_s: list[float]) -> dict:
@@ -80,12 +79,10 @@ def percentile(samples_s: list[float], q: float) -> float:
     return round(ms[min(len(ms) - 1, int(len(ms) * q))], 4)
 
 
-def metric(port: int, token: str, name: str) -> float | None:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+def metric(client, name: str) -> float | None:
+    for line in client.metrics().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
     return None
 
 
@@ -107,7 +104,7 @@ def ping_while_stuck(client, port: int, token: str, idle: str, stuck_count: int,
     try:
         calls = [pool.submit(sleep_forever, sid) for sid in stuck]
         deadline = time.monotonic() + 120
-        while metric(port, token, "forkd_long_calls_running") != stuck_count:  # readiness, bounded
+        while metric(client, "forkd_long_calls_running") != stuck_count:  # readiness, bounded
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the {stuck_count} evals did not all start")
             time.sleep(0.05)
@@ -119,7 +116,7 @@ def ping_while_stuck(client, port: int, token: str, idle: str, stuck_count: int,
             t0 = time.perf_counter()
             keepalive("POST", ping_path)
             samples.append(time.perf_counter() - t0)
-        still_running = metric(port, token, "forkd_long_calls_running")
+        still_running = metric(client, "forkd_long_calls_running")
     finally:
         for sid in stuck:  # frees the stuck calls (each answers 410)
             client.kill_sandbox(sid)
@@ -128,12 +125,6 @@ def ping_while_stuck(client, port: int, token: str, idle: str, stuck_count: int,
     return {**stats(samples), "p99_ms": percentile(samples, 0.99), "long_calls_running": still_running,
             "stuck_calls_answered_after_delete": answers, "target_p99_ms": 50.0,
             "target_met": percentile(samples, 0.99) <= 50.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -160,8 +151,7 @@ def main() -> int:
         with open(token_file, "w") as f:
             f.write(token)
         port = free_port()
-        server = subprocess.Popen([sys.executable, "-c", "import sys; from forkd_server.cli import main; "
-                                   "sys.exit(main())", "serve", "--port", str(port), "--data-dir", data,
+        server = subprocess.Popen([*FORKD, "serve", "--port", str(port), "--data-dir", data,
                                    "--token-file", token_file, "--ServerApp.log_level=WARN"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = Client(f"http://127.0.0.1:{port}", token)

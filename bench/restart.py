@@ -26,7 +26,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,19 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from forkd_server.client import Controller as Client  # noqa: E402
 from forkd_server.client import ServerUnreachable  # noqa: E402
 from forkd_server.controller import Controller  # noqa: E402
+from tests.serving import FORKD, free_port  # noqa: E402
 
 TARGET_S = 2.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(data: str, port: int, token_file: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import sys; from forkd_server.cli import main; sys.exit(main())",
-                             "serve", "--port", str(port), "--data-dir", data, "--token-file", token_file,
+    return subprocess.Popen([*FORKD, "serve", "--port", str(port), "--data-dir", data, "--token-file", token_file,
                              "--ServerApp.log_level=WARN"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
