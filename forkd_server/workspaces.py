@@ -180,10 +180,20 @@ class WorkspaceManager:
             ancestors = ancestors[:max(0, ancestors.index(tag) - 1)]
         lineage = ancestors + [sb["id"]]
         spec = {"branched_from": sb["id"], "mode": mode, "workspace": name}
-        self.ctl.branches.branch_into(sb, pending, mode, release, lineage=lineage + [pending],
-                                      spec=dict(spec, workspace_pending=True, engine_tag=pending))
-        # The new state is safe under `pending`; the sandbox still runs. Swap, then retire.
-        self._commit_state(row, self.registry.get_snapshot(pending), previous, lineage + [tag], spec)
+        try:
+            self.ctl.branches.branch_into(sb, pending, mode, release, lineage=lineage + [pending],
+                                          spec=dict(spec, workspace_pending=True, engine_tag=pending))
+            # The new state is safe under `pending`; the sandbox still runs. Swap, then retire.
+            self._commit_state(row, self.registry.get_snapshot(pending), previous, lineage + [tag], spec)
+        except Exception:
+            # The suspend did not happen and the sandbox runs on: its pending state goes (no user
+            # can delete an '@' tag). One still being written is settled by a restart's reconcile;
+            # a server that dies here (not an Exception) leaves it to reconcile too.
+            written = self.registry.get_snapshot(pending)
+            if written is not None and written["status"] != "writing":
+                self._undo_pending(written)
+                self.feed.emit("snapshot", "deleted", tag=pending)
+            raise
         self._retire(name)
         self.feed.emit("workspace", "suspended", name=name, status="suspended", current_state_tag=tag)
         return workspace_info(self.registry.get_workspace(name))
@@ -276,6 +286,17 @@ class WorkspaceManager:
         finally:
             self._release(name)
 
+    def _undo_pending(self, snap: dict) -> None:
+        """A suspend's pending state (``ws-<name>-state@n``) that never became the workspace's: its
+        engine object and its record go."""
+        engine = self.ctl.engines.get(snap["engine"])
+        if engine is not None:
+            if snap["handle"]:
+                engine.delete_snapshot(snap["handle"])
+            else:
+                engine.abandon("snap:" + snap["tag"])
+        self.registry.delete_snapshot(snap["tag"])
+
     # --- start-up --------------------------------------------------------------------------------
 
     def reconcile(self) -> dict:
@@ -302,13 +323,7 @@ class WorkspaceManager:
                 self._retire(ws["name"])
                 counts["workspace_suspends_finished"] += 1
                 continue
-            engine = self.ctl.engines.get(snap["engine"])  # the sandbox still runs (or the write failed)
-            if engine is not None:
-                if snap["handle"]:
-                    engine.delete_snapshot(snap["handle"])
-                else:
-                    engine.abandon("snap:" + snap["tag"])
-            self.registry.delete_snapshot(snap["tag"])
+            self._undo_pending(snap)  # the sandbox still runs (or the write failed)
             counts["workspace_suspends_undone"] += 1
         for ws in self.registry.list_workspaces():
             if ws["status"] == "running" and self._sandbox(ws) is None:

@@ -1,6 +1,7 @@
 """Ending a template or sandbox never takes its live forks with it, even when its agent does not
 answer, and a liveness check that cannot get a pidfd never calls a live sandbox dead (the server
-drops, and kills, what it believes dead)."""
+drops, and kills, what it believes dead). A branch that fails once its template is up leaves no
+template running that no record names."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import os
 import signal
 import time
 
+import pytest
+
 from forkd_engine import linux
 from forkd_engine.process import engine as process_engine
+from forkd_server.errors import EngineFailure
 
-from ..conftest import requires_root
+from ..conftest import requires_root, wait_gone
 from .conftest import ev
 
 pytestmark = requires_root
@@ -57,3 +61,26 @@ def test_no_pidfd_to_be_had_is_no_death(ctl, monkeypatch):
     ctl.kill_sandbox(kid["id"])
     assert engine.alive_many([handle]) == [False]
     ctl.delete_snapshot("watched")
+
+
+def test_a_branch_whose_template_reports_too_late_leaves_no_template(ctl, monkeypatch):
+    (kid,) = ctl.spawn(ctl.create_snapshot("late-parent")["tag"])
+    engine = ctl.engines["process"]
+    real, reports = engine._read_report, []
+
+    def late(sock, deadline):
+        got = real(sock, deadline)
+        reports.append(got)
+        return None if len(reports) == 2 else got  # its "ok" arrives just past the deadline
+
+    monkeypatch.setattr(engine, "_read_report", late)
+    with pytest.raises(EngineFailure, match="the new snapshot exited"):
+        ctl.branch(kid["id"], "late-branch", mode="full")
+    monkeypatch.undo()
+    template = reports[0][1]  # the pid its move request came with
+    assert reports[1][0].get("ok") is True  # it did come up
+    assert wait_gone({template}) == set()
+    assert ev(ctl, kid["id"], "1 + 1") == "2"  # the source runs on
+    ctl.kill_sandbox(kid["id"])
+    ctl.delete_snapshot("late-parent")
+

@@ -226,6 +226,31 @@ def test_a_failed_suspend_keeps_the_workspace_running(ctl, src, monkeypatch):
     ctl.delete_workspace("keep")
 
 
+def test_a_suspend_that_fails_after_its_write_leaves_no_pending_state(ctl, src, monkeypatch):
+    """The state was written under its pending tag (``...@n``, which no user can delete), then the
+    swap failed: the pending state and its template go, the workspace runs on."""
+    ws = ctl.create_workspace("undo", src)
+    before = nobody_processes()
+    written = []
+
+    def refused(row, pending, *args):
+        written.append(pending)
+        raise RuntimeError("injected: the registry refused the swap")
+
+    monkeypatch.setattr(ctl.workspaces, "_commit_state", refused)
+    with pytest.raises(RuntimeError, match="injected"):
+        ctl.suspend_workspace("undo")
+    monkeypatch.undo()
+    assert written[0]["status"] == "ready" and "@" in written[0]["tag"]
+    assert states(ctl, "undo") == []
+    assert wait_gone({written[0]["handle"]["pid"]}) == set()  # its template ended
+    assert nobody_processes() <= before
+    info = ctl.get_workspace("undo")
+    assert info["status"] == "running" and info["live_sandbox_id"] == ws["live_sandbox_id"]
+    assert ctl.suspend_workspace("undo")["status"] == "suspended"
+    ctl.delete_workspace("undo")
+
+
 # --- restarts -----------------------------------------------------------------------------------
 
 def test_restart_keeps_workspaces_and_marks_a_killed_one_stale(short_dir):

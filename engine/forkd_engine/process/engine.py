@@ -518,10 +518,13 @@ class ProcessEngine:
 
         def finish() -> None:
             leaves: list[str] = []
+            started = None  # the new template's pidfd, once it has asked to be moved
             try:
                 deadline = time.monotonic() + self.spawn_timeout
                 got = self._read_report(ours, deadline)
                 if got is not None and got[0].get("move"):
+                    with contextlib.suppress(OSError):
+                        started = os.pidfd_open(got[1])
                     # The new template asks for leaves of its own before it copies /tmp and /dev/shm
                     # (charged to its source's limit otherwise); a snapshot's are unlimited.
                     try:
@@ -534,10 +537,18 @@ class ProcessEngine:
                 ready.set_result(self._handle(got[1], path, role="template", cgroups=leaves))
             except BaseException as exc:  # noqa: BLE001
                 _unlink(path)
+                if started is not None:
+                    # It may come up after all (its report past the deadline): no record would name
+                    # it and nothing has forked from it, so it ends here.
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(started, signal.SIGKILL)
+                    linux.wait_pidfd(started, 10)  # gone, so its leaves can go
                 self.cgroups.remove(leaves)
                 ready.set_exception(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
             finally:
                 ours.close()
+                if started is not None:
+                    os.close(started)
 
         threading.Thread(target=finish, name=f"branch-{tag}", daemon=True).start()
         return BranchResult(pause_ms=float(reply["pause_ms"]), ready=ready,
