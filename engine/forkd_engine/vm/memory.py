@@ -135,29 +135,6 @@ _libc.process_vm_readv.restype = ctypes.c_ssize_t
 IOV_MAX = 1024
 
 
-def read_runs(pid: int, start: int, runs: list[tuple[int, int]]) -> list[tuple[int, bytes]]:
-    """Read each run of pages from the process's memory: [(byte offset in RAM, data)].
-
-    ``process_vm_readv`` copies once, batching up to IOV_MAX runs per call; ``/proc/PID/mem`` (a
-    bounce page per 4 KiB) is the fallback."""
-    total = sum(c for _f, c in runs) * PAGE
-    if not runs:
-        return []
-    buf = bytearray(total)
-    view = memoryview(buf)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    packed = []  # where each run lands in buf: one after the other
-    pos = 0
-    for _first, count in runs:
-        packed.append(pos)
-        pos += count * PAGE
-    try:
-        _readv_runs(pid, start, runs, [base + off for off in packed])
-    except OSError:
-        return _read_runs_procmem(pid, start, runs)
-    return [(first * PAGE, view[off:off + count * PAGE]) for (first, count), off in zip(runs, packed)]
-
-
 def _readv_runs(pid: int, start: int, runs: list[tuple[int, int]], local: list[int]) -> int:
     """process_vm_readv each run of pages at ``start`` into the local address beside it, IOV_MAX
     runs per call; returns the bytes read, raises OSError on a short read."""
@@ -252,30 +229,6 @@ def lift_write_protect(pid: int, start: int, size: int) -> int:
     finally:
         os.close(pidfd)
     return lifted
-
-
-def _read_runs_procmem(pid: int, start: int, runs: list[tuple[int, int]]) -> list[tuple[int, bytes]]:
-    out = []
-    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-    try:
-        for first, count in runs:
-            off = first * PAGE
-            data = os.pread(fd, count * PAGE, start + off)
-            if len(data) != count * PAGE:
-                raise OSError(f"short read of guest RAM in process {pid}")
-            out.append((off, data))
-    finally:
-        os.close(fd)
-    return out
-
-
-def apply_pages(path: str, pages: list[tuple[int, bytes]]) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        for off, data in pages:
-            os.pwrite(fd, data, off)
-    finally:
-        os.close(fd)
 
 
 def finish_device_state(path: str) -> None:
