@@ -110,6 +110,18 @@ def _cap_hugetlb(leaf: str, nbytes: int) -> None:
                 f.write(str(nbytes if size == HUGE_SIZE else 0))
 
 
+def _removed(leaf: str) -> bool:
+    """rmdir a leaf; False while it is busy (a process is still in it, or the kernel still tears one
+    down). A leaf already gone counts as removed."""
+    try:
+        os.rmdir(leaf)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
 def leaf_name(kind: str, tag: str) -> str:
     """A leaf's name for a setup or a branch of snapshot ``tag``: unique to this one, so a snapshot
     made again under a tag never shares (or kills, or limits) the leaves its previous one's reaper
@@ -292,14 +304,7 @@ class Cgroups:
         """Remove these leaves: the empty ones now, the others once their last process has exited
         (a retired sandbox's reaper goes after its last fork; a killed process once the kernel has
         torn it down), by the janitor. Returns those still busy now."""
-        busy = []
-        for leaf in leaves:
-            try:
-                os.rmdir(leaf)
-            except FileNotFoundError:
-                pass
-            except OSError:
-                busy.append(leaf)
+        busy = [leaf for leaf in leaves if not _removed(leaf)]
         if busy:
             self.janitor.add(busy)
         return busy
@@ -370,11 +375,7 @@ class Janitor:
             pids: set[int] = set()
             emptied = False
             for leaf in leaves:
-                try:
-                    os.rmdir(leaf)
-                except FileNotFoundError:
-                    pass
-                except OSError:
+                if not _removed(leaf):
                     held = Cgroups.procs(leaf)
                     pids.update(held)
                     if held:
