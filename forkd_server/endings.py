@@ -10,15 +10,44 @@ why), so a later ``GET`` of the id answers 404 saying so rather than a bare "not
 
 from __future__ import annotations
 
+import signal
 import time
 
-from forkd_engine import LimitHit
+from forkd_engine import ExitStatus, LimitHit
 
 from .errors import NotFound
 
 KILLED = "it was killed (DELETE /v1/sandboxes/{id})"
 UNEXPECTED = ("its process ended unexpectedly (no limit of its was reached: it exited, crashed or was killed "
               "outside forkd)")
+
+# What a signal that ended a sandbox's Python usually means, for the ones user code meets.
+_SIGNALS = {
+    signal.SIGKILL: "was killed by SIGKILL from outside forkd (a kill -9, or the host's own OOM killer)",
+    signal.SIGSEGV: "crashed with SIGSEGV (a segmentation fault, usually in a C extension)",
+    signal.SIGABRT: "aborted (SIGABRT: os.abort(), or a failed assertion in a C extension)",
+    signal.SIGBUS: "got SIGBUS (a memory access the system could not back: a huge page it could not supply, "
+                   "or a mapped file cut short)",
+    signal.SIGFPE: "crashed with SIGFPE (an arithmetic fault in a C extension)",
+    signal.SIGILL: "crashed with SIGILL (an illegal instruction in a C extension)",
+}
+
+
+def how(status: ExitStatus | None) -> str | None:
+    """How a process ended, said for a user: "its Python exited with status 3 (...)"; None if unknown."""
+    if status is None:
+        return None
+    if status.signal is not None:
+        said = _SIGNALS.get(status.signal)
+        if said is None:
+            try:
+                name = signal.Signals(status.signal).name
+            except ValueError:
+                name = f"signal {status.signal}"
+            said = f"was killed by {name} (signal {status.signal}) from outside forkd"
+        return f"its Python {said}"
+    return (f"its Python exited with status {status.code} (os._exit({status.code}), or a C extension that "
+            f"called exit())")
 
 
 def raise_hint(tag: str, mib: int) -> str:
@@ -29,10 +58,21 @@ def raise_hint(tag: str, mib: int) -> str:
             f"memory_limit_mib={more}), %forkd fork --tag {tag} --memory-limit-mib {more}; a workspace takes it at create)")
 
 
-def died(row: dict, hits: list[LimitHit]) -> dict:
-    """The end of a sandbox whose process ended on its own: ``{"reason", "limit_hit"}``."""
+TEMPLATE_ENDED = "snapshot is not bootable: its template process ended unexpectedly"
+
+
+def template_ended(status: ExitStatus | None) -> str:
+    """The warning of a snapshot whose template's process ended outside forkd's control."""
+    said = how(status)
+    return f"{TEMPLATE_ENDED}: {said}" if said else TEMPLATE_ENDED
+
+
+def died(row: dict, hits: list[LimitHit], status: ExitStatus | None = None) -> dict:
+    """The end of a sandbox whose process ended on its own: ``{"reason", "limit_hit"}``, from the
+    limits its cgroup says it hit and, where its engine knows it, how its process ended."""
     if not hits:
-        return {"reason": UNEXPECTED, "limit_hit": None}
+        said = how(status)
+        return {"reason": f"{said}; no limit of its was reached" if said else UNEXPECTED, "limit_hit": None}
     # The OOM killer (or a refused huge page) ends a process; a refused fork only fails a call.
     first = next((h for h in hits if h.limit != "pids"), hits[0])
     said = "; ".join(h.message for h in hits)

@@ -180,9 +180,9 @@ class Cgroups:
         self.caps_huge_pages = True
         return True, f"each sandbox's huge pages are capped at its memory limit (cgroup {where[0]} hugetlb at {where[1]})"
 
-    def apply(self, name: str, pid: int, memory_mib: int | None, pids_max: int | None) -> list[str]:
-        """Put ``pid`` into leaves limiting it (a memory limit caps huge pages too, with
-        ``caps_huge_pages``); returns the leaf paths made."""
+    def apply(self, name: str, pid: int | list[int], memory_mib: int | None, pids_max: int | None) -> list[str]:
+        """Put ``pid`` (or each of a list) into leaves limiting it (a memory limit caps huge pages
+        too, with ``caps_huge_pages``); returns the leaf paths made."""
         made = []
         memory = memory_mib and memory_mib * 1024 * 1024
         for controller, value in (("memory", memory), ("pids", pids_max),
@@ -207,8 +207,9 @@ class Cgroups:
                 with contextlib.suppress(OSError):  # no swap accounting on many hosts
                     with open(os.path.join(leaf, "memory.memsw.limit_in_bytes"), "w") as f:
                         f.write(str(value))
-            with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
-                f.write(str(pid))
+            for one in pid if isinstance(pid, list) else [pid]:
+                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                    f.write(str(one))
             if leaf not in made:
                 made.append(leaf)
         return made

@@ -109,6 +109,16 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` as this process's pid namespace sees it (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
 def live_children(pid: int) -> list[int]:
     """The children of ``pid`` that have not exited (zombies left out), from every thread's
     /proc/<pid>/task/<tid>/children."""

@@ -74,13 +74,14 @@ def _own_pid_ns() -> str:
 
 
 def user_processes() -> list[tuple[int, str]]:
-    """(pid, command) of live processes in this sandbox's pid namespace other than the agent.
+    """(pid, command) of live processes in this sandbox's pid namespace other than the agent and
+    PID 1 (its init, or the agent itself in a VM guest).
 
     Forks the agent made for branches live in nested pid namespaces and are not listed."""
     me, ns = os.getpid(), _own_pid_ns()
     found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
+        if not name.isdigit() or int(name) in (me, 1):
             continue
         try:
             if os.readlink(f"/proc/{name}/ns/pid") != ns:

@@ -25,9 +25,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
-from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
-                    InvalidSpec, LimitHit, LimitReached, LossyFork, PROBE_PARALLELISM, SnapshotSpec, ping_problem)
-from . import hugepages, rootfs
+from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, ExitStatus,
+                    Handle, InvalidSpec, LimitHit, LimitReached, LossyFork, PROBE_PARALLELISM, SnapshotSpec,
+                    ping_problem)
+from . import hugepages, rootfs, sandbox_init
 from .setup import Setup
 from ..cgroups import CgroupError, Cgroups, leaf_name, subtree
 
@@ -37,7 +38,8 @@ MAX_SOCKET_PATH = 107
 AGENT_OOM_SCORE_ADJ = -900
 DEFAULT_MEMORY_LIMIT_MIB = 2048  # a sandbox's (and a snapshot setup's) memory limit unless one is asked for
 DEFAULT_PIDS_MAX = 1024          # processes and threads per sandbox (and per snapshot setup)
-RETIRE_TIMEOUT = 10.0   # s an agent has to answer "retire" before it is killed (if no fork of it lives)
+RETIRE_TIMEOUT = 10.0   # s an agent of a handle without an init has to answer "retire" (see _retire)
+KILL_WAIT = 10.0        # s a killed agent has to exit (SIGKILL: only a process stuck in the kernel takes long)
 
 
 def _sandbox_env() -> dict:
@@ -94,7 +96,8 @@ class ProcessEngine:
                                     f"({MAX_SOCKET_PATH} bytes); choose a shorter --data-dir")
         try:
             rootfs.check_python_location()
-        except RuntimeError as exc:
+            self.init_path = sandbox_init.build(self.data_dir)  # PID 1 of every namespace we make
+        except (RuntimeError, OSError) as exc:
             raise EngineUnavailable(str(exc)) from None
         self.root_dir = os.path.join(self.data_dir, "newroot")
         os.makedirs(self.root_dir, exist_ok=True)
@@ -154,15 +157,19 @@ class ProcessEngine:
         return json.loads(data), pid
 
     def _handle(self, pid: int, path: str, **extra) -> Handle:
+        """The handle of a template or sandbox whose agent is ``pid``; its parent is its init."""
         start = linux.process_start_time(pid)
-        if start is None:
+        init = linux.parent_pid(pid)
+        init_start = linux.process_start_time(init) if init else None
+        if start is None or init_start is None:
             raise EngineError(f"process {pid} exited right after starting")
         # Where root holds CAP_SYS_RESOURCE, also shield the agent itself from the OOM killer
         # (its death takes the whole pid namespace); without it, this is refused and harmless.
         with contextlib.suppress(OSError):
             with open(f"/proc/{pid}/oom_score_adj", "w") as f:
                 f.write(str(AGENT_OOM_SCORE_ADJ))
-        return {"engine": self.name, "pid": pid, "start_time": start, "socket": path, **extra}
+        return {"engine": self.name, "pid": pid, "start_time": start, "socket": path,
+                "init": {"pid": init, "start_time": init_start}, **extra}
 
     # --- agent -----------------------------------------------------------------------------------
 
@@ -226,6 +233,12 @@ class ProcessEngine:
         """The limits the kernel enforced in this sandbox's leaves (read before ``kill`` removes them)."""
         return self.cgroups.hits(handle.get("cgroups") or [])
 
+    def exit_status(self, handle: Handle) -> ExitStatus | None:
+        """How its agent ended, as its init says (None while it runs, or for a handle without an
+        init: one a server before forkd-init made)."""
+        init = handle.get("init")
+        return sandbox_init.ending(init["pid"], init["start_time"]) if init else None
+
     def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
         """Why each process does not answer a ping within ``timeout`` (None: it does), all at once."""
         why: list[str | None] = [None if ok else f"its process {h['pid']} is gone"
@@ -273,6 +286,12 @@ class ProcessEngine:
         out["rss_kib"] += private + shared
         out["pss_kib"] += private
         out["uss_kib"] += private
+        init = handle.get("init")
+        if init and linux.process_start_time(init["pid"]) == init["start_time"]:
+            with contextlib.suppress(OSError, ValueError):  # its init: a few pages, but the sandbox's own
+                extra = linux.memory_figures(linux.smaps_rollup(init["pid"]))
+                for key in ("rss_kib", "pss_kib", "uss_kib"):
+                    out[key] += extra[key]
         return out
 
     # --- snapshots -------------------------------------------------------------------------------
@@ -289,7 +308,7 @@ class ProcessEngine:
             "tag": spec.tag, "setup": spec.setup, "setup_commands": spec.setup_commands,
             "host_network": spec.host_network, "setup_timeout": spec.setup_timeout,
             "tmp_size_mib": tmp_mib, "shm_size_mib": shm_mib, "uid": self.uid, "gid": self.gid,
-            "root_dir": self.root_dir, "hidden": [self.data_dir], "env": _sandbox_env(),
+            "root_dir": self.root_dir, "hidden": [self.data_dir], "init": self.init_path, "env": _sandbox_env(),
             "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
             "shell": spec.shell, "deny_hugetlb": not self.cgroups.caps_huge_pages,
         }
@@ -366,8 +385,8 @@ class ProcessEngine:
         return "no output"
 
     def delete_snapshot(self, handle: Handle) -> None:
-        self._retire(handle)
-        self.cgroups.remove(handle.get("cgroups") or [])  # a reaper's go once it exits
+        self._end(handle)
+        self.cgroups.remove(handle.get("cgroups") or [])  # its init's go once its children are gone
 
     # --- sandboxes -------------------------------------------------------------------------------
 
@@ -418,7 +437,7 @@ class ProcessEngine:
                 raise _failure("spawn failed", "; ".join(errors[:3]))
             for cid, h in started.items():
                 try:
-                    h["cgroups"] = self.cgroups.apply(cid, h["pid"], limits[cid], self.pids_max)
+                    h["cgroups"] = self.cgroups.apply(cid, [h["init"]["pid"], h["pid"]], limits[cid], self.pids_max)
                 except (CgroupError, OSError) as exc:
                     raise EngineError(str(exc)) from exc
             return [started[c.id] for c in batch]
@@ -436,11 +455,37 @@ class ProcessEngine:
                 s.close()
 
     def kill(self, handle: Handle) -> None:
-        self._retire(handle)
-        self.cgroups.remove(handle.get("cgroups") or [])  # a reaper's go once its last fork has
+        self._end(handle)
+        self.cgroups.remove(handle.get("cgroups") or [])  # its init's go once its last fork has
+
+    def _end(self, handle: Handle) -> None:
+        """End the agent with SIGKILL (what is nested in its pid namespace lives on: its init holds
+        the namespace) and tell its init that its end is known, so the init goes once nothing nested
+        in it lives. Also releases what we hold for an agent that ended by itself."""
+        init = handle.get("init")
+        if init is None:
+            self._retire(handle)
+            return
+        if self.alive(handle):
+            try:
+                pidfd = os.pidfd_open(handle["pid"])
+            except ProcessLookupError:
+                pidfd = None
+            if pidfd is not None:
+                try:
+                    if linux.process_start_time(handle["pid"]) == handle["start_time"]:
+                        with contextlib.suppress(ProcessLookupError):
+                            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                        linux.wait_pidfd(pidfd, KILL_WAIT)
+                finally:
+                    os.close(pidfd)
+        sandbox_init.collect(init["pid"], init["start_time"])
+        self._forget(handle)
 
     def _retire(self, handle: Handle) -> None:
-        """Ask the agent to end itself (a reaper stays if it has live forks); force it if it can't."""
+        """The end of a handle without an init, made by a server before forkd-init, whose agent is
+        PID 1 itself: ask it to retire (it turns into a reaper while forks of it live); force it
+        only where that ends no fork."""
         if not self.alive(handle):
             self._forget(handle)
             return

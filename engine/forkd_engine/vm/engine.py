@@ -28,8 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import linux
-from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LimitHit,
-                    PROBE_PARALLELISM, SnapshotSpec, ping_problem)
+from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, ExitStatus, Handle,
+                    LimitHit, PROBE_PARALLELISM, SnapshotSpec, ping_problem)
 from ..cgroups import Cgroups, subtree
 from . import branching, recovery, snapshots, spawning
 from . import memory as vmem
@@ -158,6 +158,10 @@ class VMEngine:
     def limits_hit(self, handle: Handle) -> list[LimitHit]:
         """The limits the kernel enforced on a VM's QEMU (its memory limit: the OOM killer)."""
         return self.cgroups.hits(handle.get("cgroups") or [])
+
+    def exit_status(self, handle: Handle) -> ExitStatus | None:
+        """Unknown: QEMU is no child of ours to wait for (limits_hit says what the kernel enforced)."""
+        return None
 
     def memory(self, handle: Handle) -> dict:
         if handle.get("kind") == "snapshot":

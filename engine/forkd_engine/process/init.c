@@ -1,0 +1,132 @@
+/* forkd-init: PID 1 of a process sandbox's (or snapshot template's) pid namespace.
+ *
+ * A pid namespace dies with its PID 1, and every branch or child forked from the sandbox is
+ * nested in that namespace. So the sandbox's Python (the agent) is never PID 1: it is this
+ * program's child, and whatever ends it (a kill -9, the OOM killer, a segfault, os._exit) leaves
+ * the namespace standing for as long as anything nested in it lives.
+ *
+ *   forkd-init AGENT_PID      exec'd by the namespace's first process once it has forked the agent
+ *
+ * While the agent lives: reap what is orphaned in the namespace.
+ * Once it has ended: say how in our command name ("forkd-init x3": exit status 3; "forkd-init
+ * s9": killed by signal 9), where the engine reads it; kill every process left in our own pid
+ * namespace (the user's commands; nested namespaces, the forks made for branches and children,
+ * stay); reap until no child is left; exit once the engine has collected the status (SIGTERM from
+ * outside the namespace, or from the agent itself when forkd retires it). Until then we linger,
+ * as a zombie does for its parent: a few pages of memory.
+ *
+ * Kept tiny on purpose: its private memory is paid once per sandbox.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static int proc_fd = -1;   /* our namespace's /proc, opened first: a later mount over /proc can't blind us */
+static char own_ns[64];
+
+static int ns_of(const char *pid, char *buf, size_t size) {
+    char path[300];
+    snprintf(path, sizeof path, "%s/ns/pid", pid);
+    ssize_t n = readlinkat(proc_fd, path, buf, size - 1);
+    if (n < 0)
+        return -1;
+    buf[n] = 0;
+    return 0;
+}
+
+/* SIGKILL every process of our own pid namespace but us, until a pass finds none (one may fork
+ * while we look; a killed one can't). Returns how many were killed. */
+static int kill_strays(void) {
+    int total = 0, found;
+    do {
+        found = 0;
+        int fd = dup(proc_fd);
+        DIR *dir = fd < 0 ? NULL : fdopendir(fd);
+        if (dir == NULL) {
+            if (fd >= 0)
+                close(fd);
+            return total;
+        }
+        rewinddir(dir);
+        struct dirent *e;
+        char ns[64];
+        while ((e = readdir(dir)) != NULL) {
+            char *end;
+            long pid = strtol(e->d_name, &end, 10);
+            if (*end || pid <= 1)
+                continue;
+            if (ns_of(e->d_name, ns, sizeof ns) == 0 && strcmp(ns, own_ns) == 0 && kill((pid_t)pid, SIGKILL) == 0)
+                found++;
+        }
+        closedir(dir);
+        total += found;
+    } while (found);
+    return total;
+}
+
+static void say_how(int status) {
+    char name[16];
+    if (WIFSIGNALED(status))
+        snprintf(name, sizeof name, "forkd-init s%d", WTERMSIG(status));
+    else
+        snprintf(name, sizeof name, "forkd-init x%d", WEXITSTATUS(status));
+    prctl(PR_SET_NAME, name, 0, 0, 0);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2 || getpid() != 1) {
+        fprintf(stderr, "usage: forkd-init AGENT_PID (as PID 1 of a pid namespace, by forkd's process engine)\n");
+        return 2;
+    }
+    pid_t agent = (pid_t)atoi(argv[1]);
+    /* Nothing of the agent's stays open here (its listening socket above all: a dead agent's must
+     * refuse connections, not queue them). */
+    if (syscall(SYS_close_range, 3U, ~0U, 0U) != 0)
+        for (int fd = 3; fd < 1024; fd++)
+            close(fd);
+    signal(SIGCHLD, SIG_DFL);   /* an ignored SIGCHLD survives exec, and would reap for us */
+    proc_fd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (proc_fd < 0 || ns_of("self", own_ns, sizeof own_ns) != 0) {
+        perror("forkd-init: /proc");
+        own_ns[0] = 0;   /* we still hold the namespace and reap; strays can't be told apart */
+    }
+    prctl(PR_SET_NAME, "forkd-init", 0, 0, 0);
+
+    sigset_t all, wanted;
+    sigfillset(&all);
+    sigprocmask(SIG_BLOCK, &all, NULL);   /* as PID 1 nothing inside may stop us; we wait for these two */
+    sigemptyset(&wanted);
+    sigaddset(&wanted, SIGCHLD);
+    sigaddset(&wanted, SIGTERM);
+
+    int agent_done = 0, collected = 0;
+    for (;;) {
+        int status;
+        pid_t pid;
+        while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+            if (pid == agent && !agent_done) {
+                agent_done = 1;
+                say_how(status);
+                if (own_ns[0])
+                    kill_strays();
+            }
+        }
+        if (pid < 0 && errno == ECHILD && agent_done && collected)
+            return 0;
+        siginfo_t info;
+        if (sigwaitinfo(&wanted, &info) < 0)
+            continue;
+        /* si_pid is 0 for a sender outside our namespace (the engine, as root on the host). */
+        if (info.si_signo == SIGTERM && info.si_code == SI_USER && (info.si_pid == 0 || info.si_pid == agent))
+            collected = 1;
+    }
+}
