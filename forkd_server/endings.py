@@ -70,22 +70,24 @@ def template_ended(status: ExitStatus | None) -> str:
 def died(row: dict, hits: list[LimitHit], status: ExitStatus | None = None) -> dict:
     """The end of a sandbox whose process ended on its own: ``{"reason", "limit_hit"}``, from the
     limits its cgroup says it hit and, where its engine knows it, how its process ended."""
+    said = how(status)
     if not hits:
-        said = how(status)
         return {"reason": f"{said}; no limit of its was reached" if said else UNEXPECTED, "limit_hit": None}
     # The OOM killer (or a refused huge page) ends a process; a refused fork only fails a call.
     first = next((h for h in hits if h.limit != "pids"), hits[0])
-    said = "; ".join(h.message for h in hits)
+    facts = "; ".join(h.message for h in hits)
     if first.limit == "pids":
         hint = ("the pids limit is the same for every sandbox of this server; run fewer processes and threads at "
                 "once")
+        if said:  # what ended it is known, and it was not the refused fork
+            return {"reason": f"{said}; before that {facts}. To go on: {hint}", "limit_hit": "pids"}
     else:
         limit = row.get("memory_limit_mib") or first.value
         hint = raise_hint(row["snapshot_tag"], limit)
         if first.limit == "huge_pages":
             hint = "its huge-page cap is its memory limit: " + hint
     name = {"memory": "memory limit", "huge_pages": "huge-page cap", "pids": "pids limit"}[first.limit]
-    return {"reason": f"it died of its {name}: {said}. To go on: {hint}", "limit_hit": first.limit}
+    return {"reason": f"it died of its {name}: {facts}. To go on: {hint}", "limit_hit": first.limit}
 
 
 def killed(sandbox_id: str) -> dict:

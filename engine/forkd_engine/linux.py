@@ -144,8 +144,9 @@ def wait_exit(pid: int, start_time: int | None, timeout: float) -> bool:
     except ProcessLookupError:
         return True
     try:
-        if process_start_time(pid) != start_time:
-            return True
+        started = process_start_time(pid)  # None while it dies: wait for its pidfd all the same
+        if started is not None and started != start_time:
+            return True  # the pid names another process now
         return wait_pidfd(pidfd, timeout)
     finally:
         os.close(pidfd)

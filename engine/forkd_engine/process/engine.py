@@ -39,6 +39,7 @@ AGENT_OOM_SCORE_ADJ = -900
 DEFAULT_MEMORY_LIMIT_MIB = 2048  # a sandbox's (and a snapshot setup's) memory limit unless one is asked for
 DEFAULT_PIDS_MAX = 1024          # processes and threads per sandbox (and per snapshot setup)
 RETIRE_TIMEOUT = 10.0   # s an agent of a handle without an init has to answer "retire" (see _retire)
+INIT_REPORT_WAIT = 2.0  # s an init has to say how its agent ended (it reaps at once: a loaded host's moment)
 KILL_WAIT = 10.0        # s a killed agent has to exit (SIGKILL: only a process stuck in the kernel takes long)
 
 
@@ -235,9 +236,18 @@ class ProcessEngine:
 
     def exit_status(self, handle: Handle) -> ExitStatus | None:
         """How its agent ended, as its init says (None while it runs, or for a handle without an
-        init: one a server before forkd-init made)."""
+        init: one a server before forkd-init made). The init says so a moment after the agent's
+        exit, once it has reaped it; we give it that moment."""
         init = handle.get("init")
-        return sandbox_init.ending(init["pid"], init["start_time"]) if init else None
+        if init is None or self.alive(handle):
+            return None
+        deadline = time.monotonic() + INIT_REPORT_WAIT
+        while True:
+            status = sandbox_init.ending(init["pid"], init["start_time"])
+            if status is not None or linux.process_start_time(init["pid"]) != init["start_time"] \
+                    or time.monotonic() > deadline:
+                return status
+            time.sleep(0.002)
 
     def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
         """Why each process does not answer a ping within ``timeout`` (None: it does), all at once."""

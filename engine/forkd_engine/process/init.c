@@ -31,46 +31,56 @@
 #include <unistd.h>
 
 static int proc_fd = -1;   /* our namespace's /proc, opened first: a later mount over /proc can't blind us */
-static char own_ns[64];
 
-static int ns_of(const char *pid, char *buf, size_t size) {
-    char path[300];
-    snprintf(path, sizeof path, "%s/ns/pid", pid);
-    ssize_t n = readlinkat(proc_fd, path, buf, size - 1);
-    if (n < 0)
-        return -1;
+/* Whether ``pid`` (a /proc entry) is a live process of our own pid namespace, not of one nested in
+ * it and not a zombie: its NSpid line (its pid in each namespace from ours down to its own) has a
+ * single number. /proc/N/status needs no ptrace access, which a fork of the agent denies us (its
+ * memory belongs to the host's user namespace, where we hold no capability). */
+static int is_stray(const char *pid) {
+    char path[300], buf[4096];
+    snprintf(path, sizeof path, "%s/status", pid);
+    int fd = openat(proc_fd, path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
     buf[n] = 0;
-    return 0;
+    char *state = strstr(buf, "\nState:\t"), *line = strstr(buf, "\nNSpid:");
+    if (state == NULL || state[8] == 'Z' || line == NULL)
+        return 0;
+    int numbers = 0, in_number = 0;
+    for (char *c = line + 7; *c && *c != '\n'; c++) {
+        int digit = *c >= '0' && *c <= '9';
+        numbers += digit && !in_number;
+        in_number = digit;
+    }
+    return numbers == 1;
 }
 
-/* SIGKILL every process of our own pid namespace but us, until a pass finds none (one may fork
- * while we look; a killed one can't). Returns how many were killed. */
+/* SIGKILL every live process of our own pid namespace but us; returns how many. Called again
+ * after each reap while it finds any: a process forked meanwhile is found by the next pass. */
 static int kill_strays(void) {
-    int total = 0, found;
-    do {
-        found = 0;
-        int fd = dup(proc_fd);
-        DIR *dir = fd < 0 ? NULL : fdopendir(fd);
-        if (dir == NULL) {
-            if (fd >= 0)
-                close(fd);
-            return total;
-        }
-        rewinddir(dir);
-        struct dirent *e;
-        char ns[64];
-        while ((e = readdir(dir)) != NULL) {
-            char *end;
-            long pid = strtol(e->d_name, &end, 10);
-            if (*end || pid <= 1)
-                continue;
-            if (ns_of(e->d_name, ns, sizeof ns) == 0 && strcmp(ns, own_ns) == 0 && kill((pid_t)pid, SIGKILL) == 0)
-                found++;
-        }
-        closedir(dir);
-        total += found;
-    } while (found);
-    return total;
+    int fd = dup(proc_fd), found = 0;
+    DIR *dir = fd < 0 ? NULL : fdopendir(fd);
+    if (dir == NULL) {
+        if (fd >= 0)
+            close(fd);
+        return 0;
+    }
+    rewinddir(dir);
+    struct dirent *e;
+    while ((e = readdir(dir)) != NULL) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (*end || pid <= 1)
+            continue;
+        if (is_stray(e->d_name) && kill((pid_t)pid, SIGKILL) == 0)
+            found++;
+    }
+    closedir(dir);
+    return found;
 }
 
 static void say_how(int status) {
@@ -95,10 +105,8 @@ int main(int argc, char **argv) {
             close(fd);
     signal(SIGCHLD, SIG_DFL);   /* an ignored SIGCHLD survives exec, and would reap for us */
     proc_fd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (proc_fd < 0 || ns_of("self", own_ns, sizeof own_ns) != 0) {
-        perror("forkd-init: /proc");
-        own_ns[0] = 0;   /* we still hold the namespace and reap; strays can't be told apart */
-    }
+    if (proc_fd < 0)
+        perror("forkd-init: /proc");   /* we still hold the namespace and reap; strays can't be found */
     prctl(PR_SET_NAME, "forkd-init", 0, 0, 0);
 
     sigset_t all, wanted;
@@ -108,7 +116,7 @@ int main(int argc, char **argv) {
     sigaddset(&wanted, SIGCHLD);
     sigaddset(&wanted, SIGTERM);
 
-    int agent_done = 0, collected = 0;
+    int agent_done = 0, collected = 0, strays = 0;
     for (;;) {
         int status;
         pid_t pid;
@@ -116,10 +124,11 @@ int main(int argc, char **argv) {
             if (pid == agent && !agent_done) {
                 agent_done = 1;
                 say_how(status);
-                if (own_ns[0])
-                    kill_strays();
+                strays = proc_fd >= 0;
             }
         }
+        if (strays)
+            strays = kill_strays() > 0;   /* each killed one wakes us as it is reaped */
         if (pid < 0 && errno == ECHILD && agent_done && collected)
             return 0;
         siginfo_t info;
