@@ -66,11 +66,12 @@ def test_a_sandbox_that_dies_between_calls_says_why_at_its_next_one(ctl, snap):
         ctl.get_sandbox(other)
 
 
-def test_an_unexpected_end_says_no_limit_was_reached(ctl, snap):
+def test_an_unexpected_end_says_how_and_that_no_limit_was_reached(ctl, snap):
     sb = ctl.spawn(snap, 1)[0]
     os.kill(sb["pid"], 9)
     assert ctl.engines["process"].wait_exit(ctl.registry.get_sandbox(sb["id"])["handle"], 30)
-    with pytest.raises(NotFound, match="ended unexpectedly \\(no limit of its was reached"):
+    with pytest.raises(NotFound, match="its Python was killed by SIGKILL from outside forkd .*; no limit of its "
+                                       "was reached"):
         ctl.get_sandbox(sb["id"])
 
 

@@ -490,6 +490,9 @@ class ProcessEngine:
                 finally:
                     os.close(pidfd)
         sandbox_init.collect(init["pid"], init["start_time"])
+        if not sandbox_init.holds_forks(init["pid"]):
+            # It goes at once (after its strays): wait, so a kill leaves nothing of the sandbox.
+            linux.wait_exit(init["pid"], init["start_time"], KILL_WAIT)
         self._forget(handle)
 
     def _retire(self, handle: Handle) -> None:

@@ -73,6 +73,22 @@ def ending(pid: int, start_time: int | None) -> ExitStatus | None:
     return ExitStatus(signal=int(m.group(2))) if m.group(1) == "s" else ExitStatus(code=int(m.group(2)))
 
 
+def _depth(pid: int) -> int:
+    """How many pid namespaces ``pid`` is in (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((len(line.split()) - 1 for line in f if line.startswith("NSpid:")), 0)
+    except OSError:
+        return 0
+
+
+def holds_forks(pid: int) -> bool:
+    """Whether init ``pid`` holds forks of its agent (a child in a namespace nested in its own),
+    which it outlives the agent for; its other children are the agent and its strays."""
+    own = _depth(pid)
+    return any(_depth(child) > own for child in linux.live_children(pid))
+
+
 def collect(pid: int, start_time: int | None) -> None:
     """Tell init ``pid`` that its agent's end is known: it exits once nothing nested in it lives."""
     try:
