@@ -10,6 +10,7 @@ import pytest
 
 from forkd_server.errors import ForkdError
 
+from .. import streams
 from ..conftest import requires_root
 from .conftest import ev, sh
 
@@ -175,63 +176,16 @@ def test_every_sandbox_has_its_own_machine_id(ctl):
     assert len(branched) == 2 and not branched & {host, *ids}
 
 
-# Generators of every kind made in a snapshot's setup, with a seed and without one. A function's
-# local generator is made and dropped too: it must leave nothing behind to trace or hold.
-GENERATORS = """
-import random
-import numpy as np
-own, own_seeded = random.Random(), random.Random(42)
-rng, rng_seeded = np.random.default_rng(), np.random.default_rng(42)
-pcg = np.random.Generator(np.random.PCG64())
-legacy, legacy_seeded = np.random.RandomState(), np.random.RandomState(42)
-legacy.standard_normal()  # leaves its second Gaussian cached
-seq = np.random.SeedSequence()
-philox = np.random.Philox(key=7)
-def local_draw():
-    return np.random.default_rng().random()
-local_draw()
-"""
-# Each value: (made without a seed?, an expression drawing from it).
-DRAWS = {"Random()": (True, "own.random()"), "Random(42)": (False, "own_seeded.random()"),
-         "default_rng()": (True, "float(rng.random())"), "default_rng(42)": (False, "float(rng_seeded.random())"),
-         "Generator(PCG64())": (True, "float(pcg.random())"),
-         "RandomState()": (True, "float(legacy.standard_normal())"),
-         "RandomState(42)": (False, "float(legacy_seeded.random())"),
-         "SeedSequence().spawn": (True, "int(seq.spawn(1)[0].generate_state(1)[0])"),
-         "Philox(key=7)": (False, "int(philox.random_raw())")}
-
-
-def draws(ctl, sandbox_id: str, extra: dict | None = None) -> dict:
-    table = {**DRAWS, **(extra or {})}
-    values = ev(ctl, sandbox_id, "[" + ", ".join(expr for _, expr in table.values()) + "]")
-    return dict(zip(table, ast.literal_eval(values)))
-
-
-def assert_own_streams(table: dict, *sandboxes: dict) -> None:
-    for name, (unseeded, _) in table.items():
-        values = [s[name] for s in sandboxes]
-        if unseeded:
-            assert len(set(values)) == len(values), (name, values)  # each copy its own stream
-        else:
-            assert len(set(values)) == 1, (name, values)            # seeded on purpose: the same
-
-
 def test_generators_made_without_a_seed_draw_their_own_numbers_in_every_copy(ctl):
-    base = ctl.create_snapshot("generators", setup=GENERATORS)["tag"]
+    base = ctl.create_snapshot("generators", setup=streams.SETUP)["tag"]
     a, b = (s["id"] for s in ctl.spawn(base, 2))
-    assert_own_streams(DRAWS, draws(ctl, a), draws(ctl, b))
-    # Made in a sandbox before a branch, or spawned from a generator the setup made: the branch's
-    # children (copies of a copy) get their own streams again; seeded ones still agree.
-    run(ctl, a, "cell_rng = np.random.default_rng()\nspawned = rng.spawn(2)\nfrom_seq = np.random.default_rng(seq)\n"
-                "cell_own = random.Random()\nreplayed = random.Random(); replayed.setstate(own_seeded.getstate())")
-    later = {"cell default_rng()": (True, "float(cell_rng.random())"),
-             "rng.spawn()": (True, "float(spawned[1].random())"),
-             "default_rng(seq)": (True, "float(from_seq.random())"),
-             "cell Random()": (True, "cell_own.random()"),
-             "Random().setstate()": (False, "replayed.random()")}
+    draws = [ev(ctl, s, streams.DRAW) for s in (a, b)]
+    streams.assert_own(streams.DRAWS, *draws)
+    # Made in a sandbox before a branch, or from a sequence the setup made: the branch's children
+    # (copies of a copy) get their own streams again; seeded ones still agree.
+    run(ctl, a, streams.LATER_CODE)
     g1, g2 = branch_and_fork(ctl, a)
-    table = {**DRAWS, **later}
-    assert_own_streams(table, draws(ctl, g1, later), draws(ctl, g2, later), draws(ctl, a, later))
+    streams.assert_own(streams.ALL, *(ev(ctl, s, streams.DRAW_ALL) for s in (g1, g2, a)))
 
 
 # --- running work: refused, or carried with warnings -----------------------------------------------
