@@ -7,7 +7,7 @@ copy. ``reseed()`` gives each copy its own streams; a generator the user seeded 
 - The global generators (``random``'s and numpy's legacy ``np.random``) are always reseeded, as
   CPython does for ``random`` after ``os.fork``.
 - ``random.Random`` instances whose last ``seed`` was ``None`` (``Random()`` seeds itself that way):
-  ``Random.seed`` and ``Random.setstate`` are wrapped to keep them in a weak set; a later
+  ``Random.seed`` and ``Random.setstate`` are wrapped to keep them in a weak mapping; a later
   ``seed(x)`` or ``setstate`` (pickling, ``copy``) takes one off it.
 - numpy generators made without a seed (``default_rng()``, ``Generator(PCG64())``,
   ``RandomState()``, ``SeedSequence()``, ...): numpy then draws the entropy of their
@@ -47,7 +47,8 @@ _BIT_GENERATOR = "numpy.random.bit_generator"
 
 _random_seed = random.Random.seed
 _random_setstate = random.Random.setstate
-_unseeded = weakref.WeakSet()   # random.Random instances whose last seed was None
+# random.Random instances whose last seed was None, by id (a subclass may be unhashable)
+_unseeded: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 _pending: list[int] = []        # entropy numpy drew since the last notice()
 _known: dict[int, list] = {}    # id -> [object, its reference count when last looked at]
@@ -78,14 +79,14 @@ def _renew_lock() -> None:
 def _seed(self, a=None, version=2):
     _random_seed(self, a, version)
     if a is None:
-        _unseeded.add(self)
+        _unseeded[id(self)] = self
     else:
-        _unseeded.discard(self)
+        _unseeded.pop(id(self), None)
 
 
 def _setstate(self, state):
     _random_setstate(self, state)
-    _unseeded.discard(self)
+    _unseeded.pop(id(self), None)
 
 
 _seed.__doc__ = _random_seed.__doc__
@@ -264,7 +265,7 @@ def reseed() -> None:
     if np is not None:
         with contextlib.suppress(Exception):
             np.random.seed(int.from_bytes(os.urandom(4), "little"))
-    for r in list(_unseeded):
+    for r in list(_unseeded.values()):
         _random_seed(r, int.from_bytes(os.urandom(32), "little"))
     if _pending or _known:
         with _lock:
