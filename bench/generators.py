@@ -23,10 +23,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine"))
 
-from forkd_engine.agent import generators  # noqa: E402
+from forkd_engine.agent import generators
 
 generators.install()
-import numpy as np  # noqa: E402  (after install, as in a sandbox)
+import numpy as np  # after install, as in a sandbox
 
 
 def private_dirty_mib() -> float:

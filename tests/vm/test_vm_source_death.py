@@ -10,8 +10,8 @@ import shutil
 import tempfile
 
 import pytest
-
 from forkd_engine import linux
+
 from forkd_server.controller import Controller
 from forkd_server.errors import Gone, NotFound
 
