@@ -37,6 +37,8 @@ def how(status: ExitStatus | None) -> str | None:
     """How a process ended, said for a user: "its Python exited with status 3 (...)"; None if unknown."""
     if status is None:
         return None
+    if status.note is not None:
+        return status.note
     if status.signal is not None:
         said = _SIGNALS.get(status.signal)
         if said is None:

@@ -31,6 +31,7 @@ from ..agent.runtime import Runtime
 from ..agent.server import AgentServer
 from .compactor import Compactor
 from .sandbox_init import IN_SANDBOX
+from .machine_id import own_machine_id
 
 _PROC_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
 
@@ -208,6 +209,7 @@ class SandboxProcess:
                 os.chdir(cwd)
             if identity["role"] == "sandbox":
                 linux.sethostname(identity["id"][:64])
+                own_machine_id()
                 if not self.config.get("host_network"):
                     linux.loopback_up()
             notes = inventory.repair_after_fork({listen_fd, report_fd}, lossy)

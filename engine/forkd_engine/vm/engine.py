@@ -160,8 +160,10 @@ class VMEngine:
         return self.cgroups.hits(handle.get("cgroups") or [])
 
     def exit_status(self, handle: Handle) -> ExitStatus | None:
-        """Unknown: QEMU is no child of ours to wait for (limits_hit says what the kernel enforced)."""
-        return None
+        """What ended a VM that ended on its own: its guest kernel's panic (read before ``kill``,
+        which removes its console log). QEMU is no child of ours, so its own status is unknown."""
+        message = self.qemu.panic(handle) if handle.get("kind") == "vm" else None
+        return ExitStatus(note=f"its guest kernel panicked (Kernel panic - not syncing: {message})") if message else None
 
     def memory(self, handle: Handle) -> dict:
         if handle.get("kind") == "snapshot":
