@@ -214,8 +214,8 @@ class Cgroups:
                 made.append(leaf)
         return made
 
-    def move(self, name: str, pid: int) -> list[str]:
-        """Put ``pid`` (a new template) into leaves of its own wherever memory and pids can be
+    def move(self, name: str, pid: int | list[int]) -> list[str]:
+        """Put ``pid`` (a new template, or it and its init) into leaves of its own wherever memory and pids can be
         accounted (nowhere when neither can): without memory and pids limits, and with no huge page
         of its own (``caps_huge_pages``; a template only forks, and the huge pages it holds are its
         source's, charged there).
@@ -229,8 +229,9 @@ class Cgroups:
             os.makedirs(leaf, exist_ok=True)
             if controller == "hugetlb":
                 _cap_hugetlb(leaf, 0)
-            with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
-                f.write(str(pid))
+            for one in pid if isinstance(pid, list) else [pid]:
+                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                    f.write(str(one))
             if leaf not in made:
                 made.append(leaf)
         return made

@@ -3,8 +3,8 @@
 1. As the host's root, in a private mount namespace, build the read-only sandbox root and pivot.
 2. Fork a child that unshares user, mount, UTS, IPC, pid (and net) namespaces; map its root to an
    unprivileged host uid from outside, where we still hold the right to; it drops every host group.
-3. That child forks the namespace's first process (PID 1), which mounts /proc, forks the template
-   and leaves PID 1 to forkd-init (inside.hand_pid1_to_init). The template mounts a private /tmp,
+3. That child forks the namespace's first process (PID 1), which forks the template and leaves
+   PID 1 to forkd-init (inside.hand_pid1_to_init). The template mounts /proc, a private /tmp,
    installs the seccomp filter, runs the snapshot's setup and serves. Both helpers exit, so the
    template belongs to no server process and survives a server restart.
 """
@@ -33,8 +33,8 @@ def template_main(cfg: dict) -> None:
     """The snapshot's template: set up, run the user's setup, serve. Never returns."""
     report_fd, listen_fd = cfg["report_fd"], cfg["listen_fd"]
     try:
-        linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
         hand_pid1_to_init()
+        linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
         linux.mount("tmpfs", "/tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
                     f"mode=1777,size={cfg['tmp_size_mib']}m")
         linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,

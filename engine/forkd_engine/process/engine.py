@@ -581,12 +581,14 @@ class ProcessEngine:
                 deadline = time.monotonic() + self.spawn_timeout
                 got = self._read_report(ours, deadline)
                 if got is not None and got[0].get("move"):
-                    with contextlib.suppress(OSError):
-                        started = os.pidfd_open(got[1])
-                    # The new template asks for leaves of its own before it copies /tmp and /dev/shm
-                    # (charged to its source's limit otherwise); a snapshot's are unlimited.
+                    init = linux.parent_pid(got[1])  # its forkd-init, PID 1 of its pid namespace
+                    with contextlib.suppress(OSError, TypeError):
+                        started = os.pidfd_open(init)
+                    # The new template asks for leaves of its own (for it and its init) before it
+                    # copies /tmp and /dev/shm (charged to its source's limit otherwise); a
+                    # snapshot's are unlimited.
                     try:
-                        leaves = self.cgroups.move(leaf_name("branch", tag), got[1])
+                        leaves = self.cgroups.move(leaf_name("branch", tag), [p for p in (init, got[1]) if p])
                     finally:
                         ours.send(b"moved")
                     got = self._read_report(ours, deadline)
@@ -597,7 +599,7 @@ class ProcessEngine:
                 _unlink(path)
                 if started is not None:
                     # It may come up after all (its report past the deadline): no record would name
-                    # it and nothing has forked from it, so it ends here.
+                    # it and nothing has forked from it, so it ends here, with its init's namespace.
                     with contextlib.suppress(OSError):
                         signal.pidfd_send_signal(started, signal.SIGKILL)
                     linux.wait_pidfd(started, 10)  # gone, so its leaves can go

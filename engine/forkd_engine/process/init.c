@@ -5,7 +5,7 @@
  * program's child, and whatever ends it (a kill -9, the OOM killer, a segfault, os._exit) leaves
  * the namespace standing for as long as anything nested in it lives.
  *
- *   forkd-init AGENT_PID      exec'd by the namespace's first process once it has forked the agent
+ *   forkd-init AGENT_PID      exec'd by the namespace's first process right after it forked the agent
  *
  * While the agent lives: reap what is orphaned in the namespace.
  * Once it has ended: say how in our command name ("forkd-init x3": exit status 3; "forkd-init
@@ -21,16 +21,18 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-static int proc_fd = -1;   /* our namespace's /proc, opened first: a later mount over /proc can't blind us */
+static int proc_fd = -1;   /* our namespace's /proc, in our own mount namespace: no mount of the agent's can blind us */
 
 /* Whether ``pid`` (a /proc entry) is a live process of our own pid namespace, not of one nested in
  * it and not a zombie: its NSpid line (its pid in each namespace from ours down to its own) has a
@@ -59,9 +61,21 @@ static int is_stray(const char *pid) {
     return numbers == 1;
 }
 
+/* A /proc of our own pid namespace, in a mount namespace of our own, made when first needed: we
+ * were forked before the agent set up its namespaces, and a spawn should not wait for ours. */
+static int open_own_proc(void) {
+    if (proc_fd < 0 && (unshare(CLONE_NEWNS) != 0 ||
+                        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0 ||
+                        (proc_fd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0))
+        perror("forkd-init: /proc");   /* we still hold the namespace and reap; strays can't be found */
+    return proc_fd;
+}
+
 /* SIGKILL every live process of our own pid namespace but us; returns how many. Called again
  * after each reap while it finds any: a process forked meanwhile is found by the next pass. */
 static int kill_strays(void) {
+    if (open_own_proc() < 0)
+        return 0;
     int fd = dup(proc_fd), found = 0;
     DIR *dir = fd < 0 ? NULL : fdopendir(fd);
     if (dir == NULL) {
@@ -104,9 +118,6 @@ int main(int argc, char **argv) {
         for (int fd = 3; fd < 1024; fd++)
             close(fd);
     signal(SIGCHLD, SIG_DFL);   /* an ignored SIGCHLD survives exec, and would reap for us */
-    proc_fd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (proc_fd < 0)
-        perror("forkd-init: /proc");   /* we still hold the namespace and reap; strays can't be found */
     prctl(PR_SET_NAME, "forkd-init", 0, 0, 0);
 
     sigset_t all, wanted;
@@ -124,7 +135,7 @@ int main(int argc, char **argv) {
             if (pid == agent && !agent_done) {
                 agent_done = 1;
                 say_how(status);
-                strays = proc_fd >= 0;
+                strays = 1;
             }
         }
         if (strays)

@@ -52,7 +52,8 @@ MOVE_TIMEOUT = 30.0
 def wait_to_be_moved(tag: str, report_fd: int) -> None:
     """A branch, right after its fork: it is still in its source's cgroup leaves, so the copies it
     is about to make (/tmp, /dev/shm) would count against the source's memory limit. Ask the engine
-    to move it into leaves of its own (the report carries our host pid) and wait until it has."""
+    to move it (and its init, its parent) into leaves of its own (the report carries our host pid)
+    and wait until it has."""
     report(report_fd, {"id": tag, "move": True})
     with socket.socket(fileno=os.dup(report_fd)) as s:
         s.settimeout(MOVE_TIMEOUT)
@@ -61,9 +62,9 @@ def wait_to_be_moved(tag: str, report_fd: int) -> None:
 
 
 def hand_pid1_to_init() -> None:
-    """In the first process of a new pid namespace (its PID 1): fork, and leave PID 1 to
-    forkd-init while the child goes on as the template or sandbox. Needs the namespace's own /proc
-    mounted (forkd-init tells its strays from nested forks by it)."""
+    """In the first process of a new pid namespace (its PID 1), first thing: fork, and leave PID 1
+    to forkd-init while the child goes on as the template or sandbox. The init sets itself up (a
+    /proc of its own) alongside, so the new sandbox waits only for this fork."""
     if not os.access(IN_SANDBOX, os.X_OK):
         raise OSError(f"{IN_SANDBOX} is missing from the sandbox root: the engine binds it there")
     pid = children.raw_fork()
@@ -185,6 +186,7 @@ class SandboxProcess:
         /dev/shm (sized by ``tmpfs``, else as ours), repair what the fork shares with its source,
         then serve (never returns)."""
         try:
+            hand_pid1_to_init()
             self.config.update(tmpfs or {})
             close_agent_fds(self.agent_fds(), keep={listen_fd, report_fd})
             children.forget_fds()
@@ -201,7 +203,6 @@ class SandboxProcess:
                 wait_to_be_moved(identity["id"], report_fd)
                 linux.unshare(linux.CLONE_NEWNS)
             linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
-            hand_pid1_to_init()
             private_copy("/tmp", self.config["tmp_size_mib"])
             private_copy("/dev/shm", self.config.get("shm_size_mib", 64))
             # The same path now names this fork's own copy (a relative open() stays private).
