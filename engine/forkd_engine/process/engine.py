@@ -97,7 +97,7 @@ class ProcessEngine:
                                     f"({MAX_SOCKET_PATH} bytes); choose a shorter --data-dir")
         try:
             rootfs.check_python_location()
-            self.init_path = sandbox_init.build(self.data_dir)  # PID 1 of every namespace we make
+            self.init_path = sandbox_init.build()  # PID 1 of every namespace we make
         except (RuntimeError, OSError) as exc:
             raise EngineUnavailable(str(exc)) from None
         self.root_dir = os.path.join(self.data_dir, "newroot")

@@ -1,7 +1,8 @@
 """forkd-init, the PID 1 of every process sandbox and template (``init.c``), host side.
 
-It is built from its source with the host's C compiler, once per version of the source, into the
-engine's data dir, and bound read-only into each snapshot's root as ``/forkd-init``, where the first
+It is built from its source with the host's C compiler, once per version of the source, into a
+cache shared by every data dir (``$FORKD_CACHE_DIR``, else ``$XDG_CACHE_HOME/forkd`` or
+``~/.cache/forkd``), and bound read-only into each snapshot's root as ``/forkd-init``, where the first
 process of every new pid namespace execs it (``inside.py``). After the sandbox's agent has ended,
 its command name says how (``forkd-init s9``), until the engine collects that (``SIGTERM``).
 """
@@ -28,11 +29,16 @@ class InitUnavailable(RuntimeError):
     pass
 
 
-def build(data_dir: str) -> str:
+def cache_dir() -> str:
+    return os.environ.get("FORKD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "forkd")
+
+
+def build() -> str:
     """The path of forkd-init built from this version of ``init.c`` (built now if missing)."""
     with open(SOURCE, "rb") as f:
         source = f.read()
-    out = os.path.join(data_dir, "bin", f"{NAME}-{hashlib.sha256(source).hexdigest()[:16]}")
+    out = os.path.join(cache_dir(), f"{NAME}-{hashlib.sha256(source).hexdigest()[:16]}")
     if os.access(out, os.X_OK):
         return out
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
