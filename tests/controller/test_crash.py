@@ -16,7 +16,7 @@ from forkd_server import recovery
 from forkd_server.controller import Controller
 from forkd_server.errors import Conflict, NotFound
 
-from ..conftest import nobody_processes, requires_root, wait_gone
+from ..conftest import engine_processes, requires_root, wait_gone
 from .conftest import cleanup, ev
 
 pytestmark = requires_root
@@ -71,7 +71,7 @@ def assert_consistent(c: Controller) -> None:
 
 
 def test_restart_reattaches_to_live_sandboxes_and_snapshots(short_dir):
-    before = nobody_processes()
+    before = engine_processes(short_dir)
     lines = run_server(short_dir, "branched")
     ids = lines[1]["ids"]
     c = Controller(short_dir)
@@ -86,12 +86,12 @@ def test_restart_reattaches_to_live_sandboxes_and_snapshots(short_dir):
     finally:
         cleanup(c)
         c.close()
-    assert wait_gone(nobody_processes() - before) == set()
+    assert wait_gone(engine_processes(short_dir) - before) == set()
 
 
 @pytest.mark.parametrize("stop_after", ["spawning", "spawned-more"])
 def test_server_killed_mid_work_leaves_registry_consistent_and_no_orphans(short_dir, stop_after):
-    before = nobody_processes()
+    before = engine_processes(short_dir)
     run_server(short_dir, stop_after, round_no=2)
     c = Controller(short_dir)
     try:
@@ -100,11 +100,11 @@ def test_server_killed_mid_work_leaves_registry_consistent_and_no_orphans(short_
     finally:
         cleanup(c)
         c.close()
-    assert wait_gone(nobody_processes() - before) == set()
+    assert wait_gone(engine_processes(short_dir) - before) == set()
 
 
 def test_kill_9_of_a_sandbox(short_dir):
-    before = nobody_processes()
+    before = engine_processes(short_dir)
     c = Controller(short_dir)
     try:
         c.create_snapshot("k", setup="v = 5")
@@ -121,11 +121,11 @@ def test_kill_9_of_a_sandbox(short_dir):
     finally:
         cleanup(c)
         c.close()
-    assert wait_gone(nobody_processes() - before) == set()
+    assert wait_gone(engine_processes(short_dir) - before) == set()
 
 
 def test_kill_9_of_a_template(short_dir):
-    before = nobody_processes()
+    before = engine_processes(short_dir)
     c = Controller(short_dir)
     try:
         c.create_snapshot("t", setup="v = 5")
@@ -143,7 +143,7 @@ def test_kill_9_of_a_template(short_dir):
     finally:
         cleanup(c)
         c.close()
-    assert wait_gone(nobody_processes() - before) == set()
+    assert wait_gone(engine_processes(short_dir) - before) == set()
 
 
 def test_a_reused_pid_is_not_mistaken_for_the_sandbox(short_dir):
