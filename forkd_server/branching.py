@@ -31,12 +31,15 @@ READY_TIMEOUT = 600.0  # a waiting branch gives up on the engine's completion af
 
 def lossy_refusal(exc: LossyFork, what: str) -> Conflict:
     """409: what a fork would lose, and the two ways out."""
-    items = "".join(f"\n  - {item}" for item in exc.items)
-    return Conflict(f"{what} would lose what a fork() cannot carry:{items}\nTo fork anyway, ask for a lossy "
-                    f"fork (REST \"lossy\": true, SDK lossy=True, %forkd branch --lossy, forkd snapshot "
-                    f"--lossy): the snapshot then carries these as warnings. Or use the VM engine (engine "
-                    f"\"vm\"), which copies the whole machine: threads, processes and sockets included",
-                    lost=list(exc.items))
+    items = list(exc.items)
+    shown = "; ".join(items[:3]) + (f" (and {len(items) - 3} more)" if len(items) > 3 else "")
+    return Conflict(f"{what} would lose what a fork() cannot carry: {shown}",
+                    hint="to fork anyway, ask for a lossy fork (the snapshot lists what it lost as warnings), "
+                         "or use the VM engine, which carries it",
+                    details={"lost": items, "rest": '"lossy": true', "sdk": "lossy=True",
+                             "magic": "%forkd branch --lossy", "cli": "forkd snapshot --lossy",
+                             "vm": 'engine "vm" copies the whole machine: threads, processes and sockets included'},
+                    lost=items)
 
 
 class BranchManager:

@@ -20,6 +20,7 @@ from forkd_engine import Cancelled, EngineError, InvalidSpec, LimitReached, Loss
 from .branching import lossy_refusal
 from .checks import ENGINES, check_disk_mib, check_labels, check_memory_mib, check_setup_timeout, check_tag
 from .errors import BadRequest, Conflict, EngineFailure, ForkdError
+from .setup_failures import setup_refusal
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -109,8 +110,8 @@ class CreationManager:
                 self.feed.emit("snapshot", "deleted", tag=tag)
                 if isinstance(exc, Cancelled):
                     raise Conflict(str(exc)) from None
-                if isinstance(exc, InvalidSpec):  # e.g. an unknown package: the request's fault
-                    raise BadRequest(str(exc)) from None
+                if isinstance(exc, InvalidSpec):  # its own setup failed, an unknown package...: the request's fault
+                    raise setup_refusal(tag, str(exc)) from None
                 if isinstance(exc, LossyFork):
                     raise lossy_refusal(exc, f"snapshot {tag}: every sandbox is a fork of it, and its setup") from None
                 if isinstance(exc, LimitReached):
