@@ -44,6 +44,8 @@ def explained(exc: BaseException, server: str) -> Explained:
     if isinstance(exc, ControllerError):
         what, hint = _internal_paths_out(exc.what), _internal_paths_out(exc.hint)
         details = {**exc.details, "http": f"{exc.status} from {exc.url}"}
+        if hint and details.get("magic"):  # the fix in the notebook's own words
+            hint += f": {details['magic']}"
         if exc.status == 401:
             return Explained(f"the server at {server} refused the token ({what})",
                              f"set FORKD_TOKEN, or %forkd connect {server} (it asks for the token)", details)

@@ -204,8 +204,8 @@ class Controller:
                 name = states[victim["tag"]]
                 raise Conflict(f"snapshot {victim['tag']} holds the state of workspace {name}"
                                + (f" (cascade from {tag} would delete it)" if victim["tag"] != tag else ""),
-                               hint=f"delete the workspace instead (DELETE /v1/workspaces/{name})",
-                               details={"cli": f"forkd workspace delete {name}"})
+                               hint="delete the workspace instead",
+                               details={"rest": f"DELETE /v1/workspaces/{name}", "cli": f"forkd workspace delete {name}"})
         for victim in reversed(victims):
             engine = self.engines.get(victim["engine"])
             if victim["handle"] and engine is not None:

@@ -113,7 +113,8 @@ class CreationManager:
                 if isinstance(exc, InvalidSpec):  # its own setup failed, an unknown package...: the request's fault
                     raise setup_refusal(tag, str(exc)) from None
                 if isinstance(exc, LossyFork):
-                    raise lossy_refusal(exc, f"snapshot {tag}: every sandbox is a fork of it, and its setup") from None
+                    raise lossy_refusal(exc, f"snapshot {tag}: every sandbox is a fork of it, and its setup",
+                                        magic=None) from None
                 if isinstance(exc, LimitReached):
                     raise Conflict(f"snapshot {tag}: {exc}") from None
                 raise EngineFailure(str(exc)) from exc

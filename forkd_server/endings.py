@@ -34,7 +34,7 @@ def _larger(mib: int) -> int:
 def raise_hint(tag: str, mib: int) -> str:
     """What to do when a sandbox of ``tag`` needs more memory than ``mib``, in one line
     (``ways_to_raise``: the same in each front end's words)."""
-    return f"to go on, start a sandbox of {tag} with a larger memory_limit_mib (e.g. {_larger(mib)})"
+    return f"to go on, start a sandbox of {tag} with a larger memory_limit_mib, e.g. {_larger(mib)}"
 
 
 def ways_to_raise(tag: str, mib: int) -> dict:

@@ -1,6 +1,7 @@
 """How the CLI says a failure: one line on stderr and a non-zero status, never a traceback.
 
 The line is ``forkd COMMAND: what happened; what to do``, from the error's ``what`` and ``hint``
+(with the fix as a ``forkd`` command, when its details have one)
 (a ``ControllerError`` from a server, an unreachable server, a ``ForkdError`` of an in-process
 command such as ``demo``, a file that cannot be read, a bad argument). ``--debug`` (or
 ``FORKD_DEBUG=1``) adds the error's details, one fact a line, and the traceback.
@@ -52,6 +53,8 @@ def report(command: str, exc: BaseException, *, debug: bool, as_json: bool) -> i
     from ..client import ControllerError, ServerUnreachable
 
     what, hint, details = _said(exc)
+    if hint and details.get("cli"):  # the fix in this front end's own words
+        hint += f": {details['cli']}"
     status = getattr(exc, "status", None) if isinstance(exc, ControllerError) else None
     if status is not None:
         what += f" (HTTP {status})"

@@ -50,7 +50,9 @@ def test_a_long_error_is_two_lines_with_its_details_collapsed_under_them(dying):
     what, hint = out.stderr.splitlines()  # two lines, no more, and no traceback
     assert what == ("UsageError: forkd fork: sandbox sb-1 ended during this run_code: it died of its huge-page cap "
                     "(64 MiB, as much as its memory limit)")
-    assert hint == "to go on, start a sandbox of py with a larger memory_limit_mib (e.g. 128)"
+    # what to do, with the same in the notebook's own words
+    assert hint == ("to go on, start a sandbox of py with a larger memory_limit_mib, e.g. 128: "
+                    "%forkd fork --tag py --memory-limit-mib 128")
     (shown,) = out.outputs  # the details: one display, after the error
     html = shown.data["text/html"]
     assert html.startswith('<details class="forkd-error-details"><summary') and "<details open" not in html

@@ -302,13 +302,14 @@ def test_cli_errors_are_one_line_and_a_status(server, ctl):
     done = cli(server, "snapshot", "--from-sandbox", sb["id"], check=False)  # 409, with details
     said = one_line(done)
     assert said.startswith(f"forkd snapshot: branch of {sb['id']} would lose what a fork() cannot carry: ")
-    assert "(HTTP 409); to fork anyway, ask for a lossy fork" in said and done.returncode == 1
+    assert said.endswith("(HTTP 409); use the VM engine, which carries it, or fork anyway with a lossy fork: "
+                         "forkd snapshot --lossy\n") and done.returncode == 1
     debug = cli(server, "snapshot", "--from-sandbox", sb["id"], "--debug", check=False)  # the details, the traceback
     assert debug.returncode == 1 and debug.stderr.startswith(said)
     assert "\n  sdk: lossy=True\n" in debug.stderr and "\n  cli: forkd snapshot --lossy\n" in debug.stderr
     assert "Traceback (most recent call last)" in debug.stderr and "ControllerError" in debug.stderr
     as_json = json.loads(cli(server, "snapshot", "--from-sandbox", sb["id"], "--json", check=False).stdout)
-    assert as_json["status"] == 409 and as_json["details"]["lost"] and "\nto fork anyway" in as_json["error"]
+    assert as_json["status"] == 409 and as_json["details"]["lost"] and "\nuse the VM engine" in as_json["error"]
     ctl.kill_sandbox(sb["id"])
     ctl.delete_snapshot(snap["tag"])
 
