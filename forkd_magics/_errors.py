@@ -49,8 +49,6 @@ def explained(exc: BaseException, server: str) -> Explained:
         if exc.status == 401:
             return Explained(f"the server at {server} refused the token ({what})",
                              f"set FORKD_TOKEN, or %forkd connect {server} (it asks for the token)", details)
-        if exc.status == 404:
-            return Explained(f"{what} on {server}", hint, details)
         if _NO_ANSWER.search(what):
             return Explained(what, "the sandbox may be busy with an earlier cell or stuck: give it more time "
                                    "(--timeout), interrupt it, or kill it", details)

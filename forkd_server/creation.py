@@ -77,8 +77,8 @@ class CreationManager:
         if disk_mib is not None and name != "vm":
             raise BadRequest("disk_mib needs engine vm (a process sandbox's files live in its private layer)")
         if packages and name != "vm":
-            raise BadRequest("packages need engine vm (a process sandbox runs the host's Python environment; "
-                             "add software there with setup_commands)")
+            raise BadRequest("packages need engine vm (a process sandbox runs the host's Python environment)",
+                             hint="ask for engine vm, or add the software with setup_commands")
         with self.ctl.branches.reserve(tag, f"snapshot {tag} is already being written"):
             if self.registry.get_snapshot(tag) is not None:
                 raise BadRequest(f"snapshot {tag} already exists; DELETE first")

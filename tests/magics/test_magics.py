@@ -109,7 +109,7 @@ def test_delete_snapshot(ip, forkd):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("fork -t nope", "UsageError: forkd fork: snapshot nope not found on http://127.0.0.1:"),
+    ("fork -t nope", "UsageError: forkd fork: snapshot nope not found\n"),
     ("kill sb-nope", "UsageError: forkd kill: sb-nope: no such sandbox is running (killed already, or a wrong id)"),
     ("frobnicate", "UsageError: forkd: unknown subcommand 'frobnicate'"),
     ("fork -n 2", 'UsageError: forkd fork: this notebook runs in a plain kernel, not in a sandbox\nuse the '
