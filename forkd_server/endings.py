@@ -47,10 +47,11 @@ def ways_to_raise(tag: str, mib: int) -> dict:
             "workspace": "a workspace takes memory_limit_mib when it is created"}
 
 
-def died(row: dict, hits: list[LimitHit]) -> dict:
-    """The end of a sandbox whose process ended on its own."""
+def died(row: dict, hits: list[LimitHit], seen: str | None = None) -> dict:
+    """The end of a sandbox whose process ended on its own. ``seen``: what its engine saw end it (a
+    VM's guest kernel panic), when no limit did."""
     if not hits:
-        return {"reason": UNEXPECTED, "limit_hit": None, "hint": None, "details": {}}
+        return {"reason": seen or UNEXPECTED, "limit_hit": None, "hint": None, "details": {}}
     # The OOM killer (or a refused huge page) ends a process; a refused fork only fails a call.
     first = next((h for h in hits if h.limit != "pids"), hits[0])
     details = {"limit": first.limit, "kernel": "; ".join(h.message for h in hits)}
