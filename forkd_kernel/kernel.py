@@ -150,11 +150,11 @@ class ForkdKernel(Kernel):
             said = explained(exc, self.controller.base_url)
             if "memory_limit_mib" in str(exc):
                 said.hint = "set $FORKD_KERNEL_MEMORY_LIMIT_MIB or ForkdKernel.memory_limit_mib within the server's bound"
-            self._start_error = Explained(
-                f"the forkd kernel could not start its sandbox: {said.what}",
-                said.hint if "restart the kernel" in said.hint else
-                f"{said.hint}, then restart the kernel" if said.hint else "fix the cause and restart the kernel",
-                {**said.details, "meanwhile": "the notebook's %forkd lines still run (in the kernel)"})
+            hint = said.hint or "fix the cause"
+            if "restart the kernel" not in hint:
+                hint += ", then restart the kernel"
+            self._start_error = Explained(f"the forkd kernel could not start its sandbox: {said.what}", hint,
+                                          {**said.details, "meanwhile": "the notebook's %forkd lines still run (in the kernel)"})
         finally:
             self._started.set()
 

@@ -1,10 +1,10 @@
 """How the CLI says a failure: one line on stderr and a non-zero status, never a traceback.
 
 The line is ``forkd COMMAND: what happened; what to do``, from the error's ``what`` and ``hint``
-(with the fix as a ``forkd`` command, when its details have one)
-(a ``ControllerError`` from a server, an unreachable server, a ``ForkdError`` of an in-process
-command such as ``demo``, a file that cannot be read, a bad argument). ``--debug`` (or
-``FORKD_DEBUG=1``) adds the error's details, one fact a line, and the traceback.
+and, when its details have one, the fix as a ``forkd`` command. The error may be a
+``ControllerError`` from a server, an unreachable server, a ``ForkdError`` of an in-process command
+such as ``demo``, a file that cannot be read, or a bad argument (argparse's words, on one line).
+``--debug`` (or ``FORKD_DEBUG=1``) adds the error's details, one fact a line, and the traceback.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def report(command: str, exc: BaseException, *, debug: bool, as_json: bool) -> i
     print(" ".join(line.split("\n")), file=sys.stderr)  # one line, whatever the message held
     if debug:
         for key, value in details.items():
-            print(f"  {key}: {value if isinstance(value, str) else json.dumps(value)}", file=sys.stderr)
+            text = value if isinstance(value, str) else json.dumps(value)
+            print(f"  {key}: " + "\n    ".join(text.splitlines() or [""]), file=sys.stderr)
         traceback.print_exception(exc, file=sys.stderr)
     return UNREACHABLE if isinstance(exc, ServerUnreachable) else FAILED

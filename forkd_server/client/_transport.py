@@ -112,7 +112,7 @@ class ServerTimeout(ServerUnreachable):
 
     @property
     def what(self) -> str:
-        return f"the forkd server at {self.url} gave no answer within {self.timeout:g} s"
+        return f"the forkd server at {self.url} is up but gave no answer within {self.timeout:g} s"
 
     @property
     def hint(self) -> str:
