@@ -49,8 +49,8 @@ forks
 # way -> (memory limit of the source, the cell that ends it or None, what its end says)
 WAYS = {
     "kill -9 from the host": (None, None, r"its Python was killed by SIGKILL from outside forkd"),
-    "the OOM killer at its memory limit": (128, "hog = b'x' * (400 << 20)", r"memory limit was reached \(128 MiB\)"),
-    "its huge-page cap": (64, HUGE_PAGE_TOUCH, r"huge-page cap \(64 MiB"),
+    "the OOM killer at its memory limit": (128, "hog = b'x' * (400 << 20)", r"it died of its memory limit \(128 MiB\)"),
+    "its huge-page cap": (64, HUGE_PAGE_TOUCH, r"it died of its huge-page cap \(64 MiB"),
     "os.abort()": (None, "import os\nos.abort()", r"its Python aborted \(SIGABRT"),
     "a segfault in C code": (None, "import ctypes\nctypes.string_at(0)", r"its Python crashed with SIGSEGV"),
     "os._exit(3)": (None, "import os\nos._exit(3)", r"its Python exited with status 3"),
