@@ -226,6 +226,15 @@ class ProcessEngine:
         """The limits the kernel enforced in this sandbox's leaves (read before ``kill`` removes them)."""
         return self.cgroups.hits(handle.get("cgroups") or [])
 
+    def raise_memory_limit(self, handle: Handle, memory_mib: int) -> None:
+        """Raise a running sandbox's memory limit and huge-page cap (its leaves'). Its /tmp and
+        /dev/shm keep the sizes they were mounted with, and its compactor keeps moving arrays into
+        huge pages up to the cap it started with: only the kernel's limits move."""
+        try:
+            self.cgroups.raise_memory(handle.get("cgroups") or [], memory_mib)
+        except OSError as exc:
+            raise EngineError(f"could not raise the memory limit of process {handle.get('pid')}: {exc}") from exc
+
     def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
         """Why each process does not answer a ping within ``timeout`` (None: it does), all at once."""
         why: list[str | None] = [None if ok else f"its process {h['pid']} is gone"
