@@ -27,6 +27,7 @@ class Head:
         self.controller = controller
         self.on_other = on_other
         self.sandbox_id: str | None = None
+        self.snapshot_tag: str | None = None  # the snapshot HEAD was forked from
         self.session: Session | None = None
         self.hello: dict = {}
         self.ended: str | None = None  # why HEAD's session ended (the sandbox died), else None
@@ -36,11 +37,14 @@ class Head:
 
     # --- moving ----------------------------------------------------------------------------------
 
-    def attach(self, sandbox_id: str) -> dict:
-        """Make ``sandbox_id`` HEAD: open its IPython session; returns the session's hello."""
+    def attach(self, sandbox_id: str, snapshot_tag: str | None = None) -> dict:
+        """Make ``sandbox_id`` (forked from ``snapshot_tag``) HEAD: open its IPython session;
+        returns the session's hello."""
         session = self.controller.session(sandbox_id, shell="ipython")
         old = self.session
         with self._lock:
+            if sandbox_id != self.sandbox_id:
+                self.snapshot_tag = snapshot_tag
             self.session, self.sandbox_id, self.hello, self.ended = session, sandbox_id, session.hello, None
             self.comms = set()
         threading.Thread(target=self._read, args=(session,), name=f"forkd-head-{sandbox_id}", daemon=True).start()
@@ -77,11 +81,38 @@ class Head:
                            f"sandbox {self.sandbox_id} cannot be reached ({self.ended}); sandboxes outlive their "
                            f"server: start it again and run the cell again, the state is still there")
         if self.ended is not None:
-            raise HeadGone(f"this notebook's sandbox {self.sandbox_id} is gone ({self.ended}), and its variables "
-                           f"with it: nothing was restarted in its place. Continue from a snapshot or another "
-                           f"sandbox with %forkd checkout TAG|SB (%forkd ls lists them), or restart the kernel "
-                           f"for a fresh sandbox")
+            raise HeadGone(self.gone())
         return self.session
+
+    def gone(self, why: str | None = None) -> str:
+        """What the notebook says once HEAD is gone: which sandbox, why, and the ways on from there,
+        the branches taken of it first (the snapshots that hold its state as it was)."""
+        why = why or self.ended or "killed or exited: the server no longer has it"
+        return (f"this notebook's sandbox {self.sandbox_id} is gone ({why}), and its variables with it: nothing "
+                f"was restarted in its place. {self._ways_on()}")
+
+    def _ways_on(self) -> str:
+        rest = "%forkd checkout TAG|SB (%forkd ls lists them), or restart the kernel for a fresh sandbox"
+        try:
+            snapshots = self.controller.list_snapshots()
+        except Exception:  # noqa: BLE001 - the server is not answering: say the general ways
+            return f"Continue from a snapshot or another sandbox with {rest}"
+        # its branches, newest first (a tag's counter breaks ties within a second)
+        branches = sorted((s for s in snapshots if s.get("branched_from") == self.sandbox_id),
+                          key=lambda s: (s.get("created_at_unix", 0), s["tag"]), reverse=True)
+        ready = [s["tag"] for s in branches if s.get("status") == "ready"]
+        if ready:
+            listed = ", ".join(ready[:5]) + (f" and {len(ready) - 5} more" if len(ready) > 5 else "")
+            return (f"The branches taken of it hold its state as it was then ({listed}): %forkd checkout {ready[0]} "
+                    f"continues from the latest. Or {rest}")
+        failed = [s["tag"] for s in branches if s.get("status") == "failed"]
+        if failed:
+            return (f"The branches taken of it ({', '.join(failed[:5])}) failed with it. Continue from a snapshot "
+                    f"or another sandbox with {rest}")
+        if any(s["tag"] == self.snapshot_tag and s.get("status") == "ready" for s in snapshots):
+            return (f"No branch was taken of it; %forkd checkout {self.snapshot_tag} starts again from the snapshot "
+                    f"it was forked from, or {rest}")
+        return f"No branch was taken of it. Continue from a snapshot or another sandbox with {rest}"
 
     def open_request(self, kind: str, **fields) -> tuple[str, queue.Queue]:
         """Send a request; its events and its reply arrive on the returned queue (None: session ended)."""
