@@ -29,10 +29,11 @@ def raise_hint(tag: str, mib: int) -> str:
             f"memory_limit_mib={more}), %forkd fork --tag {tag} --memory-limit-mib {more}; a workspace takes it at create)")
 
 
-def died(row: dict, hits: list[LimitHit]) -> dict:
-    """The end of a sandbox whose process ended on its own: ``{"reason", "limit_hit"}``."""
+def died(row: dict, hits: list[LimitHit], seen: str | None = None) -> dict:
+    """The end of a sandbox whose process ended on its own: ``{"reason", "limit_hit"}``. ``seen``:
+    what its engine saw end it (a VM's guest kernel panic), when no limit did."""
     if not hits:
-        return {"reason": UNEXPECTED, "limit_hit": None}
+        return {"reason": seen or UNEXPECTED, "limit_hit": None}
     # The OOM killer (or a refused huge page) ends a process; a refused fork only fails a call.
     first = next((h for h in hits if h.limit != "pids"), hits[0])
     said = "; ".join(h.message for h in hits)

@@ -67,8 +67,9 @@ class SandboxManager:
         """Why a sandbox whose process ended did (``endings.died``): a limit its cgroup says it hit.
         Read before ``drop``, which removes the cgroup."""
         engine = self.engines.get(row["engine"])
-        hits = engine.limits_hit(row["handle"]) if engine is not None and row["handle"] else []
-        return endings.died(row, hits)
+        if engine is None or not row["handle"]:
+            return endings.died(row, [])
+        return endings.died(row, engine.limits_hit(row["handle"]), engine.died_of(row["handle"]))
 
     def drop(self, row: dict, ended: dict) -> None:
         """Release what an ended (or ending) sandbox held, forget it, remember why, and say so."""

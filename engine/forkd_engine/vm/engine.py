@@ -168,6 +168,12 @@ class VMEngine:
         if "memory_limit_mib" in handle:
             handle["memory_limit_mib"] = max(handle["memory_limit_mib"], memory_mib)
 
+    def died_of(self, handle: Handle) -> str | None:
+        """What ended a VM that ended on its own: its guest kernel's panic (read before ``kill``,
+        which removes its console log)."""
+        message = self.qemu.panic(handle) if handle.get("kind") == "vm" else None
+        return f"its guest kernel panicked (Kernel panic - not syncing: {message})" if message else None
+
     def memory(self, handle: Handle) -> dict:
         if handle.get("kind") == "snapshot":
             st = os.stat(handle["memory"])
