@@ -34,9 +34,9 @@ def make_ours(controller, info: dict, labels: dict[str, str], memory_limit_mib: 
     except (ControllerError, ServerUnreachable) as exc:
         if raise_to is None:
             return [_unlabelled(sandbox, exc)]
-        said = [f"forkd: warning: {sandbox} keeps its memory limit of {limit} MiB, lower than this notebook's "
-                f"{memory_limit_mib} MiB: the server could not raise it ({_why(exc)}). A cell that needs more ends "
-                f"the sandbox; %forkd fork -n 1 makes a copy of the notebook with the notebook's limit."]
+        said = [(f"forkd: warning: {sandbox} keeps its memory limit of {limit} MiB, lower than this notebook's "
+                 f"{memory_limit_mib} MiB: the server could not raise it ({_why(exc)}). A cell that needs more ends "
+                 f"the sandbox; %forkd fork -n 1 makes a copy of the notebook with the notebook's limit.")]
         if missing:  # the labels alone may still go through
             try:
                 controller.update_sandbox(sandbox, labels=missing)
@@ -44,8 +44,8 @@ def make_ours(controller, info: dict, labels: dict[str, str], memory_limit_mib: 
                 said.append(_unlabelled(sandbox, again))
         return said
     if raise_to is not None:
-        return [f"forkd: {sandbox} had a memory limit of {limit} MiB, lower than this notebook's: raised to "
-                f"{memory_limit_mib} MiB (its /tmp and /dev/shm keep their sizes)."]
+        return [(f"forkd: {sandbox} had a memory limit of {limit} MiB, lower than this notebook's: raised to "
+                 f"{memory_limit_mib} MiB (its /tmp and /dev/shm keep their sizes).")]
     return []
 
 

@@ -10,11 +10,10 @@ import re
 import signal
 import time
 
+from forkd_kernel.ownership import make_ours
 from forkd_magics._scope import KERNEL_ID
 from forkd_server.checks import host_memory_mib
 from forkd_server.client import Controller
-
-from forkd_kernel.ownership import make_ours
 
 from .cells import head_of, run
 

@@ -75,12 +75,12 @@ def test_a_bulk_delete_keeps_a_running_kernels_base_and_names_it(ip, forkd, fork
         assert res.success, out.stderr
         assert out.stdout.splitlines() == [
             "deleted 1 snapshot",  # plain-branch
-            "kept branched-base: the base snapshot of the forkd kernel of d.ipynb, which a restart forks from; "
-            "%forkd delete branched-base deletes it by name",
-            f"kept {base}: the base snapshot of the forkd kernel of kernel {kernel['kernel_id'][:8]}, which a "
-            f"restart forks from; %forkd delete {base} deletes it by name",
-            "kept root: a forkd kernel's base snapshot was branched from it, and --cascade would take that along; "
-            "%forkd delete root deletes it by name"]
+            ("kept branched-base: the base snapshot of the forkd kernel of d.ipynb, which a restart forks from; "
+             "%forkd delete branched-base deletes it by name"),
+            (f"kept {base}: the base snapshot of the forkd kernel of kernel {kernel['kernel_id'][:8]}, which a "
+             f"restart forks from; %forkd delete {base} deletes it by name"),
+            ("kept root: a forkd kernel's base snapshot was branched from it, and --cascade would take that along; "
+             "%forkd delete root deletes it by name")]
     finally:
         ctl.forget_kernel("kernel-d")
         ctl.kill_sandbox(sb)
