@@ -25,6 +25,7 @@ from ipykernel.kernelbase import Kernel
 from traitlets import Integer, List, Unicode, default
 
 from forkd_magics._complete import install as install_completer
+from forkd_magics._errors import Explained, details_bundle, explained
 from forkd_magics._scope import Scope, kernel_id, notebook_path
 from forkd_server.checks import host_memory_mib
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
@@ -106,7 +107,7 @@ class ForkdKernel(Kernel):
         self._last_parent: dict = {}
         self._local_parent: dict = {}
         self._notice: str | None = None
-        self._start_error: str | None = None
+        self._start_error: Explained | None = None
         self._started = threading.Event()
         self.kernel_id = kernel_id() or f"pid-{os.getpid()}"
         self.notebook = notebook_path()
@@ -149,10 +150,14 @@ class ForkdKernel(Kernel):
                                 f"The sandbox it ran in before, {previous}, still runs with its state: "
                                 f"%forkd checkout {previous} to continue there, or %forkd kill {previous} to free it.\n")
         except (ControllerError, ServerUnreachable, RuntimeError, TimeoutError, OSError, ValueError, HeadGone) as exc:
-            hint = (" (set $FORKD_KERNEL_MEMORY_LIMIT_MIB or ForkdKernel.memory_limit_mib within the server's bound)"
-                    if "memory_limit_mib" in str(exc) else "")
-            self._start_error = (f"the forkd kernel could not start its sandbox: {exc}{hint}. Its %forkd lines still "
-                                 f"run here; fix the cause and restart the kernel")
+            said = explained(exc, self.controller.base_url)
+            if "memory_limit_mib" in str(exc):
+                said.hint = "set $FORKD_KERNEL_MEMORY_LIMIT_MIB or ForkdKernel.memory_limit_mib within the server's bound"
+            hint = said.hint or "fix the cause"
+            if "restart the kernel" not in hint:
+                hint += ", then restart the kernel"
+            self._start_error = Explained(f"the forkd kernel could not start its sandbox: {said.what}", hint,
+                                          {**said.details, "meanwhile": "the notebook's %forkd lines still run (in the kernel)"})
         finally:
             self._started.set()
 
@@ -187,7 +192,8 @@ class ForkdKernel(Kernel):
                 skipped.append(self.stack.pop())
             if not self.stack:
                 gone = f": {', '.join(skipped)} {'is' if len(skipped) == 1 else 'are'} gone" if skipped else " (no checkout yet)"
-                raise UsageError(f"forkd checkout -: there is nowhere to go back to{gone}")
+                raise UsageError(f"forkd checkout -: there is nowhere to go back to{gone}\n"
+                                 f"%forkd checkout TAG|SB moves the notebook (%forkd ls lists what there is)")
             info, back = self.controller.get_sandbox(self.stack[-1]), True
         else:
             info, back = self._find(target), False
@@ -227,9 +233,10 @@ class ForkdKernel(Kernel):
             snapshot = self.controller.snapshot_info(target)
         except ControllerError:
             if target.startswith("sb-"):  # the server says when and why it ended, if it knows
-                raise UsageError(f"forkd checkout: {missing.message} (%forkd ls lists what there is)") from None
-            raise UsageError(f"forkd checkout: no sandbox or snapshot is called {target!r} "
-                             f"(%forkd ls lists them)") from None
+                raise UsageError(f"forkd checkout: {missing.what}\n{missing.hint or '%forkd ls lists what there is'}") \
+                    from None
+            raise UsageError(f"forkd checkout: no sandbox or snapshot is called {target!r}\n%forkd ls lists them") \
+                from None
         return self.controller.get_sandbox(self._spawn(snapshot["tag"]))  # a fresh child of it
 
     def way_back(self) -> str | None:
@@ -261,7 +268,7 @@ class ForkdKernel(Kernel):
         if not self._started.is_set():  # the first sandbox is still being made: wait, loop responsive
             await asyncio.get_running_loop().run_in_executor(None, self._started.wait)
         if self._start_error:
-            return self._error(parent, "ForkdKernelError", self._start_error)
+            return self._error(parent, "ForkdKernelError", str(self._start_error), self._start_error.details)
         if self._notice:
             self._send_iopub("stream", {"name": "stderr", "text": self._notice}, parent)
             self._notice = None
@@ -272,7 +279,7 @@ class ForkdKernel(Kernel):
         try:
             return self._run_remote(code, silent, store_history, user_expressions or {}, allow_stdin, parent)
         except HeadGone as exc:
-            return self._error(parent, "SandboxGone", str(exc))
+            return self._error(parent, "SandboxGone", str(exc), exc.details)
 
     def _run_remote(self, code, silent, store_history, user_expressions, allow_stdin, parent) -> dict:
         self.cells_run += 1
@@ -335,9 +342,13 @@ class ForkdKernel(Kernel):
         error = self.local.last_error or {"ename": "Error", "evalue": str(result.error_in_exec), "traceback": []}
         return {"status": "error", "execution_count": self.execution_count, **error}
 
-    def _error(self, parent: dict, ename: str, evalue: str) -> dict:
+    def _error(self, parent: dict, ename: str, evalue: str, details: dict | None = None) -> dict:
+        """A cell's error as ipykernel shows one (its two lines: what, what to do), then its
+        details, collapsed."""
         error = {"ename": ename, "evalue": evalue, "traceback": [f"\x1b[0;31m{ename}\x1b[0m: {evalue}"]}
         self._send_iopub("error", error, parent)
+        if details:
+            self._send_iopub("display_data", {"data": details_bundle(details), "metadata": {}, "transient": {}}, parent)
         return {"status": "error", "execution_count": self.execution_count, **error}
 
     # --- IOPub -----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.inputtransformer2 import TransformerManager
 from traitlets.config import Config
 
+from forkd_magics._errors import show_details
 from forkd_magics._magics import ForkdMagics
 from forkd_server.client import ControllerError, Sandbox, Snapshot
 
@@ -55,7 +56,7 @@ def is_forkd_cell(code: str) -> bool:
         return True
     if forkd:
         raise UsageError("a cell with %forkd lines runs in the kernel, between the notebook's cells, while Python "
-                         "runs in the notebook's sandbox: put the %forkd lines in a cell of their own")
+                         "runs in the notebook's sandbox\nput the %forkd lines in a cell of their own")
     return False
 
 
@@ -284,7 +285,14 @@ class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherite
             if exc.status != 404:
                 raise
             ended = (exc.body.get("ended") if isinstance(exc.body, dict) else None) or {}
-            raise UsageError(f"forkd {sub}: {self.kernel.head.gone(ended.get('reason'))}") from None
+            raise self._gone(sub, self.kernel.head.gone(ended.get("reason"), (exc.hint, exc.details))) from None
+
+    def _gone(self, sub: str, gone: HeadGone) -> UsageError:
+        """HEAD is gone, said as the next cell says it: two lines, the details collapsed under them."""
+        error = UsageError(f"forkd {sub}: {gone}")
+        error.details = gone.details
+        show_details(self.shell, gone.details)
+        return error
 
     def _head(self, args, cell):
         return HeadInfo(self._head_info("head"), self.kernel.way_back())
@@ -295,7 +303,7 @@ class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherite
         try:
             cells = self.kernel.head.request("history", hist_access_type="tail", n=10_000, detail=True)
         except HeadGone as exc:
-            raise UsageError(f"forkd log: {exc}") from None
+            raise self._gone("log", exc) from None
         snapshots = {s["tag"]: s for s in self.controller.list_snapshots()}
         lineage = info.get("lineage") or []
         gone = {n for n in lineage if n.startswith("sb-") and n != sandbox and not self.kernel.is_running(n)}

@@ -78,7 +78,8 @@ class SandboxManager:
             engine.kill(row["handle"])  # ends it, or releases what it held (socket, cgroup leaves)
         self.registry.delete_sandboxes([row["id"]], ended=ended)
         self.feed.emit("sandbox", "killed", id=row["id"], reason=ended["reason"],
-                       **({"limit": ended["limit_hit"]} if ended["limit_hit"] else {}))
+                       **({"limit": ended["limit_hit"]} if ended["limit_hit"] else {}),
+                       **({"hint": ended["hint"]} if ended.get("hint") else {}))
 
     def _agent(self, sandbox_id: str, request: dict, what: str, timeout: float | None = None) -> dict:
         row = self.row(sandbox_id)
@@ -94,7 +95,8 @@ class SandboxManager:
                     self.drop(row, ended)
                 else:  # a kill dropped it meanwhile
                     ended = self.registry.ended_sandbox(sandbox_id) or endings.died(row, [])
-                raise Gone(f"sandbox {sandbox_id} ended during this {what}: {ended['reason']}",
+                raise Gone(f"sandbox {sandbox_id} ended during this {what}: {ended['reason']}", hint=ended.get("hint"),
+                           details=ended.get("details"),
                            ended={"at": time.time(), "reason": ended["reason"], "limit": ended["limit_hit"]}) from exc
             raise EngineFailure(f"{what}: {exc}") from exc
 
@@ -159,11 +161,12 @@ class SandboxManager:
         current = row["memory_limit_mib"]
         if memory_limit_mib is not None and memory_limit_mib != current:
             if current is None:
-                raise Conflict(f"sandbox {row['id']} has no memory limit to raise (it runs without one)")
+                raise Conflict(f"sandbox {row['id']} has no memory limit to raise: it runs without one")
             if memory_limit_mib < current:
-                raise Conflict(f"the memory limit of sandbox {row['id']} ({current} MiB) can only be raised: "
-                               f"under what it holds, the kernel would reclaim its memory or kill it; spawn a "
-                               f"sandbox with {memory_limit_mib} MiB instead")
+                raise Conflict(f"the memory limit of sandbox {row['id']} ({current} MiB) can only be raised",
+                               hint=f"spawn a sandbox with {memory_limit_mib} MiB instead",
+                               details={"why": "under what the sandbox holds, the kernel would reclaim its memory "
+                                               "or kill it"})
             handle = dict(row["handle"])
             try:
                 self.engines[row["engine"]].raise_memory_limit(handle, memory_limit_mib)

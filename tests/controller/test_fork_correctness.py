@@ -193,9 +193,11 @@ def test_generators_made_without_a_seed_draw_their_own_numbers_in_every_copy(ctl
 def refused(ctl, source: str) -> str:
     with pytest.raises(ForkdError) as info:
         ctl.branch(source)
-    assert info.value.status == 409
-    assert '"lossy": true' in info.value.message and 'engine "vm"' in info.value.message
-    return info.value.message
+    error = info.value
+    assert error.status == 409 and "lossy fork" in error.hint and "VM engine" in error.hint
+    assert error.details["rest"] == '"lossy": true' and 'engine "vm"' in error.details["vm"]
+    assert error.details["lost"] == error.fields["lost"] and error.details["lost"][0] in error.what
+    return "\n".join(error.details["lost"])
 
 
 def test_a_running_thread_refuses_the_branch_or_becomes_a_warning(ctl, plain):

@@ -50,7 +50,7 @@ def test_after_head_is_killed_its_branch_and_forks_go_on_and_nothing_offers_it(k
     assert cell.content["ename"] == "SandboxGone"
     said = cell.content["evalue"]
     assert f"sandbox {dead} is gone" in said and "nothing was restarted" in said
-    assert "%forkd checkout prekill continues from the latest" in said, said
+    assert "%forkd checkout prekill continues from the latest branch taken of it" in said, said
     head = run(kc, "%forkd head")  # says the same: no dead sandbox passed off as HEAD
     assert head.content["ename"] == "UsageError" and f"{dead} is gone" in head.content["evalue"]
     assert "%forkd checkout prekill" in head.content["evalue"]
@@ -74,10 +74,11 @@ def test_after_head_is_killed_its_branch_and_forks_go_on_and_nothing_offers_it(k
     assert "← HEAD" in log and f"* {dead}  (gone)" in log  # how the notebook got here, the dead marked so
     back = run(kc, "%forkd checkout -")
     assert back.content["ename"] == "UsageError"
-    assert back.content["evalue"] == f"forkd checkout -: there is nowhere to go back to: {fresh} is gone"
-    gone = run(kc, f"%forkd checkout {dead}")  # named: the server's word on when and why it ended
+    assert back.content["evalue"] == (f"forkd checkout -: there is nowhere to go back to: {fresh} is gone\n"
+                                      f"%forkd checkout TAG|SB moves the notebook (%forkd ls lists what there is)")
+    gone = run(kc, f"%forkd checkout {dead}")  # named: the server's word on why it ended
     assert gone.content["ename"] == "UsageError"
-    assert f"sandbox {dead} not found: it ended at" in gone.content["evalue"]
+    assert gone.content["evalue"].startswith(f"forkd checkout: sandbox {dead} not found: its process ended")
 
 
 def test_a_sandbox_checked_out_gets_the_notebooks_limit_and_labels(kernel, forkd_server):
