@@ -166,8 +166,7 @@ def test_a_head_killed_by_its_memory_limit_says_so(forkd_server):
         head = head_of(kc)
         cell = run(kc, "blob = b'x' * (400 * 2**20)")
         assert cell.content["status"] == "error"
-        what, hint = cell.content["evalue"].split("
-")  # what happened, what to do
+        what, hint = cell.content["evalue"].split("\n")  # what happened, what to do
         assert what == f"this notebook's sandbox {head} is gone, and its variables with it: it died of its memory limit (256 MiB)"
         assert hint.startswith("nothing was restarted in its place: %forkd checkout ")
         (details,) = cell.of("display_data")  # the rest, collapsed under the error
