@@ -78,7 +78,8 @@ def test_after_head_is_killed_its_branch_and_forks_go_on_and_nothing_offers_it(k
                                       f"%forkd checkout TAG|SB moves the notebook (%forkd ls lists what there is)")
     gone = run(kc, f"%forkd checkout {dead}")  # named: the server's word on why it ended
     assert gone.content["ename"] == "UsageError"
-    assert gone.content["evalue"].startswith(f"forkd checkout: sandbox {dead} not found: its process ended")
+    reason = said.partition("its variables with it: ")[2].partition("\n")[0]  # as the first cell said it
+    assert gone.content["evalue"].startswith(f"forkd checkout: sandbox {dead} not found: {reason}")
 
 
 def test_a_sandbox_checked_out_gets_the_notebooks_limit_and_labels(kernel, forkd_server):
