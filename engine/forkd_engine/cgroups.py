@@ -253,6 +253,26 @@ class Cgroups:
                     f.write(_UNLIMITED[(controller, version)])
 
     @staticmethod
+    def raise_memory(leaves: list[str], memory_mib: int) -> None:
+        """Raise the memory limit of a sandbox's leaves to ``memory_mib``, and its huge-page cap with
+        it (the cap is the memory limit, where huge pages are capped). Never lowers either: below what
+        a sandbox holds, the kernel would reclaim its memory or kill it."""
+        nbytes = memory_mib << 20
+        for leaf in leaves:
+            version = "v2" if os.path.exists(os.path.join(leaf, "cgroup.controllers")) else "v1"
+            path = os.path.join(leaf, _FILES[("memory", version)])
+            if os.path.exists(path) and 0 <= _limit(leaf, _FILES[("memory", version)]) < nbytes:
+                if version == "v1":  # memsw first: never below the plain limit
+                    with contextlib.suppress(OSError), open(os.path.join(leaf, "memory.memsw.limit_in_bytes"), "w") as f:
+                        f.write(str(nbytes))
+                with open(path, "w") as f:
+                    f.write(str(nbytes))
+            huge = _hugetlb_caps(leaf).get(HUGE_SIZE)
+            # a cap of 0 is "no huge pages at all" (a template, a host that cannot cap them): kept
+            if huge and 0 < _limit(leaf, f"hugetlb.{HUGE_SIZE}.max", f"hugetlb.{HUGE_SIZE}.limit_in_bytes") < nbytes:
+                _cap_hugetlb(leaf, nbytes)
+
+    @staticmethod
     def hits(leaves: list[str]) -> list[LimitHit]:
         """The limits the kernel enforced on the processes of these leaves, with their values: the
         OOM killer at the memory limit, the huge-page cap refusing a page (the process faulting it

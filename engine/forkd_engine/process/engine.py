@@ -234,6 +234,15 @@ class ProcessEngine:
         """The limits the kernel enforced in this sandbox's leaves (read before ``kill`` removes them)."""
         return self.cgroups.hits(handle.get("cgroups") or [])
 
+    def raise_memory_limit(self, handle: Handle, memory_mib: int) -> None:
+        """Raise a running sandbox's memory limit and huge-page cap (its leaves'). Its /tmp and
+        /dev/shm keep the sizes they were mounted with, and its compactor keeps moving arrays into
+        huge pages up to the cap it started with: only the kernel's limits move."""
+        try:
+            self.cgroups.raise_memory(handle.get("cgroups") or [], memory_mib)
+        except OSError as exc:
+            raise EngineError(f"could not raise the memory limit of process {handle.get('pid')}: {exc}") from exc
+
     def exit_status(self, handle: Handle) -> ExitStatus | None:
         """How its agent ended, as its init says (None while it runs, or for a handle without an
         init: one a server before forkd-init made). The init says so a moment after the agent's
