@@ -18,6 +18,8 @@ SANITIZE = NOTEBOOKS / "nbval-sanitize.cfg"
 ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 FRESH_START = "%forkd kill --all"
 
+pytestmark = pytest.mark.slow  # a whole notebook per test, ~10 s each
+
 
 def test_the_demo_notebooks_are_there():
     assert ALL == ["agent-mid-thought.ipynb", "hyperparameter-fanout.ipynb", "quickstart.ipynb",
