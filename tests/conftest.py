@@ -22,6 +22,8 @@ def pytest_cmdline_main(config):
     # -n without --dist: the groups below (modules, and tests sharing a costly session fixture)
     if config.getoption("numprocesses", None) and config.getoption("dist", "no") == "no":
         config.option.dist = "loadgroup"
+    if config.getoption("dist", "no") == "loadgroup":
+        config.option.loadscopereorder = False  # the order of pytest_collection_modifyitems, not by size
 
 
 @pytest.hookimpl(optionalhook=True)
