@@ -1,11 +1,7 @@
-"""Shared fixtures: short data dirs (Unix socket paths are limited to 107 bytes); what one run of
-the suite shares between its tests and its xdist workers (the VM engine's image cache; a lock that
-lets a test marked ``exclusive`` run while no other test of the run does)."""
+"""Shared fixtures: short data dirs (Unix socket paths are limited to 107 bytes)."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import select
 import shutil
@@ -14,116 +10,8 @@ import time
 
 import pytest
 
-RUN_DIR = "FORKD_TEST_RUN_DIR"  # this run's own directory, made by the process that starts the run
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist makes plain -n mean --dist load
-def pytest_cmdline_main(config):
-    # -n without --dist: the groups below (modules, and tests sharing a costly session fixture)
-    if config.getoption("numprocesses", None) and config.getoption("dist", "no") == "no":
-        config.option.dist = "loadgroup"
-    if config.getoption("dist", "no") == "loadgroup":
-        config.option.loadscopereorder = False  # the order of pytest_collection_modifyitems, not by size
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    node.workerinput["forkd_dist"] = node.config.option.dist  # workers parse the command line alone
-
-
-def pytest_configure(config):
-    if hasattr(config, "workerinput"):  # an xdist worker: its controller made the run's directory
-        if config.workerinput.get("forkd_dist") == "loadgroup":
-            config.option.loadgroup = True  # xdist's own flag: the groups go into the node ids
-        return
-    run_dir = tempfile.mkdtemp(prefix="fkrun")
-    config.stash[_made] = {RUN_DIR: run_dir}
-    os.environ[RUN_DIR] = run_dir  # workers and every server and kernel the tests start inherit it
-    if not os.environ.get("FORKD_CACHE_DIR"):
-        # forkd-init's build cache, where it is for this user: tests/server gives each test a HOME of
-        # its own (pytest_jupyter), under which every server would compile forkd-init again
-        from forkd_engine.process.sandbox_init import cache_dir
-        os.environ["FORKD_CACHE_DIR"] = cache_dir()
-        config.stash[_made]["FORKD_CACHE_DIR"] = cache_dir()
-    if not os.environ.get("FORKD_VM_CACHE"):
-        # One guest image (and packages disk) per run, built by the first engine that needs it while
-        # the others wait for it (forkd_engine.vm.image.cache_lock), whichever worker, server or
-        # kernel it is in. Set FORKD_VM_CACHE to keep one between runs: its entries are keyed by
-        # every input, so a changed agent or builder builds afresh.
-        os.environ["FORKD_VM_CACHE"] = os.path.join(run_dir, "vm-cache")
-        config.stash[_made]["FORKD_VM_CACHE"] = os.environ["FORKD_VM_CACHE"]
-
-
-def pytest_unconfigure(config):
-    made = config.stash.get(_made, {})
-    for name in made:
-        os.environ.pop(name, None)
-    if RUN_DIR in made:
-        shutil.rmtree(made[RUN_DIR], ignore_errors=True)
-
-
-_made = pytest.StashKey[dict]()
-
-
-@contextlib.contextmanager
-def _run_lock(exclusive: bool):
-    """A readers-writer lock over this run's xdist workers: a test takes it shared, an ``exclusive``
-    one alone. A waiting writer first takes the gate, so tests that start later wait behind it."""
-    run_dir = os.environ.get(RUN_DIR)
-    if not run_dir or "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nothing runs beside it
-        yield
-        return
-    gate = os.open(os.path.join(run_dir, "gate.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    tests = os.open(os.path.join(run_dir, "tests.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        if exclusive:
-            fcntl.flock(tests, fcntl.LOCK_EX)  # the gate held meanwhile: no new test starts
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        else:
-            fcntl.flock(tests, fcntl.LOCK_SH)
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        yield
-    finally:
-        os.close(tests)
-        os.close(gate)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    # setup, call and teardown: module and session fixtures start and end inside the lock too
-    with _run_lock(item.get_closest_marker("exclusive") is not None):
-        return (yield)
-
-
-# Under xdist (--dist loadgroup) a worker takes a whole group at a time: by default a module, so
-# module fixtures (a server, a controller, a snapshot) start once; tests sharing a session fixture
-# that is costly to make twice, or that a second worker would rebuild under them, form one group.
-SHARED = {
-    "vm": ("vm_engine",),                           # one VM engine with its booted snapshots (tests/vm)
-    "lab": ("lab_wheel", "lab_venv", "lab_server"),  # the wheel and venv under build/lab (tests/lab)
-}
-
-
-def _group(item) -> str:
-    for group, fixtures in SHARED.items():
-        if any(f in item.fixturenames for f in fixtures):
-            return group
-    return item.nodeid.split("::")[0]
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return
-    groups = {item: _group(item) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
-    # The shared groups (the longest), then those with a test marked slow, start first: none is left
-    # to run alone at the end. (Every worker sorts alike: xdist requires the same order from each.)
-    slow = {groups[item] for item in items if item.get_closest_marker("slow")}
-    order = {item: n for n, item in enumerate(items)}
-    items.sort(key=lambda item: (groups[item] not in SHARED, groups[item] not in slow, order[item]))
+# What one run of the suite shares between its tests and its xdist workers (tests/parallel.py)
+pytest_plugins = ["tests.parallel"]
 
 
 def cleanup(ctl) -> None:
