@@ -109,6 +109,7 @@ def check_cgroups() -> dict:
 
 def check_hugepages() -> dict:
     from forkd_engine.cgroups import locate
+    from forkd_engine.process.reserve import describe
 
     pool = []
     for knob in ("nr_overcommit_hugepages", "nr_hugepages"):
@@ -121,7 +122,8 @@ def check_hugepages() -> dict:
     if where is not None:
         return _row("huge pages", "ok", f"cgroup {where[0]} hugetlb at {where[1]}: each process sandbox's huge pages "
                     f"are capped at its memory limit, and its big arrays move into them while it idles "
-                    f"({', '.join(pool) or 'no hugetlb pool'}; a zero surplus pool is raised when the engine starts)")
+                    f"({', '.join(pool) or 'no hugetlb pool'}; a zero surplus pool is raised when the engine starts); "
+                    f"{describe()}")
     return _row("huge pages", "warn", "no hugetlb cgroup controller: huge pages could not be capped per sandbox, so "
                 f"the process engine gives no sandbox any, refuses MAP_HUGETLB in them, and keeps the pool as found "
                 f"({', '.join(pool) or 'none'}); a live branch right after a cell rewrote a big array pauses longer",

@@ -27,7 +27,7 @@ from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
                     InvalidSpec, LimitHit, LimitReached, LossyFork, PROBE_PARALLELISM, SnapshotSpec, ping_problem)
-from . import hugepages, rootfs
+from . import hugepages, reserve, rootfs
 from .setup import Setup
 from ..cgroups import CgroupError, Cgroups, leaf_name, subtree
 
@@ -113,6 +113,8 @@ class ProcessEngine:
         # where each leaf's huge pages can be capped (they are not charged to its memory limit);
         # elsewhere sandboxes may map none at all (their seccomp filter refuses MAP_HUGETLB).
         self.huge_pages, self.huge_pages_note = hugepages.allow_surplus(self.cgroups.hugetlb_status())
+        # Free huge pages the host backs already, for the copies a write after a branch makes (reserve.py)
+        self.huge_page_reserve = reserve.start() if self.huge_pages else None
         self._creating: dict[str, Setup] = {}  # tag -> its setup, while it runs
         self._creating_lock = threading.Lock()
 
@@ -568,4 +570,6 @@ class ProcessEngine:
             for fd in self._pidfds.values():
                 os.close(fd)
             self._pidfds.clear()
+        if self.huge_page_reserve is not None:
+            self.huge_page_reserve.close()
         self.cgroups.close()
