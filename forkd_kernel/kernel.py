@@ -25,7 +25,8 @@ from ipykernel.kernelbase import Kernel
 from traitlets import Integer, List, Unicode, default
 
 from forkd_magics._complete import install as install_completer
-from forkd_magics._scope import kernel_id, notebook_path
+from forkd_magics._errors import Explained, details_bundle, explained
+from forkd_magics._scope import Scope, kernel_id, notebook_path
 from forkd_server.checks import host_memory_mib
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
@@ -33,6 +34,7 @@ from . import __version__
 from .base import BaseSnapshot
 from .head import Head, HeadGone
 from .local import KernelMagics, LocalShell, is_forkd_cell, on_forkd_line, with_forkd_magic
+from .ownership import make_ours
 
 REPLIES = ("status", "interrupt_reply", "session_reply")
 
@@ -105,10 +107,11 @@ class ForkdKernel(Kernel):
         self._last_parent: dict = {}
         self._local_parent: dict = {}
         self._notice: str | None = None
-        self._start_error: str | None = None
+        self._start_error: Explained | None = None
         self._started = threading.Event()
         self.kernel_id = kernel_id() or f"pid-{os.getpid()}"
         self.notebook = notebook_path()
+        self.labels = Scope.current().labels  # what the magics label, on every sandbox the notebook runs in
         self.local = LocalShell.make(self._publish_local)
         magics = KernelMagics(self.local, self)
         self.local.register_magics(magics)
@@ -121,10 +124,11 @@ class ForkdKernel(Kernel):
     # --- start: a fresh child of the base snapshot becomes HEAD ----------------------------------
 
     def _spawn(self, tag: str) -> str:
-        """A sandbox of the notebook's, with its memory limit: a limit of its own, not the server's
-        default, since memcg charges a page to whoever wrote it first, so the pages the notebook
-        shares with every branch it keeps stay charged to it (docs/design/kernel.md)."""
-        sandbox = self.controller.spawn_sandboxes(tag, 1, memory_limit_mib=self.memory_limit_mib)[0]["id"]
+        """A sandbox of the notebook's: its labels, and its memory limit, a limit of its own, not the
+        server's default, since memcg charges a page to whoever wrote it first, so the pages the
+        notebook shares with every branch it keeps stay charged to it (docs/design/kernel.md)."""
+        sandbox = self.controller.spawn_sandboxes(tag, 1, memory_limit_mib=self.memory_limit_mib,
+                                                  labels=self.labels)[0]["id"]
         self.own.add(sandbox)
         return sandbox
 
@@ -139,21 +143,25 @@ class ForkdKernel(Kernel):
             except ControllerError:
                 pass
             sandbox = self._spawn(base)
-            self.head.attach(sandbox)
+            self.head.attach(sandbox, base)
             self._register()
-            if previous and previous != sandbox and self._alive(previous):
+            if previous and previous != sandbox and self.is_running(previous):
                 self._notice = (self._notice or "") + (f"forkd: this kernel restarted in a fresh sandbox, {sandbox} (a child of {base}). "
                                 f"The sandbox it ran in before, {previous}, still runs with its state: "
                                 f"%forkd checkout {previous} to continue there, or %forkd kill {previous} to free it.\n")
         except (ControllerError, ServerUnreachable, RuntimeError, TimeoutError, OSError, ValueError, HeadGone) as exc:
-            hint = (" (set $FORKD_KERNEL_MEMORY_LIMIT_MIB or ForkdKernel.memory_limit_mib within the server's bound)"
-                    if "memory_limit_mib" in str(exc) else "")
-            self._start_error = (f"the forkd kernel could not start its sandbox: {exc}{hint}. Its %forkd lines still "
-                                 f"run here; fix the cause and restart the kernel")
+            said = explained(exc, self.controller.base_url)
+            if "memory_limit_mib" in str(exc):
+                said.hint = "set $FORKD_KERNEL_MEMORY_LIMIT_MIB or ForkdKernel.memory_limit_mib within the server's bound"
+            hint = said.hint or "fix the cause"
+            if "restart the kernel" not in hint:
+                hint += ", then restart the kernel"
+            self._start_error = Explained(f"the forkd kernel could not start its sandbox: {said.what}", hint,
+                                          {**said.details, "meanwhile": "the notebook's %forkd lines still run (in the kernel)"})
         finally:
             self._started.set()
 
-    def _alive(self, sandbox_id: str) -> bool:
+    def is_running(self, sandbox_id: str) -> bool:
         try:
             self.controller.get_sandbox(sandbox_id)
             return True
@@ -173,41 +181,67 @@ class ForkdKernel(Kernel):
 
     # --- HEAD moves ------------------------------------------------------------------------------
 
-    def checkout(self, target: str) -> str:
+    def checkout(self, target: str) -> str | None:
+        """Move HEAD to a sandbox, a fresh child of a snapshot, or (``-``) back where it was. The
+        sandbox becomes the notebook's (``make_ours``); a HEAD that is gone is never gone back to."""
         self._started.wait()
         old = self.head.sandbox_id
+        skipped: list[str] = []
         if target == "-":
+            while self.stack and not self.is_running(self.stack[-1]):
+                skipped.append(self.stack.pop())
             if not self.stack:
-                raise UsageError("forkd checkout -: there is nowhere to go back to (no checkout yet)")
-            new, back = self.stack[-1], True
+                gone = f": {', '.join(skipped)} {'is' if len(skipped) == 1 else 'are'} gone" if skipped else " (no checkout yet)"
+                raise UsageError(f"forkd checkout -: there is nowhere to go back to{gone}\n"
+                                 f"%forkd checkout TAG|SB moves the notebook (%forkd ls lists what there is)")
+            info, back = self.controller.get_sandbox(self.stack[-1]), True
         else:
-            back = False
-            try:
-                new = self.controller.get_sandbox(target)["id"]
-            except ControllerError as exc:
-                if exc.status != 404:
-                    raise
-                try:
-                    snapshot = self.controller.snapshot_info(target)
-                except ControllerError:
-                    raise UsageError(f"forkd checkout: no sandbox or snapshot is called {target!r} "
-                                     f"(%forkd ls lists them)") from None
-                new = self._spawn(snapshot["tag"])  # a fresh child of it
-        if new == old:
+            info, back = self._find(target), False
+        new = info["id"]
+        if new == old and self.head.ended is None:
             return f"HEAD is already {new}"
+        notes = [] if new in self.own else make_ours(self.controller, info, self.labels, self.memory_limit_mib)
         self._close_sandbox_comms()
         try:
-            self.head.attach(new)
+            self.head.attach(new, info.get("snapshot_tag"))
         except (ControllerError, ServerUnreachable) as exc:
             raise UsageError(f"forkd checkout: could not attach to {new}: {getattr(exc, 'message', exc)}") from None
+        left = old is not None and old != new and self.is_running(old)
         if back:
             self.stack.pop()
-        elif old:
+        elif left:  # a HEAD that is gone is nowhere to go back to
             self.stack.append(old)
         self._register()
-        print(f"HEAD: {old} → {new}" + (" (back)" if back else "")
-              + (f"; %forkd checkout - returns to {self.stack[-1]}" if self.stack else ""))
+        said = f"HEAD: {old}{'' if left or old in (None, new) else ' (gone)'} → {new}"
+        if back:
+            said += f" (back; {', '.join(skipped)} gone)" if skipped else " (back)"
+        way_back = self.way_back()
+        print(said + (f"; %forkd checkout - returns to {way_back}" if way_back else ""))
+        for note in notes:
+            print(note, file=sys.stderr)
         return None
+
+    def _find(self, target: str) -> dict:
+        """The sandbox ``target`` names, or a fresh child of the snapshot it names."""
+        try:
+            return self.controller.get_sandbox(target)
+        except ControllerError as exc:
+            if exc.status != 404:
+                raise
+            missing = exc
+        try:
+            snapshot = self.controller.snapshot_info(target)
+        except ControllerError:
+            if target.startswith("sb-"):  # the server says when and why it ended, if it knows
+                raise UsageError(f"forkd checkout: {missing.what}\n{missing.hint or '%forkd ls lists what there is'}") \
+                    from None
+            raise UsageError(f"forkd checkout: no sandbox or snapshot is called {target!r}\n%forkd ls lists them") \
+                from None
+        return self.controller.get_sandbox(self._spawn(snapshot["tag"]))  # a fresh child of it
+
+    def way_back(self) -> str | None:
+        """Where ``%forkd checkout -`` goes: the latest sandbox left that still runs."""
+        return next((sb for sb in reversed(self.stack) if self.is_running(sb)), None)
 
     def _close_sandbox_comms(self) -> None:
         """Widgets of the sandbox being left would talk to a copy the notebook no longer runs in:
@@ -234,7 +268,7 @@ class ForkdKernel(Kernel):
         if not self._started.is_set():  # the first sandbox is still being made: wait, loop responsive
             await asyncio.get_running_loop().run_in_executor(None, self._started.wait)
         if self._start_error:
-            return self._error(parent, "ForkdKernelError", self._start_error)
+            return self._error(parent, "ForkdKernelError", str(self._start_error), self._start_error.details)
         if self._notice:
             self._send_iopub("stream", {"name": "stderr", "text": self._notice}, parent)
             self._notice = None
@@ -245,7 +279,7 @@ class ForkdKernel(Kernel):
         try:
             return self._run_remote(code, silent, store_history, user_expressions or {}, allow_stdin, parent)
         except HeadGone as exc:
-            return self._error(parent, "SandboxGone", str(exc))
+            return self._error(parent, "SandboxGone", str(exc), exc.details)
 
     def _run_remote(self, code, silent, store_history, user_expressions, allow_stdin, parent) -> dict:
         self.cells_run += 1
@@ -308,9 +342,13 @@ class ForkdKernel(Kernel):
         error = self.local.last_error or {"ename": "Error", "evalue": str(result.error_in_exec), "traceback": []}
         return {"status": "error", "execution_count": self.execution_count, **error}
 
-    def _error(self, parent: dict, ename: str, evalue: str) -> dict:
+    def _error(self, parent: dict, ename: str, evalue: str, details: dict | None = None) -> dict:
+        """A cell's error as ipykernel shows one (its two lines: what, what to do), then its
+        details, collapsed."""
         error = {"ename": ename, "evalue": evalue, "traceback": [f"\x1b[0;31m{ename}\x1b[0m: {evalue}"]}
         self._send_iopub("error", error, parent)
+        if details:
+            self._send_iopub("display_data", {"data": details_bundle(details), "metadata": {}, "transient": {}}, parent)
         return {"status": "error", "execution_count": self.execution_count, **error}
 
     # --- IOPub -----------------------------------------------------------------------------------

@@ -163,25 +163,37 @@ def test_map_hugetlb_past_the_limit_fails_and_takes_nothing_from_the_host(ctl, n
     assert ctl.ping(sb)["pong"] is True
 
 
+def test_a_raised_memory_limit_raises_the_huge_page_cap_with_it(ctl, numpy_snap):
+    sb = ctl.spawn(numpy_snap, 1, memory_limit_mib=64)[0]["id"]
+    leaf = hugetlb_leaf(ctl, ctl.registry.get_sandbox(sb)["handle"])
+    ctl.update_sandbox(sb, memory_limit_mib=256)
+    assert int(read(leaf, "hugetlb.2MB.max")) == int(read(leaf, "hugetlb.2MB.rsvd.max")) == 256 * MIB
+    out = ctl.exec(sb, ["python3", "-c", TOUCH])  # 128 MiB of huge pages: past the old cap, within the new
+    assert out["exit_code"] == 0 and out["stdout"].split()[-1] == "64", out
+
+
 def test_a_sandbox_killed_by_its_huge_page_cap_says_so(ctl, numpy_snap):
     from forkd_server.errors import Gone, NotFound
 
     sb = ctl.spawn(numpy_snap, 1, memory_limit_mib=64)[0]["id"]
     # the agent itself touches huge pages past its cap: SIGBUS ends it (and its sandbox)
-    with pytest.raises(Gone, match=r"huge-page cap \(64 MiB of 2MB pages"):
+    with pytest.raises(Gone, match=r"it died of its huge-page cap \(64 MiB, as much as its memory limit\)") as during:
         ctl.run_code(sb, TOUCH)
-    with pytest.raises(NotFound, match="SIGBUS") as after:
+    assert "huge-page cap (64 MiB of 2MB pages" in during.value.details["kernel"]
+    with pytest.raises(NotFound, match="huge-page cap") as after:
         ctl.get_sandbox(sb)
-    assert after.value.fields["ended"]["limit"] == "huge_pages" and "memory_limit_mib" in after.value.message
+    assert after.value.fields["ended"]["limit"] == "huge_pages" and "memory_limit_mib" in after.value.hint
+    assert "SIGBUS" in after.value.details["kernel"]
 
 
 def test_a_setup_takes_no_huge_pages_past_its_limit(ctl, numpy_snap):
     from forkd_server.errors import BadRequest
 
     setup = "import mmap\nm = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000)"
-    with pytest.raises(BadRequest, match="Cannot allocate memory") as failure:  # the setup's own: a 400
+    with pytest.raises(BadRequest) as failure:  # the setup's own: a 400
         ctl.create_snapshot("hp-setup", setup=setup, memory_limit_mib=128)
-    assert "huge-page cap" in str(failure.value)
+    assert "huge-page cap" in failure.value.what and "memory_limit_mib" in failure.value.hint
+    assert "Cannot allocate memory" in failure.value.details["traceback"]
 
 
 def test_a_branch_takes_no_huge_pages_of_its_own(ctl, numpy_snap):
