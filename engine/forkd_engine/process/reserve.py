@@ -23,7 +23,8 @@ charged to no one until a sandbox faults it, then to that sandbox's huge-page ca
 limits and isolation are as they were.
 
 The pool is the host's, so every engine on it follows this same rule on the same figures
-(``/proc/meminfo``) under one lock, and the last engine to close empties the reserve
+(``/proc/meminfo``) under one lock (give every server on a host the same ceiling, or the reserve
+swings between theirs every ``KEEP`` seconds), and the last engine to close empties the reserve
 (``vm.nr_hugepages`` back to 0). An engine killed outright leaves it as it was until the next one
 takes it over. A pool an administrator set up (``vm.nr_hugepages`` neither 0 nor the figure forkd last
 wrote) is left alone: then there is no reserve.
@@ -70,20 +71,25 @@ def ceiling_pages() -> int:
     return int(mib) * (1 << 20) // HUGE
 
 
+def _want_have(info: dict[str, int], ceiling: int) -> tuple[int, int]:
+    """(free pages the reserve wants: as many as are in use, up to ``ceiling``; free pages it has:
+    those no mapping has reserved)."""
+    free = info["HugePages_Free"]
+    return min(info["HugePages_Total"] - free, ceiling), free - info["HugePages_Rsvd"]
+
+
 def plan(info: dict[str, int], ceiling: int, settled: bool, over_for: float) -> int:
-    """Pages to add to the pool (negative: to give back) so that its free pages not reserved by a
-    mapping cover the pages in use, up to ``ceiling``, as long as a quarter of the memory stays
-    available (and it gives pages back at once when less than an eighth is). It grows only once the pages in use have
-    ``settled`` (a copy or a move taking pages now is never competed with) and shrinks only what has
-    been over the slack for ``KEEP`` s (``over_for``), so that pages freed are there for the next copy."""
-    free, rsvd = info["HugePages_Free"], info["HugePages_Rsvd"]
-    want = min(info["HugePages_Total"] - free, ceiling)
-    have = free - rsvd
+    """Pages to add to the pool (negative: to give back) so that its free pages cover the pages in
+    use, up to ``ceiling``, while a quarter of the memory stays available (under an eighth, the
+    reserve goes first). It grows only once the pages in use have ``settled`` (a copy or a move
+    taking pages now is never competed with) and gives back only what has been past the slack for
+    ``KEEP`` s (``over_for``), so that pages a deleted branch frees serve the next copy."""
+    want, have = _want_have(info, ceiling)
     short = (info["MemTotal"] // 8 - info["MemAvailable"]) * 1024 // HUGE
     if short > 0 and have > 0:
-        return -min(have, short)  # the host runs short of memory: the reserve is the first to go
+        return -min(have, short)
     if have < want and settled:
-        room = (info["MemAvailable"] - info["MemTotal"] // 4) * 1024 // HUGE  # a quarter stays available
+        room = (info["MemAvailable"] - info["MemTotal"] // 4) * 1024 // HUGE
         return max(0, min(want - have, room))
     if over(info, ceiling) and over_for >= KEEP:
         return want - have
@@ -92,9 +98,8 @@ def plan(info: dict[str, int], ceiling: int, settled: bool, over_for: float) -> 
 
 def over(info: dict[str, int], ceiling: int) -> bool:
     """Whether the free pages are past the reserve by more than the slack."""
-    free, rsvd = info["HugePages_Free"], info["HugePages_Rsvd"]
-    want = min(info["HugePages_Total"] - free, ceiling)
-    return free - rsvd > want + max(SLACK, want // 4)
+    want, have = _want_have(info, ceiling)
+    return have > want + max(SLACK, want // 4)
 
 
 def warm(pages: int, stop) -> None:
@@ -115,12 +120,13 @@ def describe() -> str:
     """The host's reserve as it stands, in a sentence (``forkd doctor``)."""
     try:
         pool, info = _pool(), meminfo()
+    except OSError as exc:
+        return f"no hugetlb pool to keep a warm reserve in: {exc}"
+    try:
         with open(LOCK) as f:
             text = f.read().strip()
-    except FileNotFoundError:
-        text = ""
-    except OSError as exc:
-        return f"the warm reserve of huge pages cannot be read: {exc}"
+    except OSError:
+        text = ""  # no engine has kept one on this host yet
     if pool and str(pool) != text:
         return f"vm.nr_hugepages={pool} is the host's own pool: no warm reserve, forkd leaves it as it is"
     try:
