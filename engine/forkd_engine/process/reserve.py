@@ -40,7 +40,7 @@ import time
 
 from .hugepages import HUGE, Destination
 
-LOCK = "/run/forkd-huge-pages"                 # held to change the pool; holds the figure forkd last wrote
+LOCK = "/run/forkd-huge-pages"                 # held to change the pool; holds the figures forkd wrote
 ENGINES = "/run/forkd-huge-pages.engines"      # every engine holds a shared lock on it while it runs
 POOL = "/proc/sys/vm/nr_hugepages"
 TICK = 1.0       # s between looks at the pool
@@ -58,6 +58,11 @@ def meminfo() -> dict[str, int]:
 def _pool() -> int:
     with open(POOL) as f:
         return int(f.read())
+
+
+def _figures(text: str) -> set[int]:
+    """The figures of the pool forkd recorded (``LOCK``'s text): what it set, or what it was setting."""
+    return {int(word) for word in text.split() if word.isdigit()}
 
 
 def ceiling_pages() -> int:
@@ -124,10 +129,10 @@ def describe() -> str:
         return f"no hugetlb pool to keep a warm reserve in: {exc}"
     try:
         with open(LOCK) as f:
-            text = f.read().strip()
+            ours = _figures(f.read())
     except OSError:
-        text = ""  # no engine has kept one on this host yet
-    if pool and str(pool) != text:
+        ours = set()  # no engine has kept one on this host yet
+    if pool and pool not in ours:
         return f"vm.nr_hugepages={pool} is the host's own pool: no warm reserve, forkd leaves it as it is"
     try:
         ceiling_mib = ceiling_pages() * HUGE >> 20
@@ -168,7 +173,8 @@ class HugePageReserve:
     @staticmethod
     @contextlib.contextmanager
     def _locked(wait: bool):
-        """The pool's lock and the figure forkd last wrote (None: the lock is busy and not waited for)."""
+        """The pool's lock and the figures of the pool forkd may have left (None: the lock is busy
+        and not waited for)."""
         with open(LOCK, "a+") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -176,28 +182,30 @@ class HugePageReserve:
                 yield None, None
                 return
             f.seek(0)
-            text = f.read().strip()
-            yield f, int(text) if text.isdigit() else 0
+            yield f, _figures(f.read())
 
     @staticmethod
-    def _write(f, pages: int) -> int:
+    def _write(f, pages: int) -> None:
+        """Set the pool, recording the figures first: an engine killed between the two leaves a
+        pool the next one still knows for forkd's."""
+        def record(text: str) -> None:
+            f.seek(0)
+            f.truncate()
+            f.write(text)
+            f.flush()
+        record(f"{_pool()} {pages}")
         with open(POOL, "w") as pool:
             pool.write(str(pages))
-        got = _pool()
-        f.seek(0)
-        f.truncate()
-        f.write(str(got))
-        f.flush()
-        return got
+        record(str(_pool()))  # the kernel may have made fewer than asked
 
     def step(self) -> int:
         """One look at the pool: resize it to plan, and warm what was added. Returns the pages added
         (negative: given back)."""
-        with self._locked(wait=False) as (f, written):
+        with self._locked(wait=False) as (f, ours):
             if f is None:
                 return 0  # another engine is at it
             before = _pool()
-            if before not in (0, written):
+            if before and before not in ours:
                 self.note = (f"the host's own pool of {before} huge pages (vm.nr_hugepages) is kept: no warm reserve, "
                              f"so a write after a branch may wait for the host to back its copies")
                 return 0
@@ -242,8 +250,8 @@ class HugePageReserve:
                 fcntl.flock(engines, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return  # another engine runs on: it keeps the reserve
-            with self._locked(wait=True) as (f, written), contextlib.suppress(OSError):
-                if _pool() == written and written:
+            with self._locked(wait=True) as (f, ours), contextlib.suppress(OSError):
+                if _pool() in ours - {0}:
                     # the free pages go back to the host; those in use turn surplus, as many as the
                     # surplus ceiling allows (past it, a sandbox's next fault would find none)
                     info = meminfo()
