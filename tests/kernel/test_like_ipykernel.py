@@ -58,6 +58,15 @@ def test_forkd_help_shows_in_the_pager_as_a_magics_help_does(kernel):
         assert text.startswith("Docstring:\nFork-on-write Python sandboxes from a notebook.")  # IPython's pinfo
         assert "\n%forkd branch [--tag TAG]" in text and "\n%%forkd run [--tag TAG]" in text
         assert "::" not in text
+    # what ipykernel shows for it, with the magics loaded there
+    plain_km, plain_kc = start_new_kernel(kernel_name="python3")
+    try:
+        assert run(plain_kc, "%load_ext forkd_magics").ok
+        (plain,) = run(plain_kc, "%forkd?").content["payload"]
+    finally:
+        plain_kc.stop_channels()
+        plain_km.shutdown_kernel(now=True)
+    assert ANSI.sub("", plain["data"]["text/plain"]) == page("%forkd?")
     assert page("%forkd??").startswith("Source:\n")  # as IPython answers ?? for any magic
     # %forkd help prints the same text; Shift+Tab on a %forkd line inspects the magic, here
     helped = run(kc, "%forkd help")
