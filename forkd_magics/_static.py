@@ -17,7 +17,7 @@ import base64
 from xml.sax.saxutils import escape, quoteattr
 
 GROUP_MIN = 4  # as lineage.js
-ROW, INDENT, WIDTH, PAD = 30, 18, 600, 8
+ROW, INDENT, WIDTH, PAD, HEADER = 30, 18, 600, 8, 36
 COLOURS = {"ready": "#1a7f37", "running": "#0969da", "writing": "#bf8700", "failed": "#cf222e"}
 GONE = {"sandbox": "killed", "snapshot": "deleted"}
 
@@ -94,13 +94,15 @@ def static_svg(tree: dict) -> str:
     notebook's stored picture compares equal when it is run again (nbval)."""
     full = with_ghosts(tree)
     drawn = rows(full)
-    height = PAD * 2 + 22 + max(len(drawn), 1) * ROW
+    height = PAD * 2 + HEADER + max(len(drawn), 1) * ROW
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
            f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">',
            f'<rect width="{WIDTH}" height="{height}" fill="#ffffff" stroke="#c8ccd1"/>',
            f'<text x="{PAD}" y="{PAD + 12}" fill="#57606a" font-size="11">forkd lineage: {_counts(tree)} '
-           f'when the cell ran (a static picture: run the cell for the live view)</text>']
-    top = PAD + 22
+           f'when the cell ran</text>',
+           f'<text x="{PAD}" y="{PAD + 26}" fill="#57606a" font-size="11">a static picture: run the cell for the '
+           f'live view</text>']
+    top = PAD + HEADER
     index: dict[str, int] = {}
     for i, (depth, nid, status, members) in enumerate(drawn):
         y = top + i * ROW
