@@ -177,8 +177,8 @@ class LineageWidget(anywidget.AnyWidget):
         for node_id, node in self.tree.items():
             if node_id not in tree and node_id not in on_server and not node.get("tomb"):
                 status = GONE[node["kind"]]
-                self._gone[node_id] = {**node, "status": status, "tomb": True, "gone_at": now,
-                                       "history": _history(node.get("history"), status)}
+                self._gone[node_id] = {**node, "status": status, "tomb": True, "gone_at": now, "heads": [],
+                                       "history": _history(node.get("history"), status)}  # nobody's HEAD now
         for node_id in on_server & set(self._gone):
             del self._gone[node_id]
 
@@ -206,14 +206,16 @@ class LineageWidget(anywidget.AnyWidget):
         node_id = event.get("tag") if event.get("kind") == "snapshot" else event.get("id")
         action, status = event.get("action"), event.get("status")
         with self._lock:
-            if node_id in self._outside:  # another notebook's (labels never change; HEAD moves are kernel events)
-                return
+            if node_id in self._outside and action != "updated":  # another notebook's (it becomes ours only
+                return                                                # by new labels; HEAD moves are kernel events)
+            if node_id in self._gone and action not in ("created", "updated"):
+                return  # a late status of what is gone (a snapshot's template ending as it is deleted)
             if status and node_id:
                 seen = self._history.setdefault(node_id, [])
                 if not seen or seen[-1] != status:
                     seen.append(status)
-            if action in ("created", "killed", "deleted") or node_id not in self.tree:
-                self.refresh()  # structure changed: take the server's view (lineage, details)
+            if action in ("created", "killed", "deleted", "updated") or node_id not in self.tree:
+                self.refresh()  # structure or labels changed: take the server's view (lineage, details)
                 return
             node = dict(self.tree[node_id], status=status or self.tree[node_id]["status"],
                         history=list(self._history.get(node_id, [])))

@@ -42,7 +42,7 @@ export function registerCommands(
     execute: async () => {
       const name = notebook.name;
       await progress(
-        notebook.runForkdLine('%forkd branch --live', false, { tag: '_.tag', pause: '_.pause_ms' }),
+        notebook.runForkdLine('%forkd branch --live', false, { expressions: { tag: '_.tag', pause: '_.pause_ms' } }),
         `Branching ${name}…`,
         v => `Branched ${name} into snapshot ${v.tag}` + (/^[\d.]+$/.test(v.pause) ? ` (the notebook paused ${Number(v.pause).toFixed(1)} ms).` : '.'),
         `Could not branch ${name}`
@@ -70,7 +70,7 @@ export function registerCommands(
       }
       const name = notebook.name;
       await progress(
-        notebook.runForkdLine(`%forkd fork -n ${n}`, false, { ids: "', '.join(s.id for s in _)" }),
+        notebook.runForkdLine(`%forkd fork -n ${n}`, false, { expressions: { ids: "', '.join(s.id for s in _)" } }),
         `Forking ${name} into ${n}…`,
         v => `Forked ${name} into ${n === 1 ? 'a sandbox' : `${n} sandboxes`} holding its state: ${v.ids}.`,
         `Could not fork ${name}`

@@ -3,7 +3,7 @@
 // panel acts on the current kernel) and inserting a cell.
 
 import { NotebookActions, INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
-import { Notification } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { Kernel, KernelMessage } from '@jupyterlab/services';
 import { ReadonlyJSONValue } from '@lumino/coreutils';
 
@@ -46,9 +46,14 @@ export class CurrentNotebook {
    * Run one `%forkd` line in the forkd kernel (queued behind running cells, so the sandbox is idle
    * when it runs). `expressions` are evaluated after it, where it ran (the protocol's
    * user_expressions; `_` is the line's result): their values come back as text, strings unquoted.
+   * What it wrote to stderr (the kernel's `forkd: ...` notes) goes to `warn` once it succeeded.
    * Throws the kernel's error, as a sentence.
    */
-  async runForkdLine(code: string, silent: boolean, expressions: Record<string, string> = {}): Promise<Record<string, string>> {
+  async runForkdLine(
+    code: string,
+    silent: boolean,
+    { expressions = {}, warn }: { expressions?: Record<string, string>; warn?: (text: string) => void } = {}
+  ): Promise<Record<string, string>> {
     const kernel = this.forkdKernel;
     if (!kernel) {
       throw new Error(NEEDS_FORKD_KERNEL);
@@ -61,9 +66,12 @@ export class CurrentNotebook {
       stop_on_error: false,
       user_expressions: expressions
     });
+    let warnings = '';
     let error = '';
     future.onIOPub = (msg: KernelMessage.IIOPubMessage) => {
-      if (KernelMessage.isErrorMsg(msg)) {
+      if (KernelMessage.isStreamMsg(msg) && msg.content.name === 'stderr') {
+        warnings += msg.content.text;
+      } else if (KernelMessage.isErrorMsg(msg)) {
         error = errorText(msg.content.ename, msg.content.evalue);
       }
     };
@@ -71,6 +79,9 @@ export class CurrentNotebook {
     if (reply.content.status !== 'ok') {
       const c = reply.content as KernelMessage.IReplyErrorContent;
       throw new Error(error || errorText(c.ename, c.evalue));
+    }
+    if (warn && warnings.trim()) {
+      warn(warnings.trim());
     }
     const values: Record<string, string> = {};
     const found = (reply.content as KernelMessage.IExecuteReply).user_expressions ?? {};
@@ -143,6 +154,23 @@ export async function progress<T extends ReadonlyJSONValue>(
   }
 }
 
+/**
+ * A note of the kernel's the user must see (a checkout raised a sandbox's memory limit, or could
+ * not): a warning that stays until dismissed, the whole text a click away (toasts cut at 140).
+ */
+export function warnUser(text: string): void {
+  Notification.warning(text, {
+    autoClose: false,
+    actions: [
+      {
+        label: 'Details',
+        caption: 'Show the whole message',
+        callback: () => void showDialog({ title: 'forkd', body: text, buttons: [Dialog.okButton()] })
+      }
+    ]
+  });
+}
+
 /** Check out a sandbox in the current forkd notebook: `%forkd checkout <id>`, silently. */
 export async function checkout(notebook: CurrentNotebook, id: string): Promise<boolean> {
   if (!SAFE_ID.test(id)) {
@@ -151,7 +179,7 @@ export async function checkout(notebook: CurrentNotebook, id: string): Promise<b
   }
   const name = notebook.name;
   const done = await progress(
-    notebook.runForkdLine(`%forkd checkout ${id}`, true),
+    notebook.runForkdLine(`%forkd checkout ${id}`, true, { warn: warnUser }),
     `Checking out ${id} in ${name}…`,
     () => `Checked out ${id}: the next cell of ${name} runs there.`,
     `Could not check out ${id}`

@@ -168,6 +168,24 @@ def test_widget_syncs_tree_and_follows_events_live(forkd, comms):
     assert not w.live
 
 
+def test_a_sandbox_labelled_later_enters_a_notebooks_tree(forkd, comms):
+    """A checkout labels another's sandbox as this notebook's (PATCH, an 'updated' event): the
+    widget scoped to the notebook takes it in without being told otherwise."""
+    from forkd_magics._scope import KERNEL_ID, Scope
+
+    ctl = forkd.controller()
+    ctl.create_snapshot("wl")
+    sb = ctl.spawn_sandboxes("wl", 1)[0]["id"]
+    w = LineageWidget(ctl, scope=Scope("k-mine", None))
+    try:
+        assert sb not in w.tree
+        ctl.update_sandbox(sb, labels={KERNEL_ID: "k-mine"})
+        wait_for(lambda: sb in w.tree, what="the relabelled sandbox to enter the tree")
+        assert w.tree[sb]["labels"][KERNEL_ID] == "k-mine" and "wl" in w.tree  # with its ancestor
+    finally:
+        w.close()
+
+
 def test_buttons_run_actions_through_the_sdk(forkd, comms):
     ctl = forkd.controller()
     ctl.create_snapshot("wa")
@@ -194,10 +212,15 @@ def test_buttons_run_actions_through_the_sdk(forkd, comms):
         branch = f"branch-{sandboxes[0]}-0"
         kid = ctl.spawn_sandboxes(branch, 1)[0]["id"]
         ctl.branch_sandbox(kid, "wa-deep", mode="full")
+        # what the tree has shown becomes a tombstone (a node made and gone between two reads never was in it)
+        wait_for(lambda: "wa-deep" in w.tree and kid in w.tree, what="wa-deep in the tree")
         front_end_says(w, {"action": "delete", "id": branch, "cascade": True, "req": 5})
         assert w.message == f"deleted {branch} and the snapshots branched from it"
         wait_for(lambda: all(w.tree.get(t, {}).get("status") == "deleted" for t in (branch, "wa-deep")),
                  what="deleted snapshots to be tombstones")
+        # and stay so: a status the server sends after (a template ending as its snapshot goes) is late
+        w.apply_event({"kind": "snapshot", "action": "status", "tag": branch, "status": "failed"})
+        assert w.tree[branch]["status"] == "deleted" and w.tree[branch]["history"][-1] == "deleted"
         assert w.tree[kid]["status"] == "running"  # its sandbox keeps running, under its snapshot's tombstone
         assert w.tree[kid]["parent"] == branch
         # "clear gone" in the page: the kernel forgets its tombstones
