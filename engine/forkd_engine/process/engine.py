@@ -40,6 +40,10 @@ DEFAULT_PIDS_MAX = 1024          # processes and threads per sandbox (and per sn
 RETIRE_TIMEOUT = 10.0   # s an agent has to answer "retire" before it is killed (if no fork of it lives)
 
 
+def _import_path() -> list[str]:
+    return [p for p in sys.path if p and os.path.isdir(p)]
+
+
 def _sandbox_env() -> dict:
     bindir = os.path.dirname(sys.executable)
     return {
@@ -47,7 +51,7 @@ def _sandbox_env() -> dict:
         "HOME": "/tmp",
         "TMPDIR": "/tmp",
         "LANG": "C.UTF-8",
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
+        "PYTHONPATH": os.pathsep.join(rootfs.sandbox_path(p) for p in _import_path()),
         "PYTHONDONTWRITEBYTECODE": "1",
         "FORKD_SANDBOX": "1",
     }
@@ -299,7 +303,7 @@ class ProcessEngine:
         deadline = time.monotonic() + spec.setup_timeout
         got = None
         try:
-            setup.start(cfg, dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"]),
+            setup.start(cfg, dict(os.environ, PYTHONPATH=os.pathsep.join(_import_path())),
                         (listener.fileno(), theirs.fileno()), log_path)
             listener.close()
             theirs.close()
