@@ -61,8 +61,8 @@ class BaseSnapshot:
                 info = self.controller.wait_snapshot(tag, timeout=900)
             if info.get("status") == "ready":
                 return tag
-            raise RuntimeError(f"the notebook's base snapshot {tag} is {info.get('status')}: {info.get('warning', '')} "
-                               f"(delete it with %forkd delete {tag} and restart the kernel to make it again)")
+            raise RuntimeError(f"the notebook's base snapshot {tag} is {info.get('status')}: {info.get('warning', '')}\n"
+                               f"delete it with %forkd delete {tag} and restart the kernel to make it again")
         raise RuntimeError(f"the notebook's base snapshot {self.tag} could not be made: {self._refused}")
 
     def _create(self, tag: str, memory_limit_mib: int | None) -> bool:

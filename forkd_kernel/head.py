@@ -19,7 +19,12 @@ __all__ = ["Head", "HeadGone"]
 
 
 class HeadGone(RuntimeError):
-    """The sandbox this notebook runs in is gone; its state with it. Says how to go on."""
+    """The sandbox this notebook runs in is gone; its state with it. Says how to go on: ``what``
+    happened, ``hint`` what to do, ``details`` the rest (the kernel shows them collapsed)."""
+
+    def __init__(self, what: str, hint: str = "", details: dict | None = None):
+        super().__init__(f"{what}\n{hint}" if hint else what)
+        self.what, self.hint, self.details = what, hint, dict(details or {})
 
 
 class Head:
@@ -30,6 +35,7 @@ class Head:
         self.session: Session | None = None
         self.hello: dict = {}
         self.ended: str | None = None  # why HEAD's session ended (the sandbox died), else None
+        self.end_said: tuple[str, dict] = ("", {})  # the server's hint and details about that end
         self.comms: set[str] = set()   # comm ids the sandbox opened (closed on the frontend at checkout)
         self._waiting: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
@@ -42,6 +48,7 @@ class Head:
         old = self.session
         with self._lock:
             self.session, self.sandbox_id, self.hello, self.ended = session, sandbox_id, session.hello, None
+            self.end_said = ("", {})
             self.comms = set()
         threading.Thread(target=self._read, args=(session,), name=f"forkd-head-{sandbox_id}", daemon=True).start()
         if old is not None:
@@ -70,17 +77,23 @@ class Head:
     def check(self) -> Session:
         """HEAD's session, or ``HeadGone`` that names the sandbox and the ways on."""
         if self.session is None:
-            raise HeadGone("this notebook has no sandbox yet (the forkd kernel is still starting, or could not "
-                           "start: see the kernel's first message)")
+            raise HeadGone("this notebook has no sandbox yet",
+                           "the forkd kernel is still starting, or could not start: see the kernel's first message")
         if self.ended is not None and self.ended.startswith("unreachable"):
             raise HeadGone(f"the forkd server at {self.controller.base_url} does not answer, so this notebook's "
-                           f"sandbox {self.sandbox_id} cannot be reached ({self.ended}); sandboxes outlive their "
-                           f"server: start it again and run the cell again, the state is still there")
+                           f"sandbox {self.sandbox_id} cannot be reached",
+                           "sandboxes outlive their server: start it again and run the cell again, the state is "
+                           "still there", {"why": self.ended})
         if self.ended is not None:
-            raise HeadGone(f"this notebook's sandbox {self.sandbox_id} is gone ({self.ended}), and its variables "
-                           f"with it: nothing was restarted in its place. Continue from a snapshot or another "
-                           f"sandbox with %forkd checkout TAG|SB (%forkd ls lists them), or restart the kernel "
-                           f"for a fresh sandbox")
+            hint, details = self.end_said
+            if details.get("limit") in ("memory", "huge_pages"):
+                details = {**details, "notebook": "the notebook's sandboxes take their memory limit from "
+                                                  "$FORKD_KERNEL_MEMORY_LIMIT_MIB (or ForkdKernel.memory_limit_mib): "
+                                                  "raise it and restart the kernel"}
+            raise HeadGone(f"this notebook's sandbox {self.sandbox_id} is gone, and its variables with it: {self.ended}",
+                           "nothing was restarted in its place: %forkd checkout TAG|SB continues from a snapshot or "
+                           "sandbox (%forkd ls lists them); a kernel restart starts a fresh one",
+                           {**({"server_hint": hint} if hint else {}), **details})
         return self.session
 
     def open_request(self, kind: str, **fields) -> tuple[str, queue.Queue]:
@@ -165,5 +178,6 @@ class Head:
                 return f"its session closed, though the server still lists it ({exc})"
             # The server says when and why it ended (a limit it died of, a kill), when it knows.
             ended = (exc.body.get("ended") if isinstance(getattr(exc, "body", None), dict) else None) or {}
+            self.end_said = (getattr(exc, "hint", ""), getattr(exc, "details", {}))
             return str(ended.get("reason") or "killed or exited: the server no longer has it")
         return "its session closed, though the server still lists it"

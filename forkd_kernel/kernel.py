@@ -25,6 +25,7 @@ from ipykernel.kernelbase import Kernel
 from traitlets import Integer, List, Unicode, default
 
 from forkd_magics._complete import install as install_completer
+from forkd_magics._errors import Explained, details_bundle, explained
 from forkd_magics._scope import kernel_id, notebook_path
 from forkd_server.checks import host_memory_mib
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
@@ -105,7 +106,7 @@ class ForkdKernel(Kernel):
         self._last_parent: dict = {}
         self._local_parent: dict = {}
         self._notice: str | None = None
-        self._start_error: str | None = None
+        self._start_error: Explained | None = None
         self._started = threading.Event()
         self.kernel_id = kernel_id() or f"pid-{os.getpid()}"
         self.notebook = notebook_path()
@@ -146,10 +147,14 @@ class ForkdKernel(Kernel):
                                 f"The sandbox it ran in before, {previous}, still runs with its state: "
                                 f"%forkd checkout {previous} to continue there, or %forkd kill {previous} to free it.\n")
         except (ControllerError, ServerUnreachable, RuntimeError, TimeoutError, OSError, ValueError, HeadGone) as exc:
-            hint = (" (set $FORKD_KERNEL_MEMORY_LIMIT_MIB or ForkdKernel.memory_limit_mib within the server's bound)"
-                    if "memory_limit_mib" in str(exc) else "")
-            self._start_error = (f"the forkd kernel could not start its sandbox: {exc}{hint}. Its %forkd lines still "
-                                 f"run here; fix the cause and restart the kernel")
+            said = explained(exc, self.controller.base_url)
+            if "memory_limit_mib" in str(exc):
+                said.hint = "set $FORKD_KERNEL_MEMORY_LIMIT_MIB or ForkdKernel.memory_limit_mib within the server's bound"
+            hint = said.hint or "fix the cause"
+            if "restart the kernel" not in hint:
+                hint += ", then restart the kernel"
+            self._start_error = Explained(f"the forkd kernel could not start its sandbox: {said.what}", hint,
+                                          {**said.details, "meanwhile": "the notebook's %forkd lines still run (in the kernel)"})
         finally:
             self._started.set()
 
@@ -234,7 +239,7 @@ class ForkdKernel(Kernel):
         if not self._started.is_set():  # the first sandbox is still being made: wait, loop responsive
             await asyncio.get_running_loop().run_in_executor(None, self._started.wait)
         if self._start_error:
-            return self._error(parent, "ForkdKernelError", self._start_error)
+            return self._error(parent, "ForkdKernelError", str(self._start_error), self._start_error.details)
         if self._notice:
             self._send_iopub("stream", {"name": "stderr", "text": self._notice}, parent)
             self._notice = None
@@ -245,7 +250,7 @@ class ForkdKernel(Kernel):
         try:
             return self._run_remote(code, silent, store_history, user_expressions or {}, allow_stdin, parent)
         except HeadGone as exc:
-            return self._error(parent, "SandboxGone", str(exc))
+            return self._error(parent, "SandboxGone", str(exc), exc.details)
 
     def _run_remote(self, code, silent, store_history, user_expressions, allow_stdin, parent) -> dict:
         self.cells_run += 1
@@ -308,9 +313,13 @@ class ForkdKernel(Kernel):
         error = self.local.last_error or {"ename": "Error", "evalue": str(result.error_in_exec), "traceback": []}
         return {"status": "error", "execution_count": self.execution_count, **error}
 
-    def _error(self, parent: dict, ename: str, evalue: str) -> dict:
+    def _error(self, parent: dict, ename: str, evalue: str, details: dict | None = None) -> dict:
+        """A cell's error as ipykernel shows one (its two lines: what, what to do), then its
+        details, collapsed."""
         error = {"ename": ename, "evalue": evalue, "traceback": [f"\x1b[0;31m{ename}\x1b[0m: {evalue}"]}
         self._send_iopub("error", error, parent)
+        if details:
+            self._send_iopub("display_data", {"data": details_bundle(details), "metadata": {}, "transient": {}}, parent)
         return {"status": "error", "execution_count": self.execution_count, **error}
 
     # --- IOPub -----------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def is_forkd_cell(code: str) -> bool:
         return True
     if forkd:
         raise UsageError("a cell with %forkd lines runs in the kernel, between the notebook's cells, while Python "
-                         "runs in the notebook's sandbox: put the %forkd lines in a cell of their own")
+                         "runs in the notebook's sandbox\nput the %forkd lines in a cell of their own")
     return False
 
 

@@ -5,7 +5,8 @@ Every subcommand talks to the server through the client SDK and returns SDK obje
 The line reads like Python and a shell: ``{expr}`` is expanded (by IPython), ``# comments`` end it,
 variables name sandboxes and an undefined one is a ``NameError``. What the magics create carries
 this notebook's labels, and ``ls``, ``tree`` and ``--all`` mean this notebook's (``_scope``). A server
-error or a bad argument is one ``UsageError`` saying what failed and what to do (``_errors``).
+error or a bad argument is one ``UsageError`` saying what failed and what to do, in two lines, and
+the error's details shown collapsed under it (``_errors``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from forkd_server.client import (CommandResult, Controller, ControllerError, San
                                  Snapshot)
 
 from ._args import HELP, SUBCOMMANDS, strip_comment, unquote
-from ._errors import explain
+from ._errors import Explained, explained, show_details
 from ._names import UndefinedName, sandbox_ids, snapshot_tag
 from ._scope import Scope, sandboxes_of, snapshots_of
 
@@ -141,7 +142,7 @@ class ForkdMagics(Magics):
             raise UsageError(f"forkd {sub} is a line magic: use %forkd {sub} (one %)")
         if sub == "connect" and any(w == "--token" or w.startswith("--token=") for w in rest.split()):
             raise UsageError("forkd connect: not --token on the line: the notebook (and its history) would keep "
-                             "the secret. Set FORKD_TOKEN before starting Jupyter, or leave it out and type it at "
+                             "the secret\nset FORKD_TOKEN before starting Jupyter, or leave it out and type it at "
                              "the prompt, which does not echo")
         command = ""
         if sub == "exec" and " -- " in f" {rest} ":
@@ -157,7 +158,11 @@ class ForkdMagics(Magics):
         try:
             return getattr(self, f"_{sub}")(args, cell)
         except (ControllerError, ServerUnreachable, TimeoutError, RuntimeError) as exc:
-            raise UsageError(f"forkd {sub}: {self.explain(exc)}") from None
+            said = self.explained(exc)
+            error = UsageError(f"forkd {sub}: {said}")  # two lines: what, and what to do
+            error.details = said.details
+            show_details(self.shell, said.details)      # the rest, collapsed under the error
+            raise error from None
 
     def _expand(self, line: str) -> str:
         """``{expr}`` and ``$name``, as IPython expands a magic's line: in the namespace of the code
@@ -176,9 +181,12 @@ class ForkdMagics(Magics):
         except Exception:  # noqa: BLE001 - IPython's rule: what does not expand stays as written
             return line
 
-    def explain(self, exc: BaseException) -> str:
+    def explained(self, exc: BaseException) -> Explained:
         server = self._controller.base_url if self._controller is not None else "the forkd server"
-        return explain(exc, server)
+        return explained(exc, server)
+
+    def explain(self, exc: BaseException) -> str:
+        return str(self.explained(exc))
 
     # --- helpers ---------------------------------------------------------------------------------
 
@@ -202,7 +210,7 @@ class ForkdMagics(Magics):
         return None
 
     def _needs_kernel(self, what: str) -> UsageError:
-        return UsageError(f"forkd {what}: this notebook runs in a plain kernel, not in a sandbox; use the "
+        return UsageError(f"forkd {what}: this notebook runs in a plain kernel, not in a sandbox\nuse the "
                           f"\"Python 3 (forkd)\" kernel (Kernel > Change Kernel) for the notebook to {what} "
                           f"itself, or name a sandbox")
 
@@ -293,9 +301,9 @@ class ForkdMagics(Magics):
                 if exc.status == 404 and not sweep:
                     failed.append((sb, "no such sandbox is running (killed already, or a wrong id)"))
                 elif exc.status != 404:  # gone meanwhile is fine for a sweep
-                    failed.append((sb, self.explain(exc)))
+                    failed.append((sb, self.explained(exc).what))
             except (ServerUnreachable, TimeoutError) as exc:
-                failed.append((sb, self.explain(exc)))
+                failed.append((sb, self.explained(exc).what))
         if killed or not failed:
             print(f"killed {len(killed)} sandbox{'es' if len(killed) != 1 else ''}")
         if len(failed) == 1 and not killed:
@@ -329,7 +337,7 @@ class ForkdMagics(Magics):
                 deleted.append(snap["tag"])
             except ControllerError as exc:
                 if exc.status != 404:  # gone with a cascade meanwhile
-                    failed.append((snap["tag"], self.explain(exc)))
+                    failed.append((snap["tag"], self.explained(exc).what))
         print(f"deleted {len(deleted)} snapshot{'' if len(deleted) == 1 else 's'}")
         if failed:
             lines = "".join(f"\n  {tag}: {why}" for tag, why in failed)

@@ -167,11 +167,14 @@ class Admission:
         if self.admitted >= self.max_long_calls:
             self.refused.labels(reason="server_cap").inc()
             raise Busy(f"{self.admitted} long calls (exec, eval, run, files, branch, spawn...) are in progress, "
-                       f"the most this server admits; retry when one ends (or raise ForkdApp.max_long_calls)")
+                       f"the most this server admits", hint="retry when one ends (or raise ForkdApp.max_long_calls)",
+                       details={"in_progress": self.admitted, "setting": "ForkdApp.max_long_calls"})
         if self.callers[caller] >= self.max_long_calls_per_caller:
             self.refused.labels(reason="caller_cap").inc()
             raise TooManyRequests(f"you have {self.callers[caller]} long calls in progress, the most one caller may "
-                                  f"hold; wait for one to end (or raise ForkdApp.max_long_calls_per_caller)")
+                                  f"hold", hint="wait for one to end (or raise ForkdApp.max_long_calls_per_caller)",
+                                  details={"in_progress": self.callers[caller],
+                                           "setting": "ForkdApp.max_long_calls_per_caller"})
         self.admitted += 1
         self.callers[caller] += 1
 
@@ -184,7 +187,7 @@ class Admission:
             raise Gone(f"sandbox {sandbox} is being killed; {lane.ended}")
         if len(lane.waiting) >= self.sandbox_queue_size:
             self.refused.labels(reason="sandbox_busy").inc()
-            raise Conflict(self._busy(sandbox, lane, f"{len(lane.waiting)} more calls already wait for it"))
+            raise self._busy(sandbox, lane, f"{len(lane.waiting)} more calls already wait for it")
         turn = asyncio.get_running_loop().create_future()
         entry = (turn, what)
         lane.waiting.append(entry)
@@ -196,8 +199,7 @@ class Admission:
             lane.waiting.remove(entry)
             self._drop_if_idle(sandbox)
             self.refused.labels(reason="queue_timeout").inc()
-            raise Conflict(self._busy(sandbox, lane, f"this call waited {self.sandbox_queue_timeout:g} s for its "
-                                                     f"turn")) from None
+            raise self._busy(sandbox, lane, f"this call waited {self.sandbox_queue_timeout:g} s for its turn") from None
         except asyncio.CancelledError:  # the client went away
             if turn.done() and not turn.cancelled() and not turn.exception():
                 self._leave_lane(sandbox)  # the turn was handed to us: pass it on
@@ -225,10 +227,12 @@ class Admission:
         if lane is not None and lane.running is None and not lane.waiting:
             del self.lanes[sandbox]
 
-    def _busy(self, sandbox: str, lane: Lane, why: str) -> str:
+    def _busy(self, sandbox: str, lane: Lane, why: str) -> Conflict:
         running = f"{lane.running} (for {time.monotonic() - lane.since:.1f} s)" if lane.running else "a call"
-        return (f"sandbox {sandbox} is busy: it runs {running} and {why}; wait for it, interrupt it "
-                f"(POST /v1/sandboxes/{sandbox}/interrupt) or kill it (DELETE /v1/sandboxes/{sandbox})")
+        return Conflict(f"sandbox {sandbox} is busy: it runs {running} and {why}",
+                        hint="wait for it, interrupt it or kill it",
+                        details={"interrupt": f"POST /v1/sandboxes/{sandbox}/interrupt",
+                                 "kill": f"DELETE /v1/sandboxes/{sandbox} (forkd kill {sandbox}, %forkd kill {sandbox})"})
 
     # --- kills -----------------------------------------------------------------------------------
 

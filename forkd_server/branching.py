@@ -29,14 +29,17 @@ SETTLE_RETRY = 5.0  # s between writes of a snapshot's final record that the reg
 READY_TIMEOUT = 600.0  # a waiting branch gives up on the engine's completion after this long
 
 
-def lossy_refusal(exc: LossyFork, what: str) -> Conflict:
-    """409: what a fork would lose, and the two ways out."""
-    items = "".join(f"\n  - {item}" for item in exc.items)
-    return Conflict(f"{what} would lose what a fork() cannot carry:{items}\nTo fork anyway, ask for a lossy "
-                    f"fork (REST \"lossy\": true, SDK lossy=True, %forkd branch --lossy, forkd snapshot "
-                    f"--lossy): the snapshot then carries these as warnings. Or use the VM engine (engine "
-                    f"\"vm\"), which copies the whole machine: threads, processes and sockets included",
-                    lost=list(exc.items))
+def lossy_refusal(exc: LossyFork, what: str, magic: str | None = "%forkd branch --lossy") -> Conflict:
+    """409: what a fork would lose, and the two ways out (``magic``: the lossy way in a notebook, if any)."""
+    items = list(exc.items)
+    shown = "; ".join(items[:3]) + (f" (and {len(items) - 3} more)" if len(items) > 3 else "")
+    return Conflict(f"{what} would lose what a fork() cannot carry: {shown}",
+                    hint="use the VM engine, which carries it, or fork anyway with a lossy fork",
+                    details={"lost": items, "lossy": "a lossy fork's snapshot lists what it lost as warnings",
+                             "rest": '"lossy": true', "sdk": "lossy=True",
+                             **({"magic": magic} if magic else {}), "cli": "forkd snapshot --lossy",
+                             "vm": 'engine "vm" copies the whole machine: threads, processes and sockets included'},
+                    lost=items)
 
 
 class BranchManager:

@@ -105,7 +105,8 @@ class Controller:
         engine = self.engines.get(name)
         if engine is None:
             why = self.unavailable.get(name) or f"available: {', '.join(sorted(self.engines)) or 'none'}"
-            raise BadRequest(f"engine {name!r} is not available on this server ({why}); see `forkd doctor`")
+            raise BadRequest(f"engine {name!r} is not available on this server ({why})",
+                             hint="`forkd doctor` checks what this host has for each engine")
         return name, engine
 
     def checked_snapshot(self, row: dict) -> dict:
@@ -202,8 +203,9 @@ class Controller:
             if victim["tag"] in states:
                 name = states[victim["tag"]]
                 raise Conflict(f"snapshot {victim['tag']} holds the state of workspace {name}"
-                               + (f" (cascade from {tag} would delete it)" if victim["tag"] != tag else "")
-                               + f"; delete the workspace instead (DELETE /v1/workspaces/{name})")
+                               + (f" (cascade from {tag} would delete it)" if victim["tag"] != tag else ""),
+                               hint="delete the workspace instead",
+                               details={"rest": f"DELETE /v1/workspaces/{name}", "cli": f"forkd workspace delete {name}"})
         for victim in reversed(victims):
             engine = self.engines.get(victim["engine"])
             if victim["handle"] and engine is not None:

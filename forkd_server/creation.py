@@ -20,6 +20,7 @@ from forkd_engine import Cancelled, EngineError, InvalidSpec, LimitReached, Loss
 from .branching import lossy_refusal
 from .checks import ENGINES, check_disk_mib, check_labels, check_memory_mib, check_setup_timeout, check_tag
 from .errors import BadRequest, Conflict, EngineFailure, ForkdError
+from .setup_failures import setup_refusal
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -76,8 +77,8 @@ class CreationManager:
         if disk_mib is not None and name != "vm":
             raise BadRequest("disk_mib needs engine vm (a process sandbox's files live in its private layer)")
         if packages and name != "vm":
-            raise BadRequest("packages need engine vm (a process sandbox runs the host's Python environment; "
-                             "add software there with setup_commands)")
+            raise BadRequest("packages need engine vm (a process sandbox runs the host's Python environment)",
+                             hint="ask for engine vm, or add the software with setup_commands")
         with self.ctl.branches.reserve(tag, f"snapshot {tag} is already being written"):
             if self.registry.get_snapshot(tag) is not None:
                 raise BadRequest(f"snapshot {tag} already exists; DELETE first")
@@ -109,10 +110,11 @@ class CreationManager:
                 self.feed.emit("snapshot", "deleted", tag=tag)
                 if isinstance(exc, Cancelled):
                     raise Conflict(str(exc)) from None
-                if isinstance(exc, InvalidSpec):  # e.g. an unknown package: the request's fault
-                    raise BadRequest(str(exc)) from None
+                if isinstance(exc, InvalidSpec):  # its own setup failed, an unknown package...: the request's fault
+                    raise setup_refusal(tag, str(exc)) from None
                 if isinstance(exc, LossyFork):
-                    raise lossy_refusal(exc, f"snapshot {tag}: every sandbox is a fork of it, and its setup") from None
+                    raise lossy_refusal(exc, f"snapshot {tag}: every sandbox is a fork of it, and its setup",
+                                        magic=None) from None
                 if isinstance(exc, LimitReached):
                     raise Conflict(f"snapshot {tag}: {exc}") from None
                 raise EngineFailure(str(exc)) from exc

@@ -3,9 +3,14 @@ of a call it died during, and the forkd kernel's "HEAD is gone".
 
 A sandbox killed by its limits used to just vanish. Its engine reads the kernel's counters from its
 cgroup before its leaves go (``Engine.limits_hit``): an OOM kill at its memory limit, a huge page
-refused past its cap (SIGBUS), a fork refused at its pids limit. The reason names the limit, its
-value and how to raise it. The registry keeps the end of the last ``ENDED_KEPT`` sandboxes (when,
-why), so a later ``GET`` of the id answers 404 saying so rather than a bare "not found".
+refused past its cap (SIGBUS), a fork refused at its pids limit. The registry keeps the end of the
+last ``ENDED_KEPT`` sandboxes (when, why), so a later ``GET`` of the id answers 404 saying so rather
+than a bare "not found".
+
+An end is ``{"reason", "limit_hit", "hint", "details"}``, said as an error is (errors.py):
+``reason`` is what happened in one line ("it died of its memory limit (64 MiB)"), ``hint`` what to
+do in one more, ``details`` the rest: the kernel's counters, the value, and the fix in the words of
+each front end (REST, SDK, CLI, magic).
 """
 
 from __future__ import annotations
@@ -19,37 +24,53 @@ from .errors import NotFound
 KILLED = "it was killed (DELETE /v1/sandboxes/{id})"
 UNEXPECTED = ("its process ended unexpectedly (no limit of its was reached: it exited, crashed or was killed "
               "outside forkd)")
+LIMIT_NAMES = {"memory": "memory limit", "huge_pages": "huge-page cap", "pids": "pids limit"}
+
+
+def _larger(mib: int) -> int:
+    return max(mib * 2, 64)
 
 
 def raise_hint(tag: str, mib: int) -> str:
-    """How to give a sandbox of ``tag`` more memory than ``mib``, in each front end's words."""
-    more = max(mib * 2, 64)
-    return (f"to give a sandbox more, spawn it with a larger memory_limit_mib (REST POST /v1/sandboxes "
-            f"{{\"snapshot_tag\": \"{tag}\", \"memory_limit_mib\": {more}}}, SDK spawn_sandboxes({tag!r}, "
-            f"memory_limit_mib={more}), %forkd fork --tag {tag} --memory-limit-mib {more}; a workspace takes it at create)")
+    """What to do when a sandbox of ``tag`` needs more memory than ``mib``, in one line
+    (``ways_to_raise``: the same in each front end's words)."""
+    return f"to go on, start a sandbox of {tag} with a larger memory_limit_mib, e.g. {_larger(mib)}"
 
 
-def died(row: dict, hits: list[LimitHit]) -> dict:
-    """The end of a sandbox whose process ended on its own: ``{"reason", "limit_hit"}``."""
+def ways_to_raise(tag: str, mib: int) -> dict:
+    """``raise_hint`` as each front end says it: for an error's details."""
+    more = _larger(mib)
+    return {"rest": f'POST /v1/sandboxes {{"snapshot_tag": "{tag}", "memory_limit_mib": {more}}}',
+            "sdk": f"spawn_sandboxes({tag!r}, memory_limit_mib={more})",
+            "cli": f"forkd spawn --tag {tag} --memory-limit-mib {more}",
+            "magic": f"%forkd fork --tag {tag} --memory-limit-mib {more}",
+            "workspace": "a workspace takes memory_limit_mib when it is created"}
+
+
+def died(row: dict, hits: list[LimitHit], seen: str | None = None) -> dict:
+    """The end of a sandbox whose process ended on its own. ``seen``: what its engine saw end it (a
+    VM's guest kernel panic), when no limit did."""
     if not hits:
-        return {"reason": UNEXPECTED, "limit_hit": None}
+        return {"reason": seen or UNEXPECTED, "limit_hit": None, "hint": None, "details": {}}
     # The OOM killer (or a refused huge page) ends a process; a refused fork only fails a call.
     first = next((h for h in hits if h.limit != "pids"), hits[0])
-    said = "; ".join(h.message for h in hits)
+    details = {"limit": first.limit, "kernel": "; ".join(h.message for h in hits)}
     if first.limit == "pids":
-        hint = ("the pids limit is the same for every sandbox of this server; run fewer processes and threads at "
-                "once")
+        reason = f"it died of its pids limit ({first.value} processes and threads)"
+        hint = "run fewer processes and threads at once: the pids limit is the same for every sandbox of this server"
+        details["limit_processes"] = first.value
     else:
         limit = row.get("memory_limit_mib") or first.value
-        hint = raise_hint(row["snapshot_tag"], limit)
+        reason = f"it died of its {LIMIT_NAMES[first.limit]} ({first.value} MiB)"
         if first.limit == "huge_pages":
-            hint = "its huge-page cap is its memory limit: " + hint
-    name = {"memory": "memory limit", "huge_pages": "huge-page cap", "pids": "pids limit"}[first.limit]
-    return {"reason": f"it died of its {name}: {said}. To go on: {hint}", "limit_hit": first.limit}
+            reason = f"it died of its huge-page cap ({first.value} MiB, as much as its memory limit)"
+        hint = raise_hint(row["snapshot_tag"], limit)
+        details.update(limit_mib=first.value, **ways_to_raise(row["snapshot_tag"], limit))
+    return {"reason": reason, "limit_hit": first.limit, "hint": hint, "details": details}
 
 
 def killed(sandbox_id: str) -> dict:
-    return {"reason": KILLED.format(id=sandbox_id), "limit_hit": None}
+    return {"reason": KILLED.format(id=sandbox_id), "limit_hit": None, "hint": None, "details": {}}
 
 
 def not_found(sandbox_id, ended: dict | None) -> NotFound:
@@ -57,5 +78,6 @@ def not_found(sandbox_id, ended: dict | None) -> NotFound:
     if ended is None:
         return NotFound(f"sandbox {sandbox_id} not found")
     at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ended["ended_at"]))
-    return NotFound(f"sandbox {sandbox_id} not found: it ended at {at}: {ended['reason']}",
+    return NotFound(f"sandbox {sandbox_id} not found: {ended['reason']}", hint=ended.get("hint"),
+                    details={"ended_at": at, **(ended.get("details") or {})},
                     ended={"at": ended["ended_at"], "reason": ended["reason"], "limit": ended["limit_hit"]})

@@ -1,15 +1,31 @@
-"""Controller errors. Each carries the HTTP status the REST layer answers with."""
+"""Controller errors. Each carries the HTTP status the REST layer answers with.
+
+An error is read by a person: ``what`` happened in one line, ``hint`` (optional) what to do in one
+more, and ``details`` the rest (figures, the same fix in REST/SDK/CLI/magic words), which the
+notebook shows collapsed and the CLI with ``--debug``. The REST body is ``{"error": message,
+"details": {...}, **fields}``: ``message`` is the two lines, so a client that reads only ``error``
+still learns both.
+"""
+
+from __future__ import annotations
+
+
+def two_lines(what: str, hint: str | None) -> str:
+    """The ``error`` string: what happened, then (on its own line) what to do."""
+    return f"{what}\n{hint}" if hint else what
 
 
 class ForkdError(Exception):
-    """``fields`` go into the error body beside ``error`` (e.g. ``lost``: what a fork would lose)."""
+    """``fields`` go into the error body beside ``error`` (e.g. ``lost``: what a fork would lose);
+    ``details`` (when any) go there as ``details``."""
 
     status = 500
 
-    def __init__(self, message: str, **fields):
-        super().__init__(message)
-        self.message = message
-        self.fields = fields
+    def __init__(self, what: str, *, hint: str | None = None, details: dict | None = None, **fields):
+        self.what, self.hint, self.details = what, hint or None, dict(details or {})
+        self.message = two_lines(what, self.hint)
+        super().__init__(self.message)
+        self.fields = {**fields, **({"details": self.details} if self.details else {})}
 
 
 class BadRequest(ForkdError):
@@ -45,4 +61,3 @@ class TooManyRequests(ForkdError):
 class InsufficientStorage(ForkdError):
     """The data dir's file system is full; the body names the path and its free space."""
     status = 507
-

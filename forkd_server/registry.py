@@ -69,9 +69,11 @@ _ADDED_COLUMNS = {
     "snapshots": {"warnings": "TEXT",  # JSON list: what a lossy fork left behind
                   "labels": "TEXT"},   # JSON object str -> str
     "sandboxes": {"labels": "TEXT"},
+    "ended_sandboxes": {"hint": "TEXT",      # what to do, one line (endings.py)
+                        "details": "TEXT"},  # JSON object: the facts behind the reason
 }
 ENDED_KEPT = 1000  # sandboxes whose end (when, why) is remembered, the latest first
-_JSON = {"lineage", "spec", "handle", "retiring", "warnings", "labels"}
+_JSON = {"lineage", "spec", "handle", "retiring", "warnings", "labels", "details"}
 
 
 def _decode(row: sqlite3.Row | None) -> dict | None:
@@ -214,7 +216,7 @@ class Registry:
         return self._table("sandboxes", "id")
 
     def delete_sandboxes(self, ids: list[str], ended: dict | None = None) -> None:
-        """Drop sandboxes; with ``ended`` (``{"reason", "limit_hit"}``), in the same transaction,
+        """Drop sandboxes; with ``ended`` (``{"reason", "limit_hit", "hint", "details"}``), in the same transaction,
         remember why they ended (``ended_sandbox``), for the last ``ENDED_KEPT`` sandboxes."""
         with self.tx() as db:
             if ended is not None:
@@ -223,15 +225,16 @@ class Registry:
                     row = db.execute("SELECT snapshot_tag FROM sandboxes WHERE id=?", (i,)).fetchone()
                     if row is not None:
                         db.execute("INSERT OR REPLACE INTO ended_sandboxes (id, snapshot_tag, ended_at, reason, "
-                                   "limit_hit) VALUES (?, ?, ?, ?, ?)",
-                                   (i, row[0], now, ended["reason"], ended.get("limit_hit")))
+                                   "limit_hit, hint, details) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                   (i, row[0], now, ended["reason"], ended.get("limit_hit"), ended.get("hint"),
+                                    json.dumps(ended["details"]) if ended.get("details") else None))
                 db.execute("DELETE FROM ended_sandboxes WHERE id IN (SELECT id FROM ended_sandboxes "
                            "ORDER BY ended_at DESC LIMIT -1 OFFSET ?)", (ENDED_KEPT,))
             db.executemany("DELETE FROM sandboxes WHERE id=?", [(i,) for i in ids])
 
     def ended_sandbox(self, sandbox_id: str) -> dict | None:
         """Why a sandbox that is no more ended: ``{"id", "snapshot_tag", "ended_at", "reason",
-        "limit_hit"}``, or None (never known, or forgotten)."""
+        "limit_hit", "hint", "details"}``, or None (never known, or forgotten)."""
         return self._get("ended_sandboxes", "id", sandbox_id)
 
     def bump_branch_count(self, sandbox_id: str) -> int:

@@ -67,8 +67,9 @@ class SandboxManager:
         """Why a sandbox whose process ended did (``endings.died``): a limit its cgroup says it hit.
         Read before ``drop``, which removes the cgroup."""
         engine = self.engines.get(row["engine"])
-        hits = engine.limits_hit(row["handle"]) if engine is not None and row["handle"] else []
-        return endings.died(row, hits)
+        if engine is None or not row["handle"]:
+            return endings.died(row, [])
+        return endings.died(row, engine.limits_hit(row["handle"]), engine.died_of(row["handle"]))
 
     def drop(self, row: dict, ended: dict) -> None:
         """Release what an ended (or ending) sandbox held, forget it, remember why, and say so."""
@@ -77,7 +78,8 @@ class SandboxManager:
             engine.kill(row["handle"])  # ends it, or releases what it held (socket, cgroup leaves)
         self.registry.delete_sandboxes([row["id"]], ended=ended)
         self.feed.emit("sandbox", "killed", id=row["id"], reason=ended["reason"],
-                       **({"limit": ended["limit_hit"]} if ended["limit_hit"] else {}))
+                       **({"limit": ended["limit_hit"]} if ended["limit_hit"] else {}),
+                       **({"hint": ended["hint"]} if ended.get("hint") else {}))
 
     def _agent(self, sandbox_id: str, request: dict, what: str, timeout: float | None = None) -> dict:
         row = self.row(sandbox_id)
@@ -93,7 +95,8 @@ class SandboxManager:
                     self.drop(row, ended)
                 else:  # a kill dropped it meanwhile
                     ended = self.registry.ended_sandbox(sandbox_id) or endings.died(row, [])
-                raise Gone(f"sandbox {sandbox_id} ended during this {what}: {ended['reason']}",
+                raise Gone(f"sandbox {sandbox_id} ended during this {what}: {ended['reason']}", hint=ended.get("hint"),
+                           details=ended.get("details"),
                            ended={"at": time.time(), "reason": ended["reason"], "limit": ended["limit_hit"]}) from exc
             raise EngineFailure(f"{what}: {exc}") from exc
 

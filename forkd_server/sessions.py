@@ -34,8 +34,8 @@ class SessionManager:
         """Open a session with a running sandbox; returns (session, its hello: shell, counters...)."""
         with self._lock:
             if len(self._open) >= self.max_sessions:
-                raise Busy(f"{self.max_sessions} sessions are open, the most this server allows; close one "
-                           f"(or raise ForkdApp.max_sessions)")
+                raise Busy(f"{self.max_sessions} sessions are open, the most this server allows",
+                           hint="close one (or raise ForkdApp.max_sessions)")
         engine, handle = self.controller.sandbox_engine(sandbox_id)
         try:
             session = engine.open_session(handle, shell=shell)

@@ -57,5 +57,6 @@ def full_disk_error(data_dir: str, exc: BaseException | None = None) -> Insuffic
     else:  # e.g. a VM's RAM tmpfs: what the failed call held there is freed by now
         said = f"{path} (used by the data dir {data_dir}) ran out of space ({shown} now)"
     return InsufficientStorage(
-        f"{said}: this call did not complete; free space there (delete snapshots or sandboxes you no "
-        f"longer need, or other files on that file system) and retry", path=path, free_bytes=free)
+        f"{said}: this call did not complete",
+        hint="free space there (delete snapshots or sandboxes you no longer need, or other files) and retry",
+        path=path, free_bytes=free)

@@ -120,8 +120,9 @@ class WorkspaceManager:
                 raise Conflict(f"workspace {name} already exists")
             tag = state_tag(name)
             if self.registry.get_snapshot(tag) is not None:
-                raise Conflict(f"snapshot {tag} already exists and is not this workspace's; the workspace "
-                               f"would keep its state under that tag: delete the snapshot or choose another name")
+                raise Conflict(f"snapshot {tag} already exists and is not this workspace's (the workspace would "
+                               f"keep its state under that tag)",
+                               hint="delete the snapshot or choose another name")
             kid = self.ctl.spawn(snapshot_tag, 1, memory_limit_mib=memory_limit_mib)[0]
             now = time.time()
             try:
@@ -164,12 +165,12 @@ class WorkspaceManager:
             if sb is None:
                 self._mark_stale(row)
                 raise NotFound(f"sandbox {row['live_sandbox_id']} not found: workspace {name}'s sandbox is gone "
-                               f"(the workspace is now stale; resume it to start again from its last state)")
+                               f"(the workspace is now stale)", hint="resume it to start again from its last state")
             previous = self.registry.get_snapshot(tag)
             if previous is not None and not (row["current_state_tag"] == tag
                                              and (previous["spec"] or {}).get("workspace") == name):
-                raise Conflict(f"snapshot {tag} exists and is not workspace {name}'s state; delete it "
-                               f"to let the workspace suspend")
+                raise Conflict(f"snapshot {tag} exists and is not workspace {name}'s state",
+                               hint="delete it to let the workspace suspend")
         except BaseException:
             release()
             raise

@@ -21,3 +21,24 @@ def test_forkd_demo_runs_and_cleans_up():
     assert figures["branch_pause_ms"] > 0 and figures["spawn_total_ms"] > 0
     assert "lineage of demo-" in out.stdout and "cleaned up" in out.stdout
     assert wait_gone(nobody_processes() - before) == set()  # no sandbox left behind
+
+
+def test_a_demo_that_cannot_run_says_why_in_one_line(monkeypatch, capsys):
+    """Where no engine can run (e.g. forkd's code under /tmp, which every sandbox replaces), the demo
+    ends in one line saying why and a status, not a traceback; --debug adds the traceback."""
+    from forkd_server.cli import main
+    from forkd_server.controller import Controller
+
+    def no_engines(self):
+        self.unavailable["process"] = "forkd's code at /tmp/x lies under /tmp, which every sandbox replaces with its own"
+        return {}
+
+    monkeypatch.setattr(Controller, "_default_engines", no_engines)
+    assert main(["demo", "--mib", "8"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("forkd demo: engine 'process' is not available on this server (forkd's code at /tmp/x lies under "
+                   "/tmp, which every sandbox replaces with its own); `forkd doctor` checks what this host has for "
+                   "each engine\n")
+    assert main(["demo", "--mib", "8", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("forkd demo: engine 'process' is not available") and "Traceback (most recent call last)" in err

@@ -148,6 +148,9 @@ class Engine(Protocol):
     # The limits the kernel enforced on a sandbox (its cgroup's counters), so a sandbox that died
     # of one can say so; read before ``kill``, which removes them.
     def limits_hit(self, handle: Handle) -> list[LimitHit]: ...
+    # What else the engine saw end a sandbox that ended on its own (a VM's guest kernel panic), said
+    # for a user; None when it saw nothing. Read before ``kill`` too.
+    def died_of(self, handle: Handle) -> str | None: ...
     # Why each handle does not answer its agent within ``timeout`` (None: it lives and answers);
     # all asked at once. A restarted server re-attaches only to what answers.
     def probe(self, handles: list[Handle], timeout: float) -> list[str | None]: ...

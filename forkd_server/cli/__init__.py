@@ -4,23 +4,24 @@ Every subcommand except ``serve``, ``doctor``, ``demo`` and ``image`` talks to a
 / ``$FORKD_URL``, token ``--token`` / ``$FORKD_TOKEN``) through the client SDK; tables and progress
 bars for people, ``--json`` for scripts. The commands live beside the REST routes they use, one
 module each: ``_snapshots``, ``_sandboxes``, ``_workspaces``, and ``_host`` for the commands about
-this host; ``_output`` is how they show what they got. Here: the parser and ``main``.
+this host; ``_output`` is how they show what they got, ``_errors`` how they say a failure (one line;
+``--debug`` or ``FORKD_DEBUG=1`` adds its details and the traceback). Here: the parser and ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 from . import _host, _sandboxes, _snapshots, _workspaces
+from ._errors import Parser, add_debug_option, debug_wanted, report
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="forkd", description="Fork-on-write Python sandboxes.")
+    parser = Parser(prog="forkd", description="Fork-on-write Python sandboxes.")
+    add_debug_option(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     options = argparse.ArgumentParser(add_help=False)  # what every command that talks to a server takes
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="bearer token (default: $FORKD_TOKEN)")
     options.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout in seconds (default 60)")
     options.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
+    add_debug_option(options)
 
     _host.add_serve_command(sub)
     _snapshots.add_commands(sub, options)
@@ -40,9 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..client import ControllerError, ServerUnreachable
+def _name(args: argparse.Namespace) -> str:
+    """The command as typed: ``workspace suspend``, ``image build``, ``ls``..."""
+    return " ".join(filter(None, (args.command, getattr(args, "workspace_command", None),
+                                  getattr(args, "image_command", None))))
 
+
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
@@ -52,15 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         args.jupyter_args = extra
     try:
         return args.func(args)
-    except ServerUnreachable as exc:
-        print(f"forkd: {exc}", file=sys.stderr)
-        return 2
-    except ControllerError as exc:
-        if getattr(args, "json", False):
-            print(json.dumps({"status": exc.status, "error": exc.message}))
-        print(f"forkd {args.command}: {exc.message} (HTTP {exc.status})", file=sys.stderr)
-        if exc.status == 401:
-            print("forkd: set FORKD_TOKEN (or --token) to the server's token", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - every failure is one line (report); --debug adds the traceback
+        return report(_name(args), exc, debug=debug_wanted(args), as_json=bool(getattr(args, "json", False)))

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from ._errors import add_debug_option
 from ._output import client, console, emit_json
 
 
@@ -94,6 +95,7 @@ def add_serve_command(sub) -> None:
     p.add_argument("--tls-key", default=os.environ.get("FORKD_TLS_KEY"))
     p.add_argument("--branch-concurrency", type=int, default=None,
                    help="branches in flight at once (default 4)")
+    add_debug_option(p)
     p.set_defaults(func=cmd_serve, jupyter_args=[])
     p.epilog = "Other jupyter-server options pass through, e.g. --ServerApp.log_level=DEBUG."
 
@@ -115,6 +117,7 @@ def add_commands(sub, options) -> None:
     demo.add_argument("--grandchildren", type=int, default=3)
     demo.add_argument("--mib", type=int, default=200, help="size of the array the snapshot holds")
     demo.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    add_debug_option(demo)
     demo.set_defaults(func=cmd_demo)
 
     image = sub.add_parser("image", help="the VM engine's guest image").add_subparsers(dest="image_command",
@@ -123,4 +126,5 @@ def add_commands(sub, options) -> None:
                                        "initramfs from Debian's packages, cached under the data dir")
     p.add_argument("--data-dir", help="state directory (default: $FORKD_DATA_DIR or ~/.local/share/forkd)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_debug_option(p)
     p.set_defaults(func=cmd_image_build)

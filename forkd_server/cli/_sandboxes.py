@@ -68,7 +68,7 @@ def cmd_kill(args) -> int:
                 ctl.kill_sandbox(sid)
                 killed.append(sid)
             except ControllerError as exc:
-                failed[sid] = exc.message
+                failed[sid] = exc.what
             bar.advance(task)
     if args.json:
         emit_json({"killed": killed, "failed": failed})
@@ -82,7 +82,7 @@ def cmd_kill(args) -> int:
 
 def cmd_exec(args) -> int:
     ctl = client(args)
-    argv = args.command[1:] if args.command[:1] == ["--"] else args.command
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         raise SystemExit("forkd exec: give a command after the sandbox id, e.g. forkd exec ID -- ls -l")
     reply = ctl.exec_command(args.id, argv, args.timeout_secs)
@@ -159,7 +159,7 @@ def add_commands(sub, options) -> None:
 
     p = sub.add_parser("exec", parents=[options], help="run a command in a sandbox: forkd exec ID -- CMD...")
     p.add_argument("id")
-    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="command")  # not "command": that names the subcommand
     p.add_argument("--timeout-secs", type=float, default=30)
     p.set_defaults(func=cmd_exec)
 

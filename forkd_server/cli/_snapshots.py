@@ -87,7 +87,7 @@ def cmd_rmi(args) -> int:
             ctl.delete_snapshot(tag, cascade=args.cascade, force=args.force)
             removed.append(tag)
         except ControllerError as exc:
-            failed[tag] = exc.message
+            failed[tag] = exc.what
     if args.json:
         emit_json({"removed": removed, "failed": failed})
     else:

@@ -24,7 +24,7 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 from tornado.log import app_log, gen_log
 
-from ..errors import ForkdError, NotFound
+from ..errors import ForkdError, Gone, NotFound
 from ..storage import full_disk_error, is_disk_full
 from ..wire import label_filter
 
@@ -102,7 +102,7 @@ def query_labels(handler: web.RequestHandler) -> dict[str, str]:
     try:
         return label_filter(handler.get_query_arguments("label", strip=False))  # exact, spaces included
     except ForkdError as exc:
-        raise ApiError(exc.status, exc.message) from None
+        raise ApiError(exc.status, exc.message, exc.fields) from None
 
 
 def out_of_range(name: str, value, bounds: dict) -> str | None:
@@ -251,9 +251,10 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
         if gone is not None:
             ended = gone.fields.get("ended") or {}
             why = ended.get("reason") or "killed, or its process exited"
-            raise ApiError(410, f"sandbox {sandbox} ended during this call: {why} "
-                                f"(the call: {getattr(failure, 'message', failure)})",
-                           {"ended": ended} if ended else None) from None
+            error = Gone(f"sandbox {sandbox} ended during this call: {why}", hint=gone.hint,
+                         details={**gone.details, "call": getattr(failure, "message", str(failure))},
+                         **({"ended": ended} if ended else {}))
+            raise ApiError(410, error.message, error.fields) from None
         if not isinstance(failure, ForkdError):
             raise failure
         raise ApiError(failure.status, failure.message, failure.fields) from None

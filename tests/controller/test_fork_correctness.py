@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import ast
+import re
+
 import pytest
 
 from forkd_server.errors import ForkdError
 
+from .. import streams
 from ..conftest import requires_root
 from .conftest import ev, sh
 
@@ -153,14 +157,47 @@ def test_tempfile_names_differ_between_siblings(ctl, plain):
     assert len(names) == 3
 
 
+def test_every_sandbox_has_its_own_machine_id(ctl):
+    with open("/etc/machine-id") as f:
+        host = f.read()
+    base = ctl.create_snapshot("machine-ids", setup="import os\nseen_in_setup = open('/etc/machine-id').read()")["tag"]
+    a, b = (s["id"] for s in ctl.spawn(base, 2))
+    read = "open('/etc/machine-id').read()"
+    ids = [ast.literal_eval(ev(ctl, s, read)) for s in (a, b)]
+    assert all(re.fullmatch(r"[0-9a-f]{32}\n", i) for i in ids), ids   # systemd's format
+    setup_saw = ast.literal_eval(ev(ctl, a, "seen_in_setup"))
+    assert len({host, setup_saw, *ids}) == 4                              # the host's, the setup's, each its own
+    assert ast.literal_eval(ev(ctl, a, read)) == ids[0]                   # and it stays the sandbox's
+    for path in ("/etc/machine-id", "/run/machine-id", "/run/other"):
+        assert "Read-only file system" in sh(ctl, a, f"echo x > {path}")["stderr"], path
+    assert ev(ctl, a, "os.listdir('/run')") == "['machine-id']"           # as systemd has it on a read-only /etc
+    g1, g2 = branch_and_fork(ctl, a)
+    branched = {ast.literal_eval(ev(ctl, g, read)) for g in (g1, g2)}
+    assert len(branched) == 2 and not branched & {host, *ids}
+
+
+def test_generators_made_without_a_seed_draw_their_own_numbers_in_every_copy(ctl):
+    base = ctl.create_snapshot("generators", setup=streams.SETUP)["tag"]
+    a, b = (s["id"] for s in ctl.spawn(base, 2))
+    draws = [ev(ctl, s, streams.DRAW) for s in (a, b)]
+    streams.assert_own(streams.DRAWS, *draws)
+    # Made in a sandbox before a branch, or from a sequence the setup made: the branch's children
+    # (copies of a copy) get their own streams again; seeded ones still agree.
+    run(ctl, a, streams.LATER_CODE)
+    g1, g2 = branch_and_fork(ctl, a)
+    streams.assert_own(streams.ALL, *(ev(ctl, s, streams.DRAW_ALL) for s in (g1, g2, a)))
+
+
 # --- running work: refused, or carried with warnings -----------------------------------------------
 
 def refused(ctl, source: str) -> str:
     with pytest.raises(ForkdError) as info:
         ctl.branch(source)
-    assert info.value.status == 409
-    assert '"lossy": true' in info.value.message and 'engine "vm"' in info.value.message
-    return info.value.message
+    error = info.value
+    assert error.status == 409 and "lossy fork" in error.hint and "VM engine" in error.hint
+    assert error.details["rest"] == '"lossy": true' and 'engine "vm"' in error.details["vm"]
+    assert error.details["lost"] == error.fields["lost"] and error.details["lost"][0] in error.what
+    return "\n".join(error.details["lost"])
 
 
 def test_a_running_thread_refuses_the_branch_or_becomes_a_warning(ctl, plain):

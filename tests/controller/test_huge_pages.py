@@ -168,20 +168,23 @@ def test_a_sandbox_killed_by_its_huge_page_cap_says_so(ctl, numpy_snap):
 
     sb = ctl.spawn(numpy_snap, 1, memory_limit_mib=64)[0]["id"]
     # the agent itself touches huge pages past its cap: SIGBUS ends it (and its sandbox)
-    with pytest.raises(Gone, match=r"huge-page cap \(64 MiB of 2MB pages"):
+    with pytest.raises(Gone, match=r"it died of its huge-page cap \(64 MiB, as much as its memory limit\)") as during:
         ctl.run_code(sb, TOUCH)
-    with pytest.raises(NotFound, match="SIGBUS") as after:
+    assert "huge-page cap (64 MiB of 2MB pages" in during.value.details["kernel"]
+    with pytest.raises(NotFound, match="huge-page cap") as after:
         ctl.get_sandbox(sb)
-    assert after.value.fields["ended"]["limit"] == "huge_pages" and "memory_limit_mib" in after.value.message
+    assert after.value.fields["ended"]["limit"] == "huge_pages" and "memory_limit_mib" in after.value.hint
+    assert "SIGBUS" in after.value.details["kernel"]
 
 
 def test_a_setup_takes_no_huge_pages_past_its_limit(ctl, numpy_snap):
     from forkd_server.errors import BadRequest
 
     setup = "import mmap\nm = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000)"
-    with pytest.raises(BadRequest, match="Cannot allocate memory") as failure:  # the setup's own: a 400
+    with pytest.raises(BadRequest) as failure:  # the setup's own: a 400
         ctl.create_snapshot("hp-setup", setup=setup, memory_limit_mib=128)
-    assert "huge-page cap" in str(failure.value)
+    assert "huge-page cap" in failure.value.what and "memory_limit_mib" in failure.value.hint
+    assert "Cannot allocate memory" in failure.value.details["traceback"]
 
 
 def test_a_branch_takes_no_huge_pages_of_its_own(ctl, numpy_snap):

@@ -28,7 +28,8 @@ def test_memory_limit_kills_an_overgrown_sandbox_process(ctl, snap):
 
 def test_a_sandbox_killed_by_its_memory_limit_says_so(ctl, snap):
     """Its cell's call answers 410, its id 404, its killed event: each names the memory limit
-    (64 MiB) and how to raise it. Before, the sandbox just vanished ("not found")."""
+    (64 MiB) in one line and how to raise it in the next, the kernel's counters and the fix in each
+    front end's words in its details. Before, the sandbox just vanished ("not found")."""
     sb = ctl.spawn(snap, 1, memory_limit_mib=64)[0]["id"]
     leaves = sb_cgroups(ctl, sb)
     events = []
@@ -38,16 +39,21 @@ def test_a_sandbox_killed_by_its_memory_limit_says_so(ctl, snap):
             ctl.eval(sb, "len(b'x' * (200 * 2**20))")
     finally:
         unsubscribe()
-    for said in (during.value.message, during.value.fields["ended"]["reason"]):
-        assert "memory limit was reached (64 MiB)" in said and "OOM killer" in said
-        assert f'POST /v1/sandboxes {{"snapshot_tag": "{snap}", "memory_limit_mib": 128}}' in said
+    assert during.value.fields["ended"]["reason"] == "it died of its memory limit (64 MiB)"
+    assert during.value.message == (f"sandbox {sb} ended during this eval: it died of its memory limit (64 MiB)\n"
+                                    f"to go on, start a sandbox of {snap} with a larger memory_limit_mib, e.g. 128")
+    for details in (during.value.details, during.value.fields["details"]):
+        assert "memory limit was reached (64 MiB)" in details["kernel"] and "OOM killer" in details["kernel"]
+        assert details["rest"] == f'POST /v1/sandboxes {{"snapshot_tag": "{snap}", "memory_limit_mib": 128}}'
+        assert details["cli"] == f"forkd spawn --tag {snap} --memory-limit-mib 128" and details["limit_mib"] == 64
     with pytest.raises(NotFound) as after:
         ctl.get_sandbox(sb)
-    assert after.value.message.startswith(f"sandbox {sb} not found: it ended at ")
-    assert "memory limit was reached (64 MiB)" in after.value.message and "memory_limit_mib" in after.value.message
+    assert after.value.what == f"sandbox {sb} not found: it died of its memory limit (64 MiB)"
+    assert after.value.hint == during.value.hint and "memory_limit_mib" in after.value.hint
+    assert after.value.details["kernel"] == during.value.details["kernel"] and "ended_at" in after.value.details
     assert after.value.fields["ended"]["limit"] == "memory"
     (killed,) = [e for e in events if e["action"] == "killed" and e.get("id") == sb]
-    assert killed["limit"] == "memory" and "64 MiB" in killed["reason"]
+    assert killed["limit"] == "memory" and "64 MiB" in killed["reason"] and killed["hint"] == during.value.hint
     assert not any(os.path.exists(leaf) for leaf in leaves)  # its leaves went with it
 
 
@@ -58,8 +64,9 @@ def test_a_sandbox_that_dies_between_calls_says_why_at_its_next_one(ctl, snap):
     ctl.run_code(sb, "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), "
                      "b'x' * (200 * 2**20))).start()")
     assert ctl.engines["process"].wait_exit(row["handle"], 30)
-    with pytest.raises(NotFound, match=r"memory limit was reached \(64 MiB\)"):
+    with pytest.raises(NotFound, match=r"it died of its memory limit \(64 MiB\)") as said:
         ctl.ping(sb)
+    assert "memory limit was reached (64 MiB)" in said.value.details["kernel"]
     with pytest.raises(NotFound, match="it was killed"):  # and an ordinary kill says so too
         other = ctl.spawn(snap, 1)[0]["id"]
         ctl.kill_sandbox(other)

@@ -143,7 +143,8 @@ def test_branching_a_busy_source_is_refused_unless_lossy_and_leaves_it_running(c
         with pytest.raises(ForkdError) as refused:
             ctl.branch(source, "busy-branch")
         assert refused.value.status == 409
-        assert "a cell has been running" in refused.value.message and '"lossy": true' in refused.value.message
+        assert "a cell has been running" in refused.value.message and "lossy fork" in refused.value.hint
+        assert refused.value.details["rest"] == '"lossy": true'
         branch = ctl.branch(source, "busy-branch", lossy=True)
         assert worker.is_alive()  # the branch returned while the source was still computing
         assert any("a cell has been running" in w for w in branch["warnings"])

@@ -36,18 +36,21 @@ def setup_leaves(ctl, tag: str) -> list[str]:
 def test_a_setup_that_forks_1500_times_is_stopped_by_the_pids_limit(ctl):
     with pytest.raises(BadRequest) as failure:  # the request's own setup: a 400
         ctl.create_snapshot("fork-bomb", setup=FORK_BOMB)
-    message = str(failure.value)
-    assert "BlockingIOError" in message                     # fork() was refused inside the setup
-    assert f"the pids limit ({ctl.engines['process'].pids_max} processes and threads) refused a fork" in message
+    error = failure.value
+    assert "BlockingIOError" in error.details["traceback"]  # fork() was refused inside the setup
+    assert error.what.startswith(f"snapshot fork-bomb: its setup was stopped by its limits: the pids limit "
+                                 f"({ctl.engines['process'].pids_max} processes and threads) refused a fork")
+    assert error.hint == ("nothing was created: start fewer processes and threads in it, and create the snapshot "
+                          "again")
     with pytest.raises(NotFound):
         ctl.get_snapshot("fork-bomb")
     assert not any(os.path.exists(leaf) for leaf in setup_leaves(ctl, "fork-bomb"))  # and every fork is gone
 
 
 def test_a_setup_over_its_memory_limit_is_stopped_saying_so(ctl):
-    with pytest.raises(BadRequest, match="memory limit was reached") as failure:
+    with pytest.raises(BadRequest, match="its setup was stopped by its limits: the memory limit was reached") as failure:
         ctl.create_snapshot("too-big", setup="blob = bytearray(400 * 2**20)", memory_limit_mib=128)
-    assert "128 MiB" in str(failure.value) and "memory_limit_mib" in str(failure.value)
+    assert "128 MiB" in failure.value.what and "memory_limit_mib" in failure.value.hint
     assert ctl.create_snapshot("big-enough", setup="blob = bytearray(100 * 2**20)", memory_limit_mib=256)["status"] == "ready"
     kid = ctl.spawn("big-enough", 1)[0]["id"]
     assert ev(ctl, kid, "len(blob)") == str(100 * 2**20)

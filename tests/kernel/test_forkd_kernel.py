@@ -166,8 +166,13 @@ def test_a_head_killed_by_its_memory_limit_says_so(kernel, forkd_server):
     assert run(kc, f"%forkd checkout {small}").ok
     cell = run(kc, "blob = b'x' * (400 * 2**20)")
     assert cell.content["status"] == "error"
-    said = cell.content["evalue"]
-    assert small in said and "memory limit was reached (128 MiB)" in said and "--memory-limit-mib 256" in said
+    what, hint = cell.content["evalue"].split("\n")  # what happened, what to do
+    assert what == f"this notebook's sandbox {small} is gone, and its variables with it: it died of its memory limit (128 MiB)"
+    assert hint.startswith("nothing was restarted in its place: %forkd checkout TAG|SB")
+    (details,) = cell.of("display_data")  # the rest, collapsed under the error
+    html = details["data"]["text/html"]
+    assert html.startswith("<details") and "memory limit was reached (128 MiB)" in html
+    assert "--memory-limit-mib 256" in html and "$FORKD_KERNEL_MEMORY_LIMIT_MIB" in html
 
 
 def test_restart_starts_fresh_and_says_where_the_old_state_is(kernel, forkd_server):

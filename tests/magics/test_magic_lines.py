@@ -111,9 +111,10 @@ def test_a_setup_that_raises_reads_as_the_users_traceback(ip, forkd):
     res, out = cell(ip, "%%forkd snapshot -t boom\nimport json\n\ndef load():\n    raise ValueError('no config here')\n\nload()")
     assert not res.success
     text = out.stderr
-    assert text.startswith("UsageError: forkd snapshot: your setup code raised ValueError: no config here\n")
-    assert "    setup line 6, in <module>\n    setup line 4, in load\n" in text  # the user's frames
-    assert "nothing was created: fix the setup and run this again" in text
+    assert text == ("UsageError: forkd snapshot: snapshot boom: your setup code raised ValueError: no config here "
+                    "(setup line 4)\nnothing was created: fix the setup and create the snapshot again\n")
+    (details,) = out.outputs  # collapsed under the error: the user's frames
+    assert "  setup line 6, in &lt;module&gt;\n      setup line 4, in load\n" in details.data["text/html"]
     assert "HTTP" not in text and "500" not in text and "Traceback" not in text
     assert forkd.controller().list_snapshots() == []
 

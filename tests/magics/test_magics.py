@@ -109,10 +109,10 @@ def test_delete_snapshot(ip, forkd):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("fork -t nope", "UsageError: forkd fork: snapshot nope not found on http://127.0.0.1:"),
+    ("fork -t nope", "UsageError: forkd fork: snapshot nope not found\n"),
     ("kill sb-nope", "UsageError: forkd kill: sb-nope: no such sandbox is running (killed already, or a wrong id)"),
     ("frobnicate", "UsageError: forkd: unknown subcommand 'frobnicate'"),
-    ("fork -n 2", 'UsageError: forkd fork: this notebook runs in a plain kernel, not in a sandbox; use the '
+    ("fork -n 2", 'UsageError: forkd fork: this notebook runs in a plain kernel, not in a sandbox\nuse the '
                   '"Python 3 (forkd)" kernel'),
     ("branch --live", 'UsageError: forkd branch: this notebook runs in a plain kernel'),
     ("checkout sb-x", 'UsageError: forkd checkout: this notebook runs in a plain kernel'),
@@ -123,12 +123,12 @@ def test_delete_snapshot(ip, forkd):
     ("snapshot -t pk --engine process --package python3-numpy", "UsageError: forkd snapshot: packages need engine vm"),
     ("snapshot -t pk --package Bad_Name", "UsageError: forkd snapshot: 'Bad_Name' is not a Debian package name"),
 ])
-def test_errors_are_one_line_not_a_traceback(ip, line, message):
+def test_errors_are_two_lines_at_most_not_a_traceback(ip, line, message):
     ip.user_ns["two"] = [Sandbox({"id": "sb-a", "snapshot_tag": "t"}), Sandbox({"id": "sb-b", "snapshot_tag": "t"})]
     res, out = cell(ip, f"%forkd {line}")
     assert not res.success
     assert out.stderr.startswith(message), out.stderr
-    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr + out.stdout
+    assert out.stderr.count("\n") <= 2 and "Traceback" not in out.stderr + out.stdout
 
 
 def test_unreachable_server_is_one_line(shell, monkeypatch):

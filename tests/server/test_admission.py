@@ -59,11 +59,11 @@ async def test_server_and_caller_caps(admission):
     t1 = asyncio.ensure_future(admission.long(a, caller="x", what="an exec", sandbox="s1", lane=True))
     t2 = asyncio.ensure_future(admission.long(b, caller="x", what="an exec", sandbox="s2", lane=True))
     await until(lambda: a.started.is_set() and b.started.is_set(), "two calls running")
-    with pytest.raises(TooManyRequests, match="you have 2 long calls in progress.*max_long_calls_per_caller"):
+    with pytest.raises(TooManyRequests, match="(?s)you have 2 long calls in progress.*max_long_calls_per_caller"):
         await admission.long(Blocker(), caller="x", what="a spawn")
     t3 = asyncio.ensure_future(admission.long(c, caller="y", what="a spawn"))
     await until(c.started.is_set, "another caller's call running")
-    with pytest.raises(Busy, match="3 long calls .* in progress, the most this server admits.*max_long_calls"):
+    with pytest.raises(Busy, match="(?s)3 long calls .* in progress, the most this server admits\n.*max_long_calls"):
         await admission.long(Blocker(), caller="z", what="a spawn")
     # control calls do not wait for any of them
     assert await admission.control(lambda: "pong") == "pong"
@@ -90,7 +90,9 @@ async def test_one_call_per_sandbox_then_in_order_then_busy(admission):
         await admission.long(Blocker(), caller="z", what="an exec", sandbox="s", lane=True)
     message = str(info.value)
     assert "sandbox s is busy: it runs an eval" in message and "1 more calls already wait" in message
-    assert "POST /v1/sandboxes/s/interrupt" in message and "DELETE /v1/sandboxes/s" in message
+    assert info.value.hint == "wait for it, interrupt it or kill it"
+    assert info.value.details["interrupt"] == "POST /v1/sandboxes/s/interrupt"
+    assert info.value.details["kill"].startswith("DELETE /v1/sandboxes/s ")
     # outside the lane (files, branch) and other sandboxes are not held up
     other = Blocker()
     other.release.set()

@@ -129,7 +129,9 @@ async def test_create_snapshot_errors(jp_fetch, forkd_app):
     code, body = await call(jp_fetch, "POST", "snapshots", body={"tag": "ok", "setup_commands": "pip"})
     assert code == 422
     code, body = await call(jp_fetch, "POST", "snapshots", body={"tag": "ok", "setup": "raise SystemExit(3)"})
-    assert code == 400 and "snapshot 'ok': its setup failed: SetupFailed: setup code failed" in body["error"]
+    assert code == 400 and body["error"] == ("snapshot ok: your setup code raised SystemExit: 3 (setup line 1)\n"
+                                             "nothing was created: fix the setup and create the snapshot again")
+    assert "setup line 1, in <module>" in body["details"]["traceback"]
     code, body = await call(jp_fetch, "POST", "snapshots", body={"tag": "ok", "setup_commands": [["false"]]})
     assert code == 400 and "setup command ['false'] exited 1" in body["error"]  # the request's fault, not a 500
     code, listed = await call(jp_fetch, "GET", "snapshots")
@@ -246,11 +248,20 @@ async def test_a_sandbox_killed_by_its_memory_limit_says_so(jp_fetch, snap):
     code, kids = await call(jp_fetch, "POST", "sandboxes", body={"snapshot_tag": "py", "memory_limit_mib": 64})
     sid = kids[0]["id"]
     code, body = await call(jp_fetch, "POST", "sandboxes", sid, "eval", body={"code": "len(b'x' * (200 * 2**20))"})
-    assert code == 410 and "memory limit was reached (64 MiB)" in body["error"], body
-    assert body["ended"]["limit"] == "memory" and "memory_limit_mib" in body["ended"]["reason"]
+    # what happened, then what to do: two lines; the kernel's counters and the fix in every front
+    # end's words beside them, in details
+    assert code == 410 and body["error"] == (f"sandbox {sid} ended during this eval: it died of its memory limit "
+                                             f"(64 MiB)\nto go on, start a sandbox of py with a larger "
+                                             f"memory_limit_mib, e.g. 128"), body
+    assert "memory limit was reached (64 MiB)" in body["details"]["kernel"]
+    assert body["details"]["rest"] == 'POST /v1/sandboxes {"snapshot_tag": "py", "memory_limit_mib": 128}'
+    assert body["ended"] == {"at": body["ended"]["at"], "reason": "it died of its memory limit (64 MiB)",
+                             "limit": "memory"}
     code, body = await call(jp_fetch, "GET", "sandboxes", sid)
-    assert code == 404 and body["error"].startswith(f"sandbox {sid} not found: it ended at "), body
-    assert "memory limit was reached (64 MiB)" in body["error"] and '"memory_limit_mib": 128}' in body["error"]
+    assert code == 404 and body["error"] == (f"sandbox {sid} not found: it died of its memory limit (64 MiB)\n"
+                                             f"to go on, start a sandbox of py with a larger memory_limit_mib, "
+                                             f"e.g. 128"), body
+    assert "memory limit was reached (64 MiB)" in body["details"]["kernel"] and body["details"]["ended_at"]
     assert body["ended"]["limit"] == "memory" and body["ended"]["at"] > 0
 
 

@@ -85,7 +85,8 @@ async def test_a_call_racing_a_kill_is_410_not_500(jp_fetch, forkd_app, sandbox)
     code, reply = await running
     assert code == 410 and f"sandbox {sid} was killed during this call (an exec)" in reply["error"]
     code, reply = await call(jp_fetch, "POST", "sandboxes", sid, "exec", body={"args": ["true"]})
-    assert code == 404 and reply["error"].startswith(f"sandbox {sid} not found: it ended at ")
+    assert code == 404 and reply["error"] == f"sandbox {sid} not found: it was killed (DELETE /v1/sandboxes/{sid})"
+    assert reply["details"]["ended_at"].endswith(" UTC")
     assert reply["ended"]["reason"] == f"it was killed (DELETE /v1/sandboxes/{sid})"
 
 

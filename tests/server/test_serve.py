@@ -284,19 +284,53 @@ def test_cli_compact_and_workspaces(server, ctl):
     ctl.delete_snapshot("cliw-copy")
 
 
-def test_cli_errors(server):
+def one_line(done) -> str:
+    """The CLI said its failure in one line on stderr, no traceback, and exited non-zero."""
+    assert done.returncode != 0 and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    return done.stderr
+
+
+def test_cli_errors_are_one_line_and_a_status(server, ctl):
+    said = one_line(cli(server, "spawn", "-t", "nope", "-n", "0", check=False))  # 400
+    assert said == "forkd spawn: n must be at least 1 (HTTP 400)\n"
+    said = one_line(cli(server, "ping", "sb-nope", check=False))  # 404
+    assert said == "forkd ping: sandbox sb-nope not found (HTTP 404)\n"
+    snap = ctl.create_snapshot("cli-err")
+    (sb,) = ctl.spawn_sandboxes("cli-err", 1)
+    ctl.run_code(sb["id"], "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()")
+    done = cli(server, "snapshot", "--from-sandbox", sb["id"], check=False)  # 409, with details
+    said = one_line(done)
+    assert said.startswith(f"forkd snapshot: branch of {sb['id']} would lose what a fork() cannot carry: ")
+    assert said.endswith("(HTTP 409); use the VM engine, which carries it, or fork anyway with a lossy fork: "
+                         "forkd snapshot --lossy\n") and done.returncode == 1
+    debug = cli(server, "snapshot", "--from-sandbox", sb["id"], "--debug", check=False)  # the details, the traceback
+    assert debug.returncode == 1 and debug.stderr.startswith(said)
+    assert "\n  sdk: lossy=True\n" in debug.stderr and "\n  cli: forkd snapshot --lossy\n" in debug.stderr
+    assert "Traceback (most recent call last)" in debug.stderr and "ControllerError" in debug.stderr
+    as_json = json.loads(cli(server, "snapshot", "--from-sandbox", sb["id"], "--json", check=False).stdout)
+    assert as_json["status"] == 409 and as_json["details"]["lost"] and "\nuse the VM engine" in as_json["error"]
+    ctl.kill_sandbox(sb["id"])
+    ctl.delete_snapshot(snap["tag"])
+
+    port = free_port()  # nothing answers there
+    done = cli(server, "ls", url=f"http://127.0.0.1:{port}", check=False)
+    said = one_line(done)
+    assert done.returncode == 2 and said.startswith(f"forkd ls: no forkd server answers at http://127.0.0.1:{port} (")
+    assert said.endswith("; start one with `forkd serve`, or point FORKD_URL (and FORKD_TOKEN) at a running one\n")
+    env = {**os.environ, "FORKD_URL": f"http://127.0.0.1:{port}", "FORKD_DEBUG": "1"}
+    debug = subprocess.run([*FORKD, "ls"], capture_output=True, text=True, env=env, timeout=60)
+    assert debug.returncode == 2 and debug.stderr.startswith(said) and "Traceback" in debug.stderr
+
+    said = one_line(cli(server, "ls", token="wrong-token-wrong-token", check=False))  # 401
+    assert "invalid bearer token (HTTP 401); set FORKD_TOKEN (or --token)" in said
+    said = one_line(cli(server, "spawn", check=False))  # a bad argument: argparse's words, in one line
+    assert said == "forkd spawn: the following arguments are required: --tag/-t (see forkd spawn --help)\n"
     done = cli(server, "snapshot", "--from-sandbox", "sb-x", "--diff", "--live", check=False)
-    assert done.returncode == 2 and "not allowed with" in done.stderr
-    done = cli(server, "snapshot", "--tag", "x", "--no-wait", check=False)
-    assert done.returncode != 0 and "--from-sandbox" in done.stderr
+    assert done.returncode == 2 and "not allowed with" in one_line(done)
+    assert "--from-sandbox" in one_line(cli(server, "snapshot", "--tag", "x", "--no-wait", check=False))
     done = cli(server, "kill", "sb-nope", check=False)
     assert done.returncode == 1 and "sandbox sb-nope not found" in done.stdout
-    done = cli(server, "ls", token="wrong-token-wrong-token", check=False)
-    assert done.returncode == 1 and "invalid bearer token" in done.stderr and "FORKD_TOKEN" in done.stderr
-    port = free_port()
-    done = cli(server, "ls", url=f"http://127.0.0.1:{port}", check=False)
-    assert done.returncode == 2
-    assert f"no forkd server answers at http://127.0.0.1:{port}" in done.stderr and "forkd serve" in done.stderr
 
 
 def test_cli_doctor_json(server):

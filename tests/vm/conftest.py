@@ -14,6 +14,8 @@ import pytest
 
 from forkd_engine import SnapshotSpec
 
+from .. import streams
+
 QEMU_MISSING = shutil.which("qemu-system-x86_64") is None
 requires_qemu = pytest.mark.skipif(
     QEMU_MISSING, reason="qemu-system-x86_64 is not installed (scripts/setup.sh installs it)")
@@ -50,6 +52,27 @@ def vm_engine(vm_root):
 @pytest.fixture(scope="session")
 def parent(vm_engine):
     handle = vm_engine.create_snapshot(SnapshotSpec(tag="parent", setup=PARENT_SETUP, mem_size_mib=256))
+    yield handle
+    vm_engine.delete_snapshot(handle)
+
+
+# Debian's numpy on a packages disk, a data disk, and generators of every kind (tests/streams.py).
+NUMPY_SETUP = """
+import hashlib, os
+import numpy as np
+base = np.arange(1_000_000, dtype=np.float64)
+first_draw = np.random.rand()
+open('/data/note', 'w').write('from the parent')
+os.sync()
+""" + streams.SETUP
+
+
+@pytest.fixture(scope="session")
+def np_snap(vm_engine):
+    """Booted once per session (under TCG a boot with numpy takes ~10 s): test_vm_packages.py and
+    test_vm_fork_correctness.py share it."""
+    handle = vm_engine.create_snapshot(SnapshotSpec(tag="numpy", mem_size_mib=256, disk_mib=16,
+                                                    packages=["python3-numpy"], setup=NUMPY_SETUP))
     yield handle
     vm_engine.delete_snapshot(handle)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import threading
 import time
 
@@ -90,6 +91,8 @@ def test_fork_hygiene_entropy_clock_identity(vm_engine, parent, kids):
     assert pa["sandbox_id"] == a["name"] and pa["role"] == "sandbox"
     hosts = {ev(vm_engine, h, "__import__('socket').gethostname()") for h in (a, b)}
     assert len(hosts) == 2
+    machine_ids = {ast.literal_eval(ev(vm_engine, h, "open('/etc/machine-id').read()")) for h in (a, b)}
+    assert len(machine_ids) == 2 and all(re.fullmatch(r"[0-9a-f]{32}\n", m) for m in machine_ids)
 
 
 def test_exec_and_memory_sharing(vm_engine, parent, kids):

@@ -9,6 +9,7 @@ import pytest
 
 from forkd_engine import SnapshotSpec
 
+from .. import streams
 from .conftest import ev, requires_qemu, run
 from .test_vm_engine import spawn
 
@@ -175,5 +176,18 @@ def test_event_loops_tasks_sockets_and_imports_in_progress_are_carried(vm_engine
         run(vm_engine, g1, "open('/tmp/go', 'w').close()\nimporter.join(30)\nimport slowmod", timeout=40)
         assert ev(vm_engine, g1, "importer.is_alive(), slowmod.value") == "(False, 7)"
         assert ev(vm_engine, g2, "os.path.exists('/tmp/go'), importer.is_alive()") == "(False, True)"
+    finally:
+        vm_engine.delete_snapshot(snap)
+
+
+def test_generators_made_without_a_seed_draw_their_own_numbers_in_every_copy(vm_engine, np_snap, kids):
+    a, b = spawn(vm_engine, np_snap, kids, n=2)
+    streams.assert_own(streams.DRAWS, *(ev(vm_engine, h, streams.DRAW) for h in (a, b)))
+    # made in a sandbox before a branch: the branch's children (copies of a copy) get their own again
+    run(vm_engine, a, streams.LATER_CODE)
+    snap = vm_engine.branch(a, "generators", ["numpy", "a", "generators"], "full").ready.result(120)
+    try:
+        g1, g2 = spawn(vm_engine, snap, kids, n=2, prefix="g")
+        streams.assert_own(streams.ALL, *(ev(vm_engine, h, streams.DRAW_ALL) for h in (g1, g2, a)))
     finally:
         vm_engine.delete_snapshot(snap)

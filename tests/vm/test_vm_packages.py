@@ -17,24 +17,6 @@ from .conftest import ev, requires_qemu, run
 
 pytestmark = requires_qemu
 
-NUMPY_SETUP = """
-import hashlib, os
-import numpy as np
-base = np.arange(1_000_000, dtype=np.float64)
-first_draw = np.random.rand()
-open('/data/note', 'w').write('from the parent')
-os.sync()
-"""
-
-
-@pytest.fixture(scope="module")
-def np_snap(vm_engine):
-    handle = vm_engine.create_snapshot(SnapshotSpec(tag="numpy", mem_size_mib=256, disk_mib=16,
-                                                    packages=["python3-numpy"], setup=NUMPY_SETUP))
-    yield handle
-    vm_engine.delete_snapshot(handle)
-
-
 def spawn(engine, snapshot, kids, n=1, prefix="np"):
     made = engine.spawn(snapshot, [ChildSpec(id=f"{prefix}{i}-{time.monotonic_ns()}") for i in range(n)])
     kids.extend(made)

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from . import generators
+
 
 class Busy(Exception):
     """The main thread is running something else and the job could not start in time."""
@@ -137,8 +139,10 @@ class Executor:
                 job.then(job.result)
             except Exception:  # noqa: BLE001 - a reply that cannot be sent (the client left)
                 pass
-        if job.user_code and self.after_user_code is not None:
-            self.after_user_code()
+        if job.user_code:
+            generators.notice()  # before anything can fork what the code made (see generators.py)
+            if self.after_user_code is not None:
+                self.after_user_code()
 
     def after_fork(self) -> None:
         """In a fork made from the main thread: nothing queued here belongs to the child."""

@@ -15,7 +15,6 @@ import base64
 import contextlib
 import errno
 import os
-import random
 import signal
 import stat
 import subprocess
@@ -25,6 +24,7 @@ import threading
 import time
 import traceback
 
+from . import generators
 from .cells import PlainRunner, collect
 from .executor import Busy, Executor
 
@@ -54,6 +54,7 @@ class Runtime:
         self.shell = None        # the IPython shell, once a session asked for one (shell.py)
         self.history: list[dict] = []  # cells run through sessions: {n, code, sandbox, time}; forks keep it
         self.queue_wait = 10.0   # how long a call waits for a busy main thread before it is refused
+        generators.install()     # before any user code: note the random generators made without a seed
 
     @property
     def runner(self):
@@ -75,7 +76,11 @@ class Runtime:
         """Run ``fn`` where user code runs: the main thread's executor, else right here."""
         if self.executor is None:
             with self.eval_lock:
-                return fn()
+                try:
+                    return fn()
+                finally:
+                    if user_code:
+                        generators.notice()  # as the executor does after user code
         return self.executor.call(fn, what, user_code=user_code,
                                   start_within=self.queue_wait if wait is None else wait)
 
@@ -88,7 +93,7 @@ class Runtime:
         self.eval_lock = threading.Lock()
         self.procs_lock = threading.Lock()
         self.procs = {}
-        reseed_random_generators()
+        generators.reseed()
         reset_per_process_names()
         if self.shell is not None:
             self.shell.after_fork()
@@ -296,17 +301,3 @@ def reset_per_process_names() -> None:
     if seq is not None:
         seq._rng_pid = None  # its next use reseeds from os.urandom
     tempfile._name_sequence = None
-
-
-def reseed_random_generators() -> None:
-    """Give this fork its own random streams.
-
-    CPython reseeds the global ``random`` instance after ``os.fork`` already; numpy's legacy global
-    generator is reseeded here when numpy is loaded. A VM restore calls this too, where nothing
-    reseeds by itself. Generators the user seeded on purpose (``random.Random(42)``) are left alone.
-    """
-    random.seed(int.from_bytes(os.urandom(32), "little"))  # an int seeds directly: no sha512
-    np = sys.modules.get("numpy")
-    if np is not None:
-        with contextlib.suppress(Exception):
-            np.random.seed(int.from_bytes(os.urandom(4), "little"))

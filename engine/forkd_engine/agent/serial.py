@@ -9,7 +9,8 @@ Two VM-only actions live here:
 
 - ``restore``: run first after every restore from a snapshot, before the host lets anyone else talk
   to the child. It credits host entropy to the guest kernel and forces a CRNG reseed, steps the wall
-  clock to the host's, reseeds Python's generators and takes the child's identity. A child whose
+  clock to the host's, reseeds Python's generators and takes the child's identity (its hostname
+  and an /etc/machine-id of its own). A child whose
   ``restore`` failed is never handed out (the host fails closed). Under TCG every guest instruction
   a child runs for the first time is translated again in that child's QEMU, so this path is kept
   short: it is one plain line, not JSON (see ``parse_restore``), answered by a formatted line; raw
@@ -75,6 +76,15 @@ def add_entropy(seed: bytes) -> None:
 
 
 RESTORE = b"restore "
+MACHINE_ID = "/etc/machine-id"  # each child's own, as each process sandbox has
+
+
+def write_file(path: str, data: bytes, flags: int = os.O_WRONLY) -> None:
+    fd = os.open(path, flags, 0o444)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def parse_restore(line: bytes) -> tuple[str, bytes, int, dict]:
@@ -111,11 +121,9 @@ class SerialAgent:
         self.runtime.after_fork(identity)  # reseeds Python's generators from the reseeded CRNG
         hostname = identity["hostname"]
         if hostname:
-            fd = os.open("/proc/sys/kernel/hostname", os.O_WRONLY)
-            try:
-                os.write(fd, hostname[:64].encode())
-            finally:
-                os.close(fd)
+            write_file("/proc/sys/kernel/hostname", hostname[:64].encode())
+        # From the reseeded CRNG; the guest's / is its own RAM, so a plain file is its own.
+        write_file(MACHINE_ID, os.urandom(16).hex().encode() + b"\n", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self.restores += 1
         return stepped_ns
 

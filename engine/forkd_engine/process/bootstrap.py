@@ -19,6 +19,7 @@ from .. import linux
 from . import rootfs
 from ..agent import inventory
 from .inside import SandboxProcess, report
+from .machine_id import own_machine_id
 
 
 class SetupFailed(RuntimeError):
@@ -37,6 +38,7 @@ def template_main(cfg: dict) -> None:
         linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
                     f"mode=1777,size={cfg['shm_size_mib']}m")
         linux.sethostname(cfg["tag"][:64])
+        own_machine_id()  # the setup's code never sees the host's either
         if not cfg["host_network"]:
             linux.loopback_up()
         os.chdir("/tmp")

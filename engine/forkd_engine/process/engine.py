@@ -226,6 +226,10 @@ class ProcessEngine:
         """Wait up to ``timeout`` s for the process to exit; True once it has."""
         return linux.wait_exit(handle["pid"], handle["start_time"], timeout)
 
+    def died_of(self, handle: Handle) -> str | None:
+        """Nothing beyond its limits (``limits_hit``) tells why a process ended."""
+        return None
+
     def limits_hit(self, handle: Handle) -> list[LimitHit]:
         """The limits the kernel enforced in this sandbox's leaves (read before ``kill`` removes them)."""
         return self.cgroups.hits(handle.get("cgroups") or [])

@@ -28,6 +28,7 @@ from ..agent.executor import Busy, Executor
 from ..agent.runtime import Runtime
 from ..agent.server import AgentServer
 from .compactor import Compactor
+from .machine_id import own_machine_id
 
 # What a retired template or sandbox executes: kill its own user processes, keep its forks alive.
 REAPER = """
@@ -203,6 +204,7 @@ class SandboxProcess:
                 os.chdir(cwd)
             if identity["role"] == "sandbox":
                 linux.sethostname(identity["id"][:64])
+                own_machine_id()
                 if not self.config.get("host_network"):
                     linux.loopback_up()
             notes = inventory.repair_after_fork({listen_fd, report_fd}, lossy)

@@ -159,6 +159,12 @@ class VMEngine:
         """The limits the kernel enforced on a VM's QEMU (its memory limit: the OOM killer)."""
         return self.cgroups.hits(handle.get("cgroups") or [])
 
+    def died_of(self, handle: Handle) -> str | None:
+        """What ended a VM that ended on its own: its guest kernel's panic (read before ``kill``,
+        which removes its console log)."""
+        message = self.qemu.panic(handle) if handle.get("kind") == "vm" else None
+        return f"its guest kernel panicked (Kernel panic - not syncing: {message})" if message else None
+
     def memory(self, handle: Handle) -> dict:
         if handle.get("kind") == "snapshot":
             st = os.stat(handle["memory"])

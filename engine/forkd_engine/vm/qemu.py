@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -59,7 +60,10 @@ class Qemu:
     def command(self, image: dict, mem_path: str, mem_mib: int, share: bool, qmp_fd: int, agent_fd: int,
                 console: str, incoming: str | None, disk: tuple[str, str] | None = None,
                 packages: str | None = None) -> list[str]:
-        append = "console=ttyS0 quiet panic=-1 tsc=reliable"
+        # panic=-1 reboot=t: a guest kernel that panics resets its CPU at once (a triple fault), and
+        # -no-reboot makes that the end of its QEMU. The kernel's default ways (ACPI, the keyboard
+        # controller, then the BIOS) left a panicked guest spinning in firmware, its QEMU running.
+        append = "console=ttyS0 quiet panic=-1 reboot=t tsc=reliable"
         if self.tsc_khz:
             append += f" tsc_early_khz={self.tsc_khz}"
         cpu = "max" if self.accel == "tcg" else "host,-arch-capabilities"
@@ -150,6 +154,16 @@ class Qemu:
                 if text:
                     parts.append(f"{name}: {text}")
         return "; ".join(parts) or "no output"
+
+    @staticmethod
+    def panic(handle: Handle) -> str | None:
+        """The guest kernel's panic message, if its console shows one ("Kernel panic - not syncing: ...")."""
+        with contextlib.suppress(OSError), open(os.path.join(handle["dir"], "console.log"), "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+            found = re.findall(rb"Kernel panic - not syncing: ([^\r\n]*)", f.read())
+            if found:
+                return found[-1].decode("utf-8", "replace").strip()
+        return None
 
     @staticmethod
     def vcpu_ns(pid: int) -> int:
