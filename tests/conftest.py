@@ -57,6 +57,20 @@ def nobody_processes() -> set[int]:
     return pids
 
 
+def environ_holds(pids: set[int], text: str) -> set[int]:
+    """The processes among ``pids`` whose environment holds ``text`` (a path only one test's sandboxes
+    have in theirs): a test's own, not other servers' sandboxes on a shared host."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if text.encode() in f.read():
+                    out.add(pid)
+        except OSError:
+            pass
+    return out
+
+
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="the process engine needs root")
 
 

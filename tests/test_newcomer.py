@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from .conftest import nobody_processes, requires_root, wait_gone
+from .conftest import environ_holds, nobody_processes, requires_root, wait_gone
 from .lab.conftest import REPO
 
 VENV = REPO / "build" / "newcomer-venv"
@@ -41,19 +41,6 @@ def fresh_clone(tmp_path):
     shutil.rmtree(clone, ignore_errors=True)
 
 
-def started_here(pids: set[int]) -> set[int]:
-    """The ones whose environment names VENV: this demo's sandboxes, not other servers' on the host."""
-    out = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if str(VENV).encode() in f.read():
-                    out.add(pid)
-        except OSError:
-            pass
-    return out
-
-
 @requires_root
 @pytest.mark.timeout(1200)  # a pip install into an empty venv and the panel's build: minutes on a busy host
 def test_readme_command_1_in_a_fresh_clone_and_an_empty_venv(fresh_clone):
@@ -70,7 +57,7 @@ def test_readme_command_1_in_a_fresh_clone_and_an_empty_venv(fresh_clone):
                               capture_output=True, text=True, timeout=1200)
         assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         assert "cleaned up" in done.stdout  # forkd demo ran to its end, its checks held (else exit 1)
-        assert wait_gone(started_here(nobody_processes() - before)) == set()
+        assert wait_gone(environ_holds(nobody_processes() - before, str(VENV))) == set()  # the demo's, not others'
 
         def run(*argv) -> str:
             out = subprocess.run([str(VENV / "bin" / argv[0]), *argv[1:]], env=env, cwd=VENV, capture_output=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import nobody_processes, requires_root, wait_gone
+from ..conftest import environ_holds, nobody_processes, requires_root, wait_gone
 
 REPO = Path(__file__).parents[2]
 
@@ -87,7 +87,7 @@ def test_code_under_tmp_is_imported_inside_the_sandbox(checkout):
         assert out["shell"] == f"{inside}/agent/shell.py"
         assert out["subprocess"] == f"{inside}/agent/shell.py"  # PYTHONPATH inside names it too
         assert "registry.sqlite3" in out["data_dir"] and "registry.sqlite3" not in out["data_dir_inside"], out
-        assert wait_gone(nobody_processes() - before) == set()
+        assert wait_gone(environ_holds(nobody_processes() - before, checkout)) == set()  # ours, not others'
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
 
