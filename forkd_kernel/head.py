@@ -32,6 +32,7 @@ class Head:
         self.controller = controller
         self.on_other = on_other
         self.sandbox_id: str | None = None
+        self.snapshot_tag: str | None = None  # the snapshot HEAD was forked from
         self.session: Session | None = None
         self.hello: dict = {}
         self.ended: str | None = None  # why HEAD's session ended (the sandbox died), else None
@@ -42,11 +43,14 @@ class Head:
 
     # --- moving ----------------------------------------------------------------------------------
 
-    def attach(self, sandbox_id: str) -> dict:
-        """Make ``sandbox_id`` HEAD: open its IPython session; returns the session's hello."""
+    def attach(self, sandbox_id: str, snapshot_tag: str | None = None) -> dict:
+        """Make ``sandbox_id`` (forked from ``snapshot_tag``) HEAD: open its IPython session;
+        returns the session's hello."""
         session = self.controller.session(sandbox_id, shell="ipython")
         old = self.session
         with self._lock:
+            if sandbox_id != self.sandbox_id:
+                self.snapshot_tag = snapshot_tag
             self.session, self.sandbox_id, self.hello, self.ended = session, sandbox_id, session.hello, None
             self.end_said = ("", {})
             self.comms = set()
@@ -85,16 +89,44 @@ class Head:
                            "sandboxes outlive their server: start it again and run the cell again, the state is "
                            "still there", {"why": self.ended})
         if self.ended is not None:
-            hint, details = self.end_said
-            if details.get("limit") in ("memory", "huge_pages"):
-                details = {**details, "notebook": "the notebook's sandboxes take their memory limit from "
-                                                  "$FORKD_KERNEL_MEMORY_LIMIT_MIB (or ForkdKernel.memory_limit_mib): "
-                                                  "raise it and restart the kernel"}
-            raise HeadGone(f"this notebook's sandbox {self.sandbox_id} is gone, and its variables with it: {self.ended}",
-                           "nothing was restarted in its place: %forkd checkout TAG|SB continues from a snapshot or "
-                           "sandbox (%forkd ls lists them); a kernel restart starts a fresh one",
-                           {**({"server_hint": hint} if hint else {}), **details})
+            raise self.gone()
         return self.session
+
+    def gone(self, why: str | None = None, said: tuple[str, dict] | None = None) -> HeadGone:
+        """HEAD is gone: which sandbox and ``why`` (the server's reason), then the ways on from there,
+        the branches taken of it first (the snapshots that hold its state as it was), and ``said``,
+        the server's hint and details about the end."""
+        hint, details = said if said is not None else self.end_said
+        if details.get("limit") in ("memory", "huge_pages"):
+            details = {**details, "notebook": "the notebook's sandboxes take their memory limit from "
+                                              "$FORKD_KERNEL_MEMORY_LIMIT_MIB (or ForkdKernel.memory_limit_mib): "
+                                              "raise it and restart the kernel"}
+        why = why or self.ended or "killed or exited: the server no longer has it"
+        ways, more = self._ways_on()
+        return HeadGone(f"this notebook's sandbox {self.sandbox_id} is gone, and its variables with it: {why}",
+                        f"nothing was restarted in its place: {ways}; a kernel restart starts a fresh one",
+                        {**more, **({"server_hint": hint} if hint else {}), **details})
+
+    def _ways_on(self) -> tuple[str, dict]:
+        """How to go on from a HEAD that is gone, and the details that go with it."""
+        anything = "%forkd checkout TAG|SB continues from a snapshot or sandbox (%forkd ls lists them)"
+        try:
+            snapshots = self.controller.list_snapshots()
+        except Exception:  # noqa: BLE001 - the server is not answering: say the general way
+            return anything, {}
+        # its branches, newest first (a tag's counter breaks ties within a second)
+        branches = sorted((s for s in snapshots if s.get("branched_from") == self.sandbox_id),
+                          key=lambda s: (s.get("created_at_unix", 0), s["tag"]), reverse=True)
+        ready = [s["tag"] for s in branches if s.get("status") == "ready"]
+        failed = [s["tag"] for s in branches if s.get("status") == "failed"]
+        more = {k: ", ".join(v) for k, v in (("branches", ready), ("branches that failed with it", failed)) if v}
+        if ready:
+            return (f"%forkd checkout {ready[0]} continues from the latest branch taken of it (%forkd ls lists "
+                    f"the others)"), {**more, "branches": more["branches"] + " (newest first)"}
+        if not failed and any(s["tag"] == self.snapshot_tag and s.get("status") == "ready" for s in snapshots):
+            return (f"%forkd checkout {self.snapshot_tag} starts again from the snapshot it was forked from (no "
+                    f"branch was taken of it)"), more
+        return anything, more
 
     def open_request(self, kind: str, **fields) -> tuple[str, queue.Queue]:
         """Send a request; its events and its reply arrive on the returned queue (None: session ended)."""

@@ -26,7 +26,7 @@ from traitlets import Integer, List, Unicode, default
 
 from forkd_magics._complete import install as install_completer
 from forkd_magics._errors import Explained, details_bundle, explained
-from forkd_magics._scope import kernel_id, notebook_path
+from forkd_magics._scope import Scope, kernel_id, notebook_path
 from forkd_server.checks import host_memory_mib
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
@@ -34,6 +34,7 @@ from . import __version__
 from .base import BaseSnapshot
 from .head import Head, HeadGone
 from .local import KernelMagics, LocalShell, is_forkd_cell, on_forkd_line, with_forkd_magic
+from .ownership import make_ours
 
 REPLIES = ("status", "interrupt_reply", "session_reply")
 
@@ -110,6 +111,7 @@ class ForkdKernel(Kernel):
         self._started = threading.Event()
         self.kernel_id = kernel_id() or f"pid-{os.getpid()}"
         self.notebook = notebook_path()
+        self.labels = Scope.current().labels  # what the magics label, on every sandbox the notebook runs in
         self.local = LocalShell.make(self._publish_local)
         magics = KernelMagics(self.local, self)
         self.local.register_magics(magics)
@@ -122,10 +124,11 @@ class ForkdKernel(Kernel):
     # --- start: a fresh child of the base snapshot becomes HEAD ----------------------------------
 
     def _spawn(self, tag: str) -> str:
-        """A sandbox of the notebook's, with its memory limit: a limit of its own, not the server's
-        default, since memcg charges a page to whoever wrote it first, so the pages the notebook
-        shares with every branch it keeps stay charged to it (docs/design/kernel.md)."""
-        sandbox = self.controller.spawn_sandboxes(tag, 1, memory_limit_mib=self.memory_limit_mib)[0]["id"]
+        """A sandbox of the notebook's: its labels, and its memory limit, a limit of its own, not the
+        server's default, since memcg charges a page to whoever wrote it first, so the pages the
+        notebook shares with every branch it keeps stay charged to it (docs/design/kernel.md)."""
+        sandbox = self.controller.spawn_sandboxes(tag, 1, memory_limit_mib=self.memory_limit_mib,
+                                                  labels=self.labels)[0]["id"]
         self.own.add(sandbox)
         return sandbox
 
@@ -140,9 +143,9 @@ class ForkdKernel(Kernel):
             except ControllerError:
                 pass
             sandbox = self._spawn(base)
-            self.head.attach(sandbox)
+            self.head.attach(sandbox, base)
             self._register()
-            if previous and previous != sandbox and self._alive(previous):
+            if previous and previous != sandbox and self.is_running(previous):
                 self._notice = (self._notice or "") + (f"forkd: this kernel restarted in a fresh sandbox, {sandbox} (a child of {base}). "
                                 f"The sandbox it ran in before, {previous}, still runs with its state: "
                                 f"%forkd checkout {previous} to continue there, or %forkd kill {previous} to free it.\n")
@@ -158,7 +161,7 @@ class ForkdKernel(Kernel):
         finally:
             self._started.set()
 
-    def _alive(self, sandbox_id: str) -> bool:
+    def is_running(self, sandbox_id: str) -> bool:
         try:
             self.controller.get_sandbox(sandbox_id)
             return True
@@ -178,41 +181,67 @@ class ForkdKernel(Kernel):
 
     # --- HEAD moves ------------------------------------------------------------------------------
 
-    def checkout(self, target: str) -> str:
+    def checkout(self, target: str) -> str | None:
+        """Move HEAD to a sandbox, a fresh child of a snapshot, or (``-``) back where it was. The
+        sandbox becomes the notebook's (``make_ours``); a HEAD that is gone is never gone back to."""
         self._started.wait()
         old = self.head.sandbox_id
+        skipped: list[str] = []
         if target == "-":
+            while self.stack and not self.is_running(self.stack[-1]):
+                skipped.append(self.stack.pop())
             if not self.stack:
-                raise UsageError("forkd checkout -: there is nowhere to go back to (no checkout yet)")
-            new, back = self.stack[-1], True
+                gone = f": {', '.join(skipped)} {'is' if len(skipped) == 1 else 'are'} gone" if skipped else " (no checkout yet)"
+                raise UsageError(f"forkd checkout -: there is nowhere to go back to{gone}\n"
+                                 f"%forkd checkout TAG|SB moves the notebook (%forkd ls lists what there is)")
+            info, back = self.controller.get_sandbox(self.stack[-1]), True
         else:
-            back = False
-            try:
-                new = self.controller.get_sandbox(target)["id"]
-            except ControllerError as exc:
-                if exc.status != 404:
-                    raise
-                try:
-                    snapshot = self.controller.snapshot_info(target)
-                except ControllerError:
-                    raise UsageError(f"forkd checkout: no sandbox or snapshot is called {target!r} "
-                                     f"(%forkd ls lists them)") from None
-                new = self._spawn(snapshot["tag"])  # a fresh child of it
-        if new == old:
+            info, back = self._find(target), False
+        new = info["id"]
+        if new == old and self.head.ended is None:
             return f"HEAD is already {new}"
+        notes = [] if new in self.own else make_ours(self.controller, info, self.labels, self.memory_limit_mib)
         self._close_sandbox_comms()
         try:
-            self.head.attach(new)
+            self.head.attach(new, info.get("snapshot_tag"))
         except (ControllerError, ServerUnreachable) as exc:
             raise UsageError(f"forkd checkout: could not attach to {new}: {getattr(exc, 'message', exc)}") from None
+        left = old is not None and old != new and self.is_running(old)
         if back:
             self.stack.pop()
-        elif old:
+        elif left:  # a HEAD that is gone is nowhere to go back to
             self.stack.append(old)
         self._register()
-        print(f"HEAD: {old} → {new}" + (" (back)" if back else "")
-              + (f"; %forkd checkout - returns to {self.stack[-1]}" if self.stack else ""))
+        said = f"HEAD: {old}{'' if left or old in (None, new) else ' (gone)'} → {new}"
+        if back:
+            said += f" (back; {', '.join(skipped)} gone)" if skipped else " (back)"
+        way_back = self.way_back()
+        print(said + (f"; %forkd checkout - returns to {way_back}" if way_back else ""))
+        for note in notes:
+            print(note, file=sys.stderr)
         return None
+
+    def _find(self, target: str) -> dict:
+        """The sandbox ``target`` names, or a fresh child of the snapshot it names."""
+        try:
+            return self.controller.get_sandbox(target)
+        except ControllerError as exc:
+            if exc.status != 404:
+                raise
+            missing = exc
+        try:
+            snapshot = self.controller.snapshot_info(target)
+        except ControllerError:
+            if target.startswith("sb-"):  # the server says when and why it ended, if it knows
+                raise UsageError(f"forkd checkout: {missing.what}\n{missing.hint or '%forkd ls lists what there is'}") \
+                    from None
+            raise UsageError(f"forkd checkout: no sandbox or snapshot is called {target!r}\n%forkd ls lists them") \
+                from None
+        return self.controller.get_sandbox(self._spawn(snapshot["tag"]))  # a fresh child of it
+
+    def way_back(self) -> str | None:
+        """Where ``%forkd checkout -`` goes: the latest sandbox left that still runs."""
+        return next((sb for sb in reversed(self.stack) if self.is_running(sb)), None)
 
     def _close_sandbox_comms(self) -> None:
         """Widgets of the sandbox being left would talk to a copy the notebook no longer runs in:

@@ -23,8 +23,11 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.inputtransformer2 import TransformerManager
 from traitlets.config import Config
 
+from forkd_magics._errors import show_details
 from forkd_magics._magics import ForkdMagics
-from forkd_server.client import Sandbox, Snapshot
+from forkd_server.client import ControllerError, Sandbox, Snapshot
+
+from .head import HeadGone
 
 __all__ = ["LocalShell", "KernelMagics", "is_forkd_cell", "on_forkd_line", "with_forkd_magic"]
 
@@ -164,10 +167,11 @@ class LocalShell(InteractiveShell):
 
 
 class HeadInfo:
-    """What ``%forkd head`` returns: HEAD's sandbox, the snapshots it descends from, its engine."""
+    """What ``%forkd head`` returns: HEAD's sandbox, the snapshots it descends from, its engine, and
+    where ``%forkd checkout -`` goes (a sandbox that still runs)."""
 
-    def __init__(self, sandbox: dict, checked_out: list[str]):
-        self.sandbox, self.checked_out = sandbox, checked_out
+    def __init__(self, sandbox: dict, way_back: str | None):
+        self.sandbox, self.way_back = sandbox, way_back
 
     @property
     def id(self) -> str:
@@ -177,8 +181,8 @@ class HeadInfo:
         lineage = " → ".join(self.sandbox.get("lineage") or [])
         lines = [f"HEAD {self.id} ({self.sandbox.get('engine')}, forked from {self.sandbox.get('snapshot_tag')})",
                  f"lineage: {lineage}"]
-        if self.checked_out:
-            lines.append(f"%forkd checkout - goes back to {self.checked_out[-1]}")
+        if self.way_back:
+            lines.append(f"%forkd checkout - goes back to {self.way_back}")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle) -> None:
@@ -188,8 +192,9 @@ class HeadInfo:
 class Log:
     """What ``%forkd log`` returns: HEAD's lineage, newest first, with the cells run in each sandbox."""
 
-    def __init__(self, lineage: list[str], cells: list[dict], snapshots: dict[str, dict], head: str):
-        self.lineage, self.cells, self.snapshots, self.head = lineage, cells, snapshots, head
+    def __init__(self, lineage: list[str], cells: list[dict], snapshots: dict[str, dict], head: str,
+                 gone: set[str] = frozenset()):
+        self.lineage, self.cells, self.snapshots, self.head, self.gone = lineage, cells, snapshots, head, gone
 
     def lines(self) -> list[str]:
         by_sandbox: dict[str, list[dict]] = {}
@@ -202,7 +207,7 @@ class Log:
                 pause = info.get("pause_ms")
                 out.append(f"  snapshot {name}" + (f"  (paused its source {pause} ms)" if pause is not None else ""))
                 continue
-            out.append(f"* {name}" + ("  ← HEAD" if name == self.head else ""))
+            out.append(f"* {name}" + ("  ← HEAD" if name == self.head else "  (gone)" if name in self.gone else ""))
             for c in by_sandbox.get(name, []):
                 first = (c.get("code") or "").strip().splitlines() or [""]
                 when = time.strftime("%H:%M:%S", time.localtime(c.get("time") or 0))
@@ -269,17 +274,37 @@ class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherite
                 raise UsageError(f"forkd checkout: {args.target} is a {type(value).__name__}, not a sandbox or snapshot")
         return self.kernel.checkout(target)
 
-    def _head(self, args, cell):
+    def _head_info(self, sub: str) -> dict:
+        """HEAD's sandbox as the server has it; a HEAD that is gone is said as the next cell says it."""
         sandbox = self.kernel.head_id()
         if sandbox is None:
-            raise UsageError("forkd head: this notebook has no sandbox (see the kernel's first message)")
-        return HeadInfo(self.controller.get_sandbox(sandbox), list(self.kernel.stack))
+            raise UsageError(f"forkd {sub}: this notebook has no sandbox (see the kernel's first message)")
+        try:
+            return self.controller.get_sandbox(sandbox)
+        except ControllerError as exc:
+            if exc.status != 404:
+                raise
+            ended = (exc.body.get("ended") if isinstance(exc.body, dict) else None) or {}
+            raise self._gone(sub, self.kernel.head.gone(ended.get("reason"), (exc.hint, exc.details))) from None
+
+    def _gone(self, sub: str, gone: HeadGone) -> UsageError:
+        """HEAD is gone, said as the next cell says it: two lines, the details collapsed under them."""
+        error = UsageError(f"forkd {sub}: {gone}")
+        error.details = gone.details
+        show_details(self.shell, gone.details)
+        return error
+
+    def _head(self, args, cell):
+        return HeadInfo(self._head_info("head"), self.kernel.way_back())
 
     def _log(self, args, cell):
-        sandbox = self.kernel.head_id()
-        if sandbox is None:
-            raise UsageError("forkd log: this notebook has no sandbox (see the kernel's first message)")
-        info = self.controller.get_sandbox(sandbox)
-        cells = self.kernel.head.request("history", hist_access_type="tail", n=10_000, detail=True)
+        info = self._head_info("log")
+        sandbox = info["id"]
+        try:
+            cells = self.kernel.head.request("history", hist_access_type="tail", n=10_000, detail=True)
+        except HeadGone as exc:
+            raise self._gone("log", exc) from None
         snapshots = {s["tag"]: s for s in self.controller.list_snapshots()}
-        return Log(info.get("lineage") or [], cells.get("entries") or [], snapshots, sandbox)
+        lineage = info.get("lineage") or []
+        gone = {n for n in lineage if n.startswith("sb-") and n != sandbox and not self.kernel.is_running(n)}
+        return Log(lineage, cells.get("entries") or [], snapshots, sandbox, gone)

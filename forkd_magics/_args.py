@@ -16,10 +16,11 @@ A = magic_arguments.argument
 SANDBOX_ARGS = {"sandbox", "sandboxes"}
 TAG_OPTIONS = {"--tag", "-t"}
 EVERYONE = A("--everyone", action="store_true", help="every notebook's, not only this notebook's")
-# the sandboxes kill and run act on: named, every one of a snapshot, or all of this notebook's
+# the sandboxes kill and run act on: named, every one of a snapshot, or all of this notebook's (or the server's)
 TARGETS = (A("sandboxes", nargs="*", help="sandbox ids (or variables holding Sandbox objects or lists of them)"),
            A("--tag", "-t", default=None, help="every sandbox forked from this snapshot"),
-           A("--all", action="store_true", help="every sandbox of this notebook"), EVERYONE)
+           A("--all", action="store_true", help="every sandbox of this notebook"),
+           A("--everyone", action="store_true", help="every sandbox on the server, every notebook's (--all is implied)"))
 
 
 def strip_comment(line: str) -> str:
@@ -87,9 +88,9 @@ SUBCOMMANDS = {
     "ls": _parser("ls", "List this notebook's snapshots and sandboxes (--everyone: all of them). Returns a "
                         "Listing (.snapshots, .sandboxes).", EVERYONE),
     "kill": _parser(
-        "kill", "Kill sandboxes: by id or variable, every sandbox of a snapshot (--tag), or all of this "
-                "notebook's (--all; with --everyone, all on the server). Kills what it can, then reports "
-                "the ones it could not.",
+        "kill", "Kill sandboxes: by id or variable, every sandbox of a snapshot (--tag), all of this "
+                "notebook's (--all) or all on the server (--everyone); never the notebook's own sandbox "
+                "unless named. Kills what it can, then reports the ones it could not.",
         *TARGETS),
     "exec": _parser(
         "exec", "Run a command in a sandbox: %forkd exec SB -- cmd args. Returns a CommandResult.",
@@ -97,11 +98,13 @@ SUBCOMMANDS = {
         A("command", nargs="*", help="the command and its arguments (after --)"),
         A("--timeout", type=float, default=30, help="seconds (default 30)")),
     "delete": _parser(
-        "delete", "Delete a snapshot (its running sandboxes keep running), or all of this notebook's "
-                  "(--all, deepest first; with --everyone, all on the server).",
-        A("tag", nargs="?", default=None, help="the snapshot's tag (or a variable holding a Snapshot)"),
-        A("--cascade", action="store_true", help="also delete the snapshots branched below it"),
-        A("--all", action="store_true", help="every snapshot of this notebook"), EVERYONE),
+        "delete", "Delete snapshots (their running sandboxes keep running): by tag, or all of this "
+                  "notebook's (--all) or all on the server (--everyone), deepest first. A forkd kernel's base "
+                  "snapshot goes only by name: --all and --everyone keep it and say so.",
+        A("tags", nargs="*", help="snapshot tags (or variables holding Snapshot objects)"),
+        A("--cascade", action="store_true", help="also delete the snapshots branched below each"),
+        A("--all", action="store_true", help="every snapshot of this notebook"),
+        A("--everyone", action="store_true", help="every snapshot on the server, every notebook's (--all is implied)")),
     "tree": _parser(
         "tree", "Show this notebook's lineage (--everyone: the whole server's) as a live widget. "
                 "Returns the LineageWidget.",
@@ -142,7 +145,8 @@ HELP = """Fork-on-write Python sandboxes from a notebook.
   %forkd branch SB [-t TAG] [--diff|--live] [--no-wait]   -> Snapshot
   In the "Python 3 (forkd)" kernel, the notebook itself:
   %forkd branch --live | fork -n 5 | checkout SB|TAG|- | head | log
-  %forkd ls | kill (SB ... | -t TAG | --all) | delete (TAG | --all) | exec SB -- cmd | tree | connect URL
+  %forkd ls | kill (SB ... | -t TAG | --all | --everyone) | delete (TAG ... | --all | --everyone)
+  %forkd exec SB -- cmd | tree | connect URL
   %%forkd run (SB ... | -t TAG | --all)                   -> runs the cell in each, side by side
 
 ls, tree and --all mean this notebook's snapshots and sandboxes (labelled with its path and kernel

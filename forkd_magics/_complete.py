@@ -105,7 +105,7 @@ class ForkdCompleter:
         kind = positional(sub)
         if kind in SANDBOX_ARGS:
             return self._variables() + self.server_names()[1]
-        if kind == "tag":
+        if kind == "tags":
             return self.server_names()[0]
         if kind == "target":
             tags, ids = self.server_names()

@@ -30,7 +30,7 @@ from forkd_server.client import (CommandResult, Controller, ControllerError, San
 from ._args import HELP, SUBCOMMANDS, strip_comment, unquote
 from ._errors import Explained, explained, show_details
 from ._names import UndefinedName, sandbox_ids, snapshot_tag
-from ._scope import Scope, sandboxes_of, snapshots_of
+from ._scope import Scope, kernel_bases, sandboxes_of, snapshots_of
 
 __all__ = ["ForkdMagics", "ExecResult", "Listing"]
 
@@ -229,7 +229,7 @@ class ForkdMagics(Magics):
         if args.tag:
             tag = self._tag(args.tag, sub)
             found = [s for s in self.controller.list_sandboxes() if s["snapshot_tag"] == tag]
-        elif args.all:
+        elif args.all or args.everyone:  # --everyone alone: all of them on the server
             scope = self._within(args)  # without HEAD, which a sweep leaves out
             found = sandboxes_of(self.controller, scope and dataclasses.replace(scope, head=None))
         else:
@@ -288,10 +288,10 @@ class ForkdMagics(Magics):
                        [Sandbox(b, ctl) for b in sandboxes_of(ctl, scope)], str(scope or "everyone"))
 
     def _kill(self, args, cell):
-        if not (args.sandboxes or args.tag or args.all):
-            raise UsageError("forkd kill: name sandboxes, or use --tag T or --all")
+        if not (args.sandboxes or args.tag or args.all or args.everyone):
+            raise UsageError("forkd kill: name sandboxes, or use --tag T, --all (this notebook's) or --everyone")
         ids = self._targets(args, "kill")
-        sweep = bool(args.all or args.tag)
+        sweep = bool(args.all or args.tag or args.everyone)
         killed, failed = [], []
         for sb in dict.fromkeys(ids):  # each once, in order; one that fails does not stop the others
             try:
@@ -321,27 +321,52 @@ class ForkdMagics(Magics):
         return ExecResult(r.get("stdout", ""), r.get("stderr", ""), r.get("exit_code", 1), r.get("error"))
 
     def _delete(self, args, cell):
-        if bool(args.tag) == bool(args.all):
-            raise UsageError("forkd delete: name one snapshot (TAG), or use --all for this notebook's")
-        if args.tag:
-            tag = self._tag(args.tag, "delete")
-            self.controller.delete_snapshot(tag, cascade=args.cascade)
-            print(f"deleted snapshot {tag}")
+        sweep = args.all or args.everyone
+        if bool(args.tags) == bool(sweep):
+            raise UsageError("forkd delete: name snapshots (TAG ...), or use --all (this notebook's) or --everyone")
+        bases = kernel_bases(self.controller)
+        if args.tags:  # named: deleted even when a kernel forks from it, which is said
+            tags = list(dict.fromkeys(self._tag(t, "delete") for t in args.tags))
+            if len(tags) == 1:
+                self.controller.delete_snapshot(tags[0], cascade=args.cascade)
+                print(f"deleted snapshot {tags[0]}")
+            else:
+                self._delete_each(tags, args.cascade, sweep=False)
+            for tag in (t for t in tags if t in bases):
+                print(f"{tag} was the base snapshot of the forkd kernel of {', '.join(bases[tag])}: its next restart "
+                      f"makes it again (or, for a base named by $FORKD_KERNEL_BASE, cannot start until it exists)")
             return
-        # deepest first, so each is a leaf when its turn comes; one that fails does not stop the others
+        # deepest first, so each is a leaf when its turn comes
         snaps = sorted(snapshots_of(self.controller, self._within(args)), key=lambda s: -len(s.get("lineage") or []))
+        # a base a kernel forks from goes only by name: a bulk delete keeps it (and, with --cascade,
+        # the snapshots it was branched from, which would take it along), and says so
+        protected = set(bases)
+        if args.cascade and bases:
+            protected.update(t for s in self.controller.list_snapshots() if s["tag"] in bases
+                             for t in s.get("lineage") or [])
+        self._delete_each([s["tag"] for s in snaps if s["tag"] not in protected], args.cascade, sweep=True,
+                          kept=[(s["tag"], bases.get(s["tag"])) for s in snaps if s["tag"] in protected])
+
+    def _delete_each(self, tags: list[str], cascade: bool, *, sweep: bool, kept=()) -> None:
+        """Delete each snapshot; one that fails does not stop the others, and the cell then fails
+        naming each one and why."""
         deleted, failed = [], []
-        for snap in snaps:
+        for tag in tags:
             try:
-                self.controller.delete_snapshot(snap["tag"], cascade=args.cascade)
-                deleted.append(snap["tag"])
+                self.controller.delete_snapshot(tag, cascade=cascade)
+                deleted.append(tag)
             except ControllerError as exc:
-                if exc.status != 404:  # gone with a cascade meanwhile
-                    failed.append((snap["tag"], self.explained(exc).what))
+                if exc.status != 404 or not sweep:  # a sweep's snapshot gone with a cascade meanwhile is fine
+                    failed.append((tag, self.explained(exc).what))
         print(f"deleted {len(deleted)} snapshot{'' if len(deleted) == 1 else 's'}")
+        for tag, users in kept:
+            print(f"kept {tag}: " + (f"the base snapshot of the forkd kernel of {', '.join(users)}, which a restart "
+                                     f"forks from" if users else "a forkd kernel's base snapshot was branched from it, "
+                                                                 "and --cascade would take that along")
+                  + f"; %forkd delete {tag} deletes it by name")
         if failed:
             lines = "".join(f"\n  {tag}: {why}" for tag, why in failed)
-            raise UsageError(f"forkd delete: could not delete {len(failed)} of {len(snaps)}:{lines}")
+            raise UsageError(f"forkd delete: could not delete {len(failed)} of {len(tags)}:{lines}")
 
     def _tree(self, args, cell):
         from ._widget import LineageWidget

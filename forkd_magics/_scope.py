@@ -126,3 +126,18 @@ def sandboxes_of(controller, scope: Scope | None) -> list[dict]:
         except ControllerError:  # HEAD is gone: the kernel says so on the next cell
             pass
     return _union(found, "id")
+
+
+def kernel_bases(controller) -> dict[str, list[str]]:
+    """The base snapshots the forkd kernels registered with the server fork from (a restart forks a
+    fresh HEAD from it): ``{tag: [the notebooks of those kernels]}``; empty on a server without
+    ``/v1/kernels``."""
+    try:
+        kernels = controller.list_kernels()
+    except ControllerError:
+        return {}
+    bases: dict[str, list[str]] = {}
+    for k in kernels:
+        if k.get("base_snapshot"):
+            bases.setdefault(k["base_snapshot"], []).append(k.get("notebook") or f"kernel {k['kernel_id'][:8]}")
+    return bases

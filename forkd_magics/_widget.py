@@ -180,14 +180,14 @@ class LineageWidget(anywidget.AnyWidget):
         node_id = event.get("tag") if event.get("kind") == "snapshot" else event.get("id")
         action, status = event.get("action"), event.get("status")
         with self._lock:
-            if node_id in self._outside:  # another notebook's (labels never change; HEAD moves are kernel events)
-                return
+            if node_id in self._outside and action != "updated":  # another notebook's (it becomes ours only
+                return                                                # by new labels; HEAD moves are kernel events)
             if status and node_id:
                 seen = self._history.setdefault(node_id, [])
                 if not seen or seen[-1] != status:
                     seen.append(status)
-            if action in ("created", "killed", "deleted") or node_id not in self.tree:
-                self.refresh()  # structure changed: take the server's view (lineage, details)
+            if action in ("created", "killed", "deleted", "updated") or node_id not in self.tree:
+                self.refresh()  # structure or labels changed: take the server's view (lineage, details)
                 return
             node = dict(self.tree[node_id], status=status or self.tree[node_id]["status"],
                         history=list(self._history.get(node_id, [])))

@@ -98,7 +98,8 @@ export class LineageView {
     for (const [id, node] of Object.entries(this.tree)) {
       if (tree[id] || node.ghost || this.tombs[id]) continue;
       const status = GONE[node.kind];
-      this.tombs[id] = { ...node, status, tomb: true, history: [...(node.history || [node.status]), status], gone_at: now };
+      // a gone sandbox is nobody's HEAD any more (its kernel's record may still name it)
+      this.tombs[id] = { ...node, status, tomb: true, heads: [], history: [...(node.history || [node.status]), status], gone_at: now };
     }
     for (const id of Object.keys(this.tombs)) if (tree[id]) delete this.tombs[id];
     this.tree = tree;
@@ -234,7 +235,7 @@ export class LineageView {
     const top = el("div", { class: "forkd-line1" }, row);
     el("span", { class: "forkd-icon", "aria-hidden": "true" }, top, node.kind === "snapshot" ? "◆" : "●");
     idLabel(top, id);
-    if (node.heads && node.heads.length) el("span", { class: "forkd-chip forkd-head-chip", title: `HEAD of ${node.heads.join(", ")}` }, top, "HEAD");
+    if (!gone && node.heads && node.heads.length) el("span", { class: "forkd-chip forkd-head-chip", title: `HEAD of ${node.heads.join(", ")}` }, top, "HEAD");
     if (warns.length) el("span", { class: "forkd-chip forkd-warn", title: warns.join("\n") }, top, `⚠ ${warns.length}`);
     const meta = el("div", { class: "forkd-line2" }, row);
     el("span", { class: `forkd-dot status-${node.status}`, "aria-hidden": "true" }, meta);

@@ -19,12 +19,13 @@ from typing import Callable
 
 from forkd_engine import EngineError
 
+from . import endings
 from .branching import BranchManager
 from .changes import ChangeFeed
 from .creation import CreationManager
 from .checks import BRANCH_MODES, check_labels, check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound
-from .recovery import TEMPLATE_ENDED, Recovery
+from .recovery import Recovery
 from .registry import Registry
 from .sandboxes import SandboxManager
 from .wire import has_labels, sandbox_info, snapshot_info, tree_nodes, workspace_info
@@ -117,10 +118,12 @@ class Controller:
         engine = self.engines.get(row["engine"])
         if engine is not None and engine.alive(row["handle"]):
             return row
+        warning = endings.TEMPLATE_ENDED
         if engine is not None:
+            warning = endings.template_ended(engine.exit_status(row["handle"]))  # read before the delete
             engine.delete_snapshot(row["handle"])
-        self.fail_snapshot(row["tag"], TEMPLATE_ENDED)
-        return dict(row, status="failed", warning=TEMPLATE_ENDED)
+        self.fail_snapshot(row["tag"], warning)
+        return dict(row, status="failed", warning=warning)
 
     def fail_snapshot(self, tag: str, warning: str) -> None:
         """Snapshot ``tag`` is failed, for the reason ``warning``: recorded, and said on the feed."""
@@ -231,6 +234,10 @@ class Controller:
 
     def kill_sandbox(self, sandbox_id) -> None:
         self.sandboxes.kill(sandbox_id)
+
+    def update_sandbox(self, sandbox_id, *, labels=None, memory_limit_mib=None) -> dict:
+        """Add labels to a running sandbox and raise its memory limit (sandboxes.py)."""
+        return self.sandboxes.update(sandbox_id, labels=labels, memory_limit_mib=memory_limit_mib)
 
     def memory(self, sandbox_id) -> dict:
         return self.sandboxes.memory(sandbox_id)

@@ -15,9 +15,10 @@ each front end (REST, SDK, CLI, magic).
 
 from __future__ import annotations
 
+import signal
 import time
 
-from forkd_engine import LimitHit
+from forkd_engine import ExitStatus, LimitHit
 
 from .errors import NotFound
 
@@ -30,6 +31,36 @@ LIMIT_NAMES = {"memory": "memory limit", "huge_pages": "huge-page cap", "pids": 
 def _larger(mib: int) -> int:
     return max(mib * 2, 64)
 
+
+# What a signal that ended a sandbox's Python usually means, for the ones user code meets.
+_SIGNALS = {
+    signal.SIGKILL: "was killed by SIGKILL from outside forkd (a kill -9, or the host's own OOM killer)",
+    signal.SIGSEGV: "crashed with SIGSEGV (a segmentation fault, usually in a C extension)",
+    signal.SIGABRT: "aborted (SIGABRT: os.abort(), or a failed assertion in a C extension)",
+    signal.SIGBUS: "got SIGBUS (a memory access the system could not back: a huge page it could not supply, "
+                   "or a mapped file cut short)",
+    signal.SIGFPE: "crashed with SIGFPE (an arithmetic fault in a C extension)",
+    signal.SIGILL: "crashed with SIGILL (an illegal instruction in a C extension)",
+}
+
+
+def how(status: ExitStatus | None) -> str | None:
+    """How a process ended, said for a user: "its Python exited with status 3 (...)"; None if unknown."""
+    if status is None:
+        return None
+    if status.note is not None:
+        return status.note
+    if status.signal is not None:
+        said = _SIGNALS.get(status.signal)
+        if said is None:
+            try:
+                name = signal.Signals(status.signal).name
+            except ValueError:
+                name = f"signal {status.signal}"
+            said = f"was killed by {name} (signal {status.signal}) from outside forkd"
+        return f"its Python {said}"
+    return (f"its Python exited with status {status.code} (os._exit({status.code}), or a C extension that "
+            f"called exit())")
 
 def raise_hint(tag: str, mib: int) -> str:
     """What to do when a sandbox of ``tag`` needs more memory than ``mib``, in one line
@@ -47,16 +78,28 @@ def ways_to_raise(tag: str, mib: int) -> dict:
             "workspace": "a workspace takes memory_limit_mib when it is created"}
 
 
-def died(row: dict, hits: list[LimitHit], seen: str | None = None) -> dict:
-    """The end of a sandbox whose process ended on its own. ``seen``: what its engine saw end it (a
-    VM's guest kernel panic), when no limit did."""
+TEMPLATE_ENDED = "snapshot is not bootable: its template process ended unexpectedly"
+
+
+def template_ended(status: ExitStatus | None) -> str:
+    """The warning of a snapshot whose template's process ended outside forkd's control."""
+    said = how(status)
+    return f"{TEMPLATE_ENDED}: {said}" if said else TEMPLATE_ENDED
+
+
+def died(row: dict, hits: list[LimitHit], status: ExitStatus | None = None) -> dict:
+    """The end of a sandbox whose process ended on its own, from the limits its cgroup says it hit
+    and, where its engine knows it, how its process ended (``status``)."""
+    said = how(status)
     if not hits:
-        return {"reason": seen or UNEXPECTED, "limit_hit": None, "hint": None, "details": {}}
+        return {"reason": said or UNEXPECTED, "limit_hit": None, "hint": None,
+                "details": {"limits": "none of its limits was reached"} if said else {}}
     # The OOM killer (or a refused huge page) ends a process; a refused fork only fails a call.
     first = next((h for h in hits if h.limit != "pids"), hits[0])
     details = {"limit": first.limit, "kernel": "; ".join(h.message for h in hits)}
     if first.limit == "pids":
-        reason = f"it died of its pids limit ({first.value} processes and threads)"
+        # What ended it, when known, was not the refused fork: that is said first.
+        reason = said or f"it died of its pids limit ({first.value} processes and threads)"
         hint = "run fewer processes and threads at once: the pids limit is the same for every sandbox of this server"
         details["limit_processes"] = first.value
     else:

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import endings
+
 if TYPE_CHECKING:
     from .controller import Controller
 
 PROBE_TIMEOUT = 5.0  # seconds an agent has to answer its ping when the server starts
 
 INTERRUPTED = "snapshot is not bootable: interrupted by a server restart while it was being written"
-TEMPLATE_ENDED = "snapshot is not bootable: its template process ended unexpectedly"
 
 
 class Recovery:
@@ -103,8 +104,8 @@ class Recovery:
             warning = (f"snapshot is not bootable: its template did not answer when the server started "
                        f"({reason}); delete the snapshot to end it")
         else:
+            warning = endings.template_ended(engine.exit_status(row["handle"]))
             engine.delete_snapshot(row["handle"])  # releases what the engine held for it
-            warning = TEMPLATE_ENDED
         self.ctl.fail_snapshot(row["tag"], warning)
         return f"snapshot {row['tag']}: {warning}"
 

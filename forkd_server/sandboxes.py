@@ -64,12 +64,12 @@ class SandboxManager:
         return False
 
     def death(self, row: dict) -> dict:
-        """Why a sandbox whose process ended did (``endings.died``): a limit its cgroup says it hit.
-        Read before ``drop``, which removes the cgroup."""
+        """Why a sandbox whose process ended did (``endings.died``): a limit its cgroup says it hit,
+        how its process ended. Read before ``drop``, which removes the cgroup and lets that go."""
         engine = self.engines.get(row["engine"])
         if engine is None or not row["handle"]:
             return endings.died(row, [])
-        return endings.died(row, engine.limits_hit(row["handle"]), engine.died_of(row["handle"]))
+        return endings.died(row, engine.limits_hit(row["handle"]), engine.exit_status(row["handle"]))
 
     def drop(self, row: dict, ended: dict) -> None:
         """Release what an ended (or ending) sandbox held, forget it, remember why, and say so."""
@@ -144,6 +144,40 @@ class SandboxManager:
         for info in out:
             self.feed.emit("sandbox", "created", id=info["id"], snapshot_tag=snapshot_tag, status="running")
         return out
+
+    def update(self, sandbox_id, *, labels=None, memory_limit_mib=None) -> dict:
+        """Change a running sandbox: ``labels`` are added to its own (as a spawn adds them to its
+        snapshot's), and its memory limit is raised to ``memory_limit_mib``, never lowered (below what
+        it holds, the kernel would reclaim its memory or kill it). The forkd kernel does both when a
+        notebook checks a sandbox out: it becomes the notebook's."""
+        labels = check_labels(labels)
+        if memory_limit_mib is not None:
+            check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
+        row = self.row(sandbox_id)
+        fields: dict = {}
+        if labels:
+            fields["labels"] = check_labels({**(row.get("labels") or {}), **labels},
+                                            f"the labels of {row['id']} with these")
+        current = row["memory_limit_mib"]
+        if memory_limit_mib is not None and memory_limit_mib != current:
+            if current is None:
+                raise Conflict(f"sandbox {row['id']} has no memory limit to raise: it runs without one")
+            if memory_limit_mib < current:
+                raise Conflict(f"the memory limit of sandbox {row['id']} ({current} MiB) can only be raised",
+                               hint=f"spawn a sandbox with {memory_limit_mib} MiB instead",
+                               details={"why": "under what the sandbox holds, the kernel would reclaim its memory "
+                                               "or kill it"})
+            handle = dict(row["handle"])
+            try:
+                self.engines[row["engine"]].raise_memory_limit(handle, memory_limit_mib)
+            except EngineError as exc:
+                raise EngineFailure(str(exc)) from exc
+            fields.update(memory_limit_mib=memory_limit_mib, handle=handle)
+        if fields:
+            self.registry.update_sandbox(row["id"], **fields)
+            self.feed.emit("sandbox", "updated", id=row["id"],
+                           **{k: fields[k] for k in ("labels", "memory_limit_mib") if k in fields})
+        return sandbox_info(self.registry.get_sandbox(row["id"]))
 
     def list(self) -> list[dict]:
         _gen, infos, live = self.listing()

@@ -57,18 +57,25 @@ def nobody_processes() -> set[int]:
     return pids
 
 
-def environ_holds(pids: set[int], text: str) -> set[int]:
-    """The processes among ``pids`` whose environment holds ``text`` (a path only one test's sandboxes
-    have in theirs): a test's own, not other servers' sandboxes on a shared host."""
-    out = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if text.encode() in f.read():
-                    out.add(pid)
-        except OSError:
-            pass
-    return out
+def engine_processes(data_dir: str) -> set[int]:
+    """Host pids in the cgroup leaves of the process engine of the controller on ``data_dir``:
+    every template, sandbox and init it made, and nothing of other servers or test runs on this
+    host (their leaves are in groups of their own), so it can be compared before and after."""
+    from forkd_engine.cgroups import locate, subtree
+
+    where = locate("memory")
+    if where is None:
+        return nobody_processes()
+    group = os.path.join(where[1], subtree("forkd", os.path.join(data_dir, "process")))
+    pids: set[int] = set()
+    for path, _dirs, files in os.walk(group):
+        if "cgroup.procs" in files:
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    pids.update(int(p) for p in f.read().split())
+            except OSError:  # removed as we looked
+                pass
+    return pids
 
 
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="the process engine needs root")

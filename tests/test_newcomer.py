@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from .conftest import environ_holds, nobody_processes, requires_root, wait_gone
+from .conftest import requires_root
 from .lab.conftest import REPO
 
 VENV = REPO / "build" / "newcomer-venv"
@@ -51,13 +51,12 @@ def test_readme_command_1_in_a_fresh_clone_and_an_empty_venv(fresh_clone):
     # the newcomer's shell: this machine's environment, none of this checkout's or this venv's
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV") and not k.startswith("FORKD_")}
-    before = nobody_processes()
     try:
         done = subprocess.run(["bash", "-c", f". {VENV}/bin/activate && {command}"], cwd=fresh_clone, env=env,
                               capture_output=True, text=True, timeout=1200)
         assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        assert "cleaned up" in done.stdout  # forkd demo ran to its end, its checks held (else exit 1)
-        assert wait_gone(environ_holds(nobody_processes() - before, str(VENV))) == set()  # the demo's, not others'
+        assert "cleaned up" in done.stdout  # forkd demo ran to its end, its checks held (else exit 1);
+        # that it leaves no sandbox behind is test_demo's check
 
         def run(*argv) -> str:
             out = subprocess.run([str(VENV / "bin" / argv[0]), *argv[1:]], env=env, cwd=VENV, capture_output=True,

@@ -108,6 +108,16 @@ class LimitHit:
     message: str  # the fact, said for a user
 
 
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a sandbox's (or template's) process ended, where its engine can tell: an exit status,
+    or the signal that ended it (9 for a kill -9 and for the OOM killer alike), or what else the
+    engine saw, said for a user (a VM guest kernel's panic)."""
+    code: int | None = None
+    signal: int | None = None
+    note: str | None = None
+
+
 @dataclass
 class BranchResult:
     pause_ms: float  # how long the source was frozen
@@ -148,9 +158,11 @@ class Engine(Protocol):
     # The limits the kernel enforced on a sandbox (its cgroup's counters), so a sandbox that died
     # of one can say so; read before ``kill``, which removes them.
     def limits_hit(self, handle: Handle) -> list[LimitHit]: ...
-    # What else the engine saw end a sandbox that ended on its own (a VM's guest kernel panic), said
-    # for a user; None when it saw nothing. Read before ``kill`` too.
-    def died_of(self, handle: Handle) -> str | None: ...
+    # Raise a running sandbox's memory limit (and huge-page cap) to ``memory_mib``; never lowers it.
+    def raise_memory_limit(self, handle: Handle, memory_mib: int) -> None: ...
+    # How a sandbox's process ended, as its engine saw it (an exit status or signal, a guest kernel's
+    # panic); None when unknown or while it runs. Read before ``kill`` too.
+    def exit_status(self, handle: Handle) -> ExitStatus | None: ...
     # Why each handle does not answer its agent within ``timeout`` (None: it lives and answers);
     # all asked at once. A restarted server re-attaches only to what answers.
     def probe(self, handles: list[Handle], timeout: float) -> list[str | None]: ...

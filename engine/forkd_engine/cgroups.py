@@ -180,9 +180,9 @@ class Cgroups:
         self.caps_huge_pages = True
         return True, f"each sandbox's huge pages are capped at its memory limit (cgroup {where[0]} hugetlb at {where[1]})"
 
-    def apply(self, name: str, pid: int, memory_mib: int | None, pids_max: int | None) -> list[str]:
-        """Put ``pid`` into leaves limiting it (a memory limit caps huge pages too, with
-        ``caps_huge_pages``); returns the leaf paths made."""
+    def apply(self, name: str, pid: int | list[int], memory_mib: int | None, pids_max: int | None) -> list[str]:
+        """Put ``pid`` (or each of a list) into leaves limiting it (a memory limit caps huge pages
+        too, with ``caps_huge_pages``); returns the leaf paths made."""
         made = []
         memory = memory_mib and memory_mib * 1024 * 1024
         for controller, value in (("memory", memory), ("pids", pids_max),
@@ -207,14 +207,15 @@ class Cgroups:
                 with contextlib.suppress(OSError):  # no swap accounting on many hosts
                     with open(os.path.join(leaf, "memory.memsw.limit_in_bytes"), "w") as f:
                         f.write(str(value))
-            with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
-                f.write(str(pid))
+            for one in pid if isinstance(pid, list) else [pid]:
+                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                    f.write(str(one))
             if leaf not in made:
                 made.append(leaf)
         return made
 
-    def move(self, name: str, pid: int) -> list[str]:
-        """Put ``pid`` (a new template) into leaves of its own wherever memory and pids can be
+    def move(self, name: str, pid: int | list[int]) -> list[str]:
+        """Put ``pid`` (a new template, or it and its init) into leaves of its own wherever memory and pids can be
         accounted (nowhere when neither can): without memory and pids limits, and with no huge page
         of its own (``caps_huge_pages``; a template only forks, and the huge pages it holds are its
         source's, charged there).
@@ -228,8 +229,9 @@ class Cgroups:
             os.makedirs(leaf, exist_ok=True)
             if controller == "hugetlb":
                 _cap_hugetlb(leaf, 0)
-            with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
-                f.write(str(pid))
+            for one in pid if isinstance(pid, list) else [pid]:
+                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                    f.write(str(one))
             if leaf not in made:
                 made.append(leaf)
         return made
@@ -249,6 +251,26 @@ class Cgroups:
                         f.write("-1")
                 with open(path, "w") as f:
                     f.write(_UNLIMITED[(controller, version)])
+
+    @staticmethod
+    def raise_memory(leaves: list[str], memory_mib: int) -> None:
+        """Raise the memory limit of a sandbox's leaves to ``memory_mib``, and its huge-page cap with
+        it (the cap is the memory limit, where huge pages are capped). Never lowers either: below what
+        a sandbox holds, the kernel would reclaim its memory or kill it."""
+        nbytes = memory_mib << 20
+        for leaf in leaves:
+            version = "v2" if os.path.exists(os.path.join(leaf, "cgroup.controllers")) else "v1"
+            path = os.path.join(leaf, _FILES[("memory", version)])
+            if os.path.exists(path) and 0 <= _limit(leaf, _FILES[("memory", version)]) < nbytes:
+                if version == "v1":  # memsw first: never below the plain limit
+                    with contextlib.suppress(OSError), open(os.path.join(leaf, "memory.memsw.limit_in_bytes"), "w") as f:
+                        f.write(str(nbytes))
+                with open(path, "w") as f:
+                    f.write(str(nbytes))
+            huge = _hugetlb_caps(leaf).get(HUGE_SIZE)
+            # a cap of 0 is "no huge pages at all" (a template, a host that cannot cap them): kept
+            if huge and 0 < _limit(leaf, f"hugetlb.{HUGE_SIZE}.max", f"hugetlb.{HUGE_SIZE}.limit_in_bytes") < nbytes:
+                _cap_hugetlb(leaf, nbytes)
 
     @staticmethod
     def hits(leaves: list[str]) -> list[LimitHit]:

@@ -109,6 +109,16 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` as this process's pid namespace sees it (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
 def live_children(pid: int) -> list[int]:
     """The children of ``pid`` that have not exited (zombies left out), from every thread's
     /proc/<pid>/task/<tid>/children."""
@@ -134,8 +144,9 @@ def wait_exit(pid: int, start_time: int | None, timeout: float) -> bool:
     except ProcessLookupError:
         return True
     try:
-        if process_start_time(pid) != start_time:
-            return True
+        started = process_start_time(pid)  # None while it dies: wait for its pidfd all the same
+        if started is not None and started != start_time:
+            return True  # the pid names another process now
         return wait_pidfd(pidfd, timeout)
     finally:
         os.close(pidfd)

@@ -55,6 +55,17 @@ class Controller(Connection):
     def kill_sandbox(self, sandbox_id: str) -> None:
         return self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")
 
+    def update_sandbox(self, sandbox_id: str, *, labels: dict[str, str] | None = None,
+                       memory_limit_mib: int | None = None) -> dict:
+        """Add ``labels`` to a running sandbox's and raise its memory limit (never lowered: a 409).
+        Returns the sandbox's info as it is now."""
+        body: dict = {}
+        if labels:
+            body["labels"] = dict(labels)
+        if memory_limit_mib is not None:
+            body["memory_limit_mib"] = memory_limit_mib
+        return self._request("PATCH", f"/v1/sandboxes/{sandbox_id}", body)
+
     def branch_sandbox(self, sandbox_id: str, tag: str | None = None, diff: bool = False,
                        measure_diff: bool = False, mode: str | None = None, wait: bool = True,
                        parent_tag: str | None = None, lossy: bool = False, *,

@@ -205,7 +205,7 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
 
     @classmethod
     def allowed_methods(cls) -> list[str]:
-        return [verb.upper() for verb in ("get", "post", "put", "delete")
+        return [verb.upper() for verb in ("get", "post", "put", "patch", "delete")
                 if getattr(cls, verb) is not getattr(web.RequestHandler, verb)]
 
     def compute_etag(self):

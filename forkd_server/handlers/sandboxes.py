@@ -1,7 +1,7 @@
-"""Sandbox routes: spawn and list, get and kill, the agent calls (ping, exec, eval, run, files,
-interrupt), branch, inventory and memory.
+"""Sandbox routes: spawn and list, get, change (labels, a higher memory limit) and kill, the agent
+calls (ping, exec, eval, run, files, interrupt), branch, inventory and memory.
 
-Control calls (list, get, kill, ping, interrupt, inventory, memory) use ``self.call``; long ones
+Control calls (list, get, change, kill, ping, interrupt, inventory, memory) use ``self.call``; long ones
 ``self.long_call``, and exec, eval and run in the sandbox's lane (admission.py)."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ SPAWN = {
     "memory_limit_mib": ("integer", False, MEMORY_LIMIT), "prewarm": ("boolean", False),
     "live_fork": ("boolean", False), "hugepages": ("boolean", False), "labels": ("labels", False),
 }
+UPDATE = {"labels": ("labels", False), "memory_limit_mib": ("integer", False, MEMORY_LIMIT)}
 MAX_TIMEOUT = 86400  # a day: past it a call is a job, not a request
 TIMEOUT = {"exclusiveMinimum": 0, "maximum": MAX_TIMEOUT}
 EXEC = {"args": ("string[]", True), "timeout_secs": ("number", False, TIMEOUT), "env": ("env", False),
@@ -70,11 +71,19 @@ class SandboxesHandler(ForkdHandler):
 
 class SandboxHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    body_spec = UPDATE  # the JSON body of patch
 
     @web.authenticated
     @authorized
     async def get(self, sandbox_id: str) -> None:
         self.send(await self.call(self.controller.get_sandbox, sandbox_id))
+
+    @web.authenticated
+    @authorized(action="write")
+    async def patch(self, sandbox_id: str) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.call(self.controller.update_sandbox, sandbox_id, labels=body.get("labels"),
+                                  memory_limit_mib=body.get("memory_limit_mib")))
 
     @web.authenticated
     @authorized

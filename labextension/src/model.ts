@@ -235,6 +235,7 @@ export class LineageModel {
     if (id && action === 'created' && !tree[id]) {
       const parent: string | null = kind === 'sandbox' ? event.snapshot_tag : event.branched_from || null;
       const up = parent ? tree[parent] : undefined;
+      const head = this.heads()[id]; // a checkout's fresh child may be HEAD before its event arrives
       tree[id] = {
         kind,
         parent,
@@ -246,10 +247,13 @@ export class LineageModel {
         pause_ms: event.pause_ms ?? null,
         warnings: event.warnings || [],
         labels: event.labels || {},
-        heads: []
+        heads: head?.notebooks || [],
+        head_kernels: head?.kernels || []
       };
     } else if (id && (action === 'killed' || action === 'deleted')) {
-      delete tree[id]; // the drawing keeps it as a tombstone, marked killed / deleted
+      delete tree[id]; // the drawing keeps it as a tombstone, marked killed / deleted (and nobody's HEAD)
+    } else if (id && action === 'updated' && tree[id] && event.labels) {
+      tree[id] = { ...tree[id], labels: event.labels }; // a checkout made it a notebook's
     } else if (id && action === 'status' && tree[id]) {
       const warnings = [...(event.warnings || tree[id].warnings || [])];
       if (event.warning && !warnings.includes(event.warning)) {

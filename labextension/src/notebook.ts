@@ -3,7 +3,7 @@
 // panel acts on the current kernel) and inserting a cell.
 
 import { NotebookActions, INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
-import { Notification } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { Kernel, KernelMessage } from '@jupyterlab/services';
 
 export const FORKD_KERNEL = 'forkd-python';
@@ -39,18 +39,22 @@ export class CurrentNotebook {
   /**
    * Run one `%forkd` line in the forkd kernel (queued behind running cells, so the sandbox is idle
    * when it runs). Returns what the line printed or returned as text; throws the kernel's error.
+   * What it wrote to stderr (the kernel's `forkd: ...` notes) goes to `warn` once it succeeded.
    */
-  async runForkdLine(code: string, silent: boolean): Promise<string> {
+  async runForkdLine(code: string, silent: boolean, warn?: (text: string) => void): Promise<string> {
     const kernel = this.forkdKernel;
     if (!kernel) {
       throw new Error(NEEDS_FORKD_KERNEL);
     }
     const future = kernel.requestExecute({ code, silent, store_history: false, allow_stdin: false, stop_on_error: false });
     let text = '';
+    let warnings = '';
     let error = '';
     future.onIOPub = (msg: KernelMessage.IIOPubMessage) => {
       if (KernelMessage.isExecuteResultMsg(msg)) {
         text += String((msg.content.data as Record<string, unknown>)['text/plain'] ?? '');
+      } else if (KernelMessage.isStreamMsg(msg) && msg.content.name === 'stderr' && warn) {
+        warnings += msg.content.text;
       } else if (KernelMessage.isStreamMsg(msg)) {
         text += msg.content.text;
       } else if (KernelMessage.isErrorMsg(msg)) {
@@ -61,6 +65,9 @@ export class CurrentNotebook {
     if (reply.content.status !== 'ok') {
       const c = reply.content as KernelMessage.IReplyErrorContent;
       throw new Error(error || `${c.ename}: ${c.evalue}`);
+    }
+    if (warn && warnings.trim()) {
+      warn(warnings.trim());
     }
     return text.trim();
   }
@@ -106,6 +113,23 @@ export async function progress(work: Promise<string>, pending: string, ok: (valu
   }
 }
 
+/**
+ * A note of the kernel's the user must see (a checkout raised a sandbox's memory limit, or could
+ * not): a warning that stays until dismissed, the whole text a click away (toasts cut at 140).
+ */
+export function warnUser(text: string): void {
+  Notification.warning(text, {
+    autoClose: false,
+    actions: [
+      {
+        label: 'Details',
+        caption: 'Show the whole message',
+        callback: () => void showDialog({ title: 'forkd', body: text, buttons: [Dialog.okButton()] })
+      }
+    ]
+  });
+}
+
 /** Check out a sandbox in the current forkd notebook: `%forkd checkout <id>`, silently. */
 export async function checkout(notebook: CurrentNotebook, id: string): Promise<boolean> {
   if (!SAFE_ID.test(id)) {
@@ -114,7 +138,7 @@ export async function checkout(notebook: CurrentNotebook, id: string): Promise<b
   }
   const name = notebook.name;
   const done = await progress(
-    notebook.runForkdLine(`%forkd checkout ${id}`, true),
+    notebook.runForkdLine(`%forkd checkout ${id}`, true, warnUser),
     `Checking out ${id} in ${name}…`,
     () => `Checked out ${id}: the next cell of ${name} runs there.`,
     `Could not check out ${id}`

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import environ_holds, nobody_processes, requires_root, wait_gone
+from ..conftest import engine_processes, requires_root, wait_gone
 
 REPO = Path(__file__).parents[2]
 
@@ -77,7 +77,6 @@ def run_from(checkout: str, *args, **kwargs) -> subprocess.CompletedProcess:
 def test_code_under_tmp_is_imported_inside_the_sandbox(checkout):
     os.chmod(checkout, 0o755)  # as git clone leaves it (mkdtemp makes it 0700)
     data_dir = os.path.join(checkout, ".data")  # the data dir inside the checkout, as /.data is in ours
-    before = nobody_processes()
     try:
         proc = run_from(checkout, "-c", SCRIPT, checkout, data_dir)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -87,7 +86,7 @@ def test_code_under_tmp_is_imported_inside_the_sandbox(checkout):
         assert out["shell"] == f"{inside}/agent/shell.py"
         assert out["subprocess"] == f"{inside}/agent/shell.py"  # PYTHONPATH inside names it too
         assert "registry.sqlite3" in out["data_dir"] and "registry.sqlite3" not in out["data_dir_inside"], out
-        assert wait_gone(environ_holds(nobody_processes() - before, checkout)) == set()  # ours, not others'
+        assert wait_gone(engine_processes(data_dir)) == set()  # no sandbox left behind
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
 

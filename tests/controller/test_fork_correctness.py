@@ -223,6 +223,22 @@ def test_a_child_process_refuses_the_branch_and_is_reported_killed_in_a_lossy_on
     run(ctl, sb, "server.kill(); server.wait()")
 
 
+def test_a_forked_process_refuses_the_branch_like_any_other(ctl, plain):
+    """os.fork() and multiprocessing (fork start method) children never exec: their memory stays
+    owned by the host's user namespace, and /proc/N/ns/pid is closed to the sandbox. The inventory
+    must see them all the same."""
+    sb = ctl.spawn(plain, 1)[0]["id"]
+    run(ctl, sb, "import multiprocessing\n"
+                 "worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(600,))\n"
+                 "worker.start()\n"
+                 "forked = os.fork()\n"
+                 "if forked == 0:\n    time.sleep(600)\n    os._exit(0)")
+    said = refused(ctl, sb)
+    assert "2 child processes running" in said and "a fork of this Python" in said, said
+    run(ctl, sb, "worker.kill(); worker.join(); worker.close(); os.kill(forked, 9); os.waitpid(forked, 0)")
+    assert ctl.branch(sb)["status"] == "ready"  # nothing left running: exact again
+
+
 def test_pending_asyncio_tasks_refuse_the_branch(ctl, plain):
     sb = ctl.spawn(plain, 1)[0]["id"]
     run(ctl, sb, "import asyncio\n"

@@ -163,6 +163,15 @@ def test_map_hugetlb_past_the_limit_fails_and_takes_nothing_from_the_host(ctl, n
     assert ctl.ping(sb)["pong"] is True
 
 
+def test_a_raised_memory_limit_raises_the_huge_page_cap_with_it(ctl, numpy_snap):
+    sb = ctl.spawn(numpy_snap, 1, memory_limit_mib=64)[0]["id"]
+    leaf = hugetlb_leaf(ctl, ctl.registry.get_sandbox(sb)["handle"])
+    ctl.update_sandbox(sb, memory_limit_mib=256)
+    assert int(read(leaf, "hugetlb.2MB.max")) == int(read(leaf, "hugetlb.2MB.rsvd.max")) == 256 * MIB
+    out = ctl.exec(sb, ["python3", "-c", TOUCH])  # 128 MiB of huge pages: past the old cap, within the new
+    assert out["exit_code"] == 0 and out["stdout"].split()[-1] == "64", out
+
+
 def test_a_sandbox_killed_by_its_huge_page_cap_says_so(ctl, numpy_snap):
     from forkd_server.errors import Gone, NotFound
 

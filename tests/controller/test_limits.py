@@ -9,7 +9,7 @@ import pytest
 from forkd_server.errors import Gone, NotFound
 
 from ..conftest import requires_root
-from .conftest import sh
+from .conftest import ev, sh
 
 pytestmark = requires_root
 
@@ -24,6 +24,27 @@ def test_memory_limit_kills_an_overgrown_sandbox_process(ctl, snap):
     # the command died, the sandbox lives on
     assert ctl.get_sandbox(sb["id"])["memory_limit_mib"] == 128
     assert ctl.ping(sb["id"])["pong"] is True
+
+
+def test_a_raised_memory_limit_lets_a_running_sandbox_hold_more_and_is_never_lowered(ctl, snap):
+    from forkd_server.errors import Conflict
+
+    sb = ctl.spawn(snap, 1, memory_limit_mib=128)[0]["id"]
+    assert ctl.run_code(sb, "kept = 'state'")["exit_code"] == 0
+    leaf = next(p for p in sb_cgroups(ctl, sb) if os.path.exists(os.path.join(p, memory_file(p))))
+    assert ctl.update_sandbox(sb, memory_limit_mib=512)["memory_limit_mib"] == 512
+    with open(os.path.join(leaf, memory_file(leaf))) as f:
+        assert int(f.read()) == 512 * 2**20
+    # 300 MiB in the sandbox's own agent: past the limit it was made with, within the new one
+    assert ctl.run_code(sb, "blob = b'x' * (300 * 2**20)")["exit_code"] == 0
+    assert ev(ctl, sb, "(len(blob) >> 20, kept)") == "(300, 'state')"
+    with pytest.raises(Conflict, match=r"\(512 MiB\) can only be raised"):
+        ctl.update_sandbox(sb, memory_limit_mib=256)
+    assert ctl.get_sandbox(sb)["memory_limit_mib"] == 512  # a refused change changes nothing
+
+
+def memory_file(leaf: str) -> str:
+    return "memory.max" if os.path.exists(os.path.join(leaf, "cgroup.controllers")) else "memory.limit_in_bytes"
 
 
 def test_a_sandbox_killed_by_its_memory_limit_says_so(ctl, snap):
@@ -73,12 +94,13 @@ def test_a_sandbox_that_dies_between_calls_says_why_at_its_next_one(ctl, snap):
         ctl.get_sandbox(other)
 
 
-def test_an_unexpected_end_says_no_limit_was_reached(ctl, snap):
+def test_an_unexpected_end_says_how_and_that_no_limit_was_reached(ctl, snap):
     sb = ctl.spawn(snap, 1)[0]
     os.kill(sb["pid"], 9)
     assert ctl.engines["process"].wait_exit(ctl.registry.get_sandbox(sb["id"])["handle"], 30)
-    with pytest.raises(NotFound, match="ended unexpectedly \\(no limit of its was reached"):
+    with pytest.raises(NotFound, match="its Python was killed by SIGKILL from outside forkd") as gone:
         ctl.get_sandbox(sb["id"])
+    assert gone.value.details["limits"] == "none of its limits was reached"
 
 
 def sb_cgroups(ctl, sandbox_id):

@@ -11,7 +11,7 @@ from forkd_engine import EngineError
 from forkd_server.controller import Controller
 from forkd_server.errors import BadRequest, Busy, Conflict, EngineFailure, NotFound
 
-from ..conftest import nobody_processes, requires_root, wait_gone
+from ..conftest import engine_processes, requires_root, wait_gone
 from .conftest import cleanup, ev, sh
 
 pytestmark = requires_root
@@ -230,7 +230,7 @@ def test_a_suspend_that_fails_after_its_write_leaves_no_pending_state(ctl, src, 
     """The state was written under its pending tag (``...@n``, which no user can delete), then the
     swap failed: the pending state and its template go, the workspace runs on."""
     ws = ctl.create_workspace("undo", src)
-    before = nobody_processes()
+    before = engine_processes(ctl.data_dir)
     written = []
 
     def refused(row, pending, *args):
@@ -244,7 +244,7 @@ def test_a_suspend_that_fails_after_its_write_leaves_no_pending_state(ctl, src, 
     assert written[0]["status"] == "ready" and "@" in written[0]["tag"]
     assert states(ctl, "undo") == []
     # its template ended; wait_gone counts an exited one its sandbox has not reaped yet as gone
-    assert wait_gone(nobody_processes() - before) == set()
+    assert wait_gone(engine_processes(ctl.data_dir) - before) == set()
     info = ctl.get_workspace("undo")
     assert info["status"] == "running" and info["live_sandbox_id"] == ws["live_sandbox_id"]
     assert ctl.suspend_workspace("undo")["status"] == "suspended"
@@ -254,7 +254,7 @@ def test_a_suspend_that_fails_after_its_write_leaves_no_pending_state(ctl, src, 
 # --- restarts -----------------------------------------------------------------------------------
 
 def test_restart_keeps_workspaces_and_marks_a_killed_one_stale(short_dir):
-    before = nobody_processes()
+    before = engine_processes(short_dir)
     c = Controller(short_dir)
     try:
         c.create_snapshot("r", setup="note = 'source'")
@@ -279,13 +279,13 @@ def test_restart_keeps_workspaces_and_marks_a_killed_one_stale(short_dir):
     finally:
         cleanup(c)
         c.close()
-    assert wait_gone(nobody_processes() - before) == set()
+    assert wait_gone(engine_processes(short_dir) - before) == set()
 
 
 @pytest.mark.parametrize("sandbox_survives", [True, False])
 def test_a_suspend_cut_short_is_settled_by_the_restart(short_dir, monkeypatch, sandbox_survives):
     """The server dies after the new state is written and before it becomes the workspace's state."""
-    before = nobody_processes()
+    before = engine_processes(short_dir)
     c = Controller(short_dir)
     try:
         c.create_snapshot("r", setup="note = 'source'")
@@ -319,7 +319,7 @@ def test_a_suspend_cut_short_is_settled_by_the_restart(short_dir, monkeypatch, s
     finally:
         cleanup(c)
         c.close()
-    assert wait_gone(nobody_processes() - before) == set()
+    assert wait_gone(engine_processes(short_dir) - before) == set()
 
 
 # --- compact ------------------------------------------------------------------------------------

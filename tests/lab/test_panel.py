@@ -7,7 +7,11 @@ Screenshots go to ``build/screenshots/`` (``$FORKD_SCREENSHOT_DIR`` to change th
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+
+from forkd_server.checks import host_memory_mib
 
 from .conftest import SHOTS
 
@@ -251,6 +255,54 @@ def test_checkout_from_the_panel_moves_head_and_the_next_cell_runs_there(page, l
     shown = page.locator(f"{PANEL} .forkd-node").evaluate_all("els => els.map(e => e.dataset.id)")
     assert shown[1:] == [first, branch, kid], shown  # under the kernel's base snapshot
     page.locator(f"{PANEL} select.forkd-filter").select_option("all")
+    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+
+
+def test_the_panels_fork_then_check_out_gets_the_notebooks_limit_and_a_dead_head_loses_its_chip(page, lab):
+    """The panel's path into a sandbox (its Fork button: the server's default limit, then Check out)
+    ends in the notebook's memory limit, said in a warning; HEAD's chip follows the checkout and
+    leaves a HEAD killed with kill -9, and a checkout of the branch brings it back, state intact."""
+    ctl = lab.controller()
+    page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'forkd-python'})")
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
+    chip = page.locator(f"{PANEL} .forkd-node:has(.forkd-head-chip)")
+    chip.wait_for(timeout=90_000)
+    first = chip.get_attribute("data-id")
+    assert run_cell(page, "x = 41; x") == "41"
+    page.evaluate("window.jupyterapp.commands.execute('forkd:branch-notebook')")
+    page.locator(".jp-toast-message", has_text="Branched").wait_for(timeout=30_000)
+    branch = next(s["tag"] for s in ctl.list_snapshots() if s.get("branched_from") == first)
+
+    # the panel's Fork: a sandbox with the server's default limit
+    page.locator(f"{PANEL} .forkd-row[data-id='{branch}'][data-status='ready']").wait_for(timeout=30_000)
+    row(page, branch).click()
+    page.locator(f"{PANEL} input.forkd-n").fill("1")
+    page.locator(f"{PANEL} button.forkd-fork").click()
+    page.locator(f"{PANEL} .forkd-message", has_text=f"forked 1 sandbox from {branch}").wait_for(timeout=30_000)
+    (kid,) = [s for s in ctl.list_sandboxes() if s["snapshot_tag"] == branch]
+    assert kid["memory_limit_mib"] < host_memory_mib()
+
+    # then its Check out: the notebook's limit, and a warning that says so
+    row(page, kid["id"]).click()
+    page.locator(f"{PANEL} button.forkd-checkout").click()
+    page.locator(".jp-toast-message", has_text=f"Checked out {kid['id']}").wait_for(timeout=30_000)
+    page.locator(".jp-toast-message", has_text=f"had a memory limit of {kid['memory_limit_mib']} MiB").wait_for(
+        timeout=5_000)
+    assert ctl.get_sandbox(kid["id"])["memory_limit_mib"] == host_memory_mib()
+    page.locator(f"{PANEL} .forkd-node[data-id='{kid['id']}'] .forkd-head-chip").wait_for(timeout=LIVE_WITHIN)
+    assert page.locator(f"{PANEL} .forkd-head-chip").count() == 1
+
+    # kill -9 of HEAD: the next cell says so, and no row carries the chip, not even its tombstone
+    os.kill(ctl.get_sandbox(kid["id"])["pid"], signal.SIGKILL)
+    said = run_cell(page, "x")
+    assert f"sandbox {kid['id']} is gone" in said and f"%forkd checkout {branch}" in said, said
+    page.locator(f"{PANEL} .forkd-row[data-id='{kid['id']}'][data-status='killed']").wait_for(timeout=LIVE_WITHIN)
+    assert page.locator(f"{PANEL} .forkd-head-chip").count() == 0
+    shot(page, "lab-dead-head.png")
+    run_cell(page, f"%forkd checkout {branch}")
+    chip.wait_for(timeout=LIVE_WITHIN)
+    assert chip.get_attribute("data-id") not in (first, kid["id"])
+    assert run_cell(page, "x") == "41"
     page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
 
 

@@ -155,6 +155,24 @@ def test_widget_syncs_tree_and_follows_events_live(forkd, comms):
     assert not w.live
 
 
+def test_a_sandbox_labelled_later_enters_a_notebooks_tree(forkd, comms):
+    """A checkout labels another's sandbox as this notebook's (PATCH, an 'updated' event): the
+    widget scoped to the notebook takes it in without being told otherwise."""
+    from forkd_magics._scope import KERNEL_ID, Scope
+
+    ctl = forkd.controller()
+    ctl.create_snapshot("wl")
+    sb = ctl.spawn_sandboxes("wl", 1)[0]["id"]
+    w = LineageWidget(ctl, scope=Scope("k-mine", None))
+    try:
+        assert sb not in w.tree
+        ctl.update_sandbox(sb, labels={KERNEL_ID: "k-mine"})
+        wait_for(lambda: sb in w.tree, what="the relabelled sandbox to enter the tree")
+        assert w.tree[sb]["labels"][KERNEL_ID] == "k-mine" and "wl" in w.tree  # with its ancestor
+    finally:
+        w.close()
+
+
 def test_buttons_run_actions_through_the_sdk(forkd, comms):
     ctl = forkd.controller()
     ctl.create_snapshot("wa")

@@ -9,7 +9,7 @@ import pytest
 
 from forkd_server.handlers import HealthHandler, route_table
 
-VERBS = ("get", "post", "put", "delete")
+VERBS = ("get", "post", "put", "patch", "delete")
 
 
 def _routes():
@@ -35,7 +35,7 @@ def test_route_enumeration_covers_the_app(forkd_app):
 
 @pytest.mark.parametrize("method,path,handler", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
 async def test_no_token_is_401(jp_fetch, forkd_app, method, path, handler):
-    body = "{}" if method in ("POST", "PUT") else None
+    body = "{}" if method in ("POST", "PUT", "PATCH") else None
     headers = {"Authorization": "", "Content-Type": "application/json"}
     r = await jp_fetch(*path.split("/"), method=method, body=body, headers=headers, raise_error=False,
                        allow_nonstandard_methods=True)
@@ -51,7 +51,7 @@ async def test_no_token_is_401(jp_fetch, forkd_app, method, path, handler):
 async def test_wrong_token_is_401(jp_fetch, forkd_app, method, path, handler):
     if handler is HealthHandler:
         pytest.skip("/healthz is public")
-    body = "{}" if method in ("POST", "PUT") else None
+    body = "{}" if method in ("POST", "PUT", "PATCH") else None
     headers = {"Authorization": "Bearer not-the-token", "Content-Type": "application/json"}
     r = await jp_fetch(*path.split("/"), method=method, body=body, headers=headers, raise_error=False,
                        allow_nonstandard_methods=True)

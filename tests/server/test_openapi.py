@@ -7,7 +7,7 @@ import re
 
 from forkd_server.handlers import OPENAPI_PATH, NotFoundHandler, route_table
 
-VERBS = ("get", "post", "put", "delete")
+VERBS = ("get", "post", "put", "patch", "delete")
 JSON_TYPES = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean",
               "string[]": "array", "string[][]": "array", "env": "object", "labels": "object"}
 
@@ -52,7 +52,7 @@ def test_request_bodies_match_the_handlers():
     for (path, verb), handler in handler_ops().items():
         op = doc["paths"][path][verb]
         content = op.get("requestBody", {}).get("content", {})
-        if verb in ("post", "put") and handler.body_spec is not None:
+        if verb in ("post", "put", "patch") and handler.body_spec is not None:
             schema = content["application/json"]["schema"]
             spec = handler.body_spec
             assert set(schema["properties"]) == set(spec), path
@@ -110,7 +110,7 @@ def test_every_answer_a_route_can_give_is_documented():
         if path in ("/healthz", "/version", "/metrics", "/v1/openapi.json", "/v1/events"):
             continue
         assert "507" in responses and "500" in responses, (verb, path)
-        if getattr(handler, "body_spec", None) is not None and verb in ("post", "put"):
+        if getattr(handler, "body_spec", None) is not None and verb in ("post", "put", "patch"):
             assert "413" in responses, (verb, path)
         if path.startswith("/v1/sandboxes/{id}/") and path != "/v1/sandboxes/{id}/session":
             assert "410" in responses, (verb, path)
@@ -118,5 +118,5 @@ def test_every_answer_a_route_can_give_is_documented():
 
 def test_405_lists_the_allowed_methods():
     from forkd_server.handlers import SandboxHandler, SnapshotsHandler
-    assert SandboxHandler.allowed_methods() == ["GET", "DELETE"]
+    assert SandboxHandler.allowed_methods() == ["GET", "PATCH", "DELETE"]
     assert SnapshotsHandler.allowed_methods() == ["GET", "POST"]

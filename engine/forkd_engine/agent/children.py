@@ -1,7 +1,8 @@
-"""Child processes of an agent that is PID 1: reap orphans, never a status someone waits for.
+"""Child processes of an agent: reap its own and orphans, never a status someone waits for.
 
-The agent is PID 1 of its sandbox (process engine) or of its guest (VM engine), so every orphan in
-the sandbox becomes its child and must be reaped, or zombies pile up. But the user's code runs in
+The agent forks templates and sandboxes for spawns and branches (process engine), and is PID 1 of
+its guest (VM engine), where every orphan becomes its child: those must be reaped, or zombies pile
+up. (In a process sandbox PID 1 is forkd-init, which reaps the orphans.) But the user's code runs in
 the agent process too, so the processes *it* starts (``subprocess``, ``os.fork``, ``multiprocessing``,
 ``os.posix_spawn``...) are also the agent's children, and their exit statuses belong to the user:
 reaping one of those would make ``Popen.poll()`` report 0 for a process that exited 3.
@@ -30,7 +31,6 @@ _user_children: set[int] = set()  # pids user code started and may still wait fo
 _raw_fork = os.fork               # the agent's own forks (spawn, branch) use this: they are reaped
 _installed = False
 _wake_r = _wake_w = -1
-_on_reaped: Callable[[int, int], None] = lambda pid, status: None
 
 
 def _recorded(start: Callable, pid_of: Callable = lambda r: r) -> Callable:
@@ -55,11 +55,9 @@ def _after_fork_in_child() -> None:
     _user_children.clear()
 
 
-def install(on_reaped: Callable[[int, int], None] | None = None) -> None:
+def install() -> None:
     """Record every process user code starts; start the orphan reaper. Call on the main thread."""
-    global _installed, _on_reaped
-    if on_reaped is not None:
-        _on_reaped = on_reaped
+    global _installed
     if not _installed:
         _installed = True
         os.fork = _recorded(os.fork)
@@ -145,10 +143,9 @@ def reap_orphans() -> list[int]:
             if pid in _user_children:
                 continue
             with contextlib.suppress(ChildProcessError):
-                got, status = os.waitpid(pid, os.WNOHANG)
+                got, _ = os.waitpid(pid, os.WNOHANG)
                 if got:
                     reaped.append(pid)
-                    _on_reaped(pid, status)
         # A recorded pid that is no longer our child was waited for by its owner: forget it, so a
         # later orphan that reuses the number is not skipped.
         for pid in list(_user_children):

@@ -69,26 +69,41 @@ def other_threads() -> list[threading.Thread]:
             if t is not me and t is not main and t.is_alive() and not t.name.startswith(AGENT_THREAD_PREFIX)]
 
 
-def _own_pid_ns() -> str:
-    return os.readlink("/proc/self/ns/pid")
+def _in_own_pid_ns(pid: str) -> bool:
+    """Whether process ``pid`` lives in our pid namespace, not one nested in it (a fork made for a
+    branch or a child): its NSpid line, from our namespace down to its own, holds one number.
+    /proc/N/status needs no ptrace access, which ``/proc/N/ns/pid`` does: a fork of the agent that
+    did not exec keeps memory owned by the host's user namespace, where the sandbox has no
+    capability, so a check by that link missed every ``os.fork()``ed process."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return len(line.split()) == 2
+    return True  # a kernel without NSpid has no pid namespaces to nest
 
 
 def user_processes() -> list[tuple[int, str]]:
-    """(pid, command) of live processes in this sandbox's pid namespace other than the agent.
+    """(pid, command) of live processes in this sandbox's pid namespace other than the agent and
+    PID 1 (its init, or the agent itself in a VM guest).
 
     Forks the agent made for branches live in nested pid namespaces and are not listed."""
-    me, ns = os.getpid(), _own_pid_ns()
+    me = os.getpid()
+    with open("/proc/self/cmdline", "rb") as f:
+        own_cmdline = f.read()
     found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
+        if not name.isdigit() or int(name) in (me, 1):
             continue
         try:
-            if os.readlink(f"/proc/{name}/ns/pid") != ns:
+            if not _in_own_pid_ns(name):
                 continue
             with open(f"/proc/{name}/stat", "rb") as f:
                 stat_line = f.read()
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+                raw = f.read()
+            # A fork that did not exec shows our own command line, which would only confuse.
+            cmd = "a fork of this Python" if raw == own_cmdline else \
+                raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
         except OSError:
             continue
         if stat_line[stat_line.rindex(b")") + 2:].split()[0] == b"Z":

@@ -3,7 +3,8 @@
 1. As the host's root, in a private mount namespace, build the read-only sandbox root and pivot.
 2. Fork a child that unshares user, mount, UTS, IPC, pid (and net) namespaces; map its root to an
    unprivileged host uid from outside, where we still hold the right to; it drops every host group.
-3. That child forks the template: PID 1 of the new pid namespace. It mounts /proc, a private /tmp,
+3. That child forks the namespace's first process (PID 1), which forks the template and leaves
+   PID 1 to forkd-init (inside.hand_pid1_to_init). The template mounts /proc, a private /tmp,
    installs the seccomp filter, runs the snapshot's setup and serves. Both helpers exit, so the
    template belongs to no server process and survives a server restart.
 """
@@ -18,7 +19,7 @@ import traceback
 from .. import linux
 from . import rootfs
 from ..agent import inventory
-from .inside import SandboxProcess, report
+from .inside import SandboxProcess, hand_pid1_to_init, report
 from .machine_id import own_machine_id
 
 
@@ -29,9 +30,10 @@ _PROC_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
 
 
 def template_main(cfg: dict) -> None:
-    """PID 1 of the snapshot's namespaces: set up, run the user's setup, serve. Never returns."""
+    """The snapshot's template: set up, run the user's setup, serve. Never returns."""
     report_fd, listen_fd = cfg["report_fd"], cfg["listen_fd"]
     try:
+        hand_pid1_to_init()
         linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
         linux.mount("tmpfs", "/tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
                     f"mode=1777,size={cfg['tmp_size_mib']}m")
@@ -85,7 +87,7 @@ def main() -> int:
     cfg = json.load(sys.stdin)
     try:
         proc_fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # the host's, for the id maps
-        rootfs.build_and_enter(cfg["root_dir"], hidden=cfg["hidden"])
+        rootfs.build_and_enter(cfg["root_dir"], hidden=cfg["hidden"], init=cfg["init"])
         ready_r, ready_w = os.pipe()
         maps_r, maps_w = os.pipe()
         pid = os.fork()

@@ -25,9 +25,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
-from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, Handle,
-                    InvalidSpec, LimitHit, LimitReached, LossyFork, PROBE_PARALLELISM, SnapshotSpec, ping_problem)
-from . import hugepages, rootfs
+from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, ExitStatus,
+                    Handle, InvalidSpec, LimitHit, LimitReached, LossyFork, PROBE_PARALLELISM, SnapshotSpec,
+                    ping_problem)
+from . import hugepages, rootfs, sandbox_init
 from .setup import Setup
 from ..cgroups import CgroupError, Cgroups, leaf_name, subtree
 
@@ -37,7 +38,9 @@ MAX_SOCKET_PATH = 107
 AGENT_OOM_SCORE_ADJ = -900
 DEFAULT_MEMORY_LIMIT_MIB = 2048  # a sandbox's (and a snapshot setup's) memory limit unless one is asked for
 DEFAULT_PIDS_MAX = 1024          # processes and threads per sandbox (and per snapshot setup)
-RETIRE_TIMEOUT = 10.0   # s an agent has to answer "retire" before it is killed (if no fork of it lives)
+RETIRE_TIMEOUT = 10.0   # s an agent of a handle without an init has to answer "retire" (see _retire)
+INIT_REPORT_WAIT = 2.0  # s an init has to say how its agent ended (it reaps at once: a loaded host's moment)
+KILL_WAIT = 10.0        # s a killed agent has to exit (SIGKILL: only a process stuck in the kernel takes long)
 
 
 def _import_path() -> list[str]:
@@ -98,7 +101,8 @@ class ProcessEngine:
                                     f"({MAX_SOCKET_PATH} bytes); choose a shorter --data-dir")
         try:
             rootfs.check_python_location()
-        except RuntimeError as exc:
+            self.init_path = sandbox_init.build()  # PID 1 of every namespace we make
+        except (RuntimeError, OSError) as exc:
             raise EngineUnavailable(str(exc)) from None
         self.root_dir = os.path.join(self.data_dir, "newroot")
         os.makedirs(self.root_dir, exist_ok=True)
@@ -158,15 +162,19 @@ class ProcessEngine:
         return json.loads(data), pid
 
     def _handle(self, pid: int, path: str, **extra) -> Handle:
+        """The handle of a template or sandbox whose agent is ``pid``; its parent is its init."""
         start = linux.process_start_time(pid)
-        if start is None:
+        init = linux.parent_pid(pid)
+        init_start = linux.process_start_time(init) if init else None
+        if start is None or init_start is None:
             raise EngineError(f"process {pid} exited right after starting")
         # Where root holds CAP_SYS_RESOURCE, also shield the agent itself from the OOM killer
         # (its death takes the whole pid namespace); without it, this is refused and harmless.
         with contextlib.suppress(OSError):
             with open(f"/proc/{pid}/oom_score_adj", "w") as f:
                 f.write(str(AGENT_OOM_SCORE_ADJ))
-        return {"engine": self.name, "pid": pid, "start_time": start, "socket": path, **extra}
+        return {"engine": self.name, "pid": pid, "start_time": start, "socket": path,
+                "init": {"pid": init, "start_time": init_start}, **extra}
 
     # --- agent -----------------------------------------------------------------------------------
 
@@ -226,13 +234,33 @@ class ProcessEngine:
         """Wait up to ``timeout`` s for the process to exit; True once it has."""
         return linux.wait_exit(handle["pid"], handle["start_time"], timeout)
 
-    def died_of(self, handle: Handle) -> str | None:
-        """Nothing beyond its limits (``limits_hit``) tells why a process ended."""
-        return None
-
     def limits_hit(self, handle: Handle) -> list[LimitHit]:
         """The limits the kernel enforced in this sandbox's leaves (read before ``kill`` removes them)."""
         return self.cgroups.hits(handle.get("cgroups") or [])
+
+    def raise_memory_limit(self, handle: Handle, memory_mib: int) -> None:
+        """Raise a running sandbox's memory limit and huge-page cap (its leaves'). Its /tmp and
+        /dev/shm keep the sizes they were mounted with, and its compactor keeps moving arrays into
+        huge pages up to the cap it started with: only the kernel's limits move."""
+        try:
+            self.cgroups.raise_memory(handle.get("cgroups") or [], memory_mib)
+        except OSError as exc:
+            raise EngineError(f"could not raise the memory limit of process {handle.get('pid')}: {exc}") from exc
+
+    def exit_status(self, handle: Handle) -> ExitStatus | None:
+        """How its agent ended, as its init says (None while it runs, or for a handle without an
+        init: one a server before forkd-init made). The init says so a moment after the agent's
+        exit, once it has reaped it; we give it that moment."""
+        init = handle.get("init")
+        if init is None or self.alive(handle):
+            return None
+        deadline = time.monotonic() + INIT_REPORT_WAIT
+        while True:
+            status = sandbox_init.ending(init["pid"], init["start_time"])
+            if status is not None or linux.process_start_time(init["pid"]) != init["start_time"] \
+                    or time.monotonic() > deadline:
+                return status
+            time.sleep(0.002)
 
     def probe(self, handles: list[Handle], timeout: float = 5.0) -> list[str | None]:
         """Why each process does not answer a ping within ``timeout`` (None: it does), all at once."""
@@ -281,6 +309,12 @@ class ProcessEngine:
         out["rss_kib"] += private + shared
         out["pss_kib"] += private
         out["uss_kib"] += private
+        init = handle.get("init")
+        if init and linux.process_start_time(init["pid"]) == init["start_time"]:
+            with contextlib.suppress(OSError, ValueError):  # its init: a few pages, but the sandbox's own
+                extra = linux.memory_figures(linux.smaps_rollup(init["pid"]))
+                for key in ("rss_kib", "pss_kib", "uss_kib"):
+                    out[key] += extra[key]
         return out
 
     # --- snapshots -------------------------------------------------------------------------------
@@ -297,7 +331,7 @@ class ProcessEngine:
             "tag": spec.tag, "setup": spec.setup, "setup_commands": spec.setup_commands,
             "host_network": spec.host_network, "setup_timeout": spec.setup_timeout,
             "tmp_size_mib": tmp_mib, "shm_size_mib": shm_mib, "uid": self.uid, "gid": self.gid,
-            "root_dir": self.root_dir, "hidden": [self.data_dir], "env": _sandbox_env(),
+            "root_dir": self.root_dir, "hidden": [self.data_dir], "init": self.init_path, "env": _sandbox_env(),
             "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
             "shell": spec.shell, "deny_hugetlb": not self.cgroups.caps_huge_pages,
         }
@@ -374,8 +408,8 @@ class ProcessEngine:
         return "no output"
 
     def delete_snapshot(self, handle: Handle) -> None:
-        self._retire(handle)
-        self.cgroups.remove(handle.get("cgroups") or [])  # a reaper's go once it exits
+        self._end(handle)
+        self.cgroups.remove(handle.get("cgroups") or [])  # its init's go once its children are gone
 
     # --- sandboxes -------------------------------------------------------------------------------
 
@@ -426,7 +460,7 @@ class ProcessEngine:
                 raise _failure("spawn failed", "; ".join(errors[:3]))
             for cid, h in started.items():
                 try:
-                    h["cgroups"] = self.cgroups.apply(cid, h["pid"], limits[cid], self.pids_max)
+                    h["cgroups"] = self.cgroups.apply(cid, [h["init"]["pid"], h["pid"]], limits[cid], self.pids_max)
                 except (CgroupError, OSError) as exc:
                     raise EngineError(str(exc)) from exc
             return [started[c.id] for c in batch]
@@ -444,11 +478,40 @@ class ProcessEngine:
                 s.close()
 
     def kill(self, handle: Handle) -> None:
-        self._retire(handle)
-        self.cgroups.remove(handle.get("cgroups") or [])  # a reaper's go once its last fork has
+        self._end(handle)
+        self.cgroups.remove(handle.get("cgroups") or [])  # its init's go once its last fork has
+
+    def _end(self, handle: Handle) -> None:
+        """End the agent with SIGKILL (what is nested in its pid namespace lives on: its init holds
+        the namespace) and tell its init that its end is known, so the init goes once nothing nested
+        in it lives. Also releases what we hold for an agent that ended by itself."""
+        init = handle.get("init")
+        if init is None:
+            self._retire(handle)
+            return
+        if self.alive(handle):
+            try:
+                pidfd = os.pidfd_open(handle["pid"])
+            except ProcessLookupError:
+                pidfd = None
+            if pidfd is not None:
+                try:
+                    if linux.process_start_time(handle["pid"]) == handle["start_time"]:
+                        with contextlib.suppress(ProcessLookupError):
+                            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                        linux.wait_pidfd(pidfd, KILL_WAIT)
+                finally:
+                    os.close(pidfd)
+        sandbox_init.collect(init["pid"], init["start_time"])
+        if not sandbox_init.holds_forks(init["pid"]):
+            # It goes at once (after its strays): wait, so a kill leaves nothing of the sandbox.
+            linux.wait_exit(init["pid"], init["start_time"], KILL_WAIT)
+        self._forget(handle)
 
     def _retire(self, handle: Handle) -> None:
-        """Ask the agent to end itself (a reaper stays if it has live forks); force it if it can't."""
+        """The end of a handle without an init, made by a server before forkd-init, whose agent is
+        PID 1 itself: ask it to retire (it turns into a reaper while forks of it live); force it
+        only where that ends no fork."""
         if not self.alive(handle):
             self._forget(handle)
             return
@@ -531,12 +594,14 @@ class ProcessEngine:
                 deadline = time.monotonic() + self.spawn_timeout
                 got = self._read_report(ours, deadline)
                 if got is not None and got[0].get("move"):
-                    with contextlib.suppress(OSError):
-                        started = os.pidfd_open(got[1])
-                    # The new template asks for leaves of its own before it copies /tmp and /dev/shm
-                    # (charged to its source's limit otherwise); a snapshot's are unlimited.
+                    init = linux.parent_pid(got[1])  # its forkd-init, PID 1 of its pid namespace
+                    with contextlib.suppress(OSError, TypeError):
+                        started = os.pidfd_open(init)
+                    # The new template asks for leaves of its own (for it and its init) before it
+                    # copies /tmp and /dev/shm (charged to its source's limit otherwise); a
+                    # snapshot's are unlimited.
                     try:
-                        leaves = self.cgroups.move(leaf_name("branch", tag), got[1])
+                        leaves = self.cgroups.move(leaf_name("branch", tag), [p for p in (init, got[1]) if p])
                     finally:
                         ours.send(b"moved")
                     got = self._read_report(ours, deadline)
@@ -547,7 +612,7 @@ class ProcessEngine:
                 _unlink(path)
                 if started is not None:
                     # It may come up after all (its report past the deadline): no record would name
-                    # it and nothing has forked from it, so it ends here.
+                    # it and nothing has forked from it, so it ends here, with its init's namespace.
                     with contextlib.suppress(OSError):
                         signal.pidfd_send_signal(started, signal.SIGKILL)
                     linux.wait_pidfd(started, 10)  # gone, so its leaves can go

@@ -1,13 +1,14 @@
 """The process engine's side inside the sandbox: one agent process per template or sandbox.
 
 A *template* (a snapshot) is a parked, warmed-up interpreter. ``spawn`` forks it: each child
-becomes PID 1 of a fresh pid namespace, with its own mount, network, IPC and UTS namespaces and a
-private copy of /tmp. A *sandbox* serves the agent protocol; ``branch`` forks it into a new template,
-so the source is paused only for the ``fork()`` itself.
+starts a fresh pid namespace, with its own mount, network, IPC and UTS namespaces and a private
+copy of /tmp. A *sandbox* serves the agent protocol; ``branch`` forks it into a new template, so the
+source is paused only for the ``fork()`` itself.
 
-Nested pid namespaces die with their init, so a template or sandbox that still has live forks is
-never killed outright: ``retire`` turns it into a minimal reaper (``execve``, so its memory is freed)
-that lives until its last fork is gone.
+A pid namespace dies with its PID 1, and every fork of a template or sandbox is nested in its
+namespace. So the agent is never PID 1: the first process of each namespace forks the agent and
+leaves PID 1 to forkd-init (``init.c``), which outlives the agent for as long as anything nested in
+the namespace does, however the agent ends.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -28,27 +30,8 @@ from ..agent.executor import Busy, Executor
 from ..agent.runtime import Runtime
 from ..agent.server import AgentServer
 from .compactor import Compactor
+from .sandbox_init import IN_SANDBOX
 from .machine_id import own_machine_id
-
-# What a retired template or sandbox executes: kill its own user processes, keep its forks alive.
-REAPER = """
-import os, signal
-me = os.readlink('/proc/self/ns/pid')
-for name in os.listdir('/proc'):
-    if name.isdigit() and name != '1':
-        try:
-            if os.readlink('/proc/%s/ns/pid' % name) == me:
-                os.kill(int(name), signal.SIGKILL)
-        except OSError:
-            pass
-while True:
-    try:
-        os.wait()
-    except ChildProcessError:
-        break
-    except InterruptedError:
-        pass
-"""
 
 _PROC_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
 
@@ -69,12 +52,36 @@ MOVE_TIMEOUT = 30.0
 def wait_to_be_moved(tag: str, report_fd: int) -> None:
     """A branch, right after its fork: it is still in its source's cgroup leaves, so the copies it
     is about to make (/tmp, /dev/shm) would count against the source's memory limit. Ask the engine
-    to move it into leaves of its own (the report carries our host pid) and wait until it has."""
+    to move it (and its init, its parent) into leaves of its own (the report carries our host pid)
+    and wait until it has."""
     report(report_fd, {"id": tag, "move": True})
     with socket.socket(fileno=os.dup(report_fd)) as s:
         s.settimeout(MOVE_TIMEOUT)
         if s.recv(16) != b"moved":
             raise OSError("the engine did not move the branch into its own cgroup leaves")
+
+
+def hand_pid1_to_init() -> None:
+    """In the first process of a new pid namespace (its PID 1), first thing: fork, and leave PID 1
+    to forkd-init while the child goes on as the template or sandbox. The init sets itself up (a
+    /proc of its own) alongside, so the new sandbox waits only for this fork."""
+    if not os.access(IN_SANDBOX, os.X_OK):
+        raise OSError(f"{IN_SANDBOX} is missing from the sandbox root: the engine binds it there")
+    pid = children.raw_fork()
+    if pid:
+        try:
+            os.execv(IN_SANDBOX, [IN_SANDBOX, str(pid)])
+        finally:
+            os._exit(127)  # no init: our exit ends the namespace, and the fork with it, loudly
+
+
+def end_unrecorded() -> None:
+    """Exit before the engine has recorded us: no one will ask our init how we ended, so it
+    need not wait to be asked (never returns)."""
+    if os.getpid() != 1:
+        with contextlib.suppress(OSError):
+            os.kill(1, signal.SIGTERM)
+    os._exit(1)
 
 
 def close_agent_fds(fds: set[int], keep: set[int]) -> None:
@@ -128,7 +135,6 @@ class SandboxProcess:
         self.identity = dict(identity)
         self.config = dict(config)  # host_network, tmp_size_mib, shm_size_mib (MiB), lossy
         self.runtime = Runtime(self.identity)
-        self.fork_children: set[int] = set()
         self.pidns_fd = -1
         self.server: AgentServer | None = None
 
@@ -148,7 +154,7 @@ class SandboxProcess:
             role = self.identity["role"]
             self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
             listener = socket.socket(fileno=listen_fd)
-            children.install(on_reaped=lambda pid, _status: self.fork_children.discard(pid))
+            children.install()
             if role == "template":
                 actions = {"spawn": self.spawn, "retire": self.retire}
                 for frozen in ("exec", "eval", "run_code", "files"):
@@ -180,13 +186,13 @@ class SandboxProcess:
         /dev/shm (sized by ``tmpfs``, else as ours), repair what the fork shares with its source,
         then serve (never returns)."""
         try:
+            hand_pid1_to_init()
             self.config.update(tmpfs or {})
             close_agent_fds(self.agent_fds(), keep={listen_fd, report_fd})
             children.forget_fds()
             self.server = None
             self.pidns_fd = -1
             self.identity = dict(identity)
-            self.fork_children = set()
             cwd = os.getcwd()
             if identity["role"] == "sandbox":
                 flags = linux.CLONE_NEWNS | linux.CLONE_NEWUTS | linux.CLONE_NEWIPC
@@ -216,7 +222,7 @@ class SandboxProcess:
             with contextlib.suppress(Exception):
                 report(report_fd, {"id": identity.get("id"), "ok": False,
                                    "error": f"{type(exc).__name__}: {exc}"})
-            os._exit(1)
+            end_unrecorded()
         self.serve(listen_fd, report_fd)
 
     # --- actions ---------------------------------------------------------------------------------
@@ -228,7 +234,8 @@ class SandboxProcess:
                          f"from it to run code", "exit_code": 1}
 
     def _fork_into_new_pidns(self) -> tuple[int, float]:
-        """fork() so the child is PID 1 of a new pid namespace; returns (pid, seconds in fork)."""
+        """fork() so the child is the first process (PID 1) of a new pid namespace, which it hands to
+        forkd-init (``become``); returns (pid, seconds in fork)."""
         try:
             linux.unshare(linux.CLONE_NEWPID)
         except OSError as exc:
@@ -244,7 +251,6 @@ class SandboxProcess:
         if pid:
             # Point this thread's future children back at our own pid namespace.
             linux.setns(self.pidns_fd, linux.CLONE_NEWPID)
-            self.fork_children.add(pid)
         return pid, elapsed
 
     def spawn(self, request: dict, fds: list) -> dict:
@@ -318,21 +324,12 @@ class SandboxProcess:
                 os.close(fd)
 
     def retire(self, request: dict, fds: list) -> dict:
-        """Stop being this sandbox/template. Live forks keep a reaper in our place."""
+        """Stop being this sandbox or template (for an engine that has no handle of it to kill).
+        Our init holds what is nested in our namespace and goes after it; it need not wait for
+        anyone to ask how we ended."""
         for fd in fds:
             os.close(fd)
         self.runtime.kill_children()
-        alive = {pid for pid in self.fork_children if linux.process_start_time(pid) is not None}
-        if not alive:
-            return {"retired": "exit", "_then": lambda: os._exit(0)}
-
-        def become_reaper():
-            python = os.path.realpath(sys.executable)
-            try:
-                os.execv(python, [python, "-S", "-I", "-c", REAPER])
-            except OSError:
-                # Never die here: our death would take every fork nested in our pid namespace.
-                exec(REAPER, {})  # noqa: S102 - same reaper, without releasing our memory
-                os._exit(0)
-
-        return {"retired": "reaper", "forks": len(alive), "_then": become_reaper}
+        with contextlib.suppress(OSError):
+            os.kill(1, signal.SIGTERM)
+        return {"retired": "exit", "_then": lambda: os._exit(0)}

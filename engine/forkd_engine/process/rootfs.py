@@ -18,6 +18,7 @@ import os
 import sys
 
 from .. import linux
+from .sandbox_init import IN_SANDBOX
 
 _RO = linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -128,11 +129,12 @@ def _bind_ro(src: str, dst: str) -> None:
     linux.mount(None, dst, None, linux.MS_REMOUNT | linux.MS_BIND | _RO)
 
 
-def build_and_enter(new_root: str, hidden: list[str]) -> None:
+def build_and_enter(new_root: str, hidden: list[str], init: str) -> None:
     """Build the sandbox root at ``new_root`` (an empty directory) and pivot into it.
 
     ``hidden`` lists host paths (the data directory) that must stay invisible even when they sit
-    under a directory that is bound in.
+    under a directory that is bound in. ``init`` (forkd-init, built in the data directory) is
+    bound read-only at ``/forkd-init``.
     """
     linux.unshare(linux.CLONE_NEWNS)
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
@@ -152,6 +154,8 @@ def build_and_enter(new_root: str, hidden: list[str]) -> None:
         os.makedirs(inside(sandbox_path(d)), exist_ok=True)
         _bind_ro(d, inside(sandbox_path(d)))
     follow = _follow_moved_code([d for d in dirs if sandbox_path(d) != d])
+    open(inside(IN_SANDBOX), "w").close()
+    _bind_ro(init, inside(IN_SANDBOX))
     for h in hidden:
         real = os.path.realpath(h)
         if os.path.isdir(inside(sandbox_path(real))):

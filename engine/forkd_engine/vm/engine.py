@@ -28,8 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import linux
-from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, Handle, LimitHit,
-                    PROBE_PARALLELISM, SnapshotSpec, ping_problem)
+from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, ExitStatus, Handle,
+                    LimitHit, PROBE_PARALLELISM, SnapshotSpec, ping_problem)
 from ..cgroups import Cgroups, subtree
 from . import branching, recovery, snapshots, spawning
 from . import memory as vmem
@@ -159,11 +159,20 @@ class VMEngine:
         """The limits the kernel enforced on a VM's QEMU (its memory limit: the OOM killer)."""
         return self.cgroups.hits(handle.get("cgroups") or [])
 
-    def died_of(self, handle: Handle) -> str | None:
+    def raise_memory_limit(self, handle: Handle, memory_mib: int) -> None:
+        """Raise the memory limit of a VM's QEMU process (its guest's memory size stays)."""
+        try:
+            self.cgroups.raise_memory(handle.get("cgroups") or [], memory_mib)
+        except OSError as exc:
+            raise EngineError(f"could not raise the memory limit of VM {handle.get('pid')}: {exc}") from exc
+        if "memory_limit_mib" in handle:
+            handle["memory_limit_mib"] = max(handle["memory_limit_mib"], memory_mib)
+
+    def exit_status(self, handle: Handle) -> ExitStatus | None:
         """What ended a VM that ended on its own: its guest kernel's panic (read before ``kill``,
-        which removes its console log)."""
+        which removes its console log). QEMU is no child of ours, so its own status is unknown."""
         message = self.qemu.panic(handle) if handle.get("kind") == "vm" else None
-        return f"its guest kernel panicked (Kernel panic - not syncing: {message})" if message else None
+        return ExitStatus(note=f"its guest kernel panicked (Kernel panic - not syncing: {message})") if message else None
 
     def memory(self, handle: Handle) -> dict:
         if handle.get("kind") == "snapshot":
