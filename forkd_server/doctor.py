@@ -71,6 +71,20 @@ def check_qemu() -> dict:
                 "apt-get install qemu-system-x86")
 
 
+def check_packages() -> dict:
+    from .host_packages import GROUPS, install_line, missing
+
+    required, optional = missing("process"), missing("vm")
+    if not required and not optional:
+        names = ", ".join(pkg for g in ("process", "vm") for pkg, _, _ in GROUPS[g])
+        return _row("debian packages", "ok", f"present: {names}", required=True)
+    detail = "missing: " + "; ".join(f"{pkg} ({why})" for pkg, why in required + optional)
+    if not required:
+        detail += " (the process engine works without them)"
+    return _row("debian packages", "fail" if required else "warn", detail,
+                install_line(pkg for pkg, _ in required + optional), required=True)
+
+
 def check_namespaces() -> dict:
     missing = [ns for ns in NAMESPACES if not os.path.exists(f"/proc/self/ns/{ns}")]
     detail = []
@@ -202,7 +216,7 @@ def check_server(url: str | None, token: str | None) -> dict:
 
 
 def run_checks(data_dir: str, url: str | None = None, token: str | None = None) -> list[dict]:
-    rows = [check_root(), check_namespaces(), check_cgroups(), check_hugepages(), check_seccomp(), check_kvm(), check_pvm(),
+    rows = [check_root(), check_packages(), check_namespaces(), check_cgroups(), check_hugepages(), check_seccomp(), check_kvm(), check_pvm(),
             check_qemu(), check_userfaultfd(), check_disk(data_dir), check_reflink(data_dir)]
     rows.append(check_server(url, token))
     return rows

@@ -43,6 +43,10 @@ INIT_REPORT_WAIT = 2.0  # s an init has to say how its agent ended (it reaps at 
 KILL_WAIT = 10.0        # s a killed agent has to exit (SIGKILL: only a process stuck in the kernel takes long)
 
 
+def _import_path() -> list[str]:
+    return [p for p in sys.path if p and os.path.isdir(p)]
+
+
 def _sandbox_env() -> dict:
     bindir = os.path.dirname(sys.executable)
     return {
@@ -50,7 +54,7 @@ def _sandbox_env() -> dict:
         "HOME": "/tmp",
         "TMPDIR": "/tmp",
         "LANG": "C.UTF-8",
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
+        "PYTHONPATH": os.pathsep.join(rootfs.sandbox_path(p) for p in _import_path()),
         "PYTHONDONTWRITEBYTECODE": "1",
         "FORKD_SANDBOX": "1",
     }
@@ -339,7 +343,7 @@ class ProcessEngine:
         deadline = time.monotonic() + spec.setup_timeout
         got = None
         try:
-            setup.start(cfg, dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"]),
+            setup.start(cfg, dict(os.environ, PYTHONPATH=os.pathsep.join(_import_path())),
                         (listener.fileno(), theirs.fileno()), log_path)
             listener.close()
             theirs.close()
