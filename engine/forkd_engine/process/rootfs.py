@@ -133,7 +133,7 @@ def build_and_enter(new_root: str, hidden: list[str], init: str) -> None:
     """Build the sandbox root at ``new_root`` (an empty directory) and pivot into it.
 
     ``hidden`` lists host paths (the data directory) that must stay invisible even when they sit
-    under a directory that is bound in. ``init`` (forkd-init, built in the data directory) is
+    under a directory that is bound in. ``init`` (forkd-init, built in forkd's cache: sandbox_init.py) is
     bound read-only at ``/forkd-init``.
     """
     linux.unshare(linux.CLONE_NEWNS)
