@@ -13,6 +13,15 @@ Figures (one run; medians, and ratios of figures taken in that run):
   and ``new_array_right_after_rewrite`` (the same with a GiB allocated a moment before, which has
   not moved into hugetlb pages yet). ``settle_s``: how long the notebook idled after allocating
   the GiB until it had moved (docs/design/kernel.md, "Memory and the live branch").
+- first_write_1gib: the first full rewrite of a 1 GiB array (``big += 1.0``) right after ``%forkd
+  branch --live`` (copy-on-write copies each of its pages once), the same rewrite with no branch, and
+  in a plain ipykernel; in each round the three run back to back (paired) after the notebook idled
+  ``--idle`` s, as a user between cells, and its memory settled; medians of ``--first-write-rounds``.
+  ``wall_s`` is timed in the cell, ``cpu_s`` is the main thread's CPU time in it (on this VM it
+  includes the host faulting in memory it took back, and load barely moves it), ``call_s`` the cell's
+  round trip. ``memcpy_s``: ``np.copyto`` of 1 GiB between resident arrays in the plain kernel, the
+  floor of any copy. ``reserve_free_mib``: the host's free huge pages at the branch
+  (process/reserve.py), into which the copies go (docs/design/kernel.md, "Memory and the live branch").
 - fork5_ms: ``kids = %forkd fork -n 5`` until five sandboxes answer a ping.
 - checkout_ms: ``%forkd checkout kids[0]`` plus the first cell in the new HEAD.
 - interrupt: from the interrupt request (``KernelManager.interrupt_kernel``, as the stop button)
@@ -143,6 +152,79 @@ def bench_branch(kc, ctl, rounds: int = 5) -> dict:
     return out
 
 
+REWRITE = ("import time as _t\n_c, _w = _t.thread_time(), _t.perf_counter()\nbig += 1.0\n"
+           "(_t.perf_counter() - _w, _t.thread_time() - _c)")
+
+
+def rewrite(kc) -> dict:
+    """``big += 1.0`` in one cell: wall and CPU time inside the cell, and the cell's round trip."""
+    ms, _, msgs = execute(kc, REWRITE)
+    wall, cpu = (float(x) for x in result_text(msgs).strip("()").split(","))
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "call_s": round(ms / 1000, 3)}
+
+
+def free_huge_pages_mib() -> float:
+    """The host's free huge pages that no mapping has reserved (the bench runs on the server's host)."""
+    with open("/proc/meminfo") as f:
+        info = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if v.strip()}
+    return (info["HugePages_Free"] - info["HugePages_Rsvd"]) * info["Hugepagesize"] / 1024
+
+
+def reserve_ready(mib: float, limit_s: float = 120) -> float:
+    """Seconds until the host's warm reserve holds ``mib``, or all it may (process/reserve.py); at
+    most ``limit_s``."""
+    from forkd_engine.process.reserve import ceiling_pages  # noqa: PLC0415 - the server's setting, same host
+
+    mib = min(mib, ceiling_pages() * 2)
+    t0 = time.perf_counter()
+    while free_huge_pages_mib() < mib and time.perf_counter() - t0 < limit_s:
+        time.sleep(0.2)
+    return round(time.perf_counter() - t0, 2)
+
+
+def medians(rounds: list[dict]) -> dict:
+    return {k: round(statistics.median(r[k] for r in rounds), 3) for k in ("wall_s", "cpu_s", "call_s")}
+
+
+def bench_first_write(fkc, pkc, ctl, rounds: int, idle_s: float) -> dict:
+    """The first full rewrite of 1 GiB right after a live branch, with no branch, in ipykernel: paired."""
+    execute(fkc, GIB_SETUP)
+    execute(pkc, GIB_SETUP + "dst = np.zeros_like(big)\n")
+    out: dict = {"settle_s": settle(fkc, "big"), "idle_s": idle_s}
+    runs = []
+    for _ in range(rounds):
+        time.sleep(idle_s)  # the user between cells
+        waited = reserve_ready(1024)
+        free = free_huge_pages_mib()
+        _, _, msgs = execute(fkc, "%forkd branch --live")
+        text = result_text(msgs)
+        after = rewrite(fkc)  # right after: the next cell
+        ctl.delete_snapshot(text.split("'")[1] if "'" in text else text)
+        _, _, msgs = execute(pkc, "import time as _t\n_w = _t.perf_counter()\nnp.copyto(dst, big)\n"
+                                  "_t.perf_counter() - _w")
+        runs.append({"after_live_branch": after, "no_branch": rewrite(fkc), "ipykernel": rewrite(pkc),
+                     "memcpy_s": round(float(result_text(msgs)), 3), "reserve_free_mib": free,
+                     "reserve_wait_s": waited})
+    for case in ("after_live_branch", "no_branch", "ipykernel"):
+        out[case] = medians([r[case] for r in runs])
+    out["memcpy_s"] = round(statistics.median(r["memcpy_s"] for r in runs), 3)
+    out["reserve_free_mib"] = statistics.median(r["reserve_free_mib"] for r in runs)
+    out["rounds"] = runs
+    return out
+
+
+def first_write_lines(fw: dict) -> list[str]:
+    def case(name: str) -> str:
+        c = fw[name]
+        return f"{c['wall_s']:.3f} s (CPU {c['cpu_s']:.3f} s, cell {c['call_s']:.3f} s)"
+    return [f"first rewrite of 1 GiB ({len(fw['rounds'])} paired rounds, medians):",
+            f"  right after %forkd branch --live  {case('after_live_branch')}",
+            f"  forkd kernel, no branch           {case('no_branch')}",
+            f"  plain ipykernel                   {case('ipykernel')}",
+            f"  memcpy of 1 GiB (the floor)       {fw['memcpy_s']:.3f} s",
+            f"  warm free huge pages at the branch: {fw['reserve_free_mib']:.0f} MiB"]
+
+
 def bench_fork_checkout(kc, ctl) -> dict:
     before = {s["id"] for s in ctl.list_sandboxes()}
     t0 = time.perf_counter()
@@ -210,6 +292,10 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--no-kishu", action="store_true")
+    parser.add_argument("--first-write-rounds", type=int, default=7)
+    parser.add_argument("--idle", type=float, default=5.0, help="s the notebook idles before each branch "
+                                                                  "of the first-write figure")
+    parser.add_argument("--only", choices=["first_write"], help="run only this figure")
     args = parser.parse_args()
     server = ServerForKernels()
     from forkd_server.client import Controller
@@ -219,15 +305,18 @@ def main() -> int:
         fkm, fkc = start_new_kernel(kernel_name="forkd-python")
         pkm, pkc = start_new_kernel(kernel_name="python3")
         try:
-            results["execute"] = bench_execute(fkc, pkc, args.rounds)
-            results["branch_live_1gib"] = bench_branch(fkc, ctl)
-            results.update(bench_fork_checkout(fkc, ctl))
-            results["interrupt"] = bench_interrupt(fkm, fkc)
+            if not args.only:
+                results["execute"] = bench_execute(fkc, pkc, args.rounds)
+                results["branch_live_1gib"] = bench_branch(fkc, ctl)
+            results["first_write_1gib"] = bench_first_write(fkc, pkc, ctl, args.first_write_rounds, args.idle)
+            if not args.only:
+                results.update(bench_fork_checkout(fkc, ctl))
+                results["interrupt"] = bench_interrupt(fkm, fkc)
         finally:
             for km, kc in ((fkm, fkc), (pkm, pkc)):
                 kc.stop_channels()
                 km.shutdown_kernel(now=True)
-        if not args.no_kishu:
+        if not args.no_kishu and not args.only:
             try:
                 from kishu_compare import kishu_figures  # noqa: PLC0415 - optional, heavy
                 kishu = kishu_figures(gib=1)
@@ -245,7 +334,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, indent=1))
     else:
-        print(json.dumps(results, indent=1))
+        print(json.dumps({k: v for k, v in results.items() if k != "first_write_1gib"}, indent=1))
+        print("\n".join(first_write_lines(results["first_write_1gib"])))
     return 0
 
 

@@ -264,7 +264,7 @@ class ForkdKernel(Kernel):
         except UsageError as exc:
             return self._error(parent, "UsageError", str(exc))
         if local:
-            return self._run_local(code, silent, parent)
+            return self._run_local(code, silent, parent, user_expressions or {})
         if not self._started.is_set():  # the first sandbox is still being made: wait, loop responsive
             await asyncio.get_running_loop().run_in_executor(None, self._started.wait)
         if self._start_error:
@@ -332,15 +332,20 @@ class ForkdKernel(Kernel):
                 f"sandbox: use it in %forkd / %%forkd lines (e.g. %%forkd run {name}), or pass what you need "
                 f"into the sandbox as a value ({name} = {self.local.user_ns[name]!r:.200}).\n")}, parent)
 
-    def _run_local(self, code: str, silent: bool, parent: dict) -> dict:
+    def _run_local(self, code: str, silent: bool, parent: dict, user_expressions: dict) -> dict:
+        """A %forkd cell, here; its reply as ipykernel's: the pager's payload (``%forkd?``) and the
+        user expressions, evaluated in this namespace (the panel reads a line's result so)."""
         self._local_parent = parent
         self.local.execution_count = self.execution_count
         self.local.last_error = None
         result = self.local.run_cell(code, store_history=False, silent=silent)
+        payload = self.local.payload_manager.read_payload()
+        self.local.payload_manager.clear_payload()
         if result.success:
-            return {"status": "ok", "execution_count": self.execution_count, "payload": [], "user_expressions": {}}
+            return {"status": "ok", "execution_count": self.execution_count, "payload": payload,
+                    "user_expressions": self.local.user_expressions(user_expressions)}
         error = self.local.last_error or {"ename": "Error", "evalue": str(result.error_in_exec), "traceback": []}
-        return {"status": "error", "execution_count": self.execution_count, **error}
+        return {"status": "error", "execution_count": self.execution_count, "payload": payload, **error}
 
     def _error(self, parent: dict, ename: str, evalue: str, details: dict | None = None) -> dict:
         """A cell's error as ipykernel shows one (its two lines: what, what to do), then its
@@ -393,6 +398,8 @@ class ForkdKernel(Kernel):
         return with_forkd_magic(reply, code, cursor_pos)
 
     async def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
+        if on_forkd_line(code, cursor_pos):  # the magic lives here, not in the sandbox's shell
+            return self.local.inspect_reply(code, cursor_pos, detail_level)
         try:
             return self.head.request("inspect", code=code, cursor_pos=cursor_pos, detail_level=detail_level,
                                      omit_sections=list(omit_sections))

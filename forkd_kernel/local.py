@@ -14,6 +14,7 @@ import re
 import time
 from typing import Callable
 
+from IPython.core import page, payloadpage
 from IPython.core.completer import provisionalcompleter
 from IPython.core.display_trap import DisplayTrap
 from IPython.core.displayhook import DisplayHook
@@ -32,8 +33,9 @@ from .head import HeadGone
 __all__ = ["LocalShell", "KernelMagics", "is_forkd_cell", "on_forkd_line", "with_forkd_magic"]
 
 _transformer = TransformerManager()
-# A line that is a %forkd / %%forkd magic, or binds one's result (``kids = %forkd fork -n 5``).
-_FORKD_LINE = re.compile(r"(?:^|\n)[ \t]*(?:\w+[ \t]*=[ \t]*)?%%?forkd\b")
+# A line that is a %forkd / %%forkd magic, or binds one's result (``kids = %forkd fork -n 5``), or
+# asks for its help (``%forkd?``, ``?%forkd``).
+_FORKD_LINE = re.compile(r"(?:^|\n)[ \t]*(?:\w+[ \t]*=[ \t]*)?\??%%?forkd\b")
 # A magic's name being typed at the end of a line (``%fo``, ``kids = %%f``).
 _TYPING_MAGIC = re.compile(r"(?:^|\n)[ \t]*(?:\w+[ \t]*=[ \t]*)?(%%?\w*)\Z")
 # A sandbox id or snapshot tag as the server accepts them: `%forkd checkout good-run` means the tag,
@@ -89,10 +91,13 @@ def with_forkd_magic(reply: dict, code: str, cursor_pos: int) -> dict:
 
 
 def _is_forkd_call(stmt: ast.stmt) -> bool:
+    """A %forkd / %%forkd line, or ``%forkd?`` (IPython's ``pinfo`` of the magic: its help lives here)."""
     value = stmt.value if isinstance(stmt, (ast.Expr, ast.Assign)) else None
-    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
-            and value.func.attr in ("run_line_magic", "run_cell_magic")
-            and bool(value.args) and isinstance(value.args[0], ast.Constant) and value.args[0].value == "forkd")
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+            and value.func.attr in ("run_line_magic", "run_cell_magic")):
+        return False
+    args = [a.value if isinstance(a, ast.Constant) else None for a in value.args]
+    return args[:1] == ["forkd"] or (args[:1] in (["pinfo"], ["pinfo2"]) and args[1:2] in (["%forkd"], ["%%forkd"]))
 
 
 class _Publisher(DisplayPublisher):
@@ -132,6 +137,7 @@ class LocalShell(InteractiveShell):
         config.InteractiveShell.colors = "Linux"
         shell = cls.instance(config=config)
         shell.publish = publish
+        shell.set_hook("show_in_pager", page.as_hook(payloadpage.page), 99)  # %forkd?: a pager payload, as ipykernel
         return shell
 
     def init_display_pub(self) -> None:
@@ -156,6 +162,13 @@ class LocalShell(InteractiveShell):
         return {"status": "ok", "matches": [c.text for c in found], "metadata": {},
                 "cursor_start": min((c.start for c in found), default=cursor_pos),
                 "cursor_end": max((c.end for c in found), default=cursor_pos)}
+
+    def inspect_reply(self, code: str, cursor_pos: int, detail_level: int = 0) -> dict:
+        """An ``inspect_reply`` on a ``%forkd`` line: the magic's help, as ipykernel gives a magic's."""
+        line = code[:cursor_pos].rsplit("\n", 1)[-1]
+        name = "%%forkd" if "%%forkd" in line else "%forkd"
+        return {"status": "ok", "found": True, "metadata": {},
+                "data": self.object_inspect_mime(name, detail_level=detail_level)}
 
     def show_usage_error(self, exc) -> None:
         self.last_error = {"ename": "UsageError", "evalue": str(exc), "traceback": [f"\x1b[0;31mUsageError\x1b[0m: {exc}"]}

@@ -8,6 +8,9 @@ Python would give.
 
 from __future__ import annotations
 
+import argparse
+import copy
+
 from IPython.core import magic_arguments
 
 A = magic_arguments.argument
@@ -156,6 +159,31 @@ an argument naming a variable takes its value (a Sandbox, a list of them, a Snap
 Subcommands:
 
 """
+
+
+class _PlainFormatter(argparse.HelpFormatter):
+    """argparse's own help, as a person reads it: IPython's formatter writes reST (``::`` blocks and
+    ``<ARG>``) for Sphinx, which ``%forkd?`` and ``%forkd help`` would show raw."""
+
+    def __init__(self, prog: str, magic: str = "%"):
+        super().__init__(prog, width=100, max_help_position=30)
+        self.magic = magic
+
+    def add_usage(self, usage, actions, groups, prefix=None):
+        super().add_usage(usage, actions, groups, self.magic if prefix is None else prefix)
+
+
+def plain_help(sub: str) -> str:
+    """``%forkd SUB --help``: the usage line, what it does (wrapped) and its options."""
+    parser = copy.copy(SUBCOMMANDS[sub].parser)
+    magic = "%%" if sub == "run" else "%"  # run is a cell magic
+    parser.formatter_class = lambda prog: _PlainFormatter(prog, magic)
+    return parser.format_help()
+
+
+def full_help() -> str:
+    """``%forkd help`` and ``%forkd?``: the overview, then every subcommand's help."""
+    return HELP + "\n".join(plain_help(sub) for sub in SUBCOMMANDS)
 
 
 def options(sub: str) -> list[str]:

@@ -27,7 +27,7 @@ from IPython.display import display
 from forkd_server.client import (CommandResult, Controller, ControllerError, Sandbox, ServerUnreachable,
                                  Snapshot)
 
-from ._args import HELP, SUBCOMMANDS, strip_comment, unquote
+from ._args import SUBCOMMANDS, full_help, plain_help, strip_comment, unquote
 from ._errors import Explained, explained, show_details
 from ._names import UndefinedName, sandbox_ids, snapshot_tag
 from ._scope import Scope, kernel_bases, sandboxes_of, snapshots_of
@@ -134,7 +134,7 @@ class ForkdMagics(Magics):
         if parser is None:
             raise UsageError(f"forkd: unknown subcommand {sub!r}; use one of {', '.join(SUBCOMMANDS)} (%forkd?)")
         if rest.strip() in ("-h", "--help"):
-            print(parser.__doc__)
+            print(plain_help(sub))
             return None
         if sub == "run" and cell is None:
             raise UsageError("forkd run is a cell magic: put %%forkd run SB ... on the first line of a cell")
@@ -478,4 +478,4 @@ class ForkdMagics(Magics):
             completer.forget()
 
 
-ForkdMagics.forkd.__doc__ = HELP + "\n".join(p.__doc__ for p in SUBCOMMANDS.values())
+ForkdMagics.forkd.__doc__ = full_help()  # what %forkd? shows, as IPython shows any magic's docstring

@@ -1,7 +1,11 @@
-"""A static SVG of the lineage tree, put in the widget's output bundle next to the live view.
+"""A static picture of the lineage tree, put in the widget's output bundle next to the live view.
 
 A saved notebook shown without its kernel (nbviewer, GitHub, nbconvert) cannot run the widget's
-JavaScript; it shows this picture instead. It is drawn in Python at display time (the kernel has no
+JavaScript; it shows this picture instead. The bundle holds it twice: as ``image/svg+xml``, and as
+``text/html`` (an ``<img>`` of the same SVG), because JupyterLab renders an untrusted notebook's
+outputs (one opened from elsewhere, or run by nbconvert) only through its safe renderers, which are
+HTML (sanitized: an ``<img>`` with a ``data:`` URI passes), images other than SVG, and text; with
+only the SVG it fell back to the text, ``LineageWidget(...)``. It is drawn in Python at display time (the kernel has no
 JavaScript engine) and follows the live drawing's rules (``lineage.js``): one row per node, a ghost
 for every ancestor that is gone, alike leaf siblings folded into one row from ``GROUP_MIN`` on.
 Its colours are fixed and it carries its own white background, so it reads on any page.
@@ -9,10 +13,11 @@ Its colours are fixed and it carries its own white background, so it reads on an
 
 from __future__ import annotations
 
-from xml.sax.saxutils import escape
+import base64
+from xml.sax.saxutils import escape, quoteattr
 
 GROUP_MIN = 4  # as lineage.js
-ROW, INDENT, WIDTH, PAD = 30, 18, 600, 8
+ROW, INDENT, WIDTH, PAD, HEADER = 30, 18, 600, 8, 36
 COLOURS = {"ready": "#1a7f37", "running": "#0969da", "writing": "#bf8700", "failed": "#cf222e"}
 GONE = {"sandbox": "killed", "snapshot": "deleted"}
 
@@ -69,19 +74,35 @@ def rows(tree: dict) -> list[tuple[int, str, str | None, list[str]]]:
     return out
 
 
+def static_bundle(tree: dict) -> dict[str, str]:
+    """The picture as the mime types a page without the widget can show (see the module's doc)."""
+    svg = static_svg(tree)
+    alt = f"forkd lineage: {_counts(tree)} when the cell ran"
+    src = "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode("ascii")
+    return {"image/svg+xml": svg, "text/html": f"<img src={quoteattr(src)} alt={quoteattr(alt)}>"}
+
+
+def _counts(tree: dict) -> str:
+    live = [n for n in tree.values() if not n.get("tomb")]
+    snaps = sum(1 for n in live if n["kind"] == "snapshot")
+    gone = len(tree) - len(live)
+    return (f"{snaps} snapshot(s), {len(live) - snaps} sandbox(es)" + (f", {gone} gone" if gone else ""))
+
+
 def static_svg(tree: dict) -> str:
     """The tree as a standalone SVG document (a string); nothing in it depends on the clock, so a
     notebook's stored picture compares equal when it is run again (nbval)."""
     full = with_ghosts(tree)
     drawn = rows(full)
-    height = PAD * 2 + 22 + max(len(drawn), 1) * ROW
-    snaps = sum(1 for n in tree.values() if n["kind"] == "snapshot")
+    height = PAD * 2 + HEADER + max(len(drawn), 1) * ROW
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
            f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="12">',
            f'<rect width="{WIDTH}" height="{height}" fill="#ffffff" stroke="#c8ccd1"/>',
-           f'<text x="{PAD}" y="{PAD + 12}" fill="#57606a" font-size="11">forkd lineage: {snaps} snapshot(s), '
-           f'{len(tree) - snaps} sandbox(es) when the cell ran (a static picture: run the cell for the live view)</text>']
-    top = PAD + 22
+           f'<text x="{PAD}" y="{PAD + 12}" fill="#57606a" font-size="11">forkd lineage: {_counts(tree)} '
+           f'when the cell ran</text>',
+           f'<text x="{PAD}" y="{PAD + 26}" fill="#57606a" font-size="11">a static picture: run the cell for the '
+           f'live view</text>']
+    top = PAD + HEADER
     index: dict[str, int] = {}
     for i, (depth, nid, status, members) in enumerate(drawn):
         y = top + i * ROW
@@ -95,7 +116,7 @@ def static_svg(tree: dict) -> str:
             px = PAD + drawn[index[parent]][0] * INDENT + 8
             out.append(f'<path d="M{px},{top + index[parent] * ROW + 24} V{y + 12} H{x}" fill="none" stroke="#9aa4b1"/>')
         colour = COLOURS.get(status, "#8c959f")
-        ghost = nid is not None and full[nid].get("ghost")
+        ghost = nid is not None and (full[nid].get("ghost") or full[nid].get("tomb"))
         dash = ' stroke-dasharray="4 3"' if ghost or nid is None else ""
         out.append(f'<rect x="{x}" y="{y}" width="{WIDTH - PAD - x}" height="24" rx="3" fill="#ffffff" stroke="#c8ccd1"{dash}/>')
         out.append(f'<rect x="{x}" y="{y}" width="4" height="24" fill="{colour}"/>')
@@ -105,7 +126,7 @@ def static_svg(tree: dict) -> str:
             node = full[nid]
             icon = "◆" if node["kind"] == "snapshot" else "●"
             hist = " → ".join(node.get("history") or [status])
-            extra = " (gone)" if ghost else ""
+            extra = " (gone)" if node.get("ghost") else ""
             if node.get("pause_ms") is not None:
                 extra += f" · paused {node['pause_ms']:.2f} ms"
             warns = node.get("warnings") or ([node["warning"]] if node.get("warning") else [])

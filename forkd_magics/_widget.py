@@ -7,7 +7,10 @@ sandbox) even when it is gone: the drawing (``lineage.js``, shared with the Jupy
 a ghost there, so lineage never breaks.
 
 A thread in the kernel reads the event stream and reassigns ``tree`` on every change, so a status
-badge moves from ``writing`` to ``ready`` without re-running a cell. The buttons (branch, fork n,
+badge moves from ``writing`` to ``ready`` without re-running a cell. A node that leaves the server
+stays in ``tree`` as a tombstone (``"tomb": True``, status ``killed`` / ``deleted``) until the view's
+"clear gone": the kernel keeps them, not the page, so a view drawn after they went (Run All reaches
+a notebook's clean-up before the page has drawn its tree) shows the same tree as one that watched. The buttons (branch, fork n,
 kill, delete) send a custom message ``{action, id, req, ...}``; the kernel runs the action through
 the SDK and answers ``{reply: req, ok, message}``; a request without an answer (a kernel gone or
 stuck) times out in the page, which then says "disconnected" and offers ``ping``. ``reconnect``
@@ -20,6 +23,7 @@ from __future__ import annotations
 import pathlib
 import re
 import threading
+import time
 
 import anywidget
 import traitlets
@@ -27,10 +31,11 @@ import traitlets
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
 from ._scope import Scope
-from ._static import static_svg
+from ._static import static_bundle
 
 _HERE = pathlib.Path(__file__).parent
 BRANCH_MODES = ("live", "diff", "full")
+GONE = {"sandbox": "killed", "snapshot": "deleted"}  # the status of a tombstone, as lineage_tree.js
 # the drawing's modules, each importing the ones before it (the lab extension bundles the same files)
 ESM_FILES = ("lineage_tree.js", "lineage.js", "lineage_widget.js")
 _RELATIVE = re.compile(r'^(?:import\s*\{[^}]*\}\s*from|export \* from)\s*"\./[\w.]+";\n', re.M)
@@ -106,6 +111,7 @@ class LineageWidget(anywidget.AnyWidget):
         self.server = self.controller.base_url
         self._lock = threading.RLock()
         self._history: dict[str, list[str]] = {}
+        self._gone: dict[str, dict] = {}  # tombstones: nodes that left the server, until "clear gone"
         self._stream = None
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -116,24 +122,24 @@ class LineageWidget(anywidget.AnyWidget):
             self.refresh()
 
     def _repr_mimebundle_(self, **kwargs):
-        """The live view, plus a static SVG of the tree for pages that cannot run the widget."""
+        """The live view, plus the tree as it is now for pages that do not run the widget (static.py)."""
         bundle = super()._repr_mimebundle_(**kwargs)
         if bundle is None:
             return None
         data, metadata = bundle if isinstance(bundle, tuple) else (bundle, {})
         with self._lock:
             tree = dict(self.tree)
-        data = {**data, "image/svg+xml": static_svg(tree)}
-        return data, metadata
+        return {**data, **static_bundle(tree)}, metadata
 
     def __repr__(self) -> str:
         counts = {}
         for node in self.tree.values():
-            counts[node["kind"]] = counts.get(node["kind"], 0) + 1
-        snaps, sbs = counts.get("snapshot", 0), counts.get("sandbox", 0)
+            key = "gone" if node.get("tomb") else node["kind"]
+            counts[key] = counts.get(key, 0) + 1
+        snaps, sbs, gone = counts.get("snapshot", 0), counts.get("sandbox", 0), counts.get("gone", 0)
         return (f"LineageWidget({self.server!r}: {snaps} snapshot{'' if snaps == 1 else 's'}, "
-                f"{sbs} sandbox{'' if sbs == 1 else 'es'}{f' of {self.scope}' if self.scope else ''}"
-                f"{', live' if self.live else ''})")
+                f"{sbs} sandbox{'' if sbs == 1 else 'es'}{f', {gone} gone' if gone else ''}"
+                f"{f' of {self.scope}' if self.scope else ''}{', live' if self.live else ''})")
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -147,6 +153,7 @@ class LineageWidget(anywidget.AnyWidget):
             kernels = []
         with self._lock:
             tree = build_tree(snapshots, sandboxes, self._history)
+            on_server = set(tree)
             head_kernels: dict[str, list[str]] = {}
             for k in kernels:
                 head_kernels.setdefault(k.get("head"), []).append(k["kernel_id"])
@@ -159,8 +166,27 @@ class LineageWidget(anywidget.AnyWidget):
                 self._history[node_id] = node["history"]
             for gone in set(self._history) - set(tree):
                 del self._history[gone]
-            self.tree = tree  # traits sync on assignment: always a new dict
-        return tree
+            self._bury(tree, on_server)
+            self.tree = {**self._gone, **tree}  # traits sync on assignment: always a new dict
+        return self.tree
+
+    def _bury(self, tree: dict, on_server: set[str]) -> None:
+        """Keep what left the server as tombstones; a node that only left the scope (a HEAD the
+        notebook moved away from) is not gone, and a tag made again is not a tombstone any more."""
+        now = time.time()
+        for node_id, node in self.tree.items():
+            if node_id not in tree and node_id not in on_server and not node.get("tomb"):
+                status = GONE[node["kind"]]
+                self._gone[node_id] = {**node, "status": status, "tomb": True, "gone_at": now, "heads": [],
+                                       "history": _history(node.get("history"), status)}  # nobody's HEAD now
+        for node_id in on_server & set(self._gone):
+            del self._gone[node_id]
+
+    def clear_gone(self) -> None:
+        """Forget the tombstones (the view's "clear gone")."""
+        with self._lock:
+            self._gone.clear()
+            self.tree = {k: v for k, v in self.tree.items() if not v.get("tomb")}
 
     def _within_scope(self, tree: dict, head_kernels: dict[str, list[str]]) -> dict:
         """The scope's nodes and their ancestors (context, as in the lab panel's "this notebook")."""
@@ -182,6 +208,8 @@ class LineageWidget(anywidget.AnyWidget):
         with self._lock:
             if node_id in self._outside and action != "updated":  # another notebook's (it becomes ours only
                 return                                                # by new labels; HEAD moves are kernel events)
+            if node_id in self._gone and action not in ("created", "updated"):
+                return  # a late status of what is gone (a snapshot's template ending as it is deleted)
             if status and node_id:
                 seen = self._history.setdefault(node_id, [])
                 if not seen or seen[-1] != status:
@@ -267,6 +295,9 @@ class LineageWidget(anywidget.AnyWidget):
             ok, message = True, "pong"
         elif action == "reconnect":
             ok, message = self.reconnect()
+        elif action == "clear":
+            self.clear_gone()
+            ok, message = True, ""
         else:
             message = self.act(action, content.get("id", ""), n=content.get("n", 1),
                                mode=content.get("mode") or "live", cascade=bool(content.get("cascade")))

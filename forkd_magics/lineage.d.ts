@@ -18,6 +18,7 @@ export interface ILineageNode {
   head_kernels?: string[]; // and their kernels' ids
   busy?: string | boolean; // what it runs (a string), false when idle
   ghost?: boolean;
+  tomb?: boolean; // gone from the server, kept in the drawing until "clear gone"
   info?: Record<string, unknown>;
 }
 
@@ -49,6 +50,7 @@ export interface ILineageViewOptions {
   confirm?: (question: IQuestion) => Promise<IAnswer>;
   extraActions?: (id: string, node: ILineageNode) => IExtraAction[];
   copy?: (text: string) => Promise<void>;
+  clearGone?: () => void; // the host keeps gone nodes in its tree (marked tomb) and forgets them here
   toolbar?: HTMLElement;
   fill?: boolean;
   empty?: string;

@@ -39,7 +39,9 @@ function idLabel(parent, id) {
 // Hosts pass: act(action, id, args) -> Promise<message> (throws to report an error);
 // confirm({title, body, ok, option}) -> Promise<{ok, option}> (default: inline, in the view);
 // extraActions(id, node) -> [{label, title, disabled, run: () => Promise<message>}];
-// copy(text) -> Promise; toolbar: an element placed in the toolbar; fill: take the host's height.
+// copy(text) -> Promise; toolbar: an element placed in the toolbar; fill: take the host's height;
+// clearGone() -> the host keeps killed and deleted nodes in its tree itself (marked `tomb`, as the
+// widget's kernel does, so a view drawn after they went still shows them) and forgets them here.
 export class LineageView {
   constructor(host, opts = {}) {
     this.opts = opts;
@@ -67,7 +69,14 @@ export class LineageView {
     tool("−", "Zoom out", () => this.setZoom(this.zoom / 1.25));
     tool("+", "Zoom in", () => this.setZoom(this.zoom * 1.25));
     tool("⤢", "Fit the whole tree", () => this.fit());
-    this.clearBtn = tool("", "Forget killed sandboxes and deleted snapshots", () => { this.tombs = {}; this.render(); });
+    this.clearBtn = tool("", "Forget killed sandboxes and deleted snapshots", () => {
+      this.tombs = {};
+      if (this.opts.clearGone) {
+        this.tree = Object.fromEntries(Object.entries(this.tree).filter(([, n]) => !n.tomb));
+        this.opts.clearGone();
+      }
+      this.render();
+    });
     this.stateLine = el("div", { class: "forkd-state", role: "status", "aria-live": "polite" }, this.root);
     this.canvas = el("div", { class: "forkd-canvas" }, this.root);
     this.content = el("div", { class: "forkd-content" }, this.canvas);
@@ -92,10 +101,11 @@ export class LineageView {
   }
 
   // A new tree from the host. Nodes that left it stay as tombstones (killed / deleted), so a kill
-  // is seen, not just a row vanishing; "forget" clears them.
+  // is seen, not just a row vanishing; "forget" clears them. A host that keeps them itself
+  // (clearGone) sends them marked `tomb`; what it drops then is gone from the drawing too.
   update(tree) {
     const now = Date.now() / 1000;
-    for (const [id, node] of Object.entries(this.tree)) {
+    for (const [id, node] of Object.entries(this.opts.clearGone ? {} : this.tree)) {
       if (tree[id] || node.ghost || this.tombs[id]) continue;
       const status = GONE[node.kind];
       // a gone sandbox is nobody's HEAD any more (its kernel's record may still name it)
@@ -157,7 +167,7 @@ export class LineageView {
     this.head.textContent = `${plural(s.snapshots, "snapshot")} · ${plural(s.sandboxes, "sandbox", "sandboxes")}` +
       (s.memory_kib !== null ? ` · ${fmtKib(s.memory_kib)}` : "");
     if (this.state === "live") el("span", { class: "forkd-live", title: "following the server's changes" }, this.head, " · ● live");
-    const tombs = Object.keys(this.tombs).length;
+    const tombs = all.filter((n) => n.tomb).length;
     this.clearBtn.textContent = `clear gone (${tombs})`;
     this.clearBtn.hidden = tombs === 0;
     this._drawState();

@@ -34,6 +34,9 @@ function render({ model, el: host }) {
       if (!r.ok) throw new Error(r.message);
       return r.message;
     },
+    // the kernel keeps killed and deleted nodes in `tree` (so a view drawn after they went, as
+    // under Run All, shows them too): "clear gone" asks it to forget them
+    clearGone: () => { if (commOpen) ask({ action: "clear" }).catch(() => {}); },
   });
   const onCustom = (msg) => {
     if (!msg || msg.reply === undefined) return;

@@ -71,6 +71,20 @@ def check_qemu() -> dict:
                 "apt-get install qemu-system-x86")
 
 
+def check_packages() -> dict:
+    from .host_packages import GROUPS, install_line, missing
+
+    required, optional = missing("process"), missing("vm")
+    if not required and not optional:
+        names = ", ".join(pkg for g in ("process", "vm") for pkg, _, _ in GROUPS[g])
+        return _row("debian packages", "ok", f"present: {names}", required=True)
+    detail = "missing: " + "; ".join(f"{pkg} ({why})" for pkg, why in required + optional)
+    if not required:
+        detail += " (the process engine works without them)"
+    return _row("debian packages", "fail" if required else "warn", detail,
+                install_line(pkg for pkg, _ in required + optional), required=True)
+
+
 def check_namespaces() -> dict:
     missing = [ns for ns in NAMESPACES if not os.path.exists(f"/proc/self/ns/{ns}")]
     detail = []
@@ -109,6 +123,7 @@ def check_cgroups() -> dict:
 
 def check_hugepages() -> dict:
     from forkd_engine.cgroups import locate
+    from forkd_engine.process.reserve import describe
 
     pool = []
     for knob in ("nr_overcommit_hugepages", "nr_hugepages"):
@@ -121,7 +136,8 @@ def check_hugepages() -> dict:
     if where is not None:
         return _row("huge pages", "ok", f"cgroup {where[0]} hugetlb at {where[1]}: each process sandbox's huge pages "
                     f"are capped at its memory limit, and its big arrays move into them while it idles "
-                    f"({', '.join(pool) or 'no hugetlb pool'}; a zero surplus pool is raised when the engine starts)")
+                    f"({', '.join(pool) or 'no hugetlb pool'}; a zero surplus pool is raised when the engine starts); "
+                    f"{describe()}")
     return _row("huge pages", "warn", "no hugetlb cgroup controller: huge pages could not be capped per sandbox, so "
                 f"the process engine gives no sandbox any, refuses MAP_HUGETLB in them, and keeps the pool as found "
                 f"({', '.join(pool) or 'none'}); a live branch right after a cell rewrote a big array pauses longer",
@@ -200,7 +216,7 @@ def check_server(url: str | None, token: str | None) -> dict:
 
 
 def run_checks(data_dir: str, url: str | None = None, token: str | None = None) -> list[dict]:
-    rows = [check_root(), check_namespaces(), check_cgroups(), check_hugepages(), check_seccomp(), check_kvm(), check_pvm(),
+    rows = [check_root(), check_packages(), check_namespaces(), check_cgroups(), check_hugepages(), check_seccomp(), check_kvm(), check_pvm(),
             check_qemu(), check_userfaultfd(), check_disk(data_dir), check_reflink(data_dir)]
     rows.append(check_server(url, token))
     return rows

@@ -24,20 +24,20 @@ def test_forkd_demo_runs_and_cleans_up(short_dir):
 
 
 def test_a_demo_that_cannot_run_says_why_in_one_line(monkeypatch, capsys):
-    """Where no engine can run (e.g. forkd's code under /tmp, which every sandbox replaces), the demo
+    """Where no engine can run (e.g. a Python environment under /tmp, which every sandbox replaces), the demo
     ends in one line saying why and a status, not a traceback; --debug adds the traceback."""
     from forkd_server.cli import main
     from forkd_server.controller import Controller
 
     def no_engines(self):
-        self.unavailable["process"] = "forkd's code at /tmp/x lies under /tmp, which every sandbox replaces with its own"
+        self.unavailable["process"] = "the Python environment at /tmp/v lies under /tmp, which every sandbox replaces"
         return {}
 
     monkeypatch.setattr(Controller, "_default_engines", no_engines)
     assert main(["demo", "--mib", "8"]) == 1
     err = capsys.readouterr().err
-    assert err == ("forkd demo: engine 'process' is not available on this server (forkd's code at /tmp/x lies under "
-                   "/tmp, which every sandbox replaces with its own); `forkd doctor` checks what this host has for "
+    assert err == ("forkd demo: engine 'process' is not available on this server (the Python environment at /tmp/v "
+                   "lies under /tmp, which every sandbox replaces); `forkd doctor` checks what this host has for "
                    "each engine\n")
     assert main(["demo", "--mib", "8", "--debug"]) == 1
     err = capsys.readouterr().err

@@ -40,11 +40,12 @@ export function registerCommands(
     caption: caption("Branch the notebook's sandbox (HEAD) into a new snapshot; it keeps running"),
     isEnabled: onForkd,
     execute: async () => {
+      const name = notebook.name;
       await progress(
-        notebook.runForkdLine('%forkd branch --live', false),
-        `Branching ${notebook.name}…`,
-        text => `Branched ${notebook.name}${text ? `: ${text}` : ''}`,
-        `Could not branch ${notebook.name}`
+        notebook.runForkdLine('%forkd branch --live', false, { expressions: { tag: '_.tag', pause: '_.pause_ms' } }),
+        `Branching ${name}…`,
+        v => `Branched ${name} into snapshot ${v.tag}` + (/^[\d.]+$/.test(v.pause) ? ` (the notebook paused ${Number(v.pause).toFixed(1)} ms).` : '.'),
+        `Could not branch ${name}`
       );
     }
   });
@@ -67,11 +68,12 @@ export function registerCommands(
         Notification.warning('forkd: fork between 1 and 100 sandboxes', { autoClose: 4000 });
         return;
       }
+      const name = notebook.name;
       await progress(
-        notebook.runForkdLine(`%forkd fork -n ${n}`, false),
-        `Forking ${notebook.name} into ${n}…`,
-        text => `Forked ${notebook.name}${text ? `: ${text}` : ''}`,
-        `Could not fork ${notebook.name}`
+        notebook.runForkdLine(`%forkd fork -n ${n}`, false, { expressions: { ids: "', '.join(s.id for s in _)" } }),
+        `Forking ${name} into ${n}…`,
+        v => `Forked ${name} into ${n === 1 ? 'a sandbox' : `${n} sandboxes`} holding its state: ${v.ids}.`,
+        `Could not fork ${name}`
       );
     }
   });

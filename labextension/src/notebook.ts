@@ -5,6 +5,7 @@
 import { NotebookActions, INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { Kernel, KernelMessage } from '@jupyterlab/services';
+import { ReadonlyJSONValue } from '@lumino/coreutils';
 
 export const FORKD_KERNEL = 'forkd-python';
 export const NEEDS_FORKD_KERNEL =
@@ -36,40 +37,59 @@ export class CurrentNotebook {
     return this.path ?? 'the notebook';
   }
 
+  /** The current notebook's kernel name (the one it is starting with, while it starts), else null. */
+  get kernelName(): string | null {
+    return this.kernel?.name ?? this.panel?.sessionContext.kernelPreference.name ?? null;
+  }
+
   /**
    * Run one `%forkd` line in the forkd kernel (queued behind running cells, so the sandbox is idle
-   * when it runs). Returns what the line printed or returned as text; throws the kernel's error.
+   * when it runs). `expressions` are evaluated after it, where it ran (the protocol's
+   * user_expressions; `_` is the line's result): their values come back as text, strings unquoted.
    * What it wrote to stderr (the kernel's `forkd: ...` notes) goes to `warn` once it succeeded.
+   * Throws the kernel's error, as a sentence.
    */
-  async runForkdLine(code: string, silent: boolean, warn?: (text: string) => void): Promise<string> {
+  async runForkdLine(
+    code: string,
+    silent: boolean,
+    { expressions = {}, warn }: { expressions?: Record<string, string>; warn?: (text: string) => void } = {}
+  ): Promise<Record<string, string>> {
     const kernel = this.forkdKernel;
     if (!kernel) {
       throw new Error(NEEDS_FORKD_KERNEL);
     }
-    const future = kernel.requestExecute({ code, silent, store_history: false, allow_stdin: false, stop_on_error: false });
-    let text = '';
+    const future = kernel.requestExecute({
+      code,
+      silent,
+      store_history: false,
+      allow_stdin: false,
+      stop_on_error: false,
+      user_expressions: expressions
+    });
     let warnings = '';
     let error = '';
     future.onIOPub = (msg: KernelMessage.IIOPubMessage) => {
-      if (KernelMessage.isExecuteResultMsg(msg)) {
-        text += String((msg.content.data as Record<string, unknown>)['text/plain'] ?? '');
-      } else if (KernelMessage.isStreamMsg(msg) && msg.content.name === 'stderr' && warn) {
+      if (KernelMessage.isStreamMsg(msg) && msg.content.name === 'stderr') {
         warnings += msg.content.text;
-      } else if (KernelMessage.isStreamMsg(msg)) {
-        text += msg.content.text;
       } else if (KernelMessage.isErrorMsg(msg)) {
-        error = `${msg.content.ename}: ${msg.content.evalue}`;
+        error = errorText(msg.content.ename, msg.content.evalue);
       }
     };
     const reply = await future.done;
     if (reply.content.status !== 'ok') {
       const c = reply.content as KernelMessage.IReplyErrorContent;
-      throw new Error(error || `${c.ename}: ${c.evalue}`);
+      throw new Error(error || errorText(c.ename, c.evalue));
     }
     if (warn && warnings.trim()) {
       warn(warnings.trim());
     }
-    return text.trim();
+    const values: Record<string, string> = {};
+    const found = (reply.content as KernelMessage.IExecuteReply).user_expressions ?? {};
+    for (const [name, value] of Object.entries(found) as [string, any][]) {
+      const text = value?.status === 'ok' ? String(value.data?.['text/plain'] ?? '') : '';
+      values[name] = /^'[^'\\]*'$/.test(text) ? text.slice(1, -1) : text;
+    }
+    return values;
   }
 
   /** Insert a code cell below the active cell of the current notebook. */
@@ -89,21 +109,42 @@ export class CurrentNotebook {
   }
 }
 
-/** Code that reaches a snapshot or sandbox from any Python kernel, through the client SDK. */
-export function codeFor(id: string, kind: 'snapshot' | 'sandbox'): string {
+const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9._-]*$/; // what goes into a %forkd line as it is
+
+/**
+ * A cell that reaches a snapshot or sandbox from the notebook's kernel. On the forkd kernel, %forkd
+ * lines: its cells run in a sandbox, which cannot reach the server, while %forkd lines run in the
+ * kernel, which found the Jupyter server it was started by. On any other Python kernel, the client
+ * SDK, which finds that same server (its runtime file, the kernel's parent) by itself.
+ */
+export function codeFor(id: string, kind: 'snapshot' | 'sandbox', kernelName: string | null): string {
+  if (kernelName === FORKD_KERNEL) {
+    const arg = SAFE_ID.test(id) ? id : JSON.stringify(id);
+    return kind === 'snapshot'
+      ? `# sandboxes forked from ${id}; %%forkd run kids runs a cell in them\nkids = %forkd fork -t ${arg} -n 1`
+      : `%%forkd run ${arg}\n1 + 1`;
+  }
   const q = JSON.stringify(id);
   return kind === 'snapshot'
     ? `from forkd_server.client import Snapshot\n\nsnap = Snapshot(${q})\nkids = snap.fork(1)  # sandboxes forked from ${id}\nkids`
     : `from forkd_server.client import Sandbox\n\nsb = Sandbox.connect(${q})\nsb.run_code("1 + 1").text`;
 }
 
-const SAFE_ID = /^[A-Za-z0-9][A-Za-z0-9._-]*$/; // what goes into a %forkd line
+/** A kernel's error as a sentence: a UsageError's message is one already ("forkd fork: ..."). */
+function errorText(ename: string, evalue: string): string {
+  return ename === 'UsageError' || !ename ? evalue : `${ename}: ${evalue}`;
+}
 
 /** Kishu's way: one notification, pending then success or error; null when it failed. */
-export async function progress(work: Promise<string>, pending: string, ok: (value: string) => string, failed: string): Promise<string | null> {
+export async function progress<T extends ReadonlyJSONValue>(
+  work: Promise<T>,
+  pending: string,
+  ok: (value: T) => string,
+  failed: string
+): Promise<T | null> {
   Notification.promise(work, {
     pending: { message: pending, options: { autoClose: false } },
-    success: { message: (value: unknown) => ok(String(value ?? '')), options: { autoClose: 3000 } },
+    success: { message: (value: unknown) => ok(value as T), options: { autoClose: 3000 } },
     error: { message: (err: any) => `${failed}: ${err?.message ?? err}`, options: { autoClose: 6000 } }
   });
   try {
@@ -138,7 +179,7 @@ export async function checkout(notebook: CurrentNotebook, id: string): Promise<b
   }
   const name = notebook.name;
   const done = await progress(
-    notebook.runForkdLine(`%forkd checkout ${id}`, true, warnUser),
+    notebook.runForkdLine(`%forkd checkout ${id}`, true, { warn: warnUser }),
     `Checking out ${id} in ${name}…`,
     () => `Checked out ${id}: the next cell of ${name} runs there.`,
     `Could not check out ${id}`

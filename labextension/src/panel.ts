@@ -217,7 +217,7 @@ export class LineagePanel extends Widget {
         disabled: !hasNotebook,
         run: async () => {
           const kind = node.kind;
-          return this.notebook.insertCode(codeFor(id, kind))
+          return this.notebook.insertCode(codeFor(id, kind, this.notebook.kernelName))
             ? `inserted a cell for ${id} into ${this.notebook.name}`
             : 'no notebook to insert into';
         }

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
+from forkd_engine import linux
 from forkd_kernel.ownership import make_ours
 from forkd_magics._scope import KERNEL_ID
 from forkd_server.checks import host_memory_mib
@@ -20,21 +20,14 @@ from .cells import head_of, run
 
 def kill_9(ctl: Controller, sandbox: str) -> None:
     """``kill -9`` of the pid the server gives for the sandbox, as a user would from a shell; returns
-    once the process has ended (a signal is delivered, and a process ends, a moment later)."""
+    once the process has ended, every thread of it (its pidfd turns readable then)."""
     pid = ctl.get_sandbox(sandbox)["pid"]
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
-        assert time.monotonic() < deadline, f"{sandbox} (pid {pid}) did not end after SIGKILL"
-        time.sleep(0.01)
-
-
-def _state(pid: int) -> str | None:
+    pidfd = os.pidfd_open(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
+        os.kill(pid, signal.SIGKILL)
+        assert linux.wait_pidfd(pidfd, 30), f"{sandbox} (pid {pid}) did not end after SIGKILL"
+    finally:
+        os.close(pidfd)
 
 
 def test_after_head_is_killed_its_branch_and_forks_go_on_and_nothing_offers_it(kernel, forkd_server):

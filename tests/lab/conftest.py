@@ -1,11 +1,12 @@
-"""JupyterLab with the forkd-lab extension, installed from its wheel into a fresh venv without node.
+"""JupyterLab as users get it: forkd-jupyter's wheel, installed into an empty venv without node.
 
-The wheel is built once per content of its sources (``python -m build labextension``, cached under
-``build/lab/``); the venv (``--system-site-packages``: JupyterLab and forkd's dependencies come
-from the machine, forkd_lab only from the wheel) lives under ``build/`` too, because the process
-engine refuses Python environments under /tmp. JupyterLab runs from that venv with only the venv on
-PATH, configured as ``jupyterlab.galata.configure_jupyter_server`` does (no token, no XSRF check,
-``window.jupyterapp`` exposed), with forkd's server extension from this checkout.
+The wheel is built like a release (``python -m build``: an sdist, in which the panel is built, and
+the wheel from it), once per content of what goes into it (cached under ``build/lab/``). The venv
+(under ``build/`` too: the process engine refuses Python environments under /tmp) starts empty and
+gets the wheel and its dependencies from the package index, with only the venv on PATH, so no node.
+JupyterLab runs from that venv, forkd's server extension, kernel and panel all from the wheel,
+configured as ``jupyterlab.galata.configure_jupyter_server`` does (no token, no XSRF check,
+``window.jupyterapp`` exposed).
 """
 
 from __future__ import annotations
@@ -24,31 +25,31 @@ from pathlib import Path
 
 import pytest
 
+from forkd_server import __version__
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
 from ..serving import free_port
 
 REPO = Path(__file__).parents[2]
-LAB = REPO / "labextension"
 BUILD = REPO / "build" / "lab"
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(os.environ.get("FORKD_SCREENSHOT_DIR") or REPO / "build" / "screenshots")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
-
-
-def _sources() -> list[Path]:
-    files = [LAB / n for n in ("package.json", "yarn.lock", "pyproject.toml", "tsconfig.json", "install.json",
-                               ".yarnrc.yml", "README.md", "forkd_lab/__init__.py")]
-    files += sorted((LAB / "src").glob("*.ts")) + sorted((LAB / "style").glob("*"))
-    files += [REPO / "forkd_magics" / n for n in ("lineage_tree.js", "lineage.js", "lineage.css", "lineage.d.ts")]
-    return files
+# what the wheel is made of (the sdist adds tests, docs and notebooks, which the wheel leaves out)
+PACKAGED = ["pyproject.toml", "README.md", "jupyter-config", "engine/forkd_engine", "forkd_server",
+            "forkd_magics", "forkd_kernel", "labextension"]
+WHEEL = f"forkd_jupyter-{__version__}-py3-none-any.whl"
 
 
 def _digest() -> str:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *PACKAGED],
+                           cwd=REPO, capture_output=True, check=True).stdout.split(b"\0")
     h = hashlib.sha256()
-    for f in _sources():
-        h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    for name in sorted(f for f in files if f):
+        path = REPO / os.fsdecode(name)
+        if path.is_file():  # a deleted file is still listed until the deletion is staged
+            h.update(name + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -68,44 +69,45 @@ def _node_path() -> str | None:
 
 @pytest.fixture(scope="session")
 def lab_wheel() -> Path:
-    """The forkd_lab wheel of the current sources, built like a release: ``python -m build``."""
+    """forkd-jupyter's wheel of the current sources, built like a release: ``python -m build``."""
     out = BUILD / f"wheel-{_digest()}"
-    wheels = list(out.glob("forkd_lab-*.whl"))
-    if wheels:
-        return wheels[0]
+    if (out / WHEEL).exists():
+        return out / WHEEL
     path = _node_path()
     if path is None:
-        pytest.skip("building forkd-lab needs node (scripts/setup.sh test installs one)")
-    tmp = Path(tempfile.mkdtemp(prefix="fklabwheel"))
-    proc = subprocess.run([sys.executable, "-m", "build", str(LAB), "-o", str(tmp)],
+        pytest.skip("building the panel needs node (scripts/setup.sh test installs one)")
+    tmp = Path(tempfile.mkdtemp(prefix="fkwheel"))
+    proc = subprocess.run([sys.executable, "-m", "build", str(REPO), "-o", str(tmp)],
                           env={**os.environ, "PATH": path}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for old in BUILD.glob("wheel-*"):
         shutil.rmtree(old, ignore_errors=True)
     out.mkdir(parents=True)
-    for f in tmp.glob("forkd_lab-*.whl"):
-        shutil.move(str(f), out / f.name)
+    shutil.move(str(tmp / WHEEL), out / WHEEL)
     shutil.rmtree(tmp, ignore_errors=True)
-    return next(out.glob("forkd_lab-*.whl"))
+    return out / WHEEL
 
 
 @pytest.fixture(scope="session")
 def lab_venv(lab_wheel) -> Path:
-    """A fresh venv holding the wheel (and nothing else of its own), with no node on its PATH."""
+    """An empty venv given the wheel and its dependencies from the package index, no node on PATH."""
     venv = BUILD / "venv"
     shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
-    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                           "--disable-pip-version-check", str(lab_wheel)],
-                          env=venv_env(venv), capture_output=True, text=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                           str(lab_wheel)], env=venv_env(venv, PATH=str(venv / "bin")),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return venv
 
 
 def venv_env(venv: Path, **extra) -> dict:
-    """The venv's environment: its bin alone on PATH (so no node), this checkout's forkd on PYTHONPATH."""
-    keep = {k: v for k, v in os.environ.items() if k in ("HOME", "LANG", "LC_ALL", "TERM", "USER")}
-    return {**keep, "PATH": str(venv / "bin"), "PYTHONPATH": f"{REPO}:{REPO / 'engine'}", **extra}
+    """The venv's environment, as a user's shell would give it once activated: its bin first, then
+    the host's own directories (the engine runs host tools), nothing of this checkout on the path."""
+    keep = {k: v for k, v in os.environ.items() if k in ("HOME", "LANG", "LC_ALL", "TERM", "USER")
+            or k.startswith("PIP_")}  # the machine's package index settings
+    return {**keep, "PATH": f"{venv / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "VIRTUAL_ENV": str(venv), **extra}
 
 
 CONFIG = '''
@@ -211,8 +213,6 @@ def lab_server(lab_venv):
     settings = Path(root, ".settings", "@jupyterlab", "apputils-extension")
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
-    # the forkd kernel's spec, as forkd-jupyter's wheel installs it (the venv holds only forkd_lab)
-    shutil.copytree(REPO / "forkd_kernel" / "kernelspec", Path(root, ".jupyter-path", "kernels", "forkd-python"))
     lab = Lab(lab_venv, root, free_port(), data)
     lab.start()
     try:

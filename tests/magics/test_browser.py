@@ -164,3 +164,99 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
     assert snaps["quickstart-b1"]["status"] == "ready"
     from_branch = [b for b in forkd.controller().list_sandboxes() if b["snapshot_tag"] == "quickstart-b1"]
     assert len(from_branch) == 4  # two from the notebook, two from the button
+
+
+def open_in_lab(page, lab, name: str) -> None:
+    page.goto(f"{lab['url']}/lab/tree/{name}?token={lab['token']}")
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+    page.wait_for_function("document.body.innerText.includes('(ipykernel) | Idle')", timeout=60_000)
+
+
+def theme(page, name: str) -> None:
+    page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: 'JupyterLab {name}'}})")
+    page.wait_for_function(f"document.body.dataset.jpThemeLight === '{str(name == 'Light').lower()}'", timeout=10_000)
+    page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=10_000)
+
+
+def test_run_all_leaves_the_whole_tree_drawn_even_in_a_view_drawn_afterwards(lab, forkd):
+    """Run All reaches the clean-up before the page has drawn the tree: the tree must still show
+    every node the notebook made, marked killed or deleted (the kernel keeps them, not the page),
+    and a view drawn later (the page reloaded, the kernel still running) shows the same."""
+    gone = {"quickstart": "deleted", "quickstart-b1": "deleted"}
+    with playwright_sync.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            open_in_lab(page, lab, "quickstart.ipynb")
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            last = len(lab["cells"]) - 1
+            page.wait_for_function(  # the clean-up cell ran: its prompt has a number
+                "i => /\\[\\d+\\]/.test(document.querySelectorAll('.jp-NotebookPanel .jp-Cell')[i]"
+                ".querySelector('.jp-InputPrompt').textContent)", arg=last, timeout=180_000)
+            made = {s["id"]: "killed" for s in forkd.controller().list_sandboxes()}
+            assert made == {}  # the notebook cleaned up after itself
+            for reloaded in (False, True):
+                if reloaded:  # the models come back from the kernel: a view drawn after the clean-up
+                    page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
+                    page.wait_for_function("!window.jupyterapp.shell.currentWidget.context.model.dirty")
+                    page.reload()
+                    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+                widget = page.locator(".jp-OutputArea .forkd-lineage")
+                widget.wait_for(timeout=60_000)
+                for tag, status in gone.items():
+                    widget.locator(f".forkd-node[data-id='{tag}'][data-status='{status}']").wait_for(timeout=30_000)
+                page.wait_for_function(
+                    "document.querySelectorAll(\".jp-OutputArea .forkd-lineage .forkd-node[data-status='killed']\")"
+                    ".length === 5", timeout=30_000)  # 3 kids and 2 grandchildren
+                assert widget.locator(".forkd-node").count() == 7
+                assert widget.locator(".forkd-head").text_content().startswith("0 snapshots · 0 sandboxes")
+                assert widget.locator("button", has_text="clear gone (7)").is_visible()
+                assert "running → killed" in widget.locator(".forkd-node.sandbox").first.text_content()
+            widget.scroll_into_view_if_needed()
+            page.mouse.move(5, 5)
+            widget.screenshot(path=str(SHOTS / "run-all-tree-light.png"))
+            theme(page, "Dark")
+            widget.screenshot(path=str(SHOTS / "run-all-tree-dark.png"))
+            theme(page, "Light")
+            # "clear gone" asks the kernel to forget them: nothing is left to draw
+            widget.locator("button", has_text="clear gone (7)").click()
+            widget.locator(".forkd-empty").wait_for(timeout=10_000)
+            assert widget.locator(".forkd-node").count() == 0
+        except BaseException:
+            page.screenshot(path=str(SHOTS / "failure-run-all.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def test_a_stored_notebook_shows_its_static_picture_of_the_tree(lab, forkd):
+    """The quickstart as this repository stores it (run by nbconvert, not signed: JupyterLab treats
+    its outputs as untrusted and renders only through its safe renderers) shows the tree's picture,
+    not the widget's text, ``LineageWidget(...)``."""
+    shutil.copy(REPO / "notebooks" / "quickstart.ipynb", os.path.join(lab["root"], "stored.ipynb"))
+    with playwright_sync.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            open_in_lab(page, lab, "stored.ipynb")
+            cell = page.locator(".jp-NotebookPanel .jp-CodeCell", has_text="tree = %forkd tree")
+            picture = cell.locator(".jp-OutputArea-output img[src^='data:image/svg+xml;base64,']")
+            picture.wait_for(timeout=30_000)
+            page.wait_for_function("img => img.complete && img.naturalWidth === 600", arg=picture.element_handle(),
+                                   timeout=10_000)
+            assert picture.get_attribute("alt").startswith("forkd lineage: 1 snapshot(s), 3 sandbox(es)")
+            assert "LineageWidget(" not in cell.locator(".jp-OutputArea").text_content()
+            picture.scroll_into_view_if_needed()
+            page.mouse.move(5, 5)
+            cell.locator(".jp-OutputArea").screenshot(path=str(SHOTS / "stored-tree-light.png"))
+            theme(page, "Dark")
+            cell.locator(".jp-OutputArea").screenshot(path=str(SHOTS / "stored-tree-dark.png"))
+        except BaseException:
+            page.screenshot(path=str(SHOTS / "failure-stored.png"))
+            raise
+        finally:
+            browser.close()

@@ -140,11 +140,20 @@ def test_unreachable_server_is_one_line(shell, monkeypatch):
     assert "Traceback" not in out.stderr
 
 
-def test_help_comes_from_magic_arguments(ip):
+def test_help_is_plain_text_from_magic_arguments(ip):
+    """%forkd? shows the magic's docstring (as IPython shows any magic's) and %forkd help prints it:
+    plain text, not the reST IPython writes for Sphinx (no ``::`` blocks, no ``<ARG>``)."""
     doc = ip.find_line_magic("forkd").__doc__
     for name in SUBCOMMANDS:
-        assert f"\n  %forkd {name}" in doc  # magic_arguments' usage line of each subcommand
+        prefix = "%%forkd" if name == "run" else "%forkd"
+        assert f"\n{prefix} {name}" in doc  # each subcommand's usage line starts a line
     assert "--no-wait" in doc and "--tag TAG, -t TAG" in doc
+    assert "::" not in doc and "<" not in doc.replace("branch-<id>-<n>", "")
+    assert max(len(line) for line in doc.splitlines()) <= 105  # wrapped, not one line per paragraph
+    _, out = cell(ip, "%forkd help")
+    assert out.stdout == doc + "\n"
     _, out = cell(ip, "%forkd branch --help")
-    usage = " ".join(out.stdout.split("\n\n")[1].split())  # argparse wraps the usage line
+    usage = out.stdout.split("\n\n")[0]
     assert usage == "%forkd branch [--tag TAG] [--diff] [--live] [--no-wait] [--lossy] [sandbox]"
+    _, out = cell(ip, "%forkd run --help")
+    assert out.stdout.startswith("%%forkd run [--tag TAG]")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import re
 import shutil
@@ -15,6 +17,7 @@ import comm
 import pytest
 
 from forkd_magics import LineageWidget
+from forkd_magics._scope import Scope
 from forkd_magics._static import static_svg, with_ghosts
 from forkd_magics._widget import ESM_FILES, build_tree, widget_esm
 
@@ -114,6 +117,10 @@ def test_build_tree_keeps_direct_parents_and_the_static_picture_draws_ghosts():
                          for i in range(4)})
     assert "4 × running (sandboxes)" in static_svg(many) and "sb-k0" not in static_svg(many)
     assert "&lt;x&gt;" in static_svg({"<x>": {"kind": "snapshot", "parent": None, "status": "ready"}})
+    # a tombstone (what left the server since the tree was drawn) is counted apart and drawn as gone
+    gone = static_svg(dict(tree, **{"sb-t": {"kind": "sandbox", "parent": "py", "status": "killed", "tomb": True,
+                                             "history": ["running", "killed"], "lineage": ["py", "sb-t"]}}))
+    assert "2 sandbox(es), 1 gone when the cell ran" in gone and "● sb-t · running → killed<" in gone
 
 
 def test_widget_syncs_tree_and_follows_events_live(forkd, comms):
@@ -149,7 +156,13 @@ def test_widget_syncs_tree_and_follows_events_live(forkd, comms):
         wait_for(lambda: all(k["id"] in w.tree for k in kids), what="grandchildren")
         assert all(w.tree[k["id"]]["parent"] == "wt-b" for k in kids)
         ctl.kill_sandbox(kids[0]["id"])
-        wait_for(lambda: kids[0]["id"] not in w.tree, what="killed sandbox to leave the tree")
+        # it stays as a tombstone in the kernel's tree (not only in a page that saw it go), so a
+        # view drawn later, as under Run All, shows the same tree
+        wait_for(lambda: w.tree.get(kids[0]["id"], {}).get("tomb"), what="killed sandbox to be a tombstone")
+        assert w.tree[kids[0]["id"]]["status"] == "killed"
+        assert w.tree[kids[0]["id"]]["history"] == ["running", "killed"]
+        wait_for(lambda: c.states()[-1].get("tree", {}).get(kids[0]["id"], {}).get("tomb"), what="the page told")
+        assert "1 gone" in repr(w) and "2 sandboxes" in repr(w)
     finally:
         w.close()
     assert not w.live
@@ -199,11 +212,21 @@ def test_buttons_run_actions_through_the_sdk(forkd, comms):
         branch = f"branch-{sandboxes[0]}-0"
         kid = ctl.spawn_sandboxes(branch, 1)[0]["id"]
         ctl.branch_sandbox(kid, "wa-deep", mode="full")
+        # what the tree has shown becomes a tombstone (a node made and gone between two reads never was in it)
+        wait_for(lambda: "wa-deep" in w.tree and kid in w.tree, what="wa-deep in the tree")
         front_end_says(w, {"action": "delete", "id": branch, "cascade": True, "req": 5})
         assert w.message == f"deleted {branch} and the snapshots branched from it"
-        wait_for(lambda: branch not in w.tree and "wa-deep" not in w.tree, what="deleted snapshots to leave")
-        assert kid in w.tree  # its sandbox keeps running: the drawing shows a ghost above it
+        wait_for(lambda: all(w.tree.get(t, {}).get("status") == "deleted" for t in (branch, "wa-deep")),
+                 what="deleted snapshots to be tombstones")
+        # and stay so: a status the server sends after (a template ending as its snapshot goes) is late
+        w.apply_event({"kind": "snapshot", "action": "status", "tag": branch, "status": "failed"})
+        assert w.tree[branch]["status"] == "deleted" and w.tree[branch]["history"][-1] == "deleted"
+        assert w.tree[kid]["status"] == "running"  # its sandbox keeps running, under its snapshot's tombstone
         assert w.tree[kid]["parent"] == branch
+        # "clear gone" in the page: the kernel forgets its tombstones
+        front_end_says(w, {"action": "clear", "req": 9})
+        assert replies(w)[9]["ok"] and not any(n.get("tomb") for n in w.tree.values())
+        assert branch not in w.tree and kid in w.tree
 
         # errors come back as one line in the widget and as a failed reply, nothing raises in the kernel
         front_end_says(w, {"action": "kill", "id": "sb-nope", "req": 6})
@@ -240,9 +263,35 @@ def test_output_bundle_carries_a_static_picture(forkd, comms):
     try:
         data, _meta = w._repr_mimebundle_()
         assert "application/vnd.jupyter.widget-view+json" in data and data["text/plain"].startswith("LineageWidget(")
-        assert data["image/svg+xml"].startswith("<svg") and "◆ wp · ready" in data["image/svg+xml"]
+        svg = data["image/svg+xml"]
+        assert svg.startswith("<svg") and "◆ wp · ready" in svg
+        # the same picture as HTML, which JupyterLab renders where it does not run the widget (an
+        # untrusted notebook: its SVG renderer is not a safe one, its sanitized HTML is)
+        m = re.fullmatch(r'<img src="data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)" alt="([^"]*)">', data["text/html"])
+        assert m and base64.b64decode(m.group(1)).decode() == svg
+        assert html.unescape(m.group(2)) == "forkd lineage: 1 snapshot(s), 0 sandbox(es) when the cell ran"
     finally:
         w.close()
+
+
+def test_a_node_that_only_leaves_the_scope_is_not_a_tombstone(forkd, comms):
+    """A forkd kernel's HEAD is its notebook's: when the kernel moves on, the old HEAD leaves the
+    notebook's tree but keeps running, so it is not drawn as killed."""
+    ctl = forkd.controller()
+    ctl.create_snapshot("wk")
+    first, second = (b["id"] for b in ctl.spawn_sandboxes("wk", 2))
+    ctl.set_kernel_head("k-wk", first)
+    w = LineageWidget(ctl, scope=Scope(kernel_id="k-wk"))
+    try:
+        assert set(w.tree) == {"wk", first}
+        ctl.set_kernel_head("k-wk", second)
+        wait_for(lambda: second in w.tree and first not in w.tree, what="HEAD to move")
+        ctl.kill_sandbox(second)
+        wait_for(lambda: w.tree.get(second, {}).get("tomb"), what="the killed HEAD to be a tombstone")
+        assert first not in w.tree
+    finally:
+        w.close()
+        ctl.forget_kernel("k-wk")
 
 
 def test_static_widget_does_not_follow(forkd, comms):

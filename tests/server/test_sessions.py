@@ -58,6 +58,9 @@ def test_timeout_interrupts_the_cell(ctl, snap):
     sb = snap.fork(1)[0]
     execution = sb.run_code("time.sleep(60)", timeout=1)
     assert execution.error["ename"] == "KeyboardInterrupt"
+    # the user's frames only: the cell stopped at its line, not in the agent's SIGINT handler
+    assert execution.error["traceback"] == ["Traceback (most recent call last):\n",
+                                            '  File "<cell>", line 1, in <module>\n', "KeyboardInterrupt\n"]
     assert sb.ping()["busy"] is None  # the main thread is free again
 
 

@@ -21,6 +21,8 @@ import threading
 import traceback
 from typing import Callable
 
+from .executor import without_interrupt_frame
+
 Emit = Callable[[dict], None]
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -106,7 +108,7 @@ class EventStream(io.TextIOBase):
 
 def traceback_lines(exc: BaseException, filename: str) -> list[str]:
     """The user's frames only: from the first frame of ``filename`` (the cell) on."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    frames = traceback.extract_tb(without_interrupt_frame(exc.__traceback__))
     first = next((i for i, f in enumerate(frames) if f.filename == filename), len(frames))
     return (["Traceback (most recent call last):\n"] + traceback.format_list(frames[first:])
             + traceback.format_exception_only(type(exc), exc))

@@ -21,6 +21,22 @@ from typing import Any, Callable
 from . import generators
 
 
+def without_interrupt_frame(tb):
+    """``tb`` without the frame of the SIGINT handler that raised an interrupt's KeyboardInterrupt
+    (always the innermost one): the user sees their code stop at their own line, as under ipykernel,
+    whose handler is CPython's own and leaves no frame. Cut in place, so the exception's
+    ``__traceback__`` is the same shorter chain."""
+    last, before = tb, None
+    while last is not None and last.tb_next is not None:
+        last, before = last.tb_next, last
+    if last is None or last.tb_frame.f_code is not Executor._on_sigint.__code__:
+        return tb
+    if before is None:
+        return None
+    before.tb_next = None
+    return tb
+
+
 class Busy(Exception):
     """The main thread is running something else and the job could not start in time."""
 

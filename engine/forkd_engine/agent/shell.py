@@ -26,6 +26,7 @@ from IPython.utils.tokenutil import token_at_cursor
 from traitlets.config import Config
 
 from .cells import EventStream, NoStdin
+from .executor import without_interrupt_frame
 
 
 def jsonable(value):
@@ -208,6 +209,10 @@ class ForkdShell(InteractiveShell):
             raise NoStdin("input() is not available here: the caller of this cell cannot answer it")
         sys.stdout.flush()
         return input_fn(str(prompt), password)
+
+    def _get_exc_info(self, exc_tuple=None):
+        etype, value, tb = super()._get_exc_info(exc_tuple)
+        return etype, value, without_interrupt_frame(tb)
 
     def _showtraceback(self, etype, evalue, stb) -> None:
         self._last_error = {"ename": getattr(etype, "__name__", str(etype)), "evalue": str(evalue),

@@ -28,7 +28,7 @@ from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, ExitStatus,
                     Handle, InvalidSpec, LimitHit, LimitReached, LossyFork, PROBE_PARALLELISM, SnapshotSpec,
                     ping_problem)
-from . import hugepages, rootfs, sandbox_init
+from . import hugepages, reserve, rootfs, sandbox_init
 from .setup import Setup
 from ..cgroups import CgroupError, Cgroups, leaf_name, subtree
 
@@ -43,6 +43,10 @@ INIT_REPORT_WAIT = 2.0  # s an init has to say how its agent ended (it reaps at 
 KILL_WAIT = 10.0        # s a killed agent has to exit (SIGKILL: only a process stuck in the kernel takes long)
 
 
+def _import_path() -> list[str]:
+    return [p for p in sys.path if p and os.path.isdir(p)]
+
+
 def _sandbox_env() -> dict:
     bindir = os.path.dirname(sys.executable)
     return {
@@ -50,7 +54,7 @@ def _sandbox_env() -> dict:
         "HOME": "/tmp",
         "TMPDIR": "/tmp",
         "LANG": "C.UTF-8",
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
+        "PYTHONPATH": os.pathsep.join(rootfs.sandbox_path(p) for p in _import_path()),
         "PYTHONDONTWRITEBYTECODE": "1",
         "FORKD_SANDBOX": "1",
     }
@@ -117,6 +121,8 @@ class ProcessEngine:
         # where each leaf's huge pages can be capped (they are not charged to its memory limit);
         # elsewhere sandboxes may map none at all (their seccomp filter refuses MAP_HUGETLB).
         self.huge_pages, self.huge_pages_note = hugepages.allow_surplus(self.cgroups.hugetlb_status())
+        # Free huge pages the host backs already, for the copies a write after a branch makes (reserve.py)
+        self.huge_page_reserve = reserve.start() if self.huge_pages else None
         self._creating: dict[str, Setup] = {}  # tag -> its setup, while it runs
         self._creating_lock = threading.Lock()
 
@@ -337,7 +343,7 @@ class ProcessEngine:
         deadline = time.monotonic() + spec.setup_timeout
         got = None
         try:
-            setup.start(cfg, dict(os.environ, PYTHONPATH=_sandbox_env()["PYTHONPATH"]),
+            setup.start(cfg, dict(os.environ, PYTHONPATH=os.pathsep.join(_import_path())),
                         (listener.fileno(), theirs.fileno()), log_path)
             listener.close()
             theirs.close()
@@ -637,4 +643,6 @@ class ProcessEngine:
             for fd in self._pidfds.values():
                 os.close(fd)
             self._pidfds.clear()
+        if self.huge_page_reserve is not None:
+            self.huge_page_reserve.close()
         self.cgroups.close()

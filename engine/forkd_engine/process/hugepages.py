@@ -23,7 +23,8 @@ background thread, which costs the main thread nothing; a fork meanwhile does no
 (``MADV_DONTFORK`` until they are in place).
 
 The pages come from the kernel's surplus pool on demand (``vm.nr_overcommit_hugepages``, which
-``allow_surplus`` raises from 0 when the engine starts) and go back to it when the array is freed.
+``allow_surplus`` raises from 0 when the engine starts) and go back to it when the array is freed,
+or from the warm reserve the engine keeps in the persistent pool for copy-on-write (``reserve.py``).
 ``MAP_NORESERVE`` reserves nothing, so no page is ever taken back from a fork (a private hugetlb
 mapping holding a reservation takes its pages back from its forks, which then die with SIGBUS, when
 the pool runs dry); if the host cannot supply a huge page for a later copy-on-write, the process

@@ -166,8 +166,10 @@ class Qemu:
         return None
 
     @staticmethod
-    def vcpu_ns(pid: int) -> int:
-        """CPU time (schedstat, ns) of a QEMU's vCPU threads, named "CPU n/ACCEL" (debug-threads)."""
+    def vcpu_ns(pid: int, waiting: bool = False) -> int:
+        """CPU time (schedstat, ns) of a QEMU's vCPU threads, named "CPU n/ACCEL" (debug-threads);
+        with ``waiting``, plus the time they spent runnable, waiting for a CPU (a busy guest on a
+        busy host)."""
         total = 0
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
@@ -175,20 +177,22 @@ class Qemu:
                     if not f.read().startswith("CPU "):
                         continue
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
+                    ran, waited = (int(x) for x in f.read().split()[:2])
+                    total += ran + (waited if waiting else 0)
         return total
 
     def wait_idle(self, handle: Handle, quiet: float = 0.03, limit: float = 1.0) -> bool:
         """Wait until the guest is idle: its vCPUs ran no guest code for ``quiet`` seconds (a halted
         vCPU thread sleeps). A snapshot saved mid-work (a thread still exiting, the agent still on
         its way back to read) makes every child finish that work again, translated afresh: ~10 % of
-        a restore's CPU. Bounded by ``limit``; returns whether the guest went quiet."""
+        a restore's CPU. A vCPU that waits for a CPU of a loaded host is busy, not quiet. Bounded
+        by ``limit``; returns whether the guest went quiet."""
         pid = handle["pid"]
         start = quiet_since = time.monotonic()
-        last = self.vcpu_ns(pid)
+        last = self.vcpu_ns(pid, waiting=True)
         while time.monotonic() - start < limit:
             time.sleep(0.002)  # the sampling interval of the CPU counter, not a guess at readiness
-            now, used = time.monotonic(), self.vcpu_ns(pid)
+            now, used = time.monotonic(), self.vcpu_ns(pid, waiting=True)
             if used != last:
                 last, quiet_since = used, now
             elif now - quiet_since >= quiet:

@@ -77,14 +77,15 @@ def spawn(engine: "VMEngine", snapshot: Handle, children: list[ChildSpec]) -> li
                 h["cgroups"] = engine.cgroups.apply(child.id, h["pid"], child.memory_limit_mib, None)
             except OSError as exc:
                 raise EngineError(str(exc)) from exc
-        # Connect before the guest runs: it then sees its host connected throughout.
-        ch = engine.channel(h)
-        slot = ch.send(restore_request({"id": child.id, "role": "sandbox", "lineage": child.lineage}))
-        if "incoming_fd" in h:
-            _incoming_and_cont(engine, h, h.pop("incoming_fd"))
         try:
+            # Connect before the guest runs: it then sees its host connected throughout. A QEMU that
+            # cannot restore (a torn device state) may be gone by the send already.
+            ch = engine.channel(h)
+            slot = ch.send(restore_request({"id": child.id, "role": "sandbox", "lineage": child.lineage}))
+            if "incoming_fd" in h:
+                _incoming_and_cont(engine, h, h.pop("incoming_fd"))
             reply = ch.wait(slot, engine.restore_timeout)
-        except AgentUnreachable as exc:
+        except (AgentUnreachable, EngineError) as exc:
             raise EngineError(f"sandbox {child.id} did not come up: {exc}; {engine.qemu.log_tail(h)}") from exc
         if not reply.get("restored"):
             raise EngineError(f"sandbox {child.id} refused its restore (entropy/clock/identity), "
