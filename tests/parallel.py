@@ -5,8 +5,8 @@
 - Groups: a worker takes a whole group at a time: a module by default, so module fixtures (a server,
   a controller, a snapshot) start once; tests sharing a session fixture that is costly to make twice,
   or that a second worker would rebuild under them, form one group (``SHARED``: tests/vm, tests/lab).
-  Shared groups, then groups with a test marked ``slow``, start first, so that none is left to run
-  alone at the end.
+  Groups with an ``exclusive`` test start first (with that test), then shared groups and groups
+  with a test marked ``slow``, so that none is left to run alone at the end.
 - ``exclusive``: a test so marked runs while no other test of the run does (it reads or changes
   host-wide state, e.g. the huge-page pool).
 """
@@ -114,11 +114,22 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under xdist: the shared groups, then groups with a test marked slow, start first, so that none
-    is left to run alone at the end. (Every worker sorts alike: xdist requires the same order.)"""
+    """Under xdist, the order groups start in: those with an exclusive test, which comes first in its
+    group (at the start, what it waits for is short; later it could be a test of minutes), the
+    shared groups, the groups with a test marked slow (none is left to run alone at the end), then
+    the rest. (Every worker sorts alike: xdist requires the same order.)"""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     groups = {item: group_of(item.nodeid) for item in items}
-    slow = {groups[item] for item in items if item.get_closest_marker("slow")}
+    first: dict[str, int] = {}
+    for n, item in enumerate(items):
+        first.setdefault(groups[item], n)
+
+    def having(marker: str) -> set[str]:
+        return {groups[item] for item in items if item.get_closest_marker(marker)}
+
+    exclusive, slow = having("exclusive"), having("slow")
     order = {item: n for n, item in enumerate(items)}
-    items.sort(key=lambda item: (groups[item] not in SHARED, groups[item] not in slow, order[item]))
+    items.sort(key=lambda item: (groups[item] not in exclusive, groups[item] not in SHARED,
+                                 groups[item] not in slow, first[groups[item]],
+                                 item.get_closest_marker("exclusive") is None, order[item]))
