@@ -10,6 +10,9 @@ import time
 
 import pytest
 
+# What one run of the suite shares between its tests and its xdist workers (tests/parallel.py)
+pytest_plugins = ["tests.parallel"]
+
 
 def cleanup(ctl) -> None:
     """Delete what an in-process Controller made: workspaces, sandboxes, snapshots."""

@@ -42,6 +42,7 @@ def fresh_clone(tmp_path):
 
 
 @requires_root
+@pytest.mark.slow  # minutes: with -n it starts first
 @pytest.mark.timeout(1200)  # a pip install into an empty venv and the panel's build: minutes on a busy host
 def test_readme_command_1_in_a_fresh_clone_and_an_empty_venv(fresh_clone):
     command = readme_command_1()

@@ -145,6 +145,7 @@ for i in range(64):
 """
 
 
+@pytest.mark.exclusive  # reads the host's huge-page counters: no other test may take pages meanwhile
 def test_map_hugetlb_past_the_limit_fails_and_takes_nothing_from_the_host(ctl, numpy_snap):
     sb = ctl.spawn(numpy_snap, 1, memory_limit_mib=64)[0]["id"]
     leaf = hugetlb_leaf(ctl, ctl.registry.get_sandbox(sb)["handle"])
@@ -205,6 +206,7 @@ def test_a_branch_takes_no_huge_pages_of_its_own(ctl, numpy_snap):
     assert int(read(leaf, "hugetlb.2MB.max")) == int(read(leaf, "hugetlb.2MB.rsvd.max")) == 0
 
 
+@pytest.mark.exclusive  # the host's pool must stay as found: no other test's engine may raise it
 def test_where_huge_pages_cannot_be_capped_no_sandbox_may_map_them(monkeypatch, short_dir):
     from forkd_engine.cgroups import Cgroups
     from forkd_server.controller import Controller

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from forkd_server.controller import Controller
 
 from ..conftest import cleanup, requires_root, wait_gone
 
-pytestmark = requires_root
+pytestmark = [requires_root, pytest.mark.slow]
 
 
 def test_1100_live_sandboxes_are_listed_and_all_deleted(short_dir):

@@ -92,6 +92,7 @@ def _no_other_engine() -> bool:
         return True
 
 
+@pytest.mark.exclusive  # reads the host's huge-page counters: no other test may take pages meanwhile
 def test_on_this_host_it_covers_the_pages_in_use_and_the_last_engine_gives_them_back(monkeypatch):
     if os.geteuid() != 0:
         pytest.skip("the pool is root's")

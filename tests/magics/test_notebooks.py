@@ -18,6 +18,8 @@ SANITIZE = NOTEBOOKS / "nbval-sanitize.cfg"
 ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 FRESH_START = "%forkd kill --all"
 
+pytestmark = pytest.mark.slow  # a whole notebook per test, ~10 s each
+
 
 def test_the_demo_notebooks_are_there():
     assert ALL == ["agent-mid-thought.ipynb", "hyperparameter-fanout.ipynb", "quickstart.ipynb",
@@ -25,7 +27,9 @@ def test_the_demo_notebooks_are_there():
 
 
 def env_of(forkd, name: str) -> dict:
-    return {**forkd.env, "JPY_SESSION_NAME": f"notebooks/{name}"}
+    # nbval ignores display updates: a %%forkd run that took over a second (a loaded machine) would
+    # leave its live columns in the outputs it compares, so the columns stay off
+    return {**forkd.env, "JPY_SESSION_NAME": f"notebooks/{name}", "FORKD_RUN_SHOW_AFTER": "inf"}
 
 
 def under_nbval(forkd, name: str) -> None:

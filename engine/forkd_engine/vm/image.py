@@ -13,6 +13,7 @@ The optional second disk of more Debian packages is built by ``packages.py``; th
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -310,10 +311,27 @@ def image_key(debs: dict[str, str]) -> str:
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def cache_lock(cache_dir: str):
+    """Held while building into ``cache_dir``: engines sharing one cache (several servers or test
+    runs, $FORKD_VM_CACHE) wait for the build under way and reuse it instead of repeating it."""
+    fd = os.open(os.path.join(cache_dir, ".build.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def build_image(cache_dir: str, *, log=None) -> Image:
     """Build (or reuse) the guest image under ``cache_dir``; returns its paths."""
     cache_dir = os.path.realpath(cache_dir)
     os.makedirs(cache_dir, exist_ok=True)
+    with cache_lock(cache_dir):
+        return _build_image(cache_dir, log)
+
+
+def _build_image(cache_dir: str, log) -> Image:
     debs = fetch_debs(cache_dir)
     key = image_key(debs)
     out_dir = os.path.join(cache_dir, "images", key)

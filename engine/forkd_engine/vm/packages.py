@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from .image import PACKAGES_SERIAL, PYTHON_PACKAGES, ImageError, fetch_debs, run
+from .image import PACKAGES_SERIAL, PYTHON_PACKAGES, ImageError, cache_lock, fetch_debs, run
 
 PACKAGES_FILE = "packages.ext4"  # the packages disk, in its cache entry and in every snapshot using it
 PACKAGES_BUILDER_VERSION = "2"
@@ -279,6 +279,17 @@ def build_packages_image(cache_dir: str, packages: list[str], *, log=None) -> st
     names = validate_packages(packages)
     root = os.path.join(cache_dir, "packages")
     request = _request_file(root, names)
+    found = _remembered(root, request)
+    if found is not False:
+        return found
+    os.makedirs(cache_dir, exist_ok=True)
+    with cache_lock(cache_dir):
+        found = _remembered(root, request)  # built meanwhile by another engine sharing the cache
+        return _build_packages_image(cache_dir, root, request, names, say) if found is False else found
+
+
+def _remembered(root: str, request: str) -> str | None | bool:
+    """The image remembered for ``request`` (None: the base image has every package), else False."""
     with contextlib.suppress(OSError, ValueError, KeyError):
         with open(request) as f:
             key = json.load(f)["key"]
@@ -286,6 +297,10 @@ def build_packages_image(cache_dir: str, packages: list[str], *, log=None) -> st
             return None
         if os.path.exists(os.path.join(root, key, "packages.json")):
             return os.path.join(root, key, PACKAGES_FILE)
+    return False
+
+
+def _build_packages_image(cache_dir: str, root: str, request: str, names: list[str], say) -> str | None:
     pkgs = resolve_packages(names)
     if not pkgs:
         _remember(request, None)
