@@ -158,8 +158,11 @@ class ForkdApp(ExtensionApp):
         except DataDirBusy as exc:
             self.log.critical("forkd: %s", exc)
             self.serverapp.exit(1)  # as jupyter_server refuses root without --allow-root
+        # The port listens at once: what outlived the previous server is settled on threads meanwhile,
+        # and calls about an object not settled yet answer 503 (recovery.py).
         self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
-                                     default_engine=self.default_engine)
+                                     default_engine=self.default_engine, recover_in_background=True)
+        self.controller.recovery.on_done = self._recovered
         from .kernels import KernelHeads
         from .sessions import SessionManager
         self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)
@@ -180,6 +183,14 @@ class ForkdApp(ExtensionApp):
             logger.register_event_schema(EVENT_SCHEMA)
         self.log.info("forkd: data in %s, routes under %s%s", self.controller.data_dir,
                       self.serverapp.base_url, self.route_prefix)
+
+    def _recovered(self, result: dict) -> None:
+        """Called on the recovery thread once every object it found is settled."""
+        settled = self.controller.recovery.settled_s if self.controller else None
+        for line in result["findings"]:
+            self.log.warning("forkd: recovery: %s", line)
+        self.log.info("forkd: recovery settled in %.2f s: %s", settled or 0.0,
+                      ", ".join(f"{k} {v}" for k, v in result.items() if k != "findings"))
 
     def initialize_handlers(self) -> None:
         from .handlers import route_table

@@ -42,7 +42,10 @@ def default_data_dir() -> str:
 
 class Controller:
     def __init__(self, data_dir: str, engines: dict | None = None, *, branch_concurrency: int = 4,
-                 default_engine: str = "auto"):
+                 default_engine: str = "auto", recover_in_background: bool = False):
+        """``recover_in_background``: return once the registry is read, and settle what outlived the
+        previous server on threads meanwhile (calls about an object not settled yet answer 503);
+        else return once all of it is settled (recovery.py)."""
         if branch_concurrency < 1:
             raise ValueError("branch_concurrency must be at least 1")
         self.data_dir = os.path.realpath(data_dir)
@@ -56,7 +59,14 @@ class Controller:
         self.sandboxes = SandboxManager(self)
         self.workspaces = WorkspaceManager(self)
         self.creation = CreationManager(self)
-        self.recovered = self.reconcile()  # what the start-up found (counts and findings)
+        self.recovery = Recovery(self)
+        self.recovery.start(background=recover_in_background)
+
+    @property
+    def recovered(self) -> dict:
+        """What the start-up found (counts and ``findings``), once it has settled everything."""
+        self.recovery.wait()
+        return self.recovery.result()
 
     @property
     def branch_cap(self) -> int:
@@ -83,6 +93,7 @@ class Controller:
         return engines
 
     def close(self) -> None:
+        self.recovery.wait()  # its threads use the engines and the registry
         for engine in self.engines.values():
             engine.close()
         self.registry.close()
@@ -113,7 +124,7 @@ class Controller:
     def checked_snapshot(self, row: dict) -> dict:
         """A ready snapshot whose template died outside our control becomes failed, with a reason."""
         row = self.branches.overlay(row)  # a write whose final record was refused reads as failed
-        if row["status"] != "ready":
+        if row["status"] != "ready" or row["tag"] in self.recovery.snapshots:  # settled by recovery.py
             return row
         engine = self.engines.get(row["engine"])
         if engine is not None and engine.alive(row["handle"]):
@@ -132,13 +143,6 @@ class Controller:
 
     snapshot_info = staticmethod(snapshot_info)
     sandbox_info = staticmethod(sandbox_info)
-
-    # --- start-up --------------------------------------------------------------------------------
-
-    def reconcile(self) -> dict:
-        """Re-attach to what survived a restart (and answers); record and end what did not.
-        Returns counts and ``findings`` (recovery.py)."""
-        return Recovery(self).run()
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -189,6 +193,7 @@ class Controller:
         check_tag(tag)
         if cascade and force:
             raise BadRequest("cascade and force are mutually exclusive")
+        self.recovery.check_snapshot(tag)
         if tag in self.branches.in_flight:
             if self.creation.cancel(tag):  # a snapshot being created: its setup is stopped, nothing stays
                 return
@@ -209,6 +214,8 @@ class Controller:
                                + (f" (cascade from {tag} would delete it)" if victim["tag"] != tag else ""),
                                hint="delete the workspace instead",
                                details={"rest": f"DELETE /v1/workspaces/{name}", "cli": f"forkd workspace delete {name}"})
+        for victim in victims[1:]:
+            self.recovery.check_snapshot(victim["tag"])
         for victim in reversed(victims):
             engine = self.engines.get(victim["engine"])
             if victim["handle"] and engine is not None:
@@ -356,22 +363,28 @@ class Controller:
     workspace_info = staticmethod(workspace_info)
 
     def list_workspaces(self) -> list[dict]:
+        self.recovery.check_workspaces()
         return self.workspaces.list()
 
     def get_workspace(self, name) -> dict:
+        self.recovery.check_workspaces()
         return self.workspaces.get(name)
 
     def create_workspace(self, name, snapshot_tag, *, memory_limit_mib=None, **_forkd_options) -> dict:
         """forkd's ``per_child_netns`` is accepted and ignored."""
+        self.recovery.check_workspaces()
         return self.workspaces.create(name, snapshot_tag, memory_limit_mib=memory_limit_mib)
 
     def suspend_workspace(self, name, *, diff: bool = False) -> dict:
+        self.recovery.check_workspaces()
         return self.workspaces.suspend(name, diff=diff)
 
     def resume_workspace(self, name) -> dict:
+        self.recovery.check_workspaces()
         return self.workspaces.resume(name)
 
     def delete_workspace(self, name) -> None:
+        self.recovery.check_workspaces()
         self.workspaces.delete(name)
 
     # --- lineage ---------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class Server:
             try:
                 with urllib.request.urlopen(f"{scheme}://127.0.0.1:{self.port}/healthz", timeout=1,
                                             context=ctx) as r:
-                    assert json.loads(r.read()) == {"ok": True}
+                    assert json.loads(r.read())["ok"] is True
                     return
             except OSError:
                 if time.monotonic() > deadline:

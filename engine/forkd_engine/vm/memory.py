@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import io
 import os
@@ -218,9 +219,19 @@ def lift_write_protect(pid: int, start: int, size: int) -> int:
     pidfd = os.pidfd_open(pid)
     try:
         for number in userfaultfds(pid):
-            fd = linux.pidfd_getfd(pidfd, number)
             try:
-                fcntl.ioctl(fd, UFFDIO_WRITEPROTECT, bytearray(struct.pack("QQQ", start, size, 0)))
+                fd = linux.pidfd_getfd(pidfd, number)
+            except FileNotFoundError:  # QEMU closed it meanwhile: it protects nothing now
+                continue
+            try:
+                try:
+                    fcntl.ioctl(fd, UFFDIO_WRITEPROTECT, bytearray(struct.pack("QQQ", start, size, 0)))
+                except OSError as exc:
+                    # ENOENT: this userfaultfd has no write-protect registered on the range (QEMU
+                    # unregistered it, or never registered RAM with it): nothing of it to lift.
+                    if exc.errno in (errno.ENOENT, errno.EINVAL):
+                        continue
+                    raise
                 with contextlib.suppress(OSError):  # QEMU may have unregistered it meanwhile
                     fcntl.ioctl(fd, UFFDIO_UNREGISTER, bytearray(struct.pack("QQ", start, size)))
                 lifted += 1
