@@ -118,6 +118,9 @@ class ForkdApp(ExtensionApp):
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
     max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
+    recovery_probe_timeout = Float(5.0, config=True, help="Seconds each sandbox and template recorded by the "
+                                                          "previous server has to answer its ping after a restart "
+                                                          "(calls about it answer 503 until it has, or is ended).")
 
     @default("data_dir")
     def _default_data_dir(self) -> str:
@@ -161,7 +164,8 @@ class ForkdApp(ExtensionApp):
         # The port listens at once: what outlived the previous server is settled on threads meanwhile,
         # and calls about an object not settled yet answer 503 (recovery.py).
         self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
-                                     default_engine=self.default_engine, recover_in_background=True)
+                                     default_engine=self.default_engine, recover_in_background=True,
+                                     probe_timeout=self.recovery_probe_timeout)
         self.controller.recovery.on_done = self._recovered
         from .kernels import KernelHeads
         from .sessions import SessionManager

@@ -42,10 +42,12 @@ def default_data_dir() -> str:
 
 class Controller:
     def __init__(self, data_dir: str, engines: dict | None = None, *, branch_concurrency: int = 4,
-                 default_engine: str = "auto", recover_in_background: bool = False):
+                 default_engine: str = "auto", recover_in_background: bool = False,
+                 probe_timeout: float | None = None):
         """``recover_in_background``: return once the registry is read, and settle what outlived the
         previous server on threads meanwhile (calls about an object not settled yet answer 503);
-        else return once all of it is settled (recovery.py)."""
+        else return once all of it is settled (recovery.py). ``probe_timeout``: seconds each
+        recorded agent has to answer its ping then (default ``recovery.PROBE_TIMEOUT``)."""
         if branch_concurrency < 1:
             raise ValueError("branch_concurrency must be at least 1")
         self.data_dir = os.path.realpath(data_dir)
@@ -59,7 +61,7 @@ class Controller:
         self.sandboxes = SandboxManager(self)
         self.workspaces = WorkspaceManager(self)
         self.creation = CreationManager(self)
-        self.recovery = Recovery(self)
+        self.recovery = Recovery(self, probe_timeout)
         self.recovery.start(background=recover_in_background)
 
     @property

@@ -53,8 +53,9 @@ RETRY = "retry in a moment: the server restarted and settles what it recorded (G
 
 
 class Recovery:
-    def __init__(self, controller: "Controller"):
+    def __init__(self, controller: "Controller", probe_timeout: float | None = None):
         self.ctl = controller
+        self.probe_timeout = PROBE_TIMEOUT if probe_timeout is None else probe_timeout
         self.registry = controller.registry
         self.engines = controller.engines
         self.sandboxes: set[str] = set()   # ids not settled yet
@@ -210,6 +211,7 @@ class Recovery:
         self.engines[row["engine"]].abandon(row["id"])
         self.registry.delete_sandboxes([row["id"]])
         self._count("sandboxes_dropped")
+        self._found(f"sandbox {row['id']}: ended its start, cut short when the server stopped")
 
     def _finish_end(self, row: dict) -> None:
         """A kill (or drop) the previous server started and did not see through."""
@@ -225,7 +227,7 @@ class Recovery:
     def _probe_snapshot(self, row: dict) -> None:
         engine = self.engines[row["engine"]]
         self._repair(engine, row, f"snapshot {row['tag']}")
-        reason = engine.probe([row["handle"]], PROBE_TIMEOUT)[0]
+        reason = engine.probe([row["handle"]], self.probe_timeout)[0]
         if reason is None:
             self._count("snapshots_attached")
             return
@@ -235,7 +237,7 @@ class Recovery:
     def _probe_sandbox(self, row: dict) -> None:
         engine = self.engines[row["engine"]]
         self._repair(engine, row, f"sandbox {row['id']}")
-        reason = engine.probe([row["handle"]], PROBE_TIMEOUT)[0]
+        reason = engine.probe([row["handle"]], self.probe_timeout)[0]
         if reason is None:
             self._count("sandboxes_attached")
             return
