@@ -15,7 +15,8 @@ from the start of its process:
 - ``settle_s``: until ``/healthz`` no longer says ``recovering`` (every recorded object settled):
   the restart, whole.
 
-Then (untimed) a sandbox of the snapshot is spawned and answers, and the next round starts. With
+Then (untimed) a sandbox of the snapshot is spawned and answers, every sandbox is killed and every
+other snapshot deleted, and the next round starts. With
 ``--stale N`` (process engine) one more restart is timed with N sandboxes whose agents are stopped
 (SIGSTOP: alive and silent, the worst a restart meets): the port listens while their pings wait
 out ``recovery_probe_timeout`` (5 s), all at once, then each is ended.
@@ -102,6 +103,15 @@ def worker(url: str, token: str, stop: threading.Event, progress: threading.Sema
                 return
 
 
+def clear(client: Client) -> None:
+    """Kill every sandbox and delete every snapshot but ``base``."""
+    for sb in client.list_sandboxes():
+        client.kill_sandbox(sb["id"])
+    for snap in client.list_snapshots():
+        if snap["tag"] != "base":
+            client.delete_snapshot(snap["tag"])
+
+
 def summary(samples: list[float]) -> dict:
     return {"median_s": round(statistics.median(samples), 3), "worst_s": round(max(samples), 3), "n": len(samples),
             "rounds_s": [round(s, 3) for s in samples]}
@@ -140,7 +150,7 @@ def crash_rounds(engine: str, rounds: int, workers: int) -> dict:
             counts.append(len(client.list_sandboxes()))
             (kid,) = client.spawn_sandboxes("base", 1)
             assert client.eval_code(kid["id"], "value")["result"] == "41"
-            client.kill_sandbox(kid["id"])
+            clear(client)  # what the burst left (kills cut short are re-attached): each round starts alike
             empty.append(empty_start(engine))
         cleanup(server.url, token)
     finally:

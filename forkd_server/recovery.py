@@ -64,7 +64,8 @@ class Recovery:
                        "sandboxes_dropped": 0}
         self.findings: list[str] = []
         self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._settled = threading.Event()   # every recorded object (and workspace) settled
+        self._finished = threading.Event()  # and the engines' sweeps done
         self.started = time.monotonic()
         self.settled_s: float | None = None  # seconds from start to the last object settled
         self.on_done: Callable[[dict], None] | None = None
@@ -74,9 +75,9 @@ class Recovery:
     @property
     def pending(self) -> int:
         """Objects not settled yet (0 once recovery is over)."""
-        if self._done.is_set():
+        if self._settled.is_set():
             return 0
-        return max(1, len(self.sandboxes) + len(self.snapshots))  # 1: the engines' sweeps, the workspaces
+        return max(1, len(self.sandboxes) + len(self.snapshots))  # 1: the workspaces, settled last
 
     def check_sandbox(self, sandbox_id: str) -> None:
         if sandbox_id in self.sandboxes:
@@ -89,12 +90,13 @@ class Recovery:
                              hint=RETRY)
 
     def check_workspaces(self) -> None:
-        if not self._done.is_set():
+        if not self._settled.is_set():
             raise Recovering("workspaces are recovering: the server restarted and settles them once their "
                              "sandboxes and snapshots are", hint=RETRY)
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
+        """Wait until everything is settled and swept; True once it is."""
+        return self._finished.wait(timeout)
 
     def result(self) -> dict:
         with self._lock:
@@ -103,12 +105,21 @@ class Recovery:
     # --- the run -------------------------------------------------------------------------------------
 
     def start(self, background: bool) -> None:
-        """Read what to settle (fast, here), then settle it: on a thread of its own, or here."""
+        """Read what to settle (fast, here), then settle it and sweep: on a thread of its own, or
+        here. With nothing recorded, the settling (workspaces alone) is done here either way."""
         jobs = self._plan()
-        if background:
-            threading.Thread(target=self._run, args=(jobs,), name="forkd-recovery", daemon=True).start()
-        else:
-            self._run(jobs)
+        if not background:
+            self._settle_all(jobs)
+            self._sweep()
+            return
+        if not jobs:
+            self._settle_all(jobs)
+        threading.Thread(target=self._background, args=(jobs,), name="forkd-recovery", daemon=True).start()
+
+    def _background(self, jobs: list) -> None:
+        if not self._settled.is_set():
+            self._settle_all(jobs)
+        self._sweep()
 
     def _plan(self) -> list[tuple[str, str, Callable[[dict], None], dict]]:
         """The jobs, one per object: (kind, key, settle function, row); their keys become pending."""
@@ -134,18 +145,13 @@ class Recovery:
         self.sandboxes = {key for kind, key, _fn, _row in jobs if kind == "sandbox"}
         return jobs
 
-    def _run(self, jobs: list) -> None:
+    def _settle_all(self, jobs: list) -> None:
+        """Every recorded object, all at once, then the workspaces on what is left."""
         try:
             if jobs:
                 with ThreadPoolExecutor(max_workers=min(SETTLE_WORKERS, len(jobs)),
                                         thread_name_prefix="forkd-settle") as pool:
                     wait([pool.submit(self._settle, *job) for job in jobs])
-            known = [r["handle"] for r in self.registry.list_snapshots() + self.registry.list_sandboxes()
-                     if r["handle"]]
-            engines = list(self.engines.items())
-            with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
-                for found in pool.map(lambda named: self._guarded(named, known), engines):
-                    self._found(*found)
             try:
                 self.counts.update(self.ctl.workspaces.reconcile())
             except Exception as exc:  # noqa: BLE001 - the server comes up; the workspaces say stale
@@ -154,7 +160,20 @@ class Recovery:
         finally:
             self.sandboxes, self.snapshots = set(), set()
             self.settled_s = time.monotonic() - self.started
-            self._done.set()
+            self._settled.set()
+
+    def _sweep(self) -> None:
+        """Each engine ends and removes what no record names (all engines at once), then says so.
+        Calls go on meanwhile: an engine sweeps only what predates it."""
+        try:
+            known = [r["handle"] for r in self.registry.list_snapshots() + self.registry.list_sandboxes()
+                     if r["handle"]]
+            engines = list(self.engines.items())
+            with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
+                for found in pool.map(lambda named: self._guarded(named, known), engines):
+                    self._found(*found)
+        finally:
+            self._finished.set()
             if self.on_done is not None:
                 self.on_done(self.result())
 
