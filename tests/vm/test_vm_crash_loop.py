@@ -93,8 +93,11 @@ def test_kill_9_of_serve_mid_vm_burst_then_restart_loop():
                 assert client.ping_sandbox(sb["id"])["pong"] is True
             (kid,) = client.spawn_sandboxes("base", 1)
             assert client.eval_code(kid["id"], "value")["result"] == "41"
-            for sb in client.list_sandboxes():  # the VMs a crash re-attached, so rounds do not pile them up
+            for sb in client.list_sandboxes():  # what a crash re-attached, so rounds do not pile it up
                 client.kill_sandbox(sb["id"])
+            for snap in client.list_snapshots():
+                if snap["tag"] != "base":
+                    client.delete_snapshot(snap["tag"])
         cleanup(url, token)
         assert client.list_sandboxes() == []
         assert client.list_snapshots() == []
