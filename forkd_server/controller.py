@@ -64,6 +64,14 @@ class Controller:
         self.recovery = Recovery(self, probe_timeout)
         self.recovery.start(background=recover_in_background)
 
+    def reconcile(self) -> dict:
+        """Settle again, here, everything the registry records, as a start-up does (recovery.py);
+        returns counts and ``findings``."""
+        self.recovery.wait()
+        self.recovery = Recovery(self, self.recovery.probe_timeout)
+        self.recovery.start(background=False)
+        return self.recovery.result()
+
     @property
     def recovered(self) -> dict:
         """What the start-up found (counts and ``findings``), once it has settled everything."""
