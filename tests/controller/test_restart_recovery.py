@@ -6,6 +6,7 @@
   is then ended and dropped, saying why.
 - A kill the server was in the middle of when it died (its end recorded, its process killed or
   not yet): the next start-up finishes it, so no process is left that no record names.
+- An object whose settling raises fails alone (a sandbox ended, a snapshot failed, saying why).
 """
 
 from __future__ import annotations
@@ -129,6 +130,44 @@ def test_a_kill_cut_short_by_a_crash_is_finished_at_start_up(short_dir, when):
         assert any(f"sandbox {victim}: finished its end" in f for f in c.recovered["findings"]), c.recovered
         assert [s["id"] for s in c.list_sandboxes()] == [other]
         assert ev(c, other, "v") == "1"
+    finally:
+        cleanup(c)
+        c.close()
+    assert wait_gone(engine_processes(short_dir) - before) == set()
+
+
+
+def test_an_object_that_cannot_be_recovered_fails_alone(short_dir, monkeypatch):
+    """Whatever one object's settling raises (here: its engine's repair), the start-up goes on: that
+    sandbox is ended and dropped saying why, that snapshot failed saying why, the rest re-attached."""
+    from forkd_engine.process.engine import ProcessEngine
+
+    before = engine_processes(short_dir)
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("good", setup="v = 1")
+        c.create_snapshot("bad", setup="v = 2")
+        broken, fine = c.spawn("good", 2)
+        doomed = {broken["pid"], c.registry.get_snapshot("bad")["handle"]["pid"]}
+    finally:
+        c.close()
+
+    def repair(self, handle):
+        if handle["pid"] in doomed:
+            raise OSError("an engine fault no one foresaw")
+        return []
+
+    monkeypatch.setattr(ProcessEngine, "repair", repair)
+    c = Controller(short_dir)
+    try:
+        assert wait_gone({broken["pid"]}) == set()
+        with pytest.raises(NotFound, match="could not be recovered when the server started .*no one foresaw"):
+            c.get_sandbox(broken["id"])
+        bad = c.get_snapshot("bad")
+        assert bad["status"] == "failed" and "no one foresaw" in bad["warning"], bad
+        assert [s["id"] for s in c.list_sandboxes()] == [fine["id"]]
+        assert ev(c, fine["id"], "v") == "1"
+        assert c.get_snapshot("good")["status"] == "ready"
     finally:
         cleanup(c)
         c.close()
