@@ -82,17 +82,17 @@ class Recovery:
     def check_sandbox(self, sandbox_id: str) -> None:
         if sandbox_id in self.sandboxes:
             raise Recovering(f"sandbox {sandbox_id} is recovering: the server restarted and has not settled it yet",
-                             hint=RETRY)
+                             hint=RETRY, recovering=True)
 
     def check_snapshot(self, tag: str) -> None:
         if tag in self.snapshots:
             raise Recovering(f"snapshot {tag} is recovering: the server restarted and has not settled it yet",
-                             hint=RETRY)
+                             hint=RETRY, recovering=True)
 
     def check_workspaces(self) -> None:
         if not self._settled.is_set():
             raise Recovering("workspaces are recovering: the server restarted and settles them once their "
-                             "sandboxes and snapshots are", hint=RETRY)
+                             "sandboxes and snapshots are", hint=RETRY, recovering=True)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until everything is settled and swept; True once it is."""

@@ -53,10 +53,12 @@ class Server:
         self._start()
 
     def crash_and_restart(self) -> None:
-        """kill -9 the server and start it again on the same port and data dir (sandboxes outlive it)."""
+        """kill -9 the server and start it again on the same port and data dir (sandboxes outlive it);
+        returns once it has settled what it recorded."""
         self.crash()
         self._start()
         self.wait_healthy()
+        self.wait_settled()
 
     def health(self) -> dict:
         with urllib.request.urlopen(f"{self.url}/healthz", timeout=10) as r:

@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import socket
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -24,6 +25,7 @@ except ImportError:  # pragma: no cover - exercised where orjson is absent
     _loads = json.loads
 
 DEFAULT_URL = "http://127.0.0.1:8889"
+RECOVERING_POLL = 0.1  # s between asks about an object a restarted server has not settled yet
 
 
 class ForkWarning(UserWarning):
@@ -207,6 +209,21 @@ class Connection:
 
     def _open(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
               content_type: str | None = None, timeout: float | None = None, query: dict | None = None):
+        """One request. A 503 ``recovering`` (the server restarted and has not settled the object
+        yet; nothing was done) is asked again until it is settled, within the request's timeout."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while True:
+            try:
+                return self._open_once(method, path, body, raw=raw, content_type=content_type, timeout=timeout,
+                                       query=query)
+            except ControllerError as exc:
+                recovering = exc.status == 503 and isinstance(exc.body, dict) and exc.body.get("recovering")
+                if not recovering or time.monotonic() + RECOVERING_POLL > deadline:
+                    raise
+            time.sleep(RECOVERING_POLL)
+
+    def _open_once(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+                   content_type: str | None = None, timeout: float | None = None, query: dict | None = None):
         url = self.base_url + path
         if query:
             url += "?" + urllib.parse.urlencode(query, doseq=True)

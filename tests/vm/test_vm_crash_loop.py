@@ -23,7 +23,6 @@ pytestmark = [requires_root, requires_qemu, pytest.mark.slow]
 ROUNDS = 5
 WORKERS = 4
 CALL_TIMEOUT = 120  # seconds: a VM call under TCG on a loaded host is slow, not stuck
-SETTLE_TIMEOUT = 120
 
 
 def worker(url: str, token: str, stop: threading.Event, progress: threading.Semaphore) -> None:
@@ -81,11 +80,10 @@ def test_kill_9_of_serve_mid_vm_burst_then_restart_loop():
             for _ in range(rng.randint(WORKERS, 3 * WORKERS)):  # under way: spawns and branches in flight
                 assert progress.acquire(timeout=CALL_TIMEOUT), "the burst did not get going"
             stop.set()
-            server.crash_and_restart()            # kill -9 mid-burst; the start-up must succeed
+            server.crash_and_restart()            # kill -9 mid-burst; the start-up must succeed, and settle
             for t in threads:
                 t.join(CALL_TIMEOUT + 5)
                 assert not t.is_alive(), "a call outlived the client's timeout: stuck"
-            server.wait_settled(SETTLE_TIMEOUT)
             snapshots = client.list_snapshots()
             assert not [s["tag"] for s in snapshots if s["status"] == "writing"], snapshots
             assert all(s["warning"] for s in snapshots if s["status"] == "failed"), snapshots
