@@ -78,17 +78,18 @@ class SandboxManager:
             return endings.died(row, [])
         return endings.died(row, engine.limits_hit(row["handle"]), engine.exit_status(row["handle"]))
 
-    def end(self, row: dict, ended: dict) -> None:
+    def end(self, row: dict, ended: dict, remember: bool = True) -> None:
         """End a sandbox and record that it ended, in that order: the duty is recorded first (the
         row's ``ending``), the engine ends the process (or releases what a dead one held: socket,
         cgroup leaves) and only once it is gone does the row go, remembering why (``ended``). A
         crash in between leaves the duty recorded, and the next start-up finishes it (recovery.py);
-        an end the engine cannot make (EngineError) leaves it too."""
+        an end the engine cannot make (EngineError) leaves it too. ``remember=False``: a sandbox the
+        server made for its own purposes, whose id no one asks about."""
         self.registry.update_sandbox(row["id"], ending=ended)
         engine = self.engines.get(row["engine"])
         if engine is not None and row["handle"]:
             engine.kill(row["handle"])
-        self.registry.delete_sandboxes([row["id"]], ended=ended)
+        self.registry.delete_sandboxes([row["id"]], ended=ended if remember else None)
 
     def drop(self, row: dict, ended: dict) -> None:
         """End (or release what it held) a sandbox that died or must go, remember why, and say so.
@@ -351,7 +352,7 @@ class SandboxManager:
         if row is None:
             return True
         try:
-            self.end(row, row.get("ending") or endings.killed(sandbox_id))
+            self.end(row, row.get("ending") or endings.killed(sandbox_id), remember=False)
         except Exception:  # noqa: BLE001 - the caller's result stands; the recorded duty is finished later
             return False
         self.feed.emit("sandbox", "killed", id=sandbox_id)
