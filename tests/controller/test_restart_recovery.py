@@ -7,6 +7,7 @@
 - A kill the server was in the middle of when it died (its end recorded, its process killed or
   not yet): the next start-up finishes it, so no process is left that no record names.
 - An object whose settling raises fails alone (a sandbox ended, a snapshot failed, saying why).
+- A silent agent no record names (a spawn cut short) is killed by the socket it holds.
 """
 
 from __future__ import annotations
@@ -173,6 +174,35 @@ def test_an_object_that_cannot_be_recovered_fails_alone(short_dir, monkeypatch):
         assert ev(c, fine["id"], "v") == "1"
         assert c.get_snapshot("good")["status"] == "ready"
     finally:
+        cleanup(c)
+        c.close()
+    assert wait_gone(engine_processes(short_dir) - before) == set()
+
+
+def test_a_silent_agent_no_record_names_is_killed_by_the_socket_it_holds(short_dir, monkeypatch):
+    """A spawn the server died before recording (a ``starting`` row, no handle) whose agent does
+    not answer "retire": it is found by the listening socket it holds and killed, its init with it."""
+    from forkd_engine.process import engine as process_engine
+
+    before = engine_processes(short_dir)
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("s", setup="v = 1")
+        (sb,) = c.spawn("s", 1)
+        c.registry.update_sandbox(sb["id"], status="starting", handle=None)  # as a crash mid-spawn leaves it
+    finally:
+        c.close()
+    os.kill(sb["pid"], signal.SIGSTOP)
+    monkeypatch.setattr(process_engine, "ABANDON_TIMEOUT", 1.0)
+    c = Controller(short_dir)
+    try:
+        assert wait_gone({sb["pid"]}) == set()
+        assert any(f"sandbox {sb['id']}: ended its start" in f for f in c.recovered["findings"]), c.recovered
+        with pytest.raises(NotFound):
+            c.get_sandbox(sb["id"])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sb["pid"], signal.SIGCONT)
         cleanup(c)
         c.close()
     assert wait_gone(engine_processes(short_dir) - before) == set()
