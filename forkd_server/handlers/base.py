@@ -45,6 +45,23 @@ def scrub(uri: str) -> str:
     return _SECRET_PARAM.sub(r"\1[secret]", uri)
 
 
+class ScrubbedLog:
+    """The one way every forkd route (REST and WebSocket alike) puts a request in the log: its URI
+    with ``?token=`` scrubbed. tornado's own ``_request_summary`` and ``log_exception`` write the
+    URI in clear with every 4xx; jupyter_server's access log scrubs it on its own."""
+
+    def _request_summary(self) -> str:
+        return f"{self.request.method} {scrub(self.request.uri)} ({self.request.remote_ip})"
+
+    def log_exception(self, typ, value, tb) -> None:
+        if isinstance(value, web.HTTPError):
+            if value.log_message:
+                gen_log.warning("%d %s: %s", value.status_code, self._request_summary(),
+                                value.log_message % value.args)
+        else:
+            app_log.error("Uncaught exception %s", self._request_summary(), exc_info=(typ, value, tb))
+
+
 def caller_of(handler) -> str:
     """Whose long calls a request's are: the token it sent (its hash, never the token), else the user
     (any authenticated jupyter handler: REST routes and the session WebSocket alike)."""
@@ -118,7 +135,7 @@ def out_of_range(name: str, value, bounds: dict) -> str | None:
 
 
 @web.stream_request_body
-class ForkdHandler(ExtensionHandlerMixin, APIHandler):
+class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
     """Base of every forkd route: forkd's auth answers and error bodies, the controller on a pool.
 
     Bodies are streamed in and kept up to ``max_body_bytes``; past it the rest is read and dropped
@@ -174,18 +191,6 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
             raise ApiError(413, f"the request body is {self._received} bytes, more than the "
                                 f"{self.max_body_bytes} this route takes", {"limit_bytes": self.max_body_bytes})
         return b"".join(self._chunks or ())
-
-    def _request_summary(self) -> str:
-        return f"{self.request.method} {scrub(self.request.uri)} ({self.request.remote_ip})"
-
-    def log_exception(self, typ, value, tb) -> None:
-        # tornado's would log the request URI (a ?token= in it) in clear; this one never does
-        if isinstance(value, web.HTTPError):
-            if value.log_message:
-                gen_log.warning("%d %s: %s", value.status_code, self._request_summary(),
-                                value.log_message % value.args)
-        else:
-            app_log.error("Uncaught exception %s", self._request_summary(), exc_info=(typ, value, tb))
 
     def write_error(self, status_code: int, **kwargs) -> None:
         exc = (kwargs.get("exc_info") or (None, None, None))[1]
