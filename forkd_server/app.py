@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jupyter_server.extension.application import ExtensionApp
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from traitlets import Float, Int, Unicode, default, validate
+from traitlets import Bool, Float, Int, Unicode, default, validate
 
 from . import __version__
 from .controller import default_data_dir
@@ -118,6 +118,10 @@ class ForkdApp(ExtensionApp):
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
     max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
+    allow_host_network = Bool(False, config=True, help="Let callers create snapshots with host_network: their "
+                                                       "sandboxes share the host's network, so they reach every "
+                                                       "service on its loopback, this server's own port included. "
+                                                       "Off: such a request is answered 403.")
 
     @default("data_dir")
     def _default_data_dir(self) -> str:
