@@ -62,14 +62,23 @@ class ScrubbedLog:
             app_log.error("Uncaught exception %s", self._request_summary(), exc_info=(typ, value, tb))
 
 
+CLIENT_HEADER = "X-Forkd-Client"  # the SDK sends a random id per client object
+
+
 def caller_of(handler) -> str:
-    """Whose long calls a request's are: the token it sent (its hash, never the token), else the user
-    (any authenticated jupyter handler: REST routes and the session WebSocket alike)."""
+    """Whose long calls a request's are (any authenticated jupyter handler: REST routes and the
+    session WebSocket alike): the token it sent (its hash, never the token), else the user; and
+    within that, the client that says who it is with ``X-Forkd-Client``, so that clients sharing
+    one token (every client of ``forkd serve``) each have a cap of their own. Clients that send no
+    such header share their token's."""
     token = handler.identity_provider.get_token(handler) if handler.token_authenticated else None
     if token:
-        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
-    user = handler.current_user
-    return "user:" + (getattr(user, "username", None) or "anonymous")
+        caller = "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    else:
+        user = handler.current_user
+        caller = "user:" + (getattr(user, "username", None) or "anonymous")
+    client = handler.request.headers.get(CLIENT_HEADER, "")
+    return caller + "/client:" + hashlib.sha256(client.encode()).hexdigest()[:16] if client else caller
 
 
 MIB = 1 << 20
