@@ -277,16 +277,20 @@ def test_a_users_socket_refuses_the_branch_and_is_closed_in_a_lossy_one(ctl, pla
     assert ctl.run_code(sb, "os.read(r, 10)")["error"]["ename"] == "BlockingIOError"  # nothing reached the source
 
 
-def test_the_agents_own_connections_never_refuse_a_branch(ctl, plain):
-    """Requests the API sends the sandbox meanwhile (pings on six threads) are the agent's own
-    sockets, never the user's: 40 full branches of the idle sandbox all go through."""
+@pytest.mark.parametrize("call", ["ping", "eval"])
+def test_the_agents_own_connections_never_refuse_a_branch(ctl, plain, call):
+    """Requests the API sends the sandbox meanwhile (pings or evals on six threads) are the agent's
+    own sockets, never the user's: 40 full branches of the idle sandbox all go through."""
     sb = ctl.spawn(plain, 1)[0]["id"]
     stop = threading.Event()
     pings = [0] * 6
 
     def ping(i):
         while not stop.is_set():
-            assert ctl.ping(sb)["pong"] is True
+            if call == "ping":
+                assert ctl.ping(sb)["pong"] is True
+            else:
+                assert ev(ctl, sb, "1") == "1"
             pings[i] += 1
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
