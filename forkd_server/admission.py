@@ -175,7 +175,9 @@ class Admission:
             raise TooManyRequests(f"you have {self.callers[caller]} long calls in progress, the most one caller may "
                                   f"hold", hint="wait for one to end (or raise ForkdApp.max_long_calls_per_caller)",
                                   details={"in_progress": self.callers[caller],
-                                           "setting": "ForkdApp.max_long_calls_per_caller"})
+                                           "setting": "ForkdApp.max_long_calls_per_caller",
+                                           "caller": "your token, and within it your X-Forkd-Client header if "
+                                                     "you send one (each SDK client object sends its own)"})
         self.admitted += 1
         self.callers[caller] += 1
 
