@@ -143,22 +143,23 @@ def _loop_fds(loop) -> set[int]:
     return fds
 
 
-def socket_address(fd: int):
-    """The local address of socket ``fd``, or None."""
+def _accepted_from(fd: int, address) -> bool | None:
+    """Whether socket ``fd`` bears ``address`` as its own (a connection accepted from the listener
+    bound to it); None if ``fd`` was closed since it was listed (a connection that just ended)."""
     try:
-        dup = os.dup(fd)
+        dup = os.dup(fd)  # from here on the socket cannot go away under us
     except OSError:
         return None
     try:
         sock = socket.socket(fileno=dup)
     except OSError:
         os.close(dup)
-        return None
+        return False
     with sock:
         try:
-            return sock.getsockname()
+            return sock.getsockname() == address
         except OSError:
-            return None
+            return False
 
 
 def _descriptors() -> dict[int, str]:
@@ -177,7 +178,7 @@ def connections_to(address) -> set[int]:
     if not address:
         return set()
     return {fd for fd, target in _descriptors().items()
-            if target.startswith("socket:") and socket_address(fd) == address}
+            if target.startswith("socket:") and _accepted_from(fd, address)}
 
 
 def open_descriptors(agent_fds: set[int], agent_address=None) -> dict[int, str]:
@@ -185,10 +186,10 @@ def open_descriptors(agent_fds: set[int], agent_address=None) -> dict[int, str]:
 
     ``agent_address``, the agent listener's address: a connection accepted from it is the agent's
     (a request the API is sending), also in the moment before the thread serving it has recorded
-    it in ``agent_fds``."""
+    it in ``agent_fds``, and so is one closed since it was listed (it ended meanwhile)."""
     return {fd: target for fd, target in _descriptors().items()
             if fd > 2 and fd not in agent_fds
-            and not (agent_address and target.startswith("socket:") and socket_address(fd) == agent_address)}
+            and not (agent_address and target.startswith("socket:") and _accepted_from(fd, agent_address) is not False)}
 
 
 def _is_shared_kernel_object(target: str) -> bool:
