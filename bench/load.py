@@ -9,8 +9,8 @@ sandboxes. Each round starts a fresh server for each setting, in turn, so the lo
 machine falls on every setting alike; the figures are the medians over rounds of each round's p50
 and p90.
 
-Usage: python3 bench/load.py [--clients 200] [--seconds 20] [--rounds 2] [--json]
-                             [--setting=ARGS ...]   (each: forkd serve options, e.g. --setting=--ForkdApp.control_workers=64)
+Usage: python3 bench/load.py [--clients 200] [--seconds 20] [--rounds 2] [--json] [--setting=ARGS ...]
+(each --setting: the forkd serve options of one setting, e.g. --setting=--ForkdApp.control_workers=64)
 """
 
 from __future__ import annotations

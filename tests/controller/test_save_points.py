@@ -164,9 +164,10 @@ hit
 """
 
 
-@pytest.mark.xfail(strict=True, raises=NotFound, reason="a branch's template lives in a pid namespace nested in its source's, in "
-                   "the same user namespace and host uid: the source sees it and may signal it "
-                   "(docs/design/process-engine.md, 'What a sandbox can signal')")
+@pytest.mark.xfail(strict=True, raises=NotFound,
+                   reason="a branch's template lives in a pid namespace nested in its source's, in the same "
+                          "user namespace and host uid: the source sees it and may signal it "
+                          "(docs/design/process-engine.md, 'What a sandbox can signal')")
 def test_a_sandbox_cannot_kill_its_branch_or_what_was_spawned_from_it(ctl, numpy_snap):
     """The sandbox's user code signals every process it can see, after a branch that has a running
     child: the branch (a template) and its child go on."""

@@ -189,7 +189,8 @@ def open_descriptors(agent_fds: set[int], agent_address=None) -> dict[int, str]:
     it in ``agent_fds``, and so is one closed since it was listed (it ended meanwhile)."""
     return {fd: target for fd, target in _descriptors().items()
             if fd > 2 and fd not in agent_fds
-            and not (agent_address and target.startswith("socket:") and _accepted_from(fd, agent_address) is not False)}
+            and not (agent_address and target.startswith("socket:")
+                     and _accepted_from(fd, agent_address) is not False)}
 
 
 def _is_shared_kernel_object(target: str) -> bool:
@@ -238,7 +239,8 @@ def lost(agent_fds: set[int], running: tuple[str, float] | None = None, agent_ad
     loop_fds: set[int] = set()
     for loop in _known_loops():
         loop_fds |= _loop_fds(loop)
-    shared = {fd: t for fd, t in open_descriptors(agent_fds | loop_fds, agent_address).items() if _is_shared_kernel_object(t)}
+    shared = {fd: t for fd, t in open_descriptors(agent_fds | loop_fds, agent_address).items()
+              if _is_shared_kernel_object(t)}
     if shared:
         kinds = ", ".join(sorted({t.split(":")[0] + (":" + t.split(":")[1].strip("[]") if t.startswith("anon_inode") else "")
                                   for t in shared.values()}))
