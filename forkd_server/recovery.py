@@ -20,9 +20,10 @@ each object is settled on its own, all at once (``SETTLE_WORKERS``), and whateve
   alive but silent is ended and dropped, its ``killed`` event saying why;
 - an object whose settling raised is marked so: a snapshot ``failed``, a sandbox ended and
   dropped ("lost"), the reason in its record;
-- each engine then removes what no record names (``Engine.recover``: agents behind unknown
-  sockets, RAM files and VM directories, QEMUs nobody records), and workspaces settle on what is
-  left (``WorkspaceManager.reconcile``; workspace calls answer 503 until then).
+- workspaces then settle on what is left (``WorkspaceManager.reconcile``; workspace calls answer
+  503 until then), and each engine ends and removes what no record names and that predates it
+  (``Engine.recover``: agents behind unknown sockets, RAM files, VM directories, QEMUs nobody
+  records) while calls go on.
 
 ``result()`` gives counts and ``findings``: one line per thing repaired, ended or removed.
 """
@@ -49,7 +50,8 @@ PROBE_TIMEOUT = 5.0    # seconds an agent has to answer its ping when the server
 SETTLE_WORKERS = 128   # objects settled at once: most of a settle is waiting (a silent agent, a kill)
 
 INTERRUPTED = "snapshot is not bootable: interrupted by a server restart while it was being written"
-RETRY = "retry in a moment: the server restarted and settles what it recorded (GET /healthz says how many are left)"
+RETRY = ("retry in a moment: the server restarted and settles what it recorded "
+         "(GET /healthz says how many are left)")
 
 
 class Recovery:

@@ -49,7 +49,8 @@ def thaw(handle: Handle) -> list[str]:
         try:
             start, _pgoff, _path = vmem.find_ram_mapping(pid, handle["mem_mib"] << 20)
             if vmem.lift_write_protect(pid, start, handle["mem_mib"] << 20):
-                done.append("lifted the write-protect of a live branch whose writer died (its vCPUs were waiting on it)")
+                done.append("lifted the write-protect of a live branch whose writer died "
+                            "(its vCPUs were waiting on it)")
         except OSError as exc:  # it may have exited meanwhile: whether it answers decides (the probe)
             done.append(f"could not lift a write-protect ({exc})")
     try:
