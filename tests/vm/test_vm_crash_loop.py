@@ -100,3 +100,5 @@ def test_kill_9_of_serve_mid_vm_burst_then_restart_loop():
         assert client.list_sandboxes() == []
         assert client.list_snapshots() == []
         assert wait_gone(qemus_of(server.data_dir)) == set()  # no QEMU of the data dir runs
+        for leftovers in ("run", "snapshots"):                 # and no VM or snapshot directory is left
+            assert os.listdir(os.path.join(server.data_dir, "vm", leftovers)) == [], leftovers
