@@ -35,7 +35,7 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (r"v1/events", EventsHandler),
         (r"v1/tree", TreeHandler),
         (r"v1/snapshots", SnapshotsHandler),
-        (r"v1/snapshots/(pull)", SnapshotPullHandler),
+        (r"v1/snapshots/pull", SnapshotPullHandler),
         (rf"v1/snapshots/{ID}", SnapshotHandler),
         (rf"v1/snapshots/{ID}/info", SnapshotInfoHandler),
         (rf"v1/snapshots/{ID}/compact", SnapshotCompactHandler),

@@ -105,13 +105,16 @@ class SnapshotPushHandler(ForkdHandler):
 
 
 class SnapshotPullHandler(SnapshotHandler):
-    """``POST /v1/snapshots/pull`` makes a snapshot from the remote store; a snapshot tagged ``pull``
-    is still deleted at this path (the ``delete`` of ``SnapshotHandler``)."""
+    """``POST /v1/snapshots/pull`` makes a snapshot from the remote store. The path is also that of a
+    snapshot tagged ``pull``, which ``DELETE`` still deletes."""
     body_spec = PULL
 
     @web.authenticated
     @authorized(action="execute")
-    async def post(self, _path: str) -> None:
+    async def post(self) -> None:
         body = self.body(self.body_spec)
         self.send(await self.long_call("a pull", self.controller.pull_snapshot, tag=body.get("tag"),
                                        digest=body.get("digest")), 201)
+
+    async def delete(self) -> None:  # authenticated and authorized by SnapshotHandler.delete
+        await super().delete("pull")
