@@ -130,10 +130,11 @@ class Controller:
         self.fail_snapshot(row["tag"], warning)
         return dict(row, status="failed", warning=warning)
 
-    def fail_snapshot(self, tag: str, warning: str) -> None:
-        """Snapshot ``tag`` is failed, for the reason ``warning``: recorded, and said on the feed."""
-        self.registry.update_snapshot(tag, status="failed", warning=warning)
-        self.feed.emit("snapshot", "status", tag=tag, status="failed", warning=warning)
+    def fail_snapshot(self, tag: str, warning: str, status: str = "failed") -> None:
+        """Snapshot ``tag`` is ``failed`` (or ``lost``: gone with the host's restart), for the reason
+        ``warning``: recorded, and said on the feed."""
+        self.registry.update_snapshot(tag, status=status, warning=warning)
+        self.feed.emit("snapshot", "status", tag=tag, status=status, warning=warning)
 
     snapshot_info = staticmethod(snapshot_info)
     sandbox_info = staticmethod(sandbox_info)
