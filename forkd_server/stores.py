@@ -67,8 +67,15 @@ class StoreManager:
         self._queue.put(tag)
 
     def resume(self) -> None:
-        """At start-up: store every ready snapshot the previous server had not stored yet."""
-        for row in self.registry.list_snapshots():
+        """At start-up: drop pins no snapshot owns any more (their chunks become cache), and store
+        every ready snapshot the previous server had not stored yet."""
+        rows = self.registry.list_snapshots()
+        for name, engine in self.ctl.engines.items():
+            if hasattr(engine, "store_snapshot"):
+                owned = {(r["handle"] or {}).get("tag") for r in rows if r["engine"] == name}
+                for pin in set(engine.store.pins()) - owned:
+                    engine.store.unpin(pin)
+        for row in rows:
             if row["status"] == "ready":
                 self.store_later(row["tag"])
 
