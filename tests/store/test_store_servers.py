@@ -213,3 +213,13 @@ def test_without_a_store_push_says_how_to_set_one(host_a):
         assert status == 400 and "--store" in body["error"]
         status, body = call(srv, "POST", "/v1/snapshots/pull", {"tag": "a", "digest": "sha256:" + "0" * 64})
         assert status == 400
+
+
+def test_the_magics_push_and_pull(host_a, host_b, pushed, capsys):
+    from forkd_magics._magics import ForkdMagics
+    a = ForkdMagics(controller=Controller(host_a.url, host_a.token))
+    assert a.forkd("push np") == pushed
+    assert "0 of" in capsys.readouterr().out  # every chunk was there already
+    b = ForkdMagics(controller=Controller(host_b.url, host_b.token))
+    snap = b.forkd(f"pull --digest {pushed}")
+    assert snap.tag == "np" and "pulled np" in capsys.readouterr().out
