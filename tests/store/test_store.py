@@ -184,3 +184,35 @@ def test_unreachable_and_denied_stores_are_named_without_secret(tmp_path, monkey
         RemoteStore("ftp://host/x")
     with pytest.raises(StoreError, match="no credentials"):
         RemoteStore("s3://key:secret@bucket/x")
+
+
+def test_two_hosts_pushing_the_same_snapshot_at_once_make_one_manifest(tmp_path, monkeypatch):
+    import threading
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    with moto_s3() as (endpoint, log):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        files = files_of(tmp_path, "src", 9)
+        hosts = [ChunkCache(str(tmp_path / f"h{i}")) for i in range(2)]
+        digests = [persist(h, files, REQUIRES, {"tag": "t"}).digest for h in hosts]
+        assert digests[0] == digests[1]  # the same files make the same snapshot identity on any host
+        results, errors = [], []
+
+        def one(host):
+            try:
+                results.append(push(host, RemoteStore("s3://forkd/race"), digests[0], tag="t"))
+            except Exception as exc:  # noqa: BLE001 - collected, asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(h,)) for h in hosts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(results) == 2
+        remote = RemoteStore("s3://forkd/race")
+        assert [m["path"] for m in remote.list("manifests/")] == [f"manifests/{digests[0][7:]}"]
+        chunks = {m["path"] for m in remote.list("chunks/")}
+        assert len(chunks) == len(Manifest.from_bytes(remote.get_manifest(digests[0][7:])).chunks())
+        # every chunk was written once: the loser of a race finds it there (412) and rewrites nothing
+        assert sum(r["uploaded_chunks"] for r in results) == len(chunks)

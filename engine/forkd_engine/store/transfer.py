@@ -18,7 +18,7 @@ from .errors import ChunkCorrupt, NotInStore, StoreError
 from .manifest import Manifest, parse_digest
 from .remote import RemoteStore
 
-WORKERS = 4
+WORKERS = min(4, max(2, len(os.sched_getaffinity(0))))  # threads per transfer: hashing and zstd are CPU
 Progress = Callable[[int, int], None] | None
 
 
