@@ -23,7 +23,7 @@ import time
 
 from forkd_engine import EngineError
 from forkd_engine.store import (ChunkCorrupt, Incompatible, NotInStore, RemoteStore, StoreError, fetch_manifest,
-                                pull as pull_chunks, push as push_chunks)
+                                parse_digest, pull as pull_chunks, push as push_chunks)
 
 from .checks import check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound, StoreFailure
@@ -186,8 +186,11 @@ class StoreManager:
             raise BadRequest('give exactly one of "tag" and "digest"')
         if tag is not None:
             check_tag(tag)
-        elif not isinstance(digest, str):
-            raise BadRequest(f"digest must be a string sha256:<64 hex digits>, got {digest!r:.60}")
+        else:
+            try:
+                digest = "sha256:" + parse_digest(digest)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
         try:
             manifest = fetch_manifest(remote, tag=tag, digest=digest)
         except NotInStore as exc:

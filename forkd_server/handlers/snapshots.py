@@ -116,5 +116,9 @@ class SnapshotPullHandler(SnapshotHandler):
         self.send(await self.long_call("a pull", self.controller.pull_snapshot, tag=body.get("tag"),
                                        digest=body.get("digest")), 201)
 
-    async def delete(self) -> None:  # authenticated and authorized by SnapshotHandler.delete
-        await super().delete("pull")
+    @web.authenticated
+    @authorized
+    async def delete(self) -> None:
+        cascade, force = query_bool(self, "cascade"), query_bool(self, "force")
+        await self.call(self.controller.delete_snapshot, "pull", cascade=cascade, force=force)
+        self.no_content()
