@@ -247,7 +247,7 @@ class VMEngine:
         # Children map memory.bin; unlinking leaves their mappings intact.
         shutil.rmtree(handle["dir"], ignore_errors=True)
         shutil.rmtree(os.path.dirname(handle["memory"]), ignore_errors=True)
-        if handle.get("tag") and durable.stored_manifest(self, handle) is not None:
+        if handle.get("tag"):
             # its chunks stay while another snapshot's manifest lists them; the rest is cache
             self.store.unpin(handle["tag"])
             self.store.evict()
