@@ -175,6 +175,8 @@ class ForkdApp(ExtensionApp):
             raise
         if self.store:
             self.log.info("forkd: remote snapshot store %s", self.controller.stores.remote.url)
+        for line in self.controller.recovered.get("findings", []):  # what the start-up repaired or resumed
+            self.log.warning("forkd: %s", line)
         from .kernels import KernelHeads
         from .sessions import SessionManager
         self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)

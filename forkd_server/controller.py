@@ -60,7 +60,7 @@ class Controller:
         self.stores = StoreManager(self, store, store_options)  # local durability, push and pull
         self.branches.on_ready = self.stores.store_later
         self.recovered = self.reconcile()  # what the start-up found (counts and findings)
-        self.stores.resume()
+        self.recovered["findings"] += self.stores.resume()
 
     @property
     def branch_cap(self) -> int:

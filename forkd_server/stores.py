@@ -17,6 +17,8 @@ Progress goes out as change events (kind snapshot, action ``push``/``pull``, ``d
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 import time
@@ -42,7 +44,10 @@ class StoreManager:
                 self.remote = RemoteStore(store_url, **(store_options or {}))
             except StoreError as exc:
                 raise BadRequest(str(exc)) from None
-        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, str] | None] = queue.Queue()  # ("store" | "push", tag)
+        # a push under way leaves a marker: one cut short (the server killed) resumes at start-up
+        self._pushing_dir = os.path.join(controller.data_dir, "pushing")
+        os.makedirs(self._pushing_dir, mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: set[str] = set()
@@ -64,11 +69,12 @@ class StoreManager:
             if tag in self._pending:
                 return
             self._pending.add(tag)
-        self._queue.put(tag)
+        self._queue.put(("store", tag))
 
-    def resume(self) -> None:
-        """At start-up: drop pins no snapshot owns any more (their chunks become cache), and store
-        every ready snapshot the previous server had not stored yet."""
+    def resume(self) -> list[str]:
+        """At start-up: drop pins no snapshot owns any more (their chunks become cache), store every
+        ready snapshot the previous server had not stored yet, and resume the pushes it was cut off
+        in. Returns one line per resumed push."""
         rows = self.registry.list_snapshots()
         for name, engine in self.ctl.engines.items():
             if hasattr(engine, "store_snapshot"):
@@ -78,6 +84,20 @@ class StoreManager:
         for row in rows:
             if row["status"] == "ready":
                 self.store_later(row["tag"])
+        found = []
+        for tag in sorted(os.listdir(self._pushing_dir)):
+            row = self.registry.get_snapshot(tag)
+            if row is None or row["status"] != "ready" or self.remote is None:
+                os.unlink(os.path.join(self._pushing_dir, tag))
+                found.append(f"snapshot {tag}: a push was cut short by the server's end; not resumed "
+                             f"({'no remote store now' if self.remote is None else 'the snapshot is gone'})")
+                continue
+            with self._lock:
+                self._pending.add(f"push:{tag}")
+            self._queue.put(("push", tag))
+            found.append(f"snapshot {tag}: a push to {self.remote.url} was cut short by the server's end; it "
+                         f"resumes now (only the chunks the store lacks)")
+        return found
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is queued for the local store; True if so within ``timeout``."""
@@ -94,14 +114,18 @@ class StoreManager:
         self._queue.put(None)
 
     def _work(self) -> None:
-        while (tag := self._queue.get()) is not None:
+        while (job := self._queue.get()) is not None:
+            kind, tag = job
             try:
-                self.store_now(tag)
-            except Exception:  # noqa: BLE001 - said on the snapshot (warning) by store_now
+                if kind == "store":
+                    self.store_now(tag)
+                else:
+                    self.push(tag)
+            except Exception:  # noqa: BLE001 - said on the feed: a stored warning, or push progress that stops
                 pass
             finally:
                 with self._idle:
-                    self._pending.discard(tag)
+                    self._pending.discard(tag if kind == "store" else f"push:{tag}")
                     self._idle.notify_all()
 
     def store_now(self, tag: str) -> dict | None:
@@ -138,7 +162,7 @@ class StoreManager:
         if self.remote is None:
             raise BadRequest("this server has no remote store",
                              hint="start it with `forkd serve --store s3://bucket/prefix` (or file://, gs://, az://), "
-                                  "or set ForkdExtension.store")
+                                  "or set c.ForkdApp.store")
         return self.remote
 
     def _progress(self, tag: str, action: str):
@@ -170,10 +194,15 @@ class StoreManager:
         if stored is None:
             raise Conflict(f"snapshot {tag}: its files are gone, nothing to push")
         engine = self._engine_of(row)
+        marker = os.path.join(self._pushing_dir, tag)
+        open(marker, "w").close()
         try:
             result = push_chunks(engine.store, remote, stored["digest"], tag=tag, progress=self._progress(tag, "push"))
         except StoreError as exc:
             raise StoreFailure(f"push of {tag}: {exc}") from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
         self._set_stored(tag, row["handle"], dict(stored, remote=True))
         self.feed.emit("snapshot", "stored", tag=tag, digest=stored["digest"], remote=True)
         return {"tag": tag, "store": remote.url, **result}

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -223,3 +224,36 @@ def test_the_magics_push_and_pull(host_a, host_b, pushed, capsys):
     b = ForkdMagics(controller=Controller(host_b.url, host_b.token))
     snap = b.forkd(f"pull --digest {pushed}")
     assert snap.tag == "np" and "pulled np" in capsys.readouterr().out
+
+
+def test_the_cli_push_and_pull(host_a, host_b, pushed, s3):
+    env = s3[0]
+    out = subprocess.run([*FORKD, "push", "np", "--url", host_a.url, "--token", host_a.token, "--json"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["digest"] == pushed
+    out = subprocess.run([*FORKD, "pull", "--digest", pushed, "--url", host_b.url, "--token", host_b.token],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert f"pulled np ({pushed})" in out.stdout
+
+
+def test_a_push_cut_short_resumes_when_the_server_starts_again(host_a, pushed, s3):
+    """What a server killed mid-push leaves: some chunks in the store, no manifest update, and its
+    marker. The next start says so and pushes what is missing."""
+    env, _log = s3
+    from forkd_engine.store import fetch_manifest
+    remote = _s3(env)
+    victim = fetch_manifest(remote, digest=pushed).chunks()[0]
+    remote.delete(remote.chunk_path(victim))
+    host_a.proc.kill()  # kill -9, as a crash mid-push
+    host_a.proc.wait(60)
+    open(os.path.join(host_a.data_dir, "pushing", "np"), "w").close()
+    host_a._start()
+    host_a.wait_healthy()
+    deadline = time.monotonic() + 120
+    while not remote.has_chunk(victim):  # the resumed push runs in the background
+        assert time.monotonic() < deadline, host_a.output()
+        time.sleep(0.2)
+    assert "a push to s3://forkd/team was cut short" in host_a.output()
+    assert not os.path.exists(os.path.join(host_a.data_dir, "pushing", "np"))
