@@ -331,9 +331,12 @@ class ForkdMagics(Magics):
         if (args.tag is None) == (args.digest is None):
             raise UsageError("forkd pull: give a TAG or --digest sha256:... (one of them)")
         info = self.controller.pull_snapshot(args.tag, digest=args.digest)
-        figures = info.get("pull") or {}
-        print(f"pulled {info['tag']}: {figures.get('fetched_chunks', 0)} of {figures.get('chunks', 0)} chunks "
-              f"fetched ({figures.get('fetched_bytes', 0) / 1e6:.1f} MB), the rest were on the server")
+        figures = info.get("pull")
+        if figures is None:  # the same snapshot was there already
+            print(f"{info['tag']} is already on the server: nothing fetched")
+        else:
+            print(f"pulled {info['tag']}: {figures['fetched_chunks']} of {figures['chunks']} chunks fetched "
+                  f"({figures['fetched_bytes'] / 1e6:.1f} MB), the rest were on the server")
         return Snapshot(info, self.controller)
 
     def _delete(self, args, cell):

@@ -30,7 +30,7 @@ def cmd_push(args) -> int:
         return 0
     console().print(f"pushed {args.tag} to {out['store']}: {out['digest']}\n"
                     f"  {out['uploaded_chunks']} of {out['chunks']} chunks uploaded "
-                    f"({out['uploaded_bytes'] / 1e6:.1f} MB), the rest were there already")
+                    f"({out['uploaded_bytes'] / 1e6:.1f} MB), the rest were there already", soft_wrap=True)
     return 0
 
 
@@ -43,10 +43,14 @@ def cmd_pull(args) -> int:
     if args.json:
         emit_json(info)
         return 0
-    figures = info.get("pull") or {}
-    console().print(f"pulled {info['tag']} ({(info.get('stored') or {}).get('digest')}): {info['status']}\n"
-                    f"  {figures.get('fetched_chunks', 0)} of {figures.get('chunks', 0)} chunks fetched "
-                    f"({figures.get('fetched_bytes', 0) / 1e6:.1f} MB), the rest were on this host")
+    digest = (info.get("stored") or {}).get("digest")
+    figures = info.get("pull")
+    if figures is None:  # the same snapshot was here already: nothing moved
+        console().print(f"{info['tag']} ({digest}) is already on this server: nothing fetched", soft_wrap=True)
+        return 0
+    console().print(f"pulled {info['tag']} ({digest}): {info['status']}\n"
+                    f"  {figures['fetched_chunks']} of {figures['chunks']} chunks fetched "
+                    f"({figures['fetched_bytes'] / 1e6:.1f} MB), the rest were on this server", soft_wrap=True)
     return 0
 
 
