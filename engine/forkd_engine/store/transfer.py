@@ -18,11 +18,12 @@ from .errors import ChunkCorrupt, NotInStore, StoreError
 from .manifest import Manifest, parse_digest
 from .remote import RemoteStore
 
-WORKERS = min(4, max(2, len(os.sched_getaffinity(0))))  # threads per transfer: hashing and zstd are CPU
+CPU_WORKERS = min(4, max(2, len(os.sched_getaffinity(0))))  # persist, materialise: hashing and zstd
+IO_WORKERS = 8  # push, pull: mostly waiting on the store, whose round trips overlap
 Progress = Callable[[int, int], None] | None
 
 
-def _run(fn, items, workers: int = WORKERS) -> list:
+def _run(fn, items, workers: int = CPU_WORKERS) -> list:
     """``fn`` over ``items`` on a few threads; the first failure stops the rest and is raised."""
     if not items:
         return []
@@ -158,7 +159,7 @@ def push(cache: ChunkCache, remote: RemoteStore, digest: str, tag: str | None = 
                 uploaded["bytes"] += size
         counter.add(size)
 
-    _run(one, todo)
+    _run(one, todo, IO_WORKERS)
     remote.put_manifest(digest[7:], manifest.to_bytes())
     if tag:
         remote.put_tag(tag, digest)
@@ -201,7 +202,7 @@ def pull(cache: ChunkCache, remote: RemoteStore, manifest: Manifest, progress: P
             fetched["bytes"] += len(blob)
         counter.add(sizes[hexd])
 
-    _run(one, missing)
+    _run(one, missing, IO_WORKERS)
     cache.put_manifest(manifest)
     return {"chunks": len(manifest.chunks()), "fetched_chunks": len(missing), "fetched_bytes": fetched["bytes"]}
 
