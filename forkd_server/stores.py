@@ -253,6 +253,7 @@ class StoreManager:
                 handle = engine.import_snapshot(manifest, name, [name])
             except BaseException as exc:
                 engine.store.unpin(name)
+                engine.store.evict()  # what the pull fetched is cache now, within the cap
                 self.registry.delete_snapshot(name)
                 self.feed.emit("snapshot", "deleted", tag=name)
                 if isinstance(exc, ChunkCorrupt):
