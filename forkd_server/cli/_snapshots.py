@@ -8,7 +8,7 @@ import warnings
 
 from ._output import add_label_option, ago, busy, client, console, emit_json, labels_arg, table
 
-SNAPSHOT_COLUMNS = ["tag", "status", "engine", "branched from", "pause", "created", "stored", "warning"]
+SNAPSHOT_COLUMNS = ["tag", "status", "engine", "branched from", "pause", "created", "warning"]
 
 
 def _pause(info: dict) -> str | None:
@@ -18,17 +18,9 @@ def _pause(info: dict) -> str | None:
     return None if info.get("pause_ms") is None else f"{info['pause_ms']} ms"
 
 
-def _stored(info: dict) -> str | None:
-    """Where the snapshot is kept: this host's store, and the remote one once pushed."""
-    stored = info.get("stored")
-    if not stored:
-        return None
-    return f"{stored['digest'][7:19]} " + ("local+remote" if stored.get("remote") else "local")
-
-
 def snapshot_rows(snaps: list[dict]) -> list[list]:
     return [[s["tag"], s.get("status", "ready"), s.get("engine", "-"), s.get("branched_from"), _pause(s),
-             ago(s.get("created_at_unix")), _stored(s), s.get("warning")] for s in snaps]
+             ago(s.get("created_at_unix")), s.get("warning")] for s in snaps]
 
 
 def _print_snapshot(args, info: dict) -> int:
