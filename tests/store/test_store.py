@@ -216,3 +216,17 @@ def test_two_hosts_pushing_the_same_snapshot_at_once_make_one_manifest(tmp_path,
         assert len(chunks) == len(Manifest.from_bytes(remote.get_manifest(digests[0][7:])).chunks())
         # every chunk was written once: the loser of a race finds it there (412) and rewrites nothing
         assert sum(r["uploaded_chunks"] for r in results) == len(chunks)
+
+
+def test_a_store_that_denies_access_is_named_with_its_reason(tmp_path, monkeypatch):
+    from moto import settings
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    with moto_s3() as (endpoint, _log):
+        monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto checks credentials from now on
+        remote = RemoteStore("s3://forkd/x", endpoint=endpoint, allow_http=True)
+        with pytest.raises(StoreError) as err:
+            remote.get_tag("t")
+        text = str(err.value)
+        assert text.startswith("store s3://forkd/x: reading tags/t: access denied") and "InvalidAccessKeyId" in text
+        assert "<?xml" not in text and S3_ENV["AWS_SECRET_ACCESS_KEY"] not in text

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 from urllib.parse import urlsplit
 
 import obstore
@@ -89,11 +90,16 @@ class RemoteStore:
     # --- errors ----------------------------------------------------------------------------------
 
     def _clean(self, exc: BaseException) -> str:
-        """The first line of an obstore error, without credentials or Rust debug output."""
-        text = str(exc).split("\n\nDebug source:")[0].strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        """The first line of an obstore error, without credentials, Rust debug output or the XML
+        body; the store's own error code and message, when it sent them, said plainly."""
+        full = str(exc).split("\n\nDebug source:")[0].strip()
+        text = full.splitlines()[0].split(": <?xml")[0] if full else type(exc).__name__
+        code, message = re.search(r"<Code>([^<]*)</Code>", full), re.search(r"<Message>([^<]*)</Message>", full)
+        if code:
+            text += f": {code.group(1)}" + (f": {message.group(1)}" if message else "")
         for secret in self._secrets:
             text = text.replace(secret, "***")
-        return text[:400]
+        return text[:500]
 
     @contextlib.contextmanager
     def _op(self, what: str, missing_ok: bool = False):
