@@ -4,6 +4,7 @@ stores (a folder, memory, and moto's S3 server on loopback)."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -89,6 +90,9 @@ def test_cache_evicts_lru_unpinned_only(tmp_path):
     keep = persist(cache, files_of(tmp_path, "a", 3), REQUIRES, {"tag": "a"})
     gone = persist(cache, files_of(tmp_path, "b", 4), REQUIRES, {"tag": "b"})
     cache.pin("a", keep.digest)
+    assert cache.evict() == 0  # just written: a manifest may be about to pin them
+    for hexd in set(gone.chunks()) | set(keep.chunks()):  # an hour later
+        os.utime(cache.chunk_path(hexd), (time.time() - 3600, time.time() - 3600))
     assert cache.evict() > 0
     assert cache.has_all(keep)  # devices.bin is the same chunk in both: pinned through keep
     assert not any(cache.has(c) for c in set(gone.chunks()) - set(keep.chunks()))

@@ -9,8 +9,8 @@
   what is not pinned; pinned chunks are never evicted, even past it.
 
 Garbage collection is mark-and-sweep: the mark is every chunk of every pinned manifest, the sweep
-removes unmarked chunks oldest first, only under the lock writers take, so a pull that has pinned
-its manifest keeps every chunk it already fetched.
+removes unmarked chunks oldest first. A chunk written in the last ``GRACE`` seconds is never swept:
+a persist or a pull writes its chunks before the manifest that pins them.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 from .manifest import Manifest
 
 DEFAULT_CAP = 8 << 30
+GRACE = 900.0  # seconds a fresh chunk is safe from eviction (its manifest may not be written yet)
 
 
 class ChunkCache:
@@ -142,8 +144,9 @@ class ChunkCache:
             chunks = list(self._chunks())
             total = sum(size for _h, size, _m in chunks)
             freed = 0
-            for hexd, size, _mtime in sorted((c for c in chunks if c[0] not in marked), key=lambda c: c[2]):
-                if total - freed <= self.cap_bytes:
+            fresh = time.time() - GRACE
+            for hexd, size, mtime in sorted((c for c in chunks if c[0] not in marked), key=lambda c: c[2]):
+                if total - freed <= self.cap_bytes or mtime > fresh:
                     break
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.chunk_path(hexd))

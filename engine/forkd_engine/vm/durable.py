@@ -11,6 +11,7 @@ Its own room because it is the one bridge between a snapshot's layout (``snapsho
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -123,9 +124,10 @@ def _check_room(engine: "VMEngine", manifest: Manifest, files: dict[str, str]) -
     if "memory.bin" in files:
         os.makedirs(engine.mem_root, mode=0o700, exist_ok=True)
         free = snapshots.mem_root_free_mib(engine.mem_root)
-        if ram > free:
+        if ram > free:  # a full file system, said as one (the server answers 507 naming the path)
             raise EngineError(f"snapshot {manifest.meta.get('tag')!r} needs {ram} MiB of RAM file in "
-                              f"{engine.mem_root}, whose file system has {free} MiB free")
+                              f"{engine.mem_root}, whose file system has {free} MiB free") \
+                from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), engine.mem_root)
 
 
 def import_snapshot(engine: "VMEngine", manifest: Manifest, tag: str, lineage: list[str]) -> Handle:
