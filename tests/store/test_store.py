@@ -234,3 +234,39 @@ def test_a_store_that_denies_access_is_named_with_its_reason(tmp_path, monkeypat
         text = str(err.value)
         assert text.startswith("store s3://forkd/x: reading tags/t: access denied") and "InvalidAccessKeyId" in text
         assert "<?xml" not in text and S3_ENV["AWS_SECRET_ACCESS_KEY"] not in text
+
+
+def test_a_branch_keeps_a_chunk_changed_in_a_few_pages_as_a_page_patch(tmp_path):
+    cache = ChunkCache(str(tmp_path / "cache"))
+    parent_files = files_of(tmp_path, "p", 10)
+    parent = persist(cache, parent_files, REQUIRES, {"tag": "p"})
+    data = bytearray(open(parent_files["memory.bin"], "rb").read())
+    data[3 * CHUNK_SIZE + 5000] ^= 1                   # one page of chunk 3
+    data[4 * CHUNK_SIZE:5 * CHUNK_SIZE] = os.urandom(CHUNK_SIZE)  # all of chunk 4
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "memory.bin").write_bytes(data)
+    child = persist(cache, {"memory.bin": str(tmp_path / "c" / "memory.bin")}, REQUIRES, {"tag": "c"}, parent=parent)
+    entries = child.files["memory.bin"]["chunks"]
+    patch = entries[3]
+    assert isinstance(patch, dict) and patch["base"] == parent.files["memory.bin"]["chunks"][3]
+    assert patch["patch_size"] == 128 + 4096                  # the page bitmap and one page
+    assert isinstance(entries[4], str)                         # more than half changed: kept whole
+    assert entries[0] == parent.files["memory.bin"]["chunks"][0]
+    new = set(child.chunks()) - set(parent.chunks())
+    assert new == {patch["patch"], entries[4]}
+    # the branch comes back whole, here and on another host
+    remote = RemoteStore(f"file://{tmp_path}/remote")
+    push(cache, remote, parent.digest)
+    push(cache, remote, child.digest)
+    other = ChunkCache(str(tmp_path / "other"))
+    pull(other, remote, fetch_manifest(remote, digest=child.digest))
+    out = tmp_path / "out"
+    out.mkdir()
+    materialise(other, child, {"memory.bin": str(out / "memory.bin")})
+    assert (out / "memory.bin").read_bytes() == bytes(data)
+    # a patch that fails its check stops the write, naming it
+    blob = bytearray(open(other.chunk_path(patch["patch"]), "rb").read())
+    blob[-3] ^= 0xFF
+    open(other.chunk_path(patch["patch"]), "wb").write(blob)
+    with pytest.raises(ChunkCorrupt, match=patch["patch"]):
+        materialise(other, child, {"memory.bin": str(out / "again.bin")})

@@ -21,7 +21,10 @@ CHECKED = ("qemu", "machine", "accel", "cpu")
 
 @dataclass
 class Manifest:
-    files: dict[str, dict]              # name -> {"size": bytes, "chunks": [hex digest | None (zero)]}
+    # name -> {"size": bytes, "chunks": [entry]}; an entry is None (an all-zero chunk), the hex sha256
+    # of the chunk (an object of its own), or a page patch: {"sha256": the chunk's, "base": an
+    # object's hex, "patch": the patch object's hex, "patch_size": its bytes uncompressed}
+    files: dict[str, dict]
     requires: dict                      # qemu, machine, accel, cpu, mem_mib, image
     meta: dict = field(default_factory=dict)  # the snapshot's record (tag, lineage, ...)
     chunk_size: int = CHUNK_SIZE
@@ -45,11 +48,14 @@ class Manifest:
                    chunk_size=doc["chunk_size"])
 
     def chunks(self) -> list[str]:
-        """Every distinct stored chunk, in file order."""
+        """Every distinct stored object (whole chunks, patches and their bases), in file order."""
         seen: dict[str, None] = {}
         for f in self.files.values():
             for c in f["chunks"]:
-                if c is not None:
+                if isinstance(c, dict):
+                    seen.setdefault(c["base"])
+                    seen.setdefault(c["patch"])
+                elif c is not None:
                     seen.setdefault(c)
         return list(seen)
 
@@ -70,3 +76,8 @@ def parse_digest(text: str) -> str:
     if not isinstance(hexpart, str) or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
         raise ValueError(f"not a snapshot digest: {text!r} (expected sha256: and 64 hex digits)")
     return hexpart
+
+
+def content_digest(entry) -> str | None:
+    """The sha256 of the chunk an entry stands for (None: all zero)."""
+    return entry["sha256"] if isinstance(entry, dict) else entry

@@ -15,7 +15,7 @@ from typing import Callable
 from . import chunks as ck
 from .cache import ChunkCache
 from .errors import ChunkCorrupt, NotInStore, StoreError
-from .manifest import Manifest, parse_digest
+from .manifest import Manifest, content_digest, parse_digest
 from .remote import RemoteStore
 
 CPU_WORKERS = min(4, max(2, len(os.sched_getaffinity(0))))  # persist, materialise: hashing and zstd
@@ -64,11 +64,14 @@ class _Counter:
             self.progress(done, self.total)
 
 
-def persist(cache: ChunkCache, files: dict[str, str], requires: dict, meta: dict, progress: Progress = None) -> Manifest:
-    """Chunk ``files`` (name -> path) into ``cache`` and record their manifest there (last)."""
+def persist(cache: ChunkCache, files: dict[str, str], requires: dict, meta: dict, progress: Progress = None,
+            parent: Manifest | None = None) -> Manifest:
+    """Chunk ``files`` (name -> path) into ``cache`` and record their manifest there (last). With
+    ``parent`` (the snapshot this one was branched from), a chunk that changed in a few pages is kept
+    as a page patch against the parent's chunk at the same offset."""
     layout = {name: ck.chunks_with_data(path) for name, path in files.items()}
     jobs = [(name, i) for name, (_size, has) in layout.items() for i, data in enumerate(has) if data]
-    digests: dict[tuple[str, int], str | None] = {}
+    entries: dict[tuple[str, int], object] = {}
     counter = _Counter(sum(min(ck.CHUNK_SIZE, layout[n][0] - i * ck.CHUNK_SIZE) for n, i in jobs), progress)
     fds = {name: os.open(path, os.O_RDONLY) for name, path in files.items()}
     try:
@@ -76,32 +79,59 @@ def persist(cache: ChunkCache, files: dict[str, str], requires: dict, meta: dict
             name, i = job
             data = os.pread(fds[name], ck.CHUNK_SIZE, i * ck.CHUNK_SIZE)
             if ck.is_zero(data):
-                digests[job] = None
+                entries[job] = None
             else:
-                hexd = digests[job] = ck.digest(data)
-                if not cache.has(hexd):
-                    cache.write(hexd, ck.compress(data))
+                entries[job] = _entry(cache, data, _parent_entry(parent, name, i))
             counter.add(len(data))
 
         _run(one, jobs)
     finally:
         for fd in fds.values():
             os.close(fd)
-    manifest = Manifest(files={name: {"size": size, "chunks": [digests.get((name, i)) for i in range(len(has))]}
+    manifest = Manifest(files={name: {"size": size, "chunks": [entries.get((name, i)) for i in range(len(has))]}
                                for name, (size, has) in layout.items()},
                         requires=requires, meta=meta)
     cache.put_manifest(manifest)
     return manifest
 
 
+def _parent_entry(parent: Manifest | None, name: str, i: int):
+    if parent is None or name not in parent.files:
+        return None
+    chunks = parent.files[name]["chunks"]
+    return chunks[i] if i < len(chunks) else None
+
+
+def _entry(cache: ChunkCache, data: bytes, before):
+    """The manifest entry of a non-zero chunk, its objects written to the cache: the parent's own
+    entry when nothing changed, a page patch against the parent's stored chunk when few pages did,
+    else the chunk itself."""
+    hexd = ck.digest(data)
+    if before is not None and content_digest(before) == hexd:
+        return before
+    if before is not None and not cache.has(hexd):
+        base = before["base"] if isinstance(before, dict) else before
+        if cache.has(base):
+            patch = ck.page_patch(ck.decompress(cache.read(base), ck.CHUNK_SIZE), data)
+            if patch is not None:
+                patch_hex = ck.digest(patch)
+                if not cache.has(patch_hex):
+                    cache.write(patch_hex, ck.compress(patch))
+                return {"sha256": hexd, "base": base, "patch": patch_hex, "patch_size": len(patch)}
+    if not cache.has(hexd):
+        cache.write(hexd, ck.compress(data))
+    return hexd
+
+
 def materialise(cache: ChunkCache, manifest: Manifest, dests: dict[str, str], progress: Progress = None) -> None:
     """Write the manifest's files to ``dests`` (name -> path) from the cache, zero chunks as holes,
-    each chunk verified against its digest. A file is written beside its path and renamed into
-    place, so a failure leaves no partial file."""
+    each chunk verified against its digest (a patched one after its patch is applied). A file is
+    written beside its path and renamed into place, so a failure leaves no partial file."""
     missing = [c for c in manifest.chunks() if not cache.has(c)]
     if missing:
         raise StoreError(f"local store {cache.root}: {len(missing)} chunks of snapshot {manifest.digest} are "
                          f"missing (first: {missing[0]}); pull it again from a remote store")
+    where = f"local store {cache.root}"
     counter = _Counter(sum(manifest.files[n]["size"] for n in dests), progress)
     for name, dest in dests.items():
         entry = manifest.files[name]
@@ -111,11 +141,21 @@ def materialise(cache: ChunkCache, manifest: Manifest, dests: dict[str, str], pr
             os.ftruncate(fd, entry["size"])
 
             def one(job, fd=fd, entry=entry):
-                i, hexd = job
+                i, chunk = job
                 size = min(manifest.chunk_size, entry["size"] - i * manifest.chunk_size)
-                if hexd is not None:
-                    data = _verified(f"local store {cache.root}", hexd, cache.read(hexd), size)
+                if isinstance(chunk, dict):
+                    base = _verified(where, chunk["base"], cache.read(chunk["base"]), manifest.chunk_size)
+                    patch = _verified(where, chunk["patch"], cache.read(chunk["patch"]), chunk["patch_size"])
+                    try:
+                        data = ck.apply_patch(base, patch)
+                    except ValueError as exc:
+                        raise ChunkCorrupt(where, chunk["patch"], str(exc)) from None
+                    if ck.digest(data) != chunk["sha256"]:
+                        raise ChunkCorrupt(where, chunk["patch"], f"applied, it makes {ck.digest(data)}, not "
+                                                                  f"{chunk['sha256']}")
                     os.pwrite(fd, data, i * manifest.chunk_size)
+                elif chunk is not None:
+                    os.pwrite(fd, _verified(where, chunk, cache.read(chunk), size), i * manifest.chunk_size)
                 counter.add(size)
 
             _run(one, list(enumerate(entry["chunks"])))
@@ -208,12 +248,16 @@ def pull(cache: ChunkCache, remote: RemoteStore, manifest: Manifest, progress: P
 
 
 def _chunk_sizes(manifest: Manifest) -> dict[str, int]:
-    """Each chunk's uncompressed size (the last chunk of a file may be short)."""
+    """Each object's uncompressed size (the last chunk of a file may be short; a patch's base is a
+    whole chunk)."""
     sizes = {}
     for entry in manifest.files.values():
-        for i, hexd in enumerate(entry["chunks"]):
-            if hexd is not None:
-                sizes[hexd] = min(manifest.chunk_size, entry["size"] - i * manifest.chunk_size)
+        for i, chunk in enumerate(entry["chunks"]):
+            if isinstance(chunk, dict):
+                sizes[chunk["base"]] = manifest.chunk_size
+                sizes[chunk["patch"]] = chunk["patch_size"]
+            elif chunk is not None:
+                sizes[chunk] = min(manifest.chunk_size, entry["size"] - i * manifest.chunk_size)
     return sizes
 
 

@@ -71,8 +71,10 @@ def store_snapshot(engine: "VMEngine", handle: Handle, progress=None) -> str:
             meta = json.load(f)
         requires = dict(host_requires(engine), mem_mib=handle["mem_mib"],
                         image=(handle.get("image") or {}).get("key"))
+        # a branch's chunks that changed in a few pages become page patches against its parent's
+        parent = stored_manifest(engine, {"tag": meta["parent"]}) if meta.get("parent") else None
         try:
-            manifest = persist(engine.store, files_of(handle), requires, meta, progress)
+            manifest = persist(engine.store, files_of(handle), requires, meta, progress, parent=parent)
         except OSError as exc:
             raise EngineError(f"snapshot {tag!r}: writing it to the local store {engine.store.root} failed: {exc}") from exc
         engine.store.pin(tag, manifest.digest)
