@@ -67,8 +67,12 @@ def store_snapshot(engine: "VMEngine", handle: Handle, progress=None) -> str:
     manifest's digest."""
     tag = handle["tag"]
     with _lock(engine, tag):
-        with open(os.path.join(handle["dir"], "meta.json")) as f:
-            meta = json.load(f)
+        try:
+            with open(os.path.join(handle["dir"], "meta.json")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"snapshot {tag!r} cannot be stored: its meta.json is unreadable ({exc}); it was "
+                              f"deleted, or its files are damaged") from exc
         requires = dict(host_requires(engine), mem_mib=handle["mem_mib"],
                         image=(handle.get("image") or {}).get("key"))
         # a branch's chunks that changed in a few pages become page patches against its parent's
