@@ -46,7 +46,7 @@ class AsyncTransport(Wire):
             connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_S)
             # no Accept, and identity encoding: the headers forkd's SDK sends (see _core.USER_AGENT)
             self._http = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                               skip_auto_headers=("Accept",))
+                                               skip_auto_headers=("Accept", "Content-Type"))
         return self._http
 
     def _timeout(self, seconds: float):
@@ -107,7 +107,7 @@ class AsyncTransport(Wire):
         import aiohttp
         from yarl import URL
 
-        http = aiohttp.ClientSession(auto_decompress=False, skip_auto_headers=("Accept",))
+        http = aiohttp.ClientSession(auto_decompress=False, skip_auto_headers=("Accept", "Content-Type"))
         try:
             resp = await http.request(request.method, URL(request.url, encoded=True), headers=request.headers,
                                       timeout=self._timeout(request.timeout))
