@@ -1,17 +1,22 @@
-"""The sync SDK's I/O: a pool of kept-alive connections (urllib3) and the driver that performs an
-operation's effects (``_core``) by blocking calls."""
+"""The sync SDK's I/O: kept-alive connections (the standard library's ``http.client``, pooled
+here) and the driver that performs an operation's effects (``_core``) by blocking calls.
+
+Why not urllib3's pool: it costs ~95 µs of CPU a call on top of http.client's own ~90 µs
+(measured on this project's machines), 8% of a ping; this pool adds a lock and one poll()."""
 
 from __future__ import annotations
 
+import http.client
 import os
+import select
 import socket
+import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Any, Iterator
-
-import urllib3
-from urllib3 import exceptions as u3
+from urllib.parse import urlsplit
 
 from ._core import (Close, Emit, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder, Sleep, Subscribe, Wait,
                     Wire)
@@ -20,14 +25,53 @@ from ._errors import ServerUnreachable
 __all__ = ["EventStream", "SyncTransport", "run", "stream"]
 
 
-def _kind(exc: Exception) -> str:
-    if isinstance(exc, (u3.NewConnectionError, u3.ConnectTimeoutError)):
-        return "connect"
-    if isinstance(exc, u3.ReadTimeoutError):
-        return "timeout"
-    if isinstance(exc, u3.ProtocolError):
-        return "dropped"
-    return "connect"
+class _Connections:
+    """Kept-alive connections to one server, shared by threads. Idle ones wait in a stack (the
+    most recently used is taken first: the least likely to have been closed by the server); at
+    most ``size`` are kept; one the server closed meanwhile is dropped before it is used."""
+
+    def __init__(self, base_url: str, size: int):
+        split = urlsplit(base_url)
+        self._https = split.scheme == "https"
+        self._host, self._port = split.hostname, split.port
+        self._size = size
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def take(self, timeout: float) -> http.client.HTTPConnection:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if _open(conn.sock):
+                    conn.sock.settimeout(timeout)
+                    return conn
+                conn.close()
+        if self._https:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=timeout,
+                                               context=ssl.create_default_context())
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+
+    def give_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self._size:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _open(sock) -> bool:
+    """An idle kept connection is usable if nothing is waiting on it (the server's close would be)."""
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
 
 
 class SyncTransport(Wire):
@@ -38,10 +82,9 @@ class SyncTransport(Wire):
         super().__init__(*args, **kwargs)
         self._pool = self._pid = None
 
-    def _connections(self):
+    def _connections(self) -> _Connections:
         if self._pid != os.getpid():  # first use, or a fork: the parent's sockets are not ours to share
-            self._pool = urllib3.connection_from_url(self.base_url, maxsize=self.max_connections, block=False,
-                                                     retries=False)
+            self._pool = _Connections(self.base_url, self.max_connections)
             self._pid = os.getpid()
         return self._pool
 
@@ -61,16 +104,29 @@ class SyncTransport(Wire):
         pool = self._connections()
         attempt = 0
         while True:
+            conn = pool.take(request.timeout)
             try:
-                resp = pool.urlopen(request.method, request.target, body=request.content, headers=request.headers,
-                                    timeout=request.timeout, retries=False, redirect=False, assert_same_host=False)
-            except u3.HTTPError as exc:
-                error = self.failure(request, _kind(exc), exc.__cause__ or exc, attempt)
+                kind = "connect"
+                if conn.sock is None:
+                    conn.connect()
+                kind = "dropped"
+                conn.request(request.method, request.target, body=request.content, headers=request.headers)
+                resp = conn.getresponse()
+                content = resp.read()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                if isinstance(exc, TimeoutError) and kind != "connect":
+                    kind = "timeout"
+                error = self.failure(request, kind, exc, attempt)
                 if error is not None:
                     raise error from None
                 attempt += 1
                 continue
-            return self.answer(request, resp.status, resp.data)
+            if resp.will_close:
+                conn.close()
+            else:
+                pool.give_back(conn)
+            return self.answer(request, resp.status, content)
 
     def _do(self, step, then=None):
         result = self._exchange(step) if isinstance(step, Request) else run(step, self)
