@@ -196,6 +196,9 @@ async def test_cancelling_the_task_interrupts_the_cell(server, snap):
         assert time.monotonic() - t0 < 10  # not the 60 s of the cell
         assert (await sb.ping())["busy"] is None  # interrupted, not left running
         assert await sb.eval("x") == "21"  # state kept
+        with pytest.raises(asyncio.TimeoutError):  # wait_for cancels the task it gives up on
+            await asyncio.wait_for(sb.run_code("time.sleep(60)"), 2)
+        assert (await sb.ping())["busy"] is None
 
         # the same when the task is iterating run_stream
         async def iterate():
