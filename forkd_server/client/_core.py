@@ -161,7 +161,6 @@ class Wire:
         self.max_connections, self.retries = max_connections, retries
         split = urlsplit(self.base_url)
         self._prefix = split.path  # plain concatenation, as forkd's SDK: FORKD_URL may carry a path
-        self._plan: Plan | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
@@ -219,10 +218,9 @@ class Wire:
 
     @property
     def plan(self) -> "Plan":
-        """The same calls as steps of a bigger operation: ``x = yield from ctl.plan.get_sandbox(id)``."""
-        if self._plan is None:
-            self._plan = Plan(self)
-        return self._plan
+        """The same calls as steps of a bigger operation: ``x = yield from ctl.plan.get_sandbox(id)``.
+        (Made afresh each time: kept, it would tie the controller in a cycle, and its pool with it.)"""
+        return Plan(self)
 
 
 class Plan:

@@ -81,11 +81,14 @@ class SyncTransport(Wire):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pool = self._pid = None
+        self._pool_lock = threading.Lock()
 
     def _connections(self) -> _Connections:
         if self._pid != os.getpid():  # first use, or a fork: the parent's sockets are not ours to share
-            self._pool = _Connections(self.base_url, self.max_connections)
-            self._pid = os.getpid()
+            with self._pool_lock:
+                if self._pid != os.getpid():
+                    self._pool = _Connections(self.base_url, self.max_connections)
+                    self._pid = os.getpid()
         return self._pool
 
     def close(self) -> None:
