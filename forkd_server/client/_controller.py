@@ -13,7 +13,7 @@ import base64
 import time
 
 from ._async import AsyncTransport
-from ._core import Sleep, Subscribe, NextEvent, Close, label_query
+from ._core import Close, NextEvent, Sleep, Subscribe, label_query
 from ._errors import ControllerError, ServerUnreachable, warn_lossy
 from ._sync import SyncTransport
 
