@@ -140,22 +140,23 @@ def ping_while_stuck(client, port: int, token: str, idle: str, stuck_count: int,
             "target_met": percentile(samples, 0.99) <= 50.0}
 
 
-def sdk_concurrency(client, url: str, token: str, sid: str, rounds: int, calls: int = 200) -> dict:
+def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, calls: int = 200) -> dict:
     """Seconds for ``calls`` sequential sync pings and for ``asyncio.gather`` of as many from one
-    AsyncController, in alternating rounds on one event loop (its pool made once)."""
+    AsyncController, in alternating rounds on one event loop (its pool made once); the pings go to
+    ``sids`` in turn."""
 
     async def run() -> dict:
         async with AsyncController(url, token) as actl:
             async def gathered() -> float:
                 t0 = time.perf_counter()
-                answers = await asyncio.gather(*(actl.ping_sandbox(sid) for _ in range(calls)))
+                answers = await asyncio.gather(*(actl.ping_sandbox(sids[i % len(sids)]) for i in range(calls)))
                 assert len(answers) == calls
                 return time.perf_counter() - t0
 
             def sequential() -> float:
                 t0 = time.perf_counter()
-                for _ in range(calls):
-                    client.ping_sandbox(sid)
+                for i in range(calls):
+                    client.ping_sandbox(sids[i % len(sids)])
                 return time.perf_counter() - t0
 
             await gathered()  # the pool's connections opened, as in a long-lived service
@@ -169,7 +170,7 @@ def sdk_concurrency(client, url: str, token: str, sid: str, rounds: int, calls: 
 
     got = asyncio.run(run())
     seq, gat = statistics.median(got["sequential_sync_s"]), statistics.median(got["gather_async_s"])
-    return {"calls": calls, "rounds": rounds, "max_connections": got["max_connections"],
+    return {"calls": calls, "sandboxes": len(sids), "rounds": rounds, "max_connections": got["max_connections"],
             "sequential_sync_median_s": round(seq, 4), "gather_async_median_s": round(gat, 4),
             "sequential_sync_per_s": round(calls / seq), "gather_async_per_s": round(calls / gat),
             "throughput_ratio": round(seq / gat, 3), "target_ratio": 2.0, "target_met": seq / gat >= 2.0,
@@ -253,7 +254,12 @@ def main() -> int:
             "sdk_p50_ms": p["rest_sdk"]["p50_ms"], "raw_http_client_p50_ms": raw_p50,
             "ratio_p50": round(p["rest_sdk"]["p50_ms"] / raw_p50, 3), "sdk_adds_paired_median_ms": adds,
             "ratio_paired": round(ratio, 3), "target_ratio": 1.1, "target_met": ratio <= 1.1}
-        out["sdk_concurrency"] = sdk_concurrency(client, f"http://127.0.0.1:{port}", token, sid, args.rounds)
+        out["sdk_concurrency"] = sdk_concurrency(client, f"http://127.0.0.1:{port}", token, [sid], args.rounds)
+        spread = [sid, *(s["id"] for s in ctl.spawn("bench", 7))]  # the same, over 8 sandboxes' agents
+        out["sdk_concurrency_8_sandboxes"] = sdk_concurrency(client, f"http://127.0.0.1:{port}", token, spread,
+                                                             args.rounds)
+        for other in spread[1:]:
+            ctl.kill_sandbox(other)
         if args.sdk_only:
             raise _Done
         fakes = fake_rows(args.sandboxes - 1, ctl.registry.get_sandbox(sid))
@@ -299,10 +305,11 @@ def main() -> int:
         print(f"SDK ping {o['sdk_p50_ms']:.3f} ms vs raw keep-alive {o['raw_http_client_p50_ms']:.3f} ms (p50), "
               f"+{o['sdk_adds_paired_median_ms']:.3f} ms paired: {o['ratio_paired']:.3f}x "
               f"(target <= 1.1: {'met' if o['target_met'] else 'NOT met'})")
-        o = out["sdk_concurrency"]
-        print(f"200 pings: sequential sync {o['sequential_sync_median_s'] * 1000:.0f} ms, gathered async "
-              f"{o['gather_async_median_s'] * 1000:.0f} ms: {o['throughput_ratio']:.2f}x the throughput "
-              f"(target >= 2: {'met' if o['target_met'] else 'NOT met'})")
+        for key in ("sdk_concurrency", "sdk_concurrency_8_sandboxes"):
+            o = out[key]
+            print(f"200 pings of {o['sandboxes']} sandbox(es): sequential sync {o['sequential_sync_median_s'] * 1000:.0f} ms, "
+                  f"gathered async {o['gather_async_median_s'] * 1000:.0f} ms: {o['throughput_ratio']:.2f}x the "
+                  f"throughput (target >= 2: {'met' if o['target_met'] else 'NOT met'})")
         if args.sdk_only:
             return 0
         for op in ("ping", "list_sandboxes"):
