@@ -173,8 +173,10 @@ class AsyncSession(_Calls):
 
         trace = aiohttp.TraceConfig()
         trace.on_request_end.append(keep_refusal)
-        # the socket is the session's alone, for its whole life
-        self._http = aiohttp.ClientSession(trace_configs=[trace])
+        # the socket is the session's alone, for its whole life: no total timeout (a session lasts
+        # as long as its user wants), ``timeout`` to connect; each recv has its own
+        self._http = aiohttp.ClientSession(trace_configs=[trace],
+                                           timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout))
         try:
             self._ws = await self._http.ws_connect(self.url, headers=self._headers, autoping=True,
                                                    timeout=aiohttp.ClientWSTimeout(ws_close=2.0),
@@ -182,7 +184,7 @@ class AsyncSession(_Calls):
         except aiohttp.WSServerHandshakeError as exc:
             await self._http.close()
             raise _refused(exc.status, refusal.get("body"), self.url) from None
-        except (OSError, aiohttp.ClientError) as exc:
+        except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
             await self._http.close()
             raise ServerUnreachable(self._controller.base_url, exc) from None
         self.closed = False
