@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Iterator
 
-from ._core import (Close, Emit, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder, Sleep, Subscribe, Wait,
-                    Wire)
+from ._core import (Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder, Sleep,
+                    Subscribe, Wait, Wire)
 
 __all__ = ["AsyncEventStream", "AsyncTransport", "run", "stream"]
 
-KEEPALIVE_S = 60.0  # how long an idle kept connection stays open (jupyter-server keeps them an hour)
+KEEPALIVE_S = 60.0  # how long an idle kept connection stays open (tornado, the server, keeps it an hour)
 
 
 def _kind(exc: BaseException) -> str:
@@ -175,6 +175,10 @@ async def stream(operation: Iterator, controller=None) -> AsyncIterator:
             effect = operation.throw(error) if error is not None else operation.send(value)
         except StopIteration:
             return
+        except LeftEarly:
+            if closing:
+                return  # the operation cleaned up: the loop that left it goes on
+            raise
         value = error = None
         try:
             if type(effect) is Emit:
@@ -183,7 +187,8 @@ async def stream(operation: Iterator, controller=None) -> AsyncIterator:
             else:
                 value = await perform(effect, controller)
         except BaseException as exc:  # noqa: BLE001 - raised inside the operation, which decides
-            closing = closing or isinstance(exc, GeneratorExit)
+            if isinstance(exc, GeneratorExit):
+                closing, exc = True, LeftEarly()
             error = exc
 
 

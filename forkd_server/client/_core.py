@@ -98,6 +98,11 @@ class Emit(NamedTuple):
     value: Any
 
 
+class LeftEarly(BaseException):
+    """Raised inside a streaming operation whose caller closed it early (left its loop). Not
+    GeneratorExit: ``yield from`` would close the inner generators instead of letting them clean up."""
+
+
 def notify(callback: Callable | None, *args) -> Iterator:
     """Call a callback from an operation: a plain one, one returning an awaitable, or a generator
     of effects (the SDK's own layers)."""

@@ -18,8 +18,8 @@ import urllib.request
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-from ._core import (Close, Emit, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder, Sleep, Subscribe, Wait,
-                    Wire)
+from ._core import (Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder, Sleep,
+                    Subscribe, Wait, Wire)
 from ._errors import ServerUnreachable
 
 __all__ = ["EventStream", "SyncTransport", "run", "stream"]
@@ -210,6 +210,10 @@ def stream(operation: Iterator, controller=None) -> Iterator:
             effect = operation.throw(error) if error is not None else operation.send(value)
         except StopIteration as stop:
             return stop.value
+        except LeftEarly:
+            if closing:
+                return  # the operation cleaned up: the loop that left it goes on
+            raise
         value = error = None
         try:
             if type(effect) is Emit:
@@ -218,7 +222,8 @@ def stream(operation: Iterator, controller=None) -> Iterator:
             else:
                 value = perform(effect, controller)
         except BaseException as exc:  # noqa: BLE001 - raised inside the operation, which decides
-            closing = closing or isinstance(exc, GeneratorExit)
+            if isinstance(exc, GeneratorExit):
+                closing, exc = True, LeftEarly()
             error = exc
 
 

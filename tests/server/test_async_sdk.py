@@ -212,6 +212,14 @@ async def test_cancelling_the_task_interrupts_the_cell(server, snap):
         with pytest.raises(asyncio.CancelledError):
             await task
         assert (await sb.ping())["busy"] is None
+
+        # and when the loop is left early, once the iterator is closed
+        stream = sb.run_stream("print('third', flush=True)\ntime.sleep(60)")
+        async for event in stream:
+            if event.get("type") == "stream":
+                break
+        await stream.aclose()
+        assert (await sb.ping())["busy"] is None
         await sb.kill()
 
 
@@ -317,4 +325,22 @@ def test_the_sync_controller_keeps_its_connection(server, snap):
             ctl.list_sandboxes()
         assert len(used) == 1 and client_ports(server.port) - before == used
     assert not client_ports(server.port) - before
+    sb.kill()
+
+
+def test_the_sync_sdk_interrupts_a_cell_its_caller_gave_up_on(snap):
+    """The same core in the sync SDK: a loop left early, or a callback that raised, stops the cell."""
+    sb = snap.fork(1)[0]
+    for event in sb.run_stream("print('going', flush=True)\ntime.sleep(60)"):
+        if event.get("type") == "stream":
+            break
+    assert sb.ping()["busy"] is None
+
+    def refuse(text: str) -> None:
+        raise ValueError("seen enough")
+
+    with pytest.raises(ValueError, match="seen enough"):
+        sb.run_code("print('going', flush=True)\ntime.sleep(60)", on_stdout=refuse)
+    assert sb.ping()["busy"] is None
+    assert sb.eval("base") == "41"
     sb.kill()
