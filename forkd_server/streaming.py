@@ -39,7 +39,7 @@ def _where(controller, sandbox_id: str, shell: str) -> tuple[str, dict]:
     scheme = "wss" if base.scheme == "https" else "ws"
     query = urllib.parse.urlencode({"shell": shell})
     url = f"{scheme}://{base.netloc}{base.path}/v1/sandboxes/{sandbox_id}/session?{query}"
-    return url, ({"Authorization": f"Bearer {controller.token}"} if controller.token else {})
+    return url, controller.headers()  # its token and its client id
 
 
 def _refused(status: int, body: bytes | None, url: str) -> ControllerError:

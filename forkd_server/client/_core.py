@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import secrets
 import sys
 from typing import Any, Callable, Iterator, NamedTuple
 from urllib.parse import urlencode, urlsplit
@@ -32,6 +33,7 @@ DEFAULT_URL = "http://127.0.0.1:8889"
 # The headers forkd's own SDK sends (reference/forkd-api.md §8), so a server sees the same client
 USER_AGENT = "Python-urllib/%d.%d" % sys.version_info[:2]
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
+CLIENT_HEADER = "X-Forkd-Client"
 
 
 class Request:
@@ -166,12 +168,15 @@ class Wire:
         self.max_connections, self.retries = max_connections, retries
         split = urlsplit(self.base_url)
         self._prefix = split.path  # plain concatenation, as forkd's SDK: FORKD_URL may carry a path
+        # Who this client is to the server's per-caller cap: clients sharing a token count apart.
+        self.client_id = secrets.token_hex(8)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
 
-    def _headers(self) -> dict:
-        headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
+    def headers(self) -> dict[str, str]:
+        """What every request of this client carries: its token and its client id."""
+        headers = {CLIENT_HEADER: self.client_id}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
@@ -184,7 +189,7 @@ class Wire:
         target = self._prefix + path
         if query:
             target += "?" + urlencode(query, doseq=True)
-        headers = self._headers()
+        headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **self.headers()}
         content = None
         if body is not None:
             content = json.dumps(body).encode()  # forkd's separators (", " and ": ")
