@@ -1,0 +1,31 @@
+"""``forkd mcp``: the MCP server over stdio, for Claude Desktop, Jupyter AI or any MCP client that
+starts its servers as commands. It drives the server ``--url``/``$FORKD_URL`` names (token
+``--token``/``$FORKD_TOKEN``), else the one the SDK finds on this host; stdout carries the protocol
+only, anything said goes to stderr."""
+
+from __future__ import annotations
+
+import sys
+
+from ._output import client
+
+
+def cmd_mcp(args) -> int:
+    from ..mcp import missing_sdk
+
+    why = missing_sdk()
+    if why:
+        print(f"forkd mcp: {why}", file=sys.stderr)
+        return 2
+    from ..mcp import build_server
+
+    ctl = client(args)
+    print(f"forkd mcp: serving the forkd server at {ctl.base_url} over stdio", file=sys.stderr)
+    build_server(ctl).run("stdio")
+    return 0
+
+
+def add_commands(sub, options) -> None:
+    p = sub.add_parser("mcp", parents=[options], help="the MCP server over stdio (for Claude Desktop, Jupyter AI, "
+                                                      "any MCP client), driving the server --url names")
+    p.set_defaults(func=cmd_mcp)
