@@ -9,11 +9,7 @@ import asyncio
 import base64
 import json
 import os
-import secrets
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +25,7 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 from forkd_server.client import Controller  # noqa: E402
 from forkd_server.mcp import build_server  # noqa: E402
 
-from ..serving import cleanup, free_port  # noqa: E402
+from ..serving import JupyterServer, serving  # noqa: E402
 
 FORKD_ELEVEN = {
     "list_snapshots": [], "list_sandboxes": [], "get_sandbox": ["sandbox_id"], "kill_sandbox": ["sandbox_id"],
@@ -42,60 +38,6 @@ FORKD_ELEVEN = {
 }
 # a 1x1 PNG, written by the cell that shows it
 PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==")
-
-
-class JupyterServer:
-    """``jupyter server`` with forkd (as ``jupyter lab`` serves it), a token, a root and data dir of its own."""
-
-    def __init__(self):
-        self.workdir = tempfile.mkdtemp(prefix="fkmcp")
-        self.token = secrets.token_hex(20)
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}
-        env["JUPYTER_RUNTIME_DIR"] = os.path.join(self.workdir, "rt")  # its kernels find it there
-        self.log = open(os.path.join(self.workdir, "server.log"), "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={self.port}",
-             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.workdir}",
-             f"--ForkdApp.data_dir={os.path.join(self.workdir, 'd')}"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 60
-        while True:  # bounded polling of the real condition: forkd's /healthz answers
-            if self.proc.poll() is not None:
-                raise AssertionError(f"jupyter server exited:\n{self.output()}")
-            try:
-                with urllib.request.urlopen(f"{self.forkd_url}/healthz", timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"jupyter server did not start:\n{self.output()}") from None
-                time.sleep(0.05)
-
-    url = property(lambda self: f"http://127.0.0.1:{self.port}")
-    forkd_url = property(lambda self: f"{self.url}/forkd")
-    mcp_url = property(lambda self: f"{self.url}/forkd/mcp")
-
-    def output(self) -> str:
-        with open(self.log.name) as f:
-            return f.read()
-
-    def api(self, method: str, path: str, body=None):
-        req = urllib.request.Request(self.url + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            text = r.read()
-        return json.loads(text) if text else None
-
-    def stop(self) -> None:
-        cleanup(self.forkd_url, self.token)
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +273,8 @@ def test_errors_say_what_failed_and_what_to_do():
 
 # --- streamable HTTP in the jupyter server, with its token ---------------------------------------
 
-def _http(url: str, token: str | None):
-    headers = {"Authorization": f"token {token}"} if token else {}
+def _http(url: str, token: str | None, scheme: str = "token"):
+    headers = {"Authorization": f"{scheme} {token}"} if token else {}
     return streamable_http_client(url, http_client=httpx2.AsyncClient(headers=headers, timeout=60))
 
 
@@ -369,6 +311,27 @@ def test_streamable_http_refuses_without_the_right_token(jupyter, token):
     assert json.loads(refused.value.read())["error"] == ("invalid bearer token" if token else "missing bearer token")
 
 
+def test_streamable_http_in_forkd_serve():
+    """``forkd serve`` carries the same server at /mcp, behind its bearer token."""
+    with serving() as srv:
+        Controller(srv.url, srv.token).create_snapshot("mcp-serve", setup="z = 7")
+
+        async def scenario():
+            async with Client(_http(f"{srv.url}/mcp", srv.token, "Bearer")) as c:
+                sid = data(await c.call_tool("spawn_sandboxes", {"snapshot_tag": "mcp-serve"}))[0]["id"]
+                value = data(await c.call_tool("eval_code", {"sandbox_id": sid, "code": "z * 6"}))
+                notebooks = data(await c.call_tool("list_notebooks"))
+                await c.call_tool("kill_sandbox", {"sandbox_id": sid})
+                return value, notebooks
+        value, notebooks = run(scenario())
+        refused = urllib.request.Request(f"{srv.url}/mcp", data=b"{}", method="POST",
+                                         headers={"Authorization": "Bearer not-the-token-0123456789"})
+        with pytest.raises(urllib.error.HTTPError) as no:
+            urllib.request.urlopen(refused, timeout=30)
+    assert value["result"] == "42" and notebooks == []  # no notebooks run in forkd serve
+    assert no.value.code == 401
+
+
 # --- stdio: `forkd mcp` in a subprocess -----------------------------------------------------------
 
 def test_stdio_forkd_mcp_subprocess(jupyter, snap):
@@ -382,3 +345,32 @@ def test_stdio_forkd_mcp_subprocess(jupyter, snap):
             await c.call_tool("kill_sandbox", {"sandbox_id": sid})
             return value
     assert run(scenario())["result"] == "42"
+
+
+def test_run_cell_cancelled_by_the_client_interrupts_the_cell(ctl, snap):
+    import anyio
+
+    async def scenario():
+        async with Client(build_server(ctl)) as c:
+            sid = data(await c.call_tool("spawn_sandboxes", {"snapshot_tag": snap}))[0]["id"]
+            started = anyio.Event()
+
+            async def on_progress(done, total, message):
+                started.set()
+
+            async def long_cell():
+                await c.call_tool("run_cell", {"sandbox_id": sid, "code": (
+                    "import time\nprint('running', flush=True)\nfor _ in range(600):\n    time.sleep(0.1)\nfinished = True")},
+                    progress_callback=on_progress)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(long_cell)
+                await started.wait()  # the cell is running: it printed
+                tg.cancel_scope.cancel()
+            t0 = time.monotonic()
+            after = data(await c.call_tool("eval_code", {"sandbox_id": sid, "code": "'finished' in globals()"}))
+            waited = time.monotonic() - t0
+            await c.call_tool("kill_sandbox", {"sandbox_id": sid})
+            return after, waited
+    after, waited = run(scenario())
+    assert after["result"] == "False" and waited < 30  # interrupted, not left to run its 60 s
