@@ -5,6 +5,7 @@ only, anything said goes to stderr."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from ._output import client
@@ -20,6 +21,7 @@ def cmd_mcp(args) -> int:
     from ..mcp import build_server
 
     ctl = client(args)
+    logging.basicConfig(level=logging.WARNING, format="forkd mcp: %(message)s")  # stderr; stdout is the protocol
     print(f"forkd mcp: serving the forkd server at {ctl.base_url} over stdio", file=sys.stderr)
     build_server(ctl).run("stdio")
     return 0

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from mcp.server.mcpserver import MCPServer
 
 from .. import __version__
@@ -22,7 +24,13 @@ def build_server(controller: Controller | None = None) -> MCPServer:
     """The MCP server driving the forkd server ``controller`` reaches (default: the SDK's own
     finding: ``$FORKD_URL``/``$FORKD_TOKEN``, else a running server on this host)."""
     ctl = controller or Controller()
-    server = MCPServer("forkd", title="forkd for Jupyter", version=__version__, instructions=INSTRUCTIONS)
+    root = logging.getLogger()
+    kept = root.level, list(root.handlers)
+    try:
+        server = MCPServer("forkd", title="forkd for Jupyter", version=__version__, instructions=INSTRUCTIONS)
+    finally:  # its constructor configures the process's root logger (basicConfig): not ours to change
+        root.setLevel(kept[0])
+        root.handlers[:] = kept[1]
     _forkd_tools.register(server, ctl)
     _notebook_tools.register(server, ctl)
     _resources.register(server, ctl)
