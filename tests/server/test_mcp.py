@@ -324,11 +324,22 @@ def test_streamable_http_in_forkd_serve():
                 await c.call_tool("kill_sandbox", {"sandbox_id": sid})
                 return value, notebooks
         value, notebooks = run(scenario())
+        # a kernel that records its HEAD here but runs in another Jupyter server cannot be checked out here
+        ctl = Controller(srv.url, srv.token)
+        sid = ctl.spawn_sandboxes("mcp-serve", 1)[0]["id"]
+        ctl.set_kernel_head("elsewhere-1", sid, notebook="far.ipynb")
+        elsewhere = failure(run(call(ctl, "notebook_checkout", {"notebook": "far.ipynb", "sandbox_id": sid})))
+        bad_id = failure(run(call(ctl, "notebook_checkout", {"notebook": "far.ipynb", "sandbox_id": "a b"})))
+        ctl.forget_kernel("elsewhere-1")
+        ctl.kill_sandbox(sid)
         refused = urllib.request.Request(f"{srv.url}/mcp", data=b"{}", method="POST",
                                          headers={"Authorization": "Bearer not-the-token-0123456789"})
         with pytest.raises(urllib.error.HTTPError) as no:
             urllib.request.urlopen(refused, timeout=30)
     assert value["result"] == "42" and notebooks == []  # no notebooks run in forkd serve
+    assert "the kernel of far.ipynb does not run in this Jupyter server" in elsewhere
+    assert "run `%forkd checkout " in elsewhere  # what to do instead
+    assert "'a b' is not a sandbox id" in bad_id
     assert no.value.code == 401
 
 
