@@ -187,8 +187,8 @@ class ForkdApp(ExtensionApp):
         from .handlers import route_table
 
         self.handlers.extend(route_table(self.route_prefix))
-        from .mcp.http import McpHandler
-        self.handlers.append((f"/{self.route_prefix}mcp", McpHandler))
+        from .mcp.http import routes as mcp_routes
+        self.handlers.extend(mcp_routes(self.route_prefix))
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         self.events.loop = asyncio.get_running_loop()

@@ -40,6 +40,11 @@ def own_url(serverapp, prefix: str) -> str:
     return f"{scheme}://{host}:{serverapp.port}{serverapp.base_url}{prefix}".rstrip("/")
 
 
+def routes(prefix: str) -> list[tuple[str, type]]:
+    """The MCP route, relative to base_url (``prefix`` as for ``handlers.route_table``)."""
+    return [(f"/{prefix}mcp", McpHandler)]
+
+
 class McpMount:
     """The MCP server and its streamable-HTTP session manager, running while the extension does."""
 
