@@ -152,6 +152,7 @@ def register(server: MCPServer, ctl: Controller) -> None:
         the user sees the copy you picked in their own notebook. Runs ``%forkd checkout`` in the
         notebook's kernel, after any cell it is running; ``%forkd checkout -`` in the notebook goes back."""
         nb = find_notebook(ctl, notebook)
+        # POST /v1/kernels/{id}/checkout (kernel_handlers.py), a route the SDK has no method for yet
         reply = ctl._request("POST", f"/v1/kernels/{nb['kernel_id']}/checkout", {"sandbox": sandbox_id},
                              timeout=max(ctl.timeout, 120))
         return {"notebook": nb["notebook"], "kernel_id": nb["kernel_id"], "previous_head": nb["head"], **reply}

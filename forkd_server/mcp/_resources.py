@@ -27,11 +27,10 @@ def register(server: MCPServer, ctl: Controller) -> None:
         (forkd://sandboxes/sb-1/files/tmp/out.csv is /tmp/out.csv): its text when it is UTF-8, else its
         bytes; a directory gives its listing as JSON."""
         uri = f"forkd://sandboxes/{sandbox_id}/files/{path}"
-        reply = _ask(uri, ctl._request, "GET", f"/v1/sandboxes/{sandbox_id}/files", query={"path": "/" + path})
-        if "entries" in reply:
-            return json.dumps(reply["entries"])
-        import base64
-        data = base64.b64decode(reply["data_b64"])
+        try:
+            data = _ask(uri, ctl.read_file, sandbox_id, "/" + path)
+        except IsADirectoryError:
+            return json.dumps(_ask(uri, ctl.list_files, sandbox_id, "/" + path))
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError:

@@ -20,6 +20,7 @@ pytest.importorskip("mcp.server.mcpserver")  # mcp 2.x (forkd_server.mcp.SUPPORT
 
 import httpx2  # noqa: E402 - the mcp SDK's HTTP client
 from mcp import Client, StdioServerParameters  # noqa: E402
+from mcp.shared.exceptions import MCPError  # noqa: E402
 from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 
 from forkd_server.client import Controller  # noqa: E402
@@ -218,10 +219,19 @@ def test_resources_tree_and_a_sandboxes_files(ctl, snap):
             tree = await c.read_resource("forkd://tree")
             text = await c.read_resource(f"forkd://sandboxes/{sid}/files/tmp/t.csv")
             listing = await c.read_resource(f"forkd://sandboxes/{sid}/files/tmp")
+            await c.call_tool("exec_command", {"sandbox_id": sid, "args": ["sh", "-c", "printf '\\377\\000' > /tmp/b"]})
+            binary = await c.read_resource(f"forkd://sandboxes/{sid}/files/tmp/b")
+            try:
+                await c.read_resource(f"forkd://sandboxes/{sid}/files/tmp/none.csv")
+                missing = None
+            except MCPError as exc:
+                missing = exc
             templates = (await c.list_resource_templates()).resource_templates
             await c.call_tool("kill_sandbox", {"sandbox_id": sid})
-            return sid, tree, text, listing, templates
-    sid, tree, text, listing, templates = run(scenario())
+            return sid, tree, text, listing, templates, binary, missing
+    sid, tree, text, listing, templates, binary, missing = run(scenario())
+    assert base64.b64decode(binary.contents[0].blob) == b"\xff\x00"
+    assert missing is not None and "none.csv" in str(missing) and "Traceback" not in str(missing)
     nodes = json.loads(tree.contents[0].text)
     assert any(n["id"] == sid for n in nodes) and any(n["id"] == snap for n in nodes)
     assert text.contents[0].text == "a,b\n1,2\n"
