@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sandboxes.add_commands(sub, options)
     _workspaces.add_commands(sub, options)
     _host.add_commands(sub, options)
-    _mcp.add_commands(sub, options)
+    _mcp.add_commands(sub)
     return parser
 
 

@@ -6,8 +6,10 @@ only, anything said goes to stderr."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
+from ._errors import add_debug_option
 from ._output import client
 
 
@@ -27,7 +29,13 @@ def cmd_mcp(args) -> int:
     return 0
 
 
-def add_commands(sub, options) -> None:
-    p = sub.add_parser("mcp", parents=[options], help="the MCP server over stdio (for Claude Desktop, Jupyter AI, "
-                                                      "any MCP client), driving the server --url names")
+def add_commands(sub) -> None:
+    p = sub.add_parser("mcp", help="the MCP server over stdio (for Claude Desktop, Jupyter AI, any MCP client), "
+                                   "driving the server --url names")
+    p.add_argument("--url", default=os.environ.get("FORKD_URL"),
+                   help="the server (default: $FORKD_URL, a running server found on this host, else "
+                        "http://127.0.0.1:8889)")
+    p.add_argument("--token", default=None, help="bearer token (default: $FORKD_TOKEN)")
+    p.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout of each call in seconds (default 60)")
+    add_debug_option(p)
     p.set_defaults(func=cmd_mcp)
