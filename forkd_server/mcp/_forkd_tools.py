@@ -147,10 +147,11 @@ def register(server: MCPServer, ctl: Controller) -> None:
         return ctl.ping_sandbox(sandbox_id)
 
 
-async def spawn_reporting(ctl: Controller, ctx: Context | None, snapshot_tag: str, n: int,
+async def spawn_reporting(ctl: Controller, ctx: Context | None, snapshot_tag: str, n: int, *, done: int = 0,
                           **options) -> list[dict[str, Any]]:
     """``spawn_sandboxes`` with one progress notification per child as the server starts it (its
-    ``created`` event), from a subscription opened before the spawn, so none is missed."""
+    ``created`` event), from a subscription opened before the spawn, so none is missed; ``done``:
+    steps reported before it (the total is theirs plus ``n``)."""
 
     def work(say) -> list[dict[str, Any]]:
         stream = ctl.events()
@@ -180,4 +181,4 @@ async def spawn_reporting(ctl: Controller, ctx: Context | None, snapshot_tag: st
             stream.close()
             reader.join(5)
 
-    return await run_reporting(ctx, work, total=n)
+    return await run_reporting(ctx, work, total=done + n, done=done)

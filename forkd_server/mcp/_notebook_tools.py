@@ -105,7 +105,7 @@ def register(server: MCPServer, ctl: Controller) -> None:
         snap = await asyncio.to_thread(lambda: ctl.branch_sandbox(nb["head"], tag, mode=mode))
         if ctx is not None:
             await ctx.report_progress(1, n + 1, message=f"branched as {snap['tag']} (paused {snap.get('pause_ms')} ms)")
-        kids = await spawn_reporting(ctl, ctx, snap["tag"], n, memory_limit_mib=head.get("memory_limit_mib"))
+        kids = await spawn_reporting(ctl, ctx, snap["tag"], n, done=1, memory_limit_mib=head.get("memory_limit_mib"))
         return {"notebook": nb["notebook"], "kernel_id": nb["kernel_id"], "head": nb["head"],
                 "snapshot": snap["tag"], "pause_ms": snap.get("pause_ms"), "sandboxes": [k["id"] for k in kids]}
 

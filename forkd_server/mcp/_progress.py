@@ -17,11 +17,12 @@ T = TypeVar("T")
 
 
 async def run_reporting(ctx: Context | None, work: Callable[[Callable[[str], None]], T], *,
-                        total: float | None = None) -> T:
-    """Run ``work(say)`` on a thread; each ``say(line)`` is one progress notification."""
+                        total: float | None = None, done: int = 0) -> T:
+    """Run ``work(say)`` on a thread; each ``say(line)`` is one progress notification, counted on
+    from ``done`` (the steps a caller reported before: progress only ever grows)."""
     loop = asyncio.get_running_loop()
     steps: asyncio.Queue = asyncio.Queue()
-    done = object()
+    finished = object()
 
     def say(line: str) -> None:
         try:
@@ -38,19 +39,19 @@ async def run_reporting(ctx: Context | None, work: Callable[[Callable[[str], Non
             result["error"] = exc
         finally:
             try:
-                loop.call_soon_threadsafe(steps.put_nowait, done)
+                loop.call_soon_threadsafe(steps.put_nowait, finished)
             except RuntimeError:
                 pass
 
     threading.Thread(target=run, name="forkd-mcp-work", daemon=True).start()
-    count = 0
+    count = done
     while True:
         line = await steps.get()
-        if line is done:
+        if line is finished:
             break
         count += 1
-        if ctx is not None:
-            await ctx.report_progress(min(count, total) if total else count, total, message=line)
+        if ctx is not None and (not total or count <= total):  # past the total it could only repeat it
+            await ctx.report_progress(count, total, message=line)
     if "error" in result:
         raise result["error"]
     return result["value"]

@@ -241,12 +241,16 @@ def test_resources_tree_and_a_sandboxes_files(ctl, snap):
 
 def test_notebook_tools_fork_a_live_notebook_and_check_the_pick_out(ctl, notebook):
     kid = notebook["kernel_id"]
+    progress = []
+
+    async def on_progress(done, total, message):
+        progress.append((done, total, message))
 
     async def scenario():
         async with Client(build_server(ctl)) as c:
             listed = data(await c.call_tool("list_notebooks"))
             branch = data(await c.call_tool("notebook_branch", {"notebook": "agent.ipynb"}))
-            forked = data(await c.call_tool("notebook_fork", {"notebook": kid, "n": 3}))
+            forked = data(await c.call_tool("notebook_fork", {"notebook": kid, "n": 3}, progress_callback=on_progress))
             cells = [await c.call_tool("run_cell", {"sandbox_id": sb, "code": f"answer += {i}\nanswer"})
                      for i, sb in enumerate(forked["sandboxes"])]
             pick = next(sb for sb, cell in zip(forked["sandboxes"], cells) if cell.structured_content["result"] == "42")
@@ -266,6 +270,9 @@ def test_notebook_tools_fork_a_live_notebook_and_check_the_pick_out(ctl, noteboo
     assert mine["notebook"] == "agent.ipynb" and mine["head"] == notebook["head"] and mine["head_running"]
     assert r["branch"]["head"] == notebook["head"] and r["branch"]["labels"]["jupyter.notebook"] == "agent.ipynb"
     assert len(r["forked"]["sandboxes"]) == 3 and r["forked"]["pause_ms"] is not None
+    assert progress[0][2] == f"branching {notebook['head']}" and progress[1][2].startswith(f"branched as {r['forked']['snapshot']}")
+    assert sum("started" in m for _, _, m in progress) == 3  # then one per copy as it started
+    assert [p for p, _, _ in progress] == [0, 1, 2, 3, 4] and {t for _, t, _ in progress} == {4}  # only ever grows
     assert [c.structured_content["result"] for c in r["cells"]] == ["41", "42", "43"]  # each copy holds answer = 41
     assert r["moved"]["head"] == r["pick"] == r["recorded"] and r["moved"]["previous_head"] == notebook["head"]
     nodes = {n["id"]: n for n in r["tree"]["nodes"]}
