@@ -161,8 +161,9 @@ class JupyterServer:
             return f.read()
 
     def api(self, method: str, path: str, body=None):
-        req = urllib.request.Request(self.url + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"})
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, method=method, data=data, headers={
+            "Authorization": f"token {self.token}", "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             text = r.read()
         return json.loads(text) if text else None

@@ -66,7 +66,8 @@ def running_head(ctl: Controller, nb: dict) -> dict[str, Any]:
         if exc.status != 404:
             raise
         raise Refused(f"{nb['notebook'] or nb['kernel_id']}'s sandbox {nb['head']} is gone ({exc.what})",
-                      "its next cell says so in the notebook; restart its kernel, or check out a branch of it") from None
+                      "its next cell says so in the notebook; restart its kernel, or check out a branch of it") \
+            from None
 
 
 def register(server: MCPServer, ctl: Controller) -> None:

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow  # a whole notebook per test, ~10 s each
 
 
 def test_the_demo_notebooks_are_there():
-    assert ALL == ["agent-forks-a-notebook.ipynb", "agent-mid-thought.ipynb", "hyperparameter-fanout.ipynb", "quickstart.ipynb",
+    assert ALL == ["agent-forks-a-notebook.ipynb", "agent-mid-thought.ipynb", "hyperparameter-fanout.ipynb",
+                   "quickstart.ipynb",
                    "safe-destructive-operation.ipynb", "time-travel.ipynb", "what-a-fork-costs.ipynb"]
 
 

@@ -66,7 +66,7 @@ def notebook(jupyter, ctl):
             break
         assert time.monotonic() < deadline, f"the forkd kernel never recorded its HEAD:\n{jupyter.output()[-3000:]}"
         time.sleep(0.1)
-    assert not ctl.run_code(heads[0]["head"], "answer = 41").get("error")  # the notebook's namespace, as a cell leaves it
+    assert not ctl.run_code(heads[0]["head"], "answer = 41").get("error")  # the notebook's state, as a cell leaves it
     yield {"kernel_id": kernel_id, "head": heads[0]["head"], "session": session["id"]}
     jupyter.api("DELETE", f"/api/sessions/{session['id']}")
 
@@ -215,7 +215,8 @@ def test_resources_tree_and_a_sandboxes_files(ctl, snap):
     async def scenario():
         async with Client(build_server(ctl)) as c:
             sid = data(await c.call_tool("spawn_sandboxes", {"snapshot_tag": snap}))[0]["id"]
-            await c.call_tool("exec_command", {"sandbox_id": sid, "args": ["sh", "-c", "printf 'a,b\\n1,2\\n' > /tmp/t.csv"]})
+            await c.call_tool("exec_command", {"sandbox_id": sid,
+                                               "args": ["sh", "-c", "printf 'a,b\\n1,2\\n' > /tmp/t.csv"]})
             tree = await c.read_resource("forkd://tree")
             text = await c.read_resource(f"forkd://sandboxes/{sid}/files/tmp/t.csv")
             listing = await c.read_resource(f"forkd://sandboxes/{sid}/files/tmp")
@@ -270,7 +271,8 @@ def test_notebook_tools_fork_a_live_notebook_and_check_the_pick_out(ctl, noteboo
     assert mine["notebook"] == "agent.ipynb" and mine["head"] == notebook["head"] and mine["head_running"]
     assert r["branch"]["head"] == notebook["head"] and r["branch"]["labels"]["jupyter.notebook"] == "agent.ipynb"
     assert len(r["forked"]["sandboxes"]) == 3 and r["forked"]["pause_ms"] is not None
-    assert progress[0][2] == f"branching {notebook['head']}" and progress[1][2].startswith(f"branched as {r['forked']['snapshot']}")
+    assert progress[0][2] == f"branching {notebook['head']}"
+    assert progress[1][2].startswith(f"branched as {r['forked']['snapshot']}")
     assert sum("started" in m for _, _, m in progress) == 3  # then one per copy as it started
     assert [p for p, _, _ in progress] == [0, 1, 2, 3, 4] and {t for _, t, _ in progress} == {4}  # only ever grows
     assert [c.structured_content["result"] for c in r["cells"]] == ["41", "42", "43"]  # each copy holds answer = 41
@@ -388,7 +390,8 @@ def test_run_cell_cancelled_by_the_client_interrupts_the_cell(ctl, snap):
 
             async def long_cell():
                 await c.call_tool("run_cell", {"sandbox_id": sid, "code": (
-                    "import time\nprint('running', flush=True)\nfor _ in range(600):\n    time.sleep(0.1)\nfinished = True")},
+                    "import time\nprint('running', flush=True)\n"
+                    "for _ in range(600):\n    time.sleep(0.1)\nfinished = True")},
                     progress_callback=on_progress)
 
             async with anyio.create_task_group() as tg:
