@@ -405,3 +405,18 @@ def test_run_cell_cancelled_by_the_client_interrupts_the_cell(ctl, snap):
             return after, waited
     after, waited = run(scenario())
     assert after["result"] == "False" and waited < 30  # interrupted, not left to run its 60 s
+
+
+# --- off: c.ForkdApp.mcp = False -------------------------------------------------------------------
+
+@pytest.fixture
+def jp_server_config(forkd_data_dir):
+    return {"ServerApp": {"jpserver_extensions": {"forkd_server": True, "jupyter_server_terminals": False}},
+            "ForkdApp": {"data_dir": forkd_data_dir, "mcp": False}}
+
+
+async def test_mcp_turned_off_answers_503_saying_so(jp_fetch, forkd_app):
+    r = await jp_fetch("forkd", "mcp", method="POST", body="{}", raise_error=False,
+                       headers={"Content-Type": "application/json"})
+    assert r.code == 503
+    assert json.loads(r.body)["error"] == "no MCP server here: it is off (c.ForkdApp.mcp = False)"
