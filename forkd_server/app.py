@@ -109,8 +109,10 @@ class ForkdApp(ExtensionApp):
                                                 "create...) admitted at once, each with a thread; 503 past it.")
     max_long_calls_per_caller = Int(64, config=True, help="Long calls one caller (one token, or one logged-in "
                                                           "user) may hold at once; 429 past it.")
-    control_workers = Int(16, config=True, help="Threads for control calls (list, get, kill, ping, interrupt, "
-                                                "tree, metrics...), never shared with long calls.")
+    control_workers = Int(64, config=True, help="Threads for control calls (list, get, kill, ping, interrupt, "
+                                                "tree, metrics...), never shared with long calls. Under more "
+                                                "clients than threads, control calls queue for them "
+                                                "(bench/RESULTS.md, 'Many clients').")
     sandbox_queue_size = Int(8, config=True, help="Calls (exec, eval, run) that may wait while one runs in the "
                                                   "same sandbox; 409 busy past it.")
     sandbox_queue_timeout = Float(60.0, config=True, help="Seconds a call waits for its sandbox before it is "
@@ -118,6 +120,10 @@ class ForkdApp(ExtensionApp):
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
     max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
+    allow_host_network = Bool(False, config=True, help="Let callers create snapshots with host_network: their "
+                                                       "sandboxes share the host's network, so they reach every "
+                                                       "service on its loopback, this server's own port included. "
+                                                       "Off: such a request is answered 403.")
     mcp = Bool(True, config=True, help="Serve the MCP server (streamable HTTP) at {base_url}{route_prefix}mcp; "
                                        "needs the mcp package (pip install 'forkd-jupyter[mcp]').")
 

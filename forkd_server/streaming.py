@@ -41,7 +41,7 @@ class Session:
         scheme = "wss" if base.scheme == "https" else "ws"
         query = urllib.parse.urlencode({"shell": shell})
         self.url = f"{scheme}://{base.netloc}{base.path}/v1/sandboxes/{sandbox_id}/session?{query}"
-        headers = [f"Authorization: Bearer {controller.token}"] if controller.token else []
+        headers = [f"{name}: {value}" for name, value in controller.headers().items()]
         self._prefix = f"{os.getpid()}-{id(self):x}-"
         try:
             # TCP_NODELAY: a cell's small messages must not wait for delayed ACKs (40 ms each)

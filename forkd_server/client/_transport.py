@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import secrets
 import socket
 import urllib.error
 import urllib.parse
@@ -24,6 +25,7 @@ except ImportError:  # pragma: no cover - exercised where orjson is absent
     _loads = json.loads
 
 DEFAULT_URL = "http://127.0.0.1:8889"
+CLIENT_HEADER = "X-Forkd-Client"
 
 
 class ForkWarning(UserWarning):
@@ -199,6 +201,15 @@ class Connection:
         self.base_url = url.rstrip("/")
         self.token = token if token is not None else (os.environ.get("FORKD_TOKEN") or found_token)
         self.timeout = timeout
+        # Who this client is to the server's per-caller cap: clients sharing a token count apart.
+        self.client_id = secrets.token_hex(8)
+
+    def headers(self) -> dict[str, str]:
+        """What every request of this client carries: its token and its client id."""
+        headers = {CLIENT_HEADER: self.client_id}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
@@ -210,7 +221,7 @@ class Connection:
         url = self.base_url + path
         if query:
             url += "?" + urllib.parse.urlencode(query, doseq=True)
-        headers = {}
+        headers = self.headers()
         data = None
         if body is not None:
             data = json.dumps(body).encode()
@@ -218,8 +229,6 @@ class Connection:
         elif raw is not None:
             data = raw
             headers["Content-Type"] = content_type or "application/octet-stream"
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
         req = urllib.request.Request(url, data=data, headers=headers, method=method)
         timeout = timeout or self.timeout
         try:
