@@ -245,6 +245,11 @@ class Calls:
                                                     ("engine", engine)) if v is not None}}
         return self._request("PUT", f"/v1/kernels/{kernel_id}", body)
 
+    def checkout_kernel(self, kernel_id: str, sandbox_id: str, timeout: float = 120.0) -> dict:
+        """Move a forkd-kernel notebook to ``sandbox_id``: ``%forkd checkout`` run in its kernel
+        (after any cell it is running), as the panel's Check out does."""
+        return self._request("POST", f"/v1/kernels/{kernel_id}/checkout", {"sandbox": sandbox_id}, timeout=timeout)
+
     def forget_kernel(self, kernel_id: str) -> None:
         return self._request("DELETE", f"/v1/kernels/{kernel_id}")
 
