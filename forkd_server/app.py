@@ -130,6 +130,8 @@ class ForkdApp(ExtensionApp):
                                                        "sandboxes share the host's network, so they reach every "
                                                        "service on its loopback, this server's own port included. "
                                                        "Off: such a request is answered 403.")
+    mcp = Bool(True, config=True, help="Serve the MCP server (streamable HTTP) at {base_url}{route_prefix}mcp; "
+                                       "needs the mcp package (pip install 'forkd-jupyter[mcp]').")
 
     @default("data_dir")
     def _default_data_dir(self) -> str:
@@ -208,13 +210,35 @@ class ForkdApp(ExtensionApp):
         from .handlers import route_table
 
         self.handlers.extend(route_table(self.route_prefix))
+        from .mcp.http import routes as mcp_routes
+        self.handlers.extend(mcp_routes(self.route_prefix))
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         self.events.loop = asyncio.get_running_loop()
         prefix = self.route_prefix.rstrip("/")
         self.data_dir_lock.announce(serverapp.connection_url.rstrip("/") + (f"/{prefix}" if prefix else ""))
 
+    mcp_mount = None  # the MCP server's session manager, from the first request to it (mcp/http.py)
+
+    def mcp_server(self):
+        """The MCP mount, started on first use (importing the mcp SDK would cost every server start
+        ~0.65 s of CPU); raises ``LookupError`` saying why there is none."""
+        if self.mcp_mount is None:
+            from .mcp import missing_sdk
+            why = "it is off (c.ForkdApp.mcp = False)" if not self.mcp else missing_sdk()
+            if why:
+                raise LookupError(why)
+            from .client import Controller
+            from .mcp.http import McpMount, own_url
+            token = getattr(self.serverapp.identity_provider, "token", None) or None
+            self.mcp_mount = McpMount(Controller(own_url(self.serverapp, self.route_prefix), token))
+            self.mcp_mount.start()
+        return self.mcp_mount
+
     async def stop_extension(self) -> None:
+        if self.mcp_mount is not None:
+            await self.mcp_mount.stop()
+            self.mcp_mount = None
         if self.controller is None:
             return
         self.events.close()
