@@ -260,3 +260,19 @@ def test_a_push_cut_short_resumes_when_the_server_starts_again(host_a, pushed, s
         time.sleep(0.2)
     assert remote.has_chunk(victim)
     assert "a push to s3://forkd/team was cut short" in host_a.output()
+
+
+def test_the_async_sdk_pushes_and_pulls(host_a, host_b, pushed):
+    import asyncio
+
+    from forkd_server.client import AsyncController
+
+    async def go():
+        async with AsyncController(host_a.url, host_a.token) as a, AsyncController(host_b.url, host_b.token) as b:
+            out = await a.push_snapshot("np")
+            info = await b.pull_snapshot(digest=out["digest"])
+            return out, info
+
+    out, info = asyncio.run(go())
+    assert out["digest"] == pushed and out["uploaded_chunks"] == 0
+    assert info["tag"] == "np" and info["stored"]["digest"] == pushed
