@@ -118,6 +118,12 @@ class ForkdApp(ExtensionApp):
     sandbox_queue_timeout = Float(60.0, config=True, help="Seconds a call waits for its sandbox before it is "
                                                           "answered 409 busy.")
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
+    store = Unicode("", config=True, help="Remote snapshot store for push and pull: s3://bucket/prefix, "
+                                          "gs://bucket/prefix, az://container/prefix or file:///path ('' none). "
+                                          "S3 settings and credentials come from AWS_ENDPOINT_URL, AWS_REGION, "
+                                          "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ALLOW_HTTP.")
+    store_endpoint = Unicode("", config=True, help="S3-compatible endpoint of the store (default: $AWS_ENDPOINT_URL).")
+    store_region = Unicode("", config=True, help="S3 region of the store (default: $AWS_REGION).")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
     max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
     allow_host_network = Bool(False, config=True, help="Let callers create snapshots with host_network: their "
@@ -166,8 +172,19 @@ class ForkdApp(ExtensionApp):
         except DataDirBusy as exc:
             self.log.critical("forkd: %s", exc)
             self.serverapp.exit(1)  # as jupyter_server refuses root without --allow-root
-        self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
-                                     default_engine=self.default_engine)
+        from .errors import ForkdError
+        options = {k: v for k, v in (("endpoint", self.store_endpoint), ("region", self.store_region)) if v}
+        try:
+            self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
+                                         default_engine=self.default_engine, store=self.store or None,
+                                         store_options=options)
+        except ForkdError as exc:  # a store URL that cannot be used: said, and the server does not start
+            self.log.critical("forkd: %s", exc)
+            raise
+        if self.store:
+            self.log.info("forkd: remote snapshot store %s", self.controller.stores.remote.url)
+        for line in self.controller.recovered.get("findings", []):  # what the start-up repaired or resumed
+            self.log.warning("forkd: %s", line)
         from .kernels import KernelHeads
         from .sessions import SessionManager
         self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)

@@ -10,10 +10,13 @@ stuck. In order:
 2. Each engine repairs or ends what only it can see (``Engine.recover``): for the VM engine, a
    source a live branch left frozen is thawed (or killed, saying why) and RAM files no snapshot
    owns are removed; for the process engine, sockets no record names.
-3. Every ready snapshot and running sandbox is probed: a snapshot whose template is gone or silent
-   becomes ``failed`` with the reason (a silent template is left running: its sandboxes live in
-   its pid namespace; deleting the snapshot ends it); a sandbox that is gone is dropped, and one
-   alive but silent is ended and dropped, its ``killed`` event saying why.
+3. Every ready snapshot and running sandbox is probed. A VM snapshot whose RAM file tmpfs lost (a
+   reboot) answers from the local store and stays ``ready`` (stores.py). A process snapshot whose
+   template is gone is ``lost``, saying why: a parked process cannot be written to files, so it
+   does not outlive a reboot. A snapshot whose template is silent, or whose files are gone with no
+   copy in the store, becomes ``failed`` with the reason (a silent template is left running: its
+   sandboxes live in its pid namespace; deleting the snapshot ends it); a sandbox that is gone is
+   dropped, and one alive but silent is ended and dropped, its ``killed`` event saying why.
 4. Workspaces settle on what is left (``WorkspaceManager.reconcile``).
 
 ``run`` returns counts and ``findings``: one line per thing repaired, ended or removed.
@@ -31,6 +34,10 @@ if TYPE_CHECKING:
 PROBE_TIMEOUT = 5.0  # seconds an agent has to answer its ping when the server starts
 
 INTERRUPTED = "snapshot is not bootable: interrupted by a server restart while it was being written"
+LOST = ("snapshot lost: its template process was gone when the server started (the host restarted, or the "
+        "process was ended while no server ran); a process-engine snapshot is a parked process, which cannot "
+        "be written to files, so it does not outlive a reboot. Create it again, or use engine vm for snapshots "
+        "that last")
 
 
 class Recovery:
@@ -41,7 +48,8 @@ class Recovery:
         self.feed = controller.feed
 
     def run(self) -> dict:
-        counts = {"snapshots_attached": 0, "snapshots_failed": 0, "sandboxes_attached": 0, "sandboxes_dropped": 0}
+        counts = {"snapshots_attached": 0, "snapshots_failed": 0, "snapshots_lost": 0, "sandboxes_attached": 0,
+                  "sandboxes_dropped": 0}
         findings: list[str] = []
         self._end_interrupted(counts)
         snapshots = [r for r in self.registry.list_snapshots() if r["status"] == "ready"]
@@ -57,8 +65,9 @@ class Recovery:
                 if reason is None:
                     counts["snapshots_attached"] += 1
                     continue
-                counts["snapshots_failed"] += 1
-                findings.append(self._fail_snapshot(engine, row, reason))
+                finding, status = self._fail_snapshot(engine, row, reason)
+                counts[f"snapshots_{status}"] += 1
+                findings.append(finding)
             for row, reason in zip(boxes, why[len(snaps):]):
                 if reason is None:
                     counts["sandboxes_attached"] += 1
@@ -98,16 +107,22 @@ class Recovery:
             self.registry.delete_sandboxes([row["id"]])
             counts["sandboxes_dropped"] += 1
 
-    def _fail_snapshot(self, engine, row: dict, reason: str) -> str:
+    def _fail_snapshot(self, engine, row: dict, reason: str) -> tuple[str, str]:
+        """(the finding, ``failed`` or ``lost``) for a snapshot that did not answer."""
+        status = "failed"
         if engine.alive(row["handle"]):
             # Alive but silent: left running, since its sandboxes may live inside it.
             warning = (f"snapshot is not bootable: its template did not answer when the server started "
                        f"({reason}); delete the snapshot to end it")
         else:
-            warning = endings.template_ended(engine.exit_status(row["handle"]))
+            ended = endings.how(engine.exit_status(row["handle"]))
+            if not hasattr(engine, "store_snapshot"):  # a parked process, no files: gone for good
+                status, warning = "lost", LOST + (f" ({ended})" if ended else "")
+            else:
+                warning = endings.template_ended(engine.exit_status(row["handle"]))
             engine.delete_snapshot(row["handle"])  # releases what the engine held for it
-        self.ctl.fail_snapshot(row["tag"], warning)
-        return f"snapshot {row['tag']}: {warning}"
+        self.ctl.fail_snapshot(row["tag"], warning, status)
+        return f"snapshot {row['tag']}: {warning}", status
 
     def _drop_sandbox(self, engine, row: dict, reason: str) -> str:
         if engine.alive(row["handle"]):

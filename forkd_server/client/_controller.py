@@ -10,6 +10,7 @@ to ``_do``, which the sync transport runs to its result and the async one to an 
 from __future__ import annotations
 
 import base64
+import threading
 import time
 
 from ._async import AsyncTransport
@@ -166,6 +167,20 @@ class Calls:
     def compact_snapshot(self, tag: str, to: str, timeout: float = 900) -> dict:
         """An independent copy of snapshot ``tag`` under ``to`` (``branched_from: "compact:<tag>"``)."""
         return self._request("POST", f"/v1/snapshots/{tag}/compact", {"to": to}, timeout=timeout)
+
+    # -- a remote store (forkd serve --store URL): snapshots that travel between hosts --
+
+    def push_snapshot(self, tag: str, *, timeout: float = 3600) -> dict:
+        """Push snapshot ``tag`` to the server's remote store; returns ``{"digest", "store",
+        "chunks", "uploaded_chunks", "uploaded_bytes"}``. Progress: events of action ``push``
+        (``done_bytes``, ``total_bytes``); ``Controller`` takes ``progress=`` for them."""
+        return self._request("POST", f"/v1/snapshots/{tag}/push", timeout=timeout)
+
+    def pull_snapshot(self, tag: str | None = None, *, digest: str | None = None, timeout: float = 3600) -> dict:
+        """Make a ready snapshot on the server from its remote store, by ``tag`` (the store's tag
+        index) or ``digest`` (``sha256:...``); returns its SnapshotInfo (with ``pull`` figures)."""
+        body = {"tag": tag} if tag is not None else {"digest": digest}
+        return self._request("POST", "/v1/snapshots/pull", body, timeout=timeout)
 
     # -- workspaces: named sandboxes that suspend into ws-<name>-state and resume from it --
 
@@ -332,6 +347,39 @@ class Controller(Calls, SyncTransport):
 
     Its connections to the server are kept alive and pooled (``max_connections``, shared by the
     threads that use it); ``close()`` or ``with Controller() as ctl:`` closes them."""
+
+    def push_snapshot(self, tag: str, *, progress=None, timeout: float = 3600) -> dict:
+        """``progress(done_bytes, total_bytes)`` is called from another thread as the push goes."""
+        return self._with_progress("push", tag, progress, lambda: super(Controller, self).push_snapshot(
+            tag, timeout=timeout))
+
+    def pull_snapshot(self, tag: str | None = None, *, digest: str | None = None, progress=None,
+                      timeout: float = 3600) -> dict:
+        """``progress(done_bytes, total_bytes)`` is called from another thread as the pull goes."""
+        return self._with_progress("pull", tag, progress, lambda: super(Controller, self).pull_snapshot(
+            tag, digest=digest, timeout=timeout))
+
+    def _with_progress(self, action: str, tag: str | None, progress, call):
+        if progress is None:
+            return call()
+        stream = self.events()  # subscribed before the call: no progress event is missed
+
+        def follow():
+            try:
+                for event in stream:
+                    if event.get("action") == action and (tag is None or event.get("tag") == tag) \
+                            and "total_bytes" in event:
+                        progress(event["done_bytes"], event["total_bytes"])
+            except Exception:  # noqa: BLE001 - progress is a courtesy: the call's own answer is what counts
+                pass
+
+        reader = threading.Thread(target=follow, name=f"forkd-{action}-progress", daemon=True)
+        reader.start()
+        try:
+            return call()
+        finally:
+            stream.close()
+            reader.join(5)
 
 
 class AsyncController(Calls, AsyncTransport):

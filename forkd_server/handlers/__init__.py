@@ -12,7 +12,8 @@ from .meta import (OPENAPI_PATH, EventsHandler, HealthHandler, MetricsHandler, O
                    VersionHandler)
 from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, InterruptHandler, InventoryHandler,
                         MemoryHandler, PingHandler, RunHandler, SandboxesHandler, SandboxHandler)
-from .snapshots import SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotsHandler
+from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
+                        SnapshotPushHandler, SnapshotsHandler)
 from .workspaces import WorkspaceHandler, WorkspaceResumeHandler, WorkspacesHandler, WorkspaceSuspendHandler
 
 __all__ = ["ApiError", "ForkdHandler", "NotFoundHandler", "OPENAPI_PATH", "route_table"]
@@ -34,9 +35,11 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (r"v1/events", EventsHandler),
         (r"v1/tree", TreeHandler),
         (r"v1/snapshots", SnapshotsHandler),
+        (r"v1/snapshots/pull", SnapshotPullHandler),
         (rf"v1/snapshots/{ID}", SnapshotHandler),
         (rf"v1/snapshots/{ID}/info", SnapshotInfoHandler),
         (rf"v1/snapshots/{ID}/compact", SnapshotCompactHandler),
+        (rf"v1/snapshots/{ID}/push", SnapshotPushHandler),
         (r"v1/sandboxes", SandboxesHandler),
         (rf"v1/sandboxes/{ID}", SandboxHandler),
         (rf"v1/sandboxes/{ID}/ping", PingHandler),
