@@ -134,6 +134,15 @@ SUBCOMMANDS = {
         A("target", help="a sandbox (id or variable), a snapshot tag, or - for the previous one")),
     "head": _parser("head", "forkd kernel: the sandbox this notebook runs in, and its lineage."),
     "log": _parser("log", "forkd kernel: how the notebook got where it is: the cells run since each branch."),
+    "push": _parser(
+        "push", "Push a VM snapshot to the server's remote store (forkd serve --store URL): only the chunks "
+                "the store lacks. Returns its digest (sha256:...), the snapshot's identity in any store.",
+        A("tag", help="the snapshot's tag (or a variable holding a Snapshot)")),
+    "pull": _parser(
+        "pull", "Make a snapshot on the server from its remote store, by tag or --digest: only the chunks "
+                "the server lacks are fetched, each verified. Returns a Snapshot.",
+        A("tag", nargs="?", default=None, help="the snapshot's tag in the store"),
+        A("--digest", default=None, help="the snapshot's digest, sha256:...")),
     "connect": _parser(
         "connect", "Use another server (default: $FORKD_URL, else the server found on this host). The "
                    "token comes from $FORKD_TOKEN, else a prompt that does not echo: never from the line, "
@@ -150,6 +159,7 @@ HELP = """Fork-on-write Python sandboxes from a notebook.
   %forkd branch --live | fork -n 5 | checkout SB|TAG|- | head | log
   %forkd ls | kill (SB ... | -t TAG | --all | --everyone) | delete (TAG ... | --all | --everyone)
   %forkd exec SB -- cmd | tree | connect URL
+  %forkd push TAG | pull (TAG | --digest D)               -> a remote store (forkd serve --store URL)
   %%forkd run (SB ... | -t TAG | --all)                   -> runs the cell in each, side by side
 
 ls, tree and --all mean this notebook's snapshots and sandboxes (labelled with its path and kernel

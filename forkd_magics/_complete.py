@@ -105,7 +105,7 @@ class ForkdCompleter:
         kind = positional(sub)
         if kind in SANDBOX_ARGS:
             return self._variables() + self.server_names()[1]
-        if kind == "tags":
+        if kind == "tags" or (kind == "tag" and sub == "push"):  # pull's tag is the store's: not listed here
             return self.server_names()[0]
         if kind == "target":
             tags, ids = self.server_names()

@@ -320,6 +320,25 @@ class ForkdMagics(Magics):
         r = self.controller.exec_command(sandbox, ["/bin/sh", "-c", cmd], args.timeout)
         return ExecResult(r.get("stdout", ""), r.get("stderr", ""), r.get("exit_code", 1), r.get("error"))
 
+    def _push(self, args, cell):
+        tag = self._tag(args.tag, "push")
+        out = self.controller.push_snapshot(tag)
+        print(f"pushed {tag} to {out['store']}: {out['uploaded_chunks']} of {out['chunks']} chunks uploaded "
+              f"({out['uploaded_bytes'] / 1e6:.1f} MB), the rest were there")
+        return out["digest"]
+
+    def _pull(self, args, cell):
+        if (args.tag is None) == (args.digest is None):
+            raise UsageError("forkd pull: give a TAG or --digest sha256:... (one of them)")
+        info = self.controller.pull_snapshot(args.tag, digest=args.digest)
+        figures = info.get("pull")
+        if figures is None:  # the same snapshot was there already
+            print(f"{info['tag']} is already on the server: nothing fetched")
+        else:
+            print(f"pulled {info['tag']}: {figures['fetched_chunks']} of {figures['chunks']} chunks fetched "
+                  f"({figures['fetched_bytes'] / 1e6:.1f} MB), the rest were on the server")
+        return Snapshot(info, self.controller)
+
     def _delete(self, args, cell):
         sweep = args.all or args.everyone
         if bool(args.tags) == bool(sweep):

@@ -18,7 +18,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 GROUP_MIN = 4  # as lineage.js
 ROW, INDENT, WIDTH, PAD, HEADER = 30, 18, 600, 8, 36
-COLOURS = {"ready": "#1a7f37", "running": "#0969da", "writing": "#bf8700", "failed": "#cf222e"}
+COLOURS = {"ready": "#1a7f37", "running": "#0969da", "writing": "#bf8700", "failed": "#cf222e", "lost": "#cf222e"}
 GONE = {"sandbox": "killed", "snapshot": "deleted"}
 
 

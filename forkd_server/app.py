@@ -118,6 +118,12 @@ class ForkdApp(ExtensionApp):
     sandbox_queue_timeout = Float(60.0, config=True, help="Seconds a call waits for its sandbox before it is "
                                                           "answered 409 busy.")
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
+    store = Unicode("", config=True, help="Remote snapshot store for push and pull: s3://bucket/prefix, "
+                                          "gs://bucket/prefix, az://container/prefix or file:///path ('' none). "
+                                          "S3 settings and credentials come from AWS_ENDPOINT_URL, AWS_REGION, "
+                                          "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ALLOW_HTTP.")
+    store_endpoint = Unicode("", config=True, help="S3-compatible endpoint of the store (default: $AWS_ENDPOINT_URL).")
+    store_region = Unicode("", config=True, help="S3 region of the store (default: $AWS_REGION).")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
     max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
     recovery_probe_timeout = Float(5.0, config=True, help="Seconds each sandbox and template recorded by the "
@@ -127,6 +133,8 @@ class ForkdApp(ExtensionApp):
                                                        "sandboxes share the host's network, so they reach every "
                                                        "service on its loopback, this server's own port included. "
                                                        "Off: such a request is answered 403.")
+    mcp = Bool(True, config=True, help="Serve the MCP server (streamable HTTP) at {base_url}{route_prefix}mcp; "
+                                       "needs the mcp package (pip install 'forkd-jupyter[mcp]').")
 
     @default("data_dir")
     def _default_data_dir(self) -> str:
@@ -167,12 +175,21 @@ class ForkdApp(ExtensionApp):
         except DataDirBusy as exc:
             self.log.critical("forkd: %s", exc)
             self.serverapp.exit(1)  # as jupyter_server refuses root without --allow-root
-        # The port listens at once: what outlived the previous server is settled on threads meanwhile,
-        # and calls about an object not settled yet answer 503 (recovery.py).
-        self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
-                                     default_engine=self.default_engine, recover_in_background=True,
-                                     probe_timeout=self.recovery_probe_timeout)
-        self.controller.recovery.on_done = self._recovered
+        from .errors import ForkdError
+        options = {k: v for k, v in (("endpoint", self.store_endpoint), ("region", self.store_region)) if v}
+        try:
+            # The port listens at once: what outlived the previous server is settled on threads
+            # meanwhile, and calls about an object not settled yet answer 503 (recovery.py).
+            self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
+                                         default_engine=self.default_engine, store=self.store or None,
+                                         store_options=options, recover_in_background=True,
+                                         probe_timeout=self.recovery_probe_timeout)
+        except ForkdError as exc:  # a store URL that cannot be used: said, and the server does not start
+            self.log.critical("forkd: %s", exc)
+            raise
+        self.controller.recovery.on_done = self._recovered  # logs what the start-up repaired or resumed
+        if self.store:
+            self.log.info("forkd: remote snapshot store %s", self.controller.stores.remote.url)
         from .kernels import KernelHeads
         from .sessions import SessionManager
         self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)
@@ -206,13 +223,35 @@ class ForkdApp(ExtensionApp):
         from .handlers import route_table
 
         self.handlers.extend(route_table(self.route_prefix))
+        from .mcp.http import routes as mcp_routes
+        self.handlers.extend(mcp_routes(self.route_prefix))
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         self.events.loop = asyncio.get_running_loop()
         prefix = self.route_prefix.rstrip("/")
         self.data_dir_lock.announce(serverapp.connection_url.rstrip("/") + (f"/{prefix}" if prefix else ""))
 
+    mcp_mount = None  # the MCP server's session manager, from the first request to it (mcp/http.py)
+
+    def mcp_server(self):
+        """The MCP mount, started on first use (importing the mcp SDK would cost every server start
+        ~0.65 s of CPU); raises ``LookupError`` saying why there is none."""
+        if self.mcp_mount is None:
+            from .mcp import missing_sdk
+            why = "it is off (c.ForkdApp.mcp = False)" if not self.mcp else missing_sdk()
+            if why:
+                raise LookupError(why)
+            from .client import Controller
+            from .mcp.http import McpMount, own_url
+            token = getattr(self.serverapp.identity_provider, "token", None) or None
+            self.mcp_mount = McpMount(Controller(own_url(self.serverapp, self.route_prefix), token))
+            self.mcp_mount.start()
+        return self.mcp_mount
+
     async def stop_extension(self) -> None:
+        if self.mcp_mount is not None:
+            await self.mcp_mount.stop()
+            self.mcp_mount = None
         if self.controller is None:
             return
         self.events.close()

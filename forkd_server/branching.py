@@ -53,6 +53,7 @@ class BranchManager:
         self._unsettled: dict[str, dict] = {}  # tag -> the final record the registry refused, until it takes it
         self.unsettled_idle = threading.Event()  # set when no refused record waits for a retry (and none runs)
         self.unsettled_idle.set()
+        self.on_ready: Callable[[str], None] | None = None  # told each snapshot that becomes ready
 
     @property
     def slots_in_use(self) -> int:
@@ -187,9 +188,12 @@ class BranchManager:
         Returns (the fields that stand, the registry's error or None)."""
         try:
             self.registry.update_snapshot(tag, **fields)
-            return fields, None
         except Exception as exc:  # noqa: BLE001 - sqlite3 or OS: the disk, most likely; said below
             error = exc
+        else:
+            if fields["status"] == "ready" and self.on_ready is not None:
+                self.on_ready(tag)  # kept in the local store, off the caller's path (stores.py)
+            return fields, None
         if fields["status"] == "ready":
             with contextlib.suppress(Exception):
                 engine.delete_snapshot(fields["handle"])

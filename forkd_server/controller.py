@@ -28,6 +28,7 @@ from .errors import BadRequest, Conflict, EngineFailure, NotFound
 from .recovery import Recovery
 from .registry import Registry
 from .sandboxes import SandboxManager
+from .stores import StoreManager
 from .wire import has_labels, sandbox_info, snapshot_info, tree_nodes, workspace_info
 from .workspaces import WorkspaceManager, state_tag
 
@@ -42,8 +43,8 @@ def default_data_dir() -> str:
 
 class Controller:
     def __init__(self, data_dir: str, engines: dict | None = None, *, branch_concurrency: int = 4,
-                 default_engine: str = "auto", recover_in_background: bool = False,
-                 probe_timeout: float | None = None):
+                 default_engine: str = "auto", store: str | None = None, store_options: dict | None = None,
+                 recover_in_background: bool = False, probe_timeout: float | None = None):
         """``recover_in_background``: return once the registry is read, and settle what outlived the
         previous server on threads meanwhile (calls about an object not settled yet answer 503);
         else return once all of it is settled (recovery.py). ``probe_timeout``: seconds each
@@ -61,7 +62,9 @@ class Controller:
         self.sandboxes = SandboxManager(self)
         self.workspaces = WorkspaceManager(self)
         self.creation = CreationManager(self)
-        self.recovery = Recovery(self, probe_timeout)
+        self.stores = StoreManager(self, store, store_options)  # local durability, push and pull
+        self.branches.on_ready = self.stores.store_later
+        self.recovery = Recovery(self, probe_timeout)  # ends with self.stores.resume()
         self.recovery.start(background=recover_in_background)
 
     def reconcile(self) -> dict:
@@ -104,6 +107,7 @@ class Controller:
 
     def close(self) -> None:
         self.recovery.wait()  # its threads use the engines and the registry
+        self.stores.close()
         for engine in self.engines.values():
             engine.close()
         self.registry.close()
@@ -146,10 +150,11 @@ class Controller:
         self.fail_snapshot(row["tag"], warning)
         return dict(row, status="failed", warning=warning)
 
-    def fail_snapshot(self, tag: str, warning: str) -> None:
-        """Snapshot ``tag`` is failed, for the reason ``warning``: recorded, and said on the feed."""
-        self.registry.update_snapshot(tag, status="failed", warning=warning)
-        self.feed.emit("snapshot", "status", tag=tag, status="failed", warning=warning)
+    def fail_snapshot(self, tag: str, warning: str, status: str = "failed") -> None:
+        """Snapshot ``tag`` is ``failed`` (or ``lost``: gone with the host's restart), for the reason
+        ``warning``: recorded, and said on the feed."""
+        self.registry.update_snapshot(tag, status=status, warning=warning)
+        self.feed.emit("snapshot", "status", tag=tag, status=status, warning=warning)
 
     snapshot_info = staticmethod(snapshot_info)
     sandbox_info = staticmethod(sandbox_info)
@@ -361,6 +366,16 @@ class Controller:
         finally:
             if helper is not None:
                 self.sandboxes.kill_quietly(helper)
+
+    # --- stores (stores.py) ----------------------------------------------------------------------
+
+    def push_snapshot(self, tag) -> dict:
+        """Push a ready VM snapshot to the remote store: {"digest", "store", "uploaded_chunks", ...}."""
+        return self.stores.push(tag)
+
+    def pull_snapshot(self, *, tag=None, digest=None) -> dict:
+        """A ready snapshot on this host from the remote store, by tag or by digest."""
+        return self.stores.pull(tag=tag, digest=digest)
 
     def wait_snapshot(self, tag, timeout: float = 60.0) -> dict:
         """Block until a snapshot is ``ready`` or ``failed``; returns its info."""

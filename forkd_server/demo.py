@@ -45,7 +45,7 @@ def lineage_tree(nodes: list[dict], title: str = "lineage") -> Tree:
     def label(n: dict) -> str:
         if n["kind"] == "snapshot":
             extra = f"  pause {n['pause_us'] / 1000:.2f} ms" if n.get("pause_us") is not None else ""
-            colour = {"ready": "green", "writing": "yellow", "failed": "red"}.get(n["status"], "white")
+            colour = {"ready": "green", "writing": "yellow", "failed": "red", "lost": "red"}.get(n["status"], "white")
             return f"[bold cyan]snapshot[/] {n['id']}  [{colour}]{n['status']}[/]{extra}"
         return f"[magenta]sandbox[/] {n['id']}"
 

@@ -66,3 +66,9 @@ class TooManyRequests(ForkdError):
 class InsufficientStorage(ForkdError):
     """The data dir's file system is full; the body names the path and its free space."""
     status = 507
+
+
+class StoreFailure(ForkdError):
+    """A snapshot store failed: unreachable, denying access, or serving a chunk that fails its check.
+    The message names the store (never its credentials) and what failed."""
+    status = 502

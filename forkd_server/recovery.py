@@ -14,16 +14,20 @@ each object is settled on its own, all at once (``SETTLE_WORKERS``), and whateve
   is ended now, and its row goes once its process has;
 - every ready snapshot and running sandbox is first repaired where only its engine can see what
   is wrong (``Engine.repair``: a VM a live branch left frozen is thawed), then pinged (within
-  ``PROBE_TIMEOUT``): one that answers is taken back as it was; a snapshot whose template is gone
-  or silent becomes ``failed`` with the reason (a silent template is left running: its sandboxes
-  live in its pid namespace; deleting the snapshot ends it); a sandbox that is gone is dropped, one
-  alive but silent is ended and dropped, its ``killed`` event saying why;
+  ``PROBE_TIMEOUT``): one that answers is taken back as it was. A VM snapshot whose RAM file tmpfs
+  lost (a reboot) answers from the local store and stays ``ready`` (stores.py). A process snapshot
+  whose template is gone is ``lost``, saying why: a parked process cannot be written to files, so
+  it does not outlive a reboot. A snapshot whose template is silent, or whose files are gone with
+  no copy in the store, becomes ``failed`` with the reason (a silent template is left running: its
+  sandboxes live in its pid namespace; deleting the snapshot ends it). A sandbox that is gone is
+  dropped, one alive but silent is ended and dropped, its ``killed`` event saying why;
 - an object whose settling raised is marked so: a snapshot ``failed``, a sandbox ended and
   dropped ("lost"), the reason in its record;
 - workspaces then settle on what is left (``WorkspaceManager.reconcile``; workspace calls answer
-  503 until then), and each engine ends and removes what no record names and that predates it
-  (``Engine.recover``: agents behind unknown sockets, RAM files, VM directories, QEMUs nobody
-  records) while calls go on.
+  503 until then); then, while calls go on, the stores resume what the previous server left
+  (``StoreManager.resume``: snapshots not stored yet, pushes cut short) and each engine ends and
+  removes what no record names and that predates it (``Engine.recover``: agents behind unknown
+  sockets, RAM files, VM directories, QEMUs nobody records).
 
 ``result()`` gives counts and ``findings``: one line per thing repaired, ended or removed.
 """
@@ -50,6 +54,10 @@ PROBE_TIMEOUT = 5.0    # seconds an agent has to answer its ping when the server
 SETTLE_WORKERS = 128   # objects settled at once: most of a settle is waiting (a silent agent, a kill)
 
 INTERRUPTED = "snapshot is not bootable: interrupted by a server restart while it was being written"
+LOST = ("snapshot lost: its template process was gone when the server started (the host restarted, or the "
+        "process was ended while no server ran); a process-engine snapshot is a parked process, which cannot "
+        "be written to files, so it does not outlive a reboot. Create it again, or use engine vm for snapshots "
+        "that last")
 RETRY = ("retry in a moment: the server restarted and settles what it recorded "
          "(GET /healthz says how many are left)")
 
@@ -62,7 +70,7 @@ class Recovery:
         self.engines = controller.engines
         self.sandboxes: set[str] = set()   # ids not settled yet
         self.snapshots: set[str] = set()   # tags not settled yet
-        self.counts = {"snapshots_attached": 0, "snapshots_failed": 0, "sandboxes_attached": 0,
+        self.counts = {"snapshots_attached": 0, "snapshots_failed": 0, "snapshots_lost": 0, "sandboxes_attached": 0,
                        "sandboxes_dropped": 0}
         self.findings: list[str] = []
         self._lock = threading.Lock()
@@ -168,6 +176,11 @@ class Recovery:
         """Each engine ends and removes what no record names (all engines at once), then says so.
         Calls go on meanwhile: an engine sweeps only what predates it."""
         try:
+            try:
+                self._found(*self.ctl.stores.resume())
+            except Exception as exc:  # noqa: BLE001 - what it could not resume waits for the next start
+                log.exception("forkd: the stores could not resume")
+                self._found(f"stores: could not resume what the previous server left ({type(exc).__name__}: {exc})")
             known = [r["handle"] for r in self.registry.list_snapshots() + self.registry.list_sandboxes()
                      if r["handle"]]
             engines = list(self.engines.items())
@@ -252,8 +265,9 @@ class Recovery:
         if reason is None:
             self._count("snapshots_attached")
             return
-        self._count("snapshots_failed")
-        self._found(self._fail_snapshot(engine, row, reason))
+        finding, status = self._fail_snapshot(engine, row, reason)
+        self._count(f"snapshots_{status}")
+        self._found(finding)
 
     def _probe_sandbox(self, row: dict) -> None:
         engine = self.engines[row["engine"]]
@@ -265,16 +279,22 @@ class Recovery:
         self._count("sandboxes_dropped")
         self._found(self._drop_sandbox(engine, row, reason))
 
-    def _fail_snapshot(self, engine, row: dict, reason: str) -> str:
+    def _fail_snapshot(self, engine, row: dict, reason: str) -> tuple[str, str]:
+        """(the finding, ``failed`` or ``lost``) for a snapshot that did not answer."""
+        status = "failed"
         if engine.alive(row["handle"]):
             # Alive but silent: left running, since its sandboxes may live inside it.
             warning = (f"snapshot is not bootable: its template did not answer when the server started "
                        f"({reason}); delete the snapshot to end it")
         else:
-            warning = endings.template_ended(engine.exit_status(row["handle"]))
+            ended = endings.how(engine.exit_status(row["handle"]))
+            if not hasattr(engine, "store_snapshot"):  # a parked process, no files: gone for good
+                status, warning = "lost", LOST + (f" ({ended})" if ended else "")
+            else:
+                warning = endings.template_ended(engine.exit_status(row["handle"]))
             engine.delete_snapshot(row["handle"])  # releases what the engine held for it
-        self.ctl.fail_snapshot(row["tag"], warning)
-        return f"snapshot {row['tag']}: {warning}"
+        self.ctl.fail_snapshot(row["tag"], warning, status)
+        return f"snapshot {row['tag']}: {warning}", status
 
     def _drop_sandbox(self, engine, row: dict, reason: str) -> str:
         if engine.alive(row["handle"]):

@@ -20,7 +20,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
     tag TEXT PRIMARY KEY,
     engine TEXT NOT NULL,
-    status TEXT NOT NULL CHECK (status IN ('writing', 'ready', 'failed')),
+    status TEXT NOT NULL CHECK (status IN ('writing', 'ready', 'failed', 'lost')),
     created_at REAL NOT NULL,
     branched_from TEXT,
     pause_ms REAL,
@@ -104,11 +104,29 @@ class Registry:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._allow_lost()
         for table, columns in _ADDED_COLUMNS.items():
             have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             for name, kind in columns.items():
                 if name not in have:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+
+    def _allow_lost(self) -> None:
+        """A registry made before snapshots could be ``lost`` checks status against the three older
+        values; SQLite cannot change a CHECK in place, so the table is rebuilt, in one transaction."""
+        sql = self._db.execute("SELECT sql FROM sqlite_master WHERE type='table' AND name='snapshots'").fetchone()[0]
+        if "'lost'" in sql:
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("ALTER TABLE snapshots RENAME TO snapshots_before_lost")
+            self._db.execute(sql.replace("'failed')", "'failed', 'lost')"))
+            self._db.execute("INSERT INTO snapshots SELECT * FROM snapshots_before_lost")
+            self._db.execute("DROP TABLE snapshots_before_lost")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:

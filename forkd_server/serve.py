@@ -101,7 +101,8 @@ def read_token_file(path: str) -> str:
 def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None = None,
                token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                no_token: bool = False, branch_concurrency: int | None = None,
-               allow_host_network: bool = False) -> tuple[list[str], str | None, bool]:
+               allow_host_network: bool = False, store: str | None = None, store_endpoint: str | None = None,
+               store_region: str | None = None) -> tuple[list[str], str | None, bool]:
     """Validate the options; returns (server argv, token or None, whether the token was generated)."""
     if bool(tls_cert) != bool(tls_key):
         raise ServeError("--tls-cert and --tls-key go together")
@@ -140,16 +141,21 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         argv.append(f"--ForkdApp.branch_concurrency={branch_concurrency}")
     if allow_host_network:
         argv.append("--ForkdApp.allow_host_network=True")
+    for name, value in (("store", store), ("store_endpoint", store_endpoint), ("store_region", store_region)):
+        if value:
+            argv.append(f"--ForkdApp.{name}={value}")
     return argv, token, generated
 
 
 def serve(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None = None, token_file: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None, no_token: bool = False,
-          branch_concurrency: int | None = None, allow_host_network: bool = False,
+          branch_concurrency: int | None = None, allow_host_network: bool = False, store: str | None = None,
+          store_endpoint: str | None = None, store_region: str | None = None,
           extra_args: list[str] | None = None) -> int:
     try:
         argv, token, generated = build_argv(host, port, data_dir, token_file, tls_cert, tls_key, no_token,
-                                            branch_concurrency, allow_host_network)
+                                            branch_concurrency, allow_host_network, store, store_endpoint,
+                                            store_region)
     except ServeError as exc:
         print(f"forkd serve: {exc}", file=sys.stderr)
         return 2

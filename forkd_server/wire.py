@@ -40,6 +40,9 @@ def snapshot_info(row: dict) -> dict:
     if row.get("warnings"):  # what a lossy fork left behind, for as long as the snapshot lives
         info["warnings"] = row["warnings"]
     info["labels"] = row.get("labels") or {}
+    stored = (row["handle"] or {}).get("stored")
+    if stored:  # kept in the local store (durable across reboots); remote: pushed to this server's store
+        info["stored"] = {"digest": stored["digest"], "remote": bool(stored.get("remote"))}
     return info
 
 

@@ -221,6 +221,7 @@ class WorkspaceManager:
         if previous is not None:
             self.feed.emit("snapshot", "deleted", tag=tag)
         self.feed.emit("snapshot", "created", tag=tag, status="ready", branched_from=pending["branched_from"])
+        self.ctl.stores.store_later(tag)  # under its final tag: the pending one is gone from the registry
 
     def _retire(self, name: str) -> None:
         """Kill and delete what a suspend left to retire; kept for reconcile if anything fails."""

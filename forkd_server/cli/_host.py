@@ -19,6 +19,7 @@ def cmd_serve(args) -> int:
     return serve(host=args.host, port=args.port, data_dir=args.data_dir, token_file=args.token_file,
                  tls_cert=args.tls_cert, tls_key=args.tls_key, no_token=args.no_token,
                  branch_concurrency=args.branch_concurrency, allow_host_network=args.allow_host_network,
+                 store=args.store, store_endpoint=args.store_endpoint, store_region=args.store_region,
                  extra_args=args.jupyter_args)
 
 
@@ -99,6 +100,13 @@ def add_serve_command(sub) -> None:
     p.add_argument("--allow-host-network", action="store_true",
                    help="let callers create snapshots with host_network (their sandboxes reach every service on "
                         "this host's loopback, this server included); off by default: 403")
+    p.add_argument("--store", default=os.environ.get("FORKD_STORE"),
+                   help="remote snapshot store for push and pull: s3://bucket/prefix, gs://..., az://..., "
+                        "file:///path (default: $FORKD_STORE); S3 credentials from AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY")
+    p.add_argument("--store-endpoint", default=None,
+                   help="S3-compatible endpoint URL (default: $AWS_ENDPOINT_URL)")
+    p.add_argument("--store-region", default=None, help="S3 region (default: $AWS_REGION)")
     add_debug_option(p)
     p.set_defaults(func=cmd_serve, jupyter_args=[])
     p.epilog = "Other jupyter-server options pass through, e.g. --ServerApp.log_level=DEBUG."

@@ -12,7 +12,8 @@ from .meta import (OPENAPI_PATH, EventsHandler, HealthHandler, MetricsHandler, O
                    VersionHandler)
 from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, InterruptHandler, InventoryHandler,
                         MemoryHandler, PingHandler, RunHandler, SandboxesHandler, SandboxHandler)
-from .snapshots import SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotsHandler
+from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
+                        SnapshotPushHandler, SnapshotsHandler)
 from .workspaces import WorkspaceHandler, WorkspaceResumeHandler, WorkspacesHandler, WorkspaceSuspendHandler
 
 __all__ = ["ApiError", "ForkdHandler", "NotFoundHandler", "OPENAPI_PATH", "route_table"]
@@ -24,7 +25,7 @@ ID = r"([^/]+)"
 
 def route_table(prefix: str) -> list[tuple[str, type]]:
     """Every route, relative to base_url. ``prefix`` is 'forkd/' in jupyter lab, '' for forkd serve."""
-    from ..kernel_handlers import KernelHandler, KernelsHandler  # they build on ForkdHandler, above
+    from ..kernel_handlers import KernelCheckoutHandler, KernelHandler, KernelsHandler  # they build on ForkdHandler, above
     from ..session_handler import SessionHandler
     routes = [
         (r"healthz/?", HealthHandler),
@@ -34,9 +35,11 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (r"v1/events", EventsHandler),
         (r"v1/tree", TreeHandler),
         (r"v1/snapshots", SnapshotsHandler),
+        (r"v1/snapshots/pull", SnapshotPullHandler),
         (rf"v1/snapshots/{ID}", SnapshotHandler),
         (rf"v1/snapshots/{ID}/info", SnapshotInfoHandler),
         (rf"v1/snapshots/{ID}/compact", SnapshotCompactHandler),
+        (rf"v1/snapshots/{ID}/push", SnapshotPushHandler),
         (r"v1/sandboxes", SandboxesHandler),
         (rf"v1/sandboxes/{ID}", SandboxHandler),
         (rf"v1/sandboxes/{ID}/ping", PingHandler),
@@ -51,6 +54,7 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/sandboxes/{ID}/files", FilesHandler),
         (r"v1/kernels", KernelsHandler),
         (rf"v1/kernels/{ID}", KernelHandler),
+        (rf"v1/kernels/{ID}/checkout", KernelCheckoutHandler),
         (r"v1/workspaces", WorkspacesHandler),
         (rf"v1/workspaces/{ID}", WorkspaceHandler),
         (rf"v1/workspaces/{ID}/suspend", WorkspaceSuspendHandler),

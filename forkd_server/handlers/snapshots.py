@@ -1,4 +1,4 @@
-"""Snapshot routes: list and create, delete, info, compact."""
+"""Snapshot routes: list and create, delete, info, compact, push and pull (a remote store)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ SNAPSHOT_CREATE = {
     "tap": ("string", False), "boot_wait_secs": ("integer", False),
 }
 COMPACT = {"to": ("string", True)}
+PULL = {"tag": ("string", False), "digest": ("string", False)}
 HOST_NETWORK_OFF = ("host_network is not allowed on this server: a sandbox on the host's network reaches every "
                     "service on the host's loopback, this server's own API included. To allow it, start the "
                     "server with `forkd serve --allow-host-network` (in jupyter lab: "
@@ -97,3 +98,33 @@ class SnapshotCompactHandler(ForkdHandler):
     async def post(self, tag: str) -> None:
         body = self.body(self.body_spec)
         self.send(await self.long_call("a compaction", self.controller.compact_snapshot, tag, body["to"]))  # 200
+
+
+class SnapshotPushHandler(ForkdHandler):
+    auth_resource = "forkd:snapshots"
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, tag: str) -> None:
+        """Push to the server's remote store: {"digest", "store", "chunks", "uploaded_chunks", ...}."""
+        self.send(await self.long_call("a push", self.controller.push_snapshot, tag))
+
+
+class SnapshotPullHandler(SnapshotHandler):
+    """``POST /v1/snapshots/pull`` makes a snapshot from the remote store. The path is also that of a
+    snapshot tagged ``pull``, which ``DELETE`` still deletes."""
+    body_spec = PULL
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.long_call("a pull", self.controller.pull_snapshot, tag=body.get("tag"),
+                                       digest=body.get("digest")), 201)
+
+    @web.authenticated
+    @authorized
+    async def delete(self) -> None:
+        cascade, force = query_bool(self, "cascade"), query_bool(self, "force")
+        await self.call(self.controller.delete_snapshot, "pull", cascade=cascade, force=force)
+        self.no_content()

@@ -242,3 +242,30 @@ def test_restart_marks_what_is_alive_but_does_not_answer(short_dir, monkeypatch)
         os.kill(template, signal.SIGCONT)
         cleanup(c)
         c.close()
+
+
+def test_a_template_gone_at_start_up_is_lost_saying_why(short_dir):
+    """A reboot ends every parked template: the next server lists such a snapshot ``lost`` (never
+    silently missing), its warning saying that a process snapshot does not outlive a reboot."""
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("gone", setup="v = 1")
+        c.create_snapshot("kept", setup="v = 2")
+        template = c.registry.get_snapshot("gone")["handle"]["pid"]
+    finally:
+        c.close()
+    os.kill(template, signal.SIGKILL)
+    assert wait_gone({template}) == set()
+    c = Controller(short_dir)
+    try:
+        info = c.get_snapshot("gone")
+        assert info["status"] == "lost" and not info["bootable"], info
+        assert "does not outlive a reboot" in info["warning"] and "engine vm" in info["warning"]
+        assert c.recovered["snapshots_lost"] == 1 and c.get_snapshot("kept")["status"] == "ready"
+        with pytest.raises(Conflict, match="not bootable"):
+            c.spawn("gone", 1)
+        c.delete_snapshot("gone")  # a lost snapshot is deleted like any other
+        assert_consistent(c)
+    finally:
+        cleanup(c)
+        c.close()

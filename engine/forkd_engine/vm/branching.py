@@ -88,7 +88,7 @@ def branch(engine: "VMEngine", sandbox: Handle, tag: str, lineage: list[str], mo
         try:
             finish()
             ready.set_result(snapshots.record(engine, *finish_args, branched_from=sandbox["name"], mode=mode,
-                                              pause_ms=pause_ms))
+                                              pause_ms=pause_ms, parent=sandbox["snapshot"]))
         except BaseException as exc:  # noqa: BLE001
             shutil.rmtree(snap, ignore_errors=True)
             shutil.rmtree(os.path.dirname(mem_path), ignore_errors=True)
@@ -261,7 +261,7 @@ def _branch_live(engine: "VMEngine", sandbox: Handle, lock: threading.Lock, fini
                 json.dump({"mode": "live", "pause_ms": pause_ms,
                            "qemu_downtime_ms": status.get("downtime")}, f)
             result = snapshots.record(engine, *finish_args, branched_from=sandbox["name"], mode="live",
-                                      pause_ms=pause_ms)
+                                      pause_ms=pause_ms, parent=sandbox["snapshot"])
             if frozen:
                 result["paused"] = True  # saved from a stopped source: children need a cont
             ready.set_result(result)

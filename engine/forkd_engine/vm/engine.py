@@ -12,7 +12,9 @@ handle takes (call, alive, memory, probe, kill). The work is in rooms of its own
 - ``spawning``: restoring children from a snapshot;
 - ``branching``: the ``full``, ``diff`` and ``live`` branch of a running VM;
 - ``memory`` (guest RAM on the host), ``qmp`` (QEMU's monitor), ``recovery`` (repairs after a
-  failed live branch or a restart).
+  failed live branch or a restart);
+- ``durable``: every snapshot's files kept in this host's chunk store (``forkd_engine.store``) and
+  written back into tmpfs when they are gone (after a reboot), or imported from a pull.
 
 The agent is the same as the process engine's (``forkd_engine.agent``) over virtio-serial.
 """
@@ -31,7 +33,8 @@ from .. import linux
 from ..base import (AgentUnreachable, BranchResult, ChildSpec, EngineError, EngineUnavailable, ExitStatus, Handle,
                     LimitHit, PROBE_PARALLELISM, SnapshotSpec, ping_problem)
 from ..cgroups import Cgroups, subtree
-from . import branching, recovery, snapshots, spawning
+from ..store import ChunkCache, Manifest
+from . import branching, durable, recovery, snapshots, spawning
 from . import memory as vmem
 from .channel import AgentChannel, VMSession
 from .host import QEMU, host_tsc_khz, kvm_status, qemu_binary, qemu_version
@@ -44,7 +47,7 @@ class VMEngine:
 
     def __init__(self, data_dir: str, *, mem_root: str | None = None, cache_dir: str | None = None,
                  accel: str | None = None, boot_timeout: float = 120.0, restore_timeout: float = 60.0,
-                 smp: int = 1, restore_parallelism: int | None = None):
+                 smp: int = 1, restore_parallelism: int | None = None, store_cap_bytes: int | None = None):
         binary = qemu_binary()
         if binary is None:
             raise EngineUnavailable(f"{QEMU} is not installed (Debian: apt-get install qemu-system-x86; "
@@ -59,6 +62,10 @@ class VMEngine:
                                           or os.path.join(self.data_dir, "cache"))
         for d in (self.snap_dir, self.run_dir, self.cache_dir):
             os.makedirs(d, mode=0o700, exist_ok=True)
+        # Every snapshot's files as chunks on disk (durable.py): what outlives tmpfs, and what a
+        # push sends and a pull fills. Over the cap, chunks no snapshot here uses are evicted.
+        cap = store_cap_bytes or int(os.environ.get("FORKD_STORE_CACHE_BYTES") or 0) or None
+        self.store = ChunkCache(os.path.join(self.data_dir, "store"), **({"cap_bytes": cap} if cap else {}))
         if len(os.path.join(self.run_dir, "x" * 16, "agent.sock")) > MAX_SOCKET_PATH:
             raise EngineUnavailable(f"data dir {self.data_dir!r} is too long for Unix socket paths; "
                                     "choose a shorter one")
@@ -147,9 +154,10 @@ class VMEngine:
 
     def alive(self, handle: Handle) -> bool:
         if handle.get("kind") == "snapshot":
-            return all(os.path.exists(handle[k]) for k in ("memory", "devices", "disk", "packages_image")
-                       if k in handle) and \
-                os.path.exists(os.path.join(handle["dir"], "meta.json"))
+            # files gone from tmpfs (a reboot) are written back from the store on first use
+            return (all(os.path.exists(handle[k]) for k in ("memory", "devices", "disk", "packages_image")
+                        if k in handle) and os.path.exists(os.path.join(handle["dir"], "meta.json"))) \
+                or durable.restorable(self, handle)
         return handle.get("start_time") is not None and \
             linux.process_start_time(handle["pid"]) == handle["start_time"]
 
@@ -178,6 +186,8 @@ class VMEngine:
 
     def memory(self, handle: Handle) -> dict:
         if handle.get("kind") == "snapshot":
+            if not os.path.exists(handle["memory"]):  # only in the store until its first use
+                return {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0, "file_kib": 0, "size_kib": handle["mem_mib"] << 10}
             st = os.stat(handle["memory"])
             return {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0, "file_kib": st.st_blocks // 2,
                     "size_kib": st.st_size // 1024}
@@ -241,6 +251,24 @@ class VMEngine:
         # Children map memory.bin; unlinking leaves their mappings intact.
         shutil.rmtree(handle["dir"], ignore_errors=True)
         shutil.rmtree(os.path.dirname(handle["memory"]), ignore_errors=True)
+        if handle.get("tag"):
+            # its chunks stay while another snapshot's manifest lists them; the rest is cache
+            self.store.unpin(handle["tag"])
+            self.store.evict()
+
+    # --- the store (durable.py) -----------------------------------------------------------------
+
+    def host_requires(self) -> dict:
+        """What this host offers a restore: QEMU version, machine type, accelerator, CPU model."""
+        return durable.host_requires(self)
+
+    def store_snapshot(self, handle: Handle, progress=None) -> str:
+        """Keep a ready snapshot's files in the local store; returns its manifest digest."""
+        return durable.store_snapshot(self, handle, progress)
+
+    def import_snapshot(self, manifest: Manifest, tag: str, lineage: list[str]) -> Handle:
+        """Snapshot ``tag`` from a manifest whose chunks the local store holds (after a pull)."""
+        return durable.import_snapshot(self, manifest, tag, lineage)
 
     def close(self) -> None:
         """Close agent connections. VMs and snapshots outlive the server by design."""

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ..base import AgentUnreachable, ChildSpec, EngineError, Handle
-from . import snapshots
+from . import durable, snapshots
 from .channel import restore_request
 from .qmp import QMP
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 def spawn(engine: "VMEngine", snapshot: Handle, children: list[ChildSpec]) -> list[Handle]:
     """Restore ``children`` from ``snapshot``; all of them confirmed, or none left running."""
+    durable.ensure_files(engine, snapshot)  # after a reboot: memory.bin back into tmpfs from the store
     snapshots.check(engine, snapshot)
     overlays: dict[str, tuple[str, str]] = {}
     if snapshot.get("disk"):

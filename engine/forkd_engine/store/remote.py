@@ -1,0 +1,179 @@
+"""A store in object storage, through ``obstore``: one code path for S3 and S3-compatible servers,
+Google Cloud Storage, Azure Blob Storage, a local folder (``file://``) and memory (``memory://``).
+
+Layout under the URL's prefix (plain content-addressed objects, nothing else):
+
+- ``chunks/<hex[:2]>/<hex>``: a chunk, zstd-compressed, named by the sha256 of its content;
+- ``manifests/<hex>``: a manifest's canonical JSON, named by its own sha256 (the snapshot's digest);
+- ``tags/<tag>``: the text ``sha256:<hex>`` of the manifest last pushed under that tag.
+
+Chunks and manifests are written with ``put(mode="create")``: an object that exists is never
+rewritten. Every failure becomes a ``StoreError`` naming the store by its URL and the operation;
+credentials never appear in a message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+from urllib.parse import urlsplit
+
+import obstore
+from obstore import exceptions as obx
+from obstore import store as obs
+
+from .errors import NotInStore, StoreError
+
+SCHEMES = ("s3", "gs", "az", "abfs", "file", "memory")
+RETRIES = {"max_retries": 3, "retry_timeout": datetime.timedelta(seconds=20),
+           "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
+                       "max_backoff": datetime.timedelta(seconds=2), "base": 2}}
+CLIENT = {"connect_timeout": "5s", "timeout": "120s"}
+
+
+def s3_options_from_env(env=os.environ) -> dict:
+    """S3 settings from the standard variables (AWS_ENDPOINT_URL, AWS_REGION or
+    AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ALLOW_HTTP)."""
+    opts = {"endpoint": env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT_URL_S3"),
+            "region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
+            "access_key_id": env.get("AWS_ACCESS_KEY_ID"),
+            "secret_access_key": env.get("AWS_SECRET_ACCESS_KEY"),
+            "token": env.get("AWS_SESSION_TOKEN")}
+    opts = {k: v for k, v in opts.items() if v}
+    if (env.get("AWS_ALLOW_HTTP") or "").lower() in ("1", "true", "yes"):
+        opts["allow_http"] = True
+    return opts
+
+
+class RemoteStore:
+    """One store URL. ``options`` (S3: endpoint, region, access_key_id, secret_access_key, token,
+    allow_http) override what the environment says."""
+
+    def __init__(self, url: str, **options):
+        parts = urlsplit(url)
+        if parts.scheme not in SCHEMES:
+            raise StoreError(f"store {url!r}: unknown scheme {parts.scheme!r}; use s3://bucket/prefix, gs://bucket/prefix, "
+                             f"az://container/prefix, file:///path or memory://")
+        if parts.username or parts.password:
+            raise StoreError("a store URL carries no credentials: give them in AWS_ACCESS_KEY_ID and "
+                             "AWS_SECRET_ACCESS_KEY (or the cloud's own variables)")
+        self.url = url.rstrip("/")
+        self._secrets = [v for k, v in options.items() if v and k in ("secret_access_key", "token")]
+        self.store = self._open(parts, options)
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.url!r})"
+
+    def _open(self, parts, options: dict):
+        try:
+            if parts.scheme == "s3":
+                opts = {**s3_options_from_env(), **{k: v for k, v in options.items() if v is not None}}
+                self._secrets = [opts[k] for k in ("secret_access_key", "token") if opts.get(k)]
+                client = dict(CLIENT)
+                if opts.pop("allow_http", False):
+                    client["allow_http"] = True
+                return obs.S3Store(parts.netloc, prefix=parts.path.strip("/") or None,
+                                   virtual_hosted_style_request=False, client_options=client,
+                                   retry_config=RETRIES, **opts)
+            if parts.scheme == "file":
+                return obs.LocalStore(parts.path, mkdir=True)
+            if parts.scheme == "memory":
+                return obs.MemoryStore()
+            return obs.from_url(self.url, client_options=CLIENT, retry_config=RETRIES, **options)
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"store {self.url}: cannot open it: {self._clean(exc)}") from None
+
+    # --- errors ----------------------------------------------------------------------------------
+
+    def _clean(self, exc: BaseException) -> str:
+        """The first line of an obstore error, without credentials, Rust debug output or the XML
+        body; the store's own error code and message, when it sent them, said plainly."""
+        full = str(exc).split("\n\nDebug source:")[0].strip()
+        text = full.splitlines()[0].split(": <?xml")[0] if full else type(exc).__name__
+        code, message = re.search(r"<Code>([^<]*)</Code>", full), re.search(r"<Message>([^<]*)</Message>", full)
+        if code:
+            text += f": {code.group(1)}" + (f": {message.group(1)}" if message else "")
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text[:500]
+
+    @contextlib.contextmanager
+    def _op(self, what: str, missing_ok: bool = False):
+        try:
+            yield
+        except (FileNotFoundError, obx.NotFoundError) as exc:
+            raise NotInStore(f"store {self.url}: {what}: not found ({self._clean(exc)})") from None
+        except (obx.PermissionDeniedError, obx.UnauthenticatedError, PermissionError) as exc:
+            raise StoreError(f"store {self.url}: {what}: access denied ({self._clean(exc)}); check the "
+                             f"credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3) and the bucket's "
+                             f"policy") from None
+        except obx.BaseError as exc:
+            raise StoreError(f"store {self.url}: {what} failed: {self._clean(exc)}") from None
+        except OSError as exc:
+            raise StoreError(f"store {self.url}: {what} failed: {self._clean(exc)}") from None
+
+    # --- objects ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def chunk_path(hexd: str) -> str:
+        return f"chunks/{hexd[:2]}/{hexd}"
+
+    def _put_new(self, path: str, data: bytes) -> bool:
+        """Write ``path`` unless it exists; True if this call wrote it."""
+        with self._op(f"writing {path}"):
+            try:
+                obstore.put(self.store, path, data, mode="create")
+            except obx.AlreadyExistsError:
+                return False
+            except obx.PreconditionError:
+                return False
+        return True
+
+    def _get(self, path: str) -> bytes:
+        with self._op(f"reading {path}"):
+            return bytes(obstore.get(self.store, path).bytes())
+
+    def has(self, path: str) -> bool:
+        try:
+            with self._op(f"looking up {path}"):
+                obstore.head(self.store, path)
+            return True
+        except NotInStore:
+            return False
+
+    def has_chunk(self, hexd: str) -> bool:
+        return self.has(self.chunk_path(hexd))
+
+    def put_chunk(self, hexd: str, blob: bytes) -> bool:
+        return self._put_new(self.chunk_path(hexd), blob)
+
+    def get_chunk(self, hexd: str) -> bytes:
+        return self._get(self.chunk_path(hexd))
+
+    def put_manifest(self, hexd: str, data: bytes) -> bool:
+        return self._put_new(f"manifests/{hexd}", data)
+
+    def get_manifest(self, hexd: str) -> bytes:
+        return self._get(f"manifests/{hexd}")
+
+    def put_tag(self, tag: str, digest: str) -> None:
+        with self._op(f"writing tags/{tag}"):
+            obstore.put(self.store, f"tags/{tag}", digest.encode())
+
+    def get_tag(self, tag: str) -> str:
+        try:
+            return self._get(f"tags/{tag}").decode().strip()
+        except NotInStore:
+            raise NotInStore(f"store {self.url} has no snapshot tagged {tag!r}") from None
+
+    def list(self, prefix: str) -> list[dict]:
+        with self._op(f"listing {prefix}"):
+            return [m for batch in obstore.list(self.store, prefix=prefix) for m in batch]
+
+    def delete(self, path: str) -> None:
+        with self._op(f"deleting {path}"):
+            obstore.delete(self.store, path)

@@ -1,0 +1,271 @@
+"""Snapshots that last and travel: every ready VM snapshot kept in this host's chunk store, and
+push/pull between it and a remote store (``forkd serve --store URL``).
+
+- *Durable by default*: when a VM snapshot becomes ready, a background thread writes its files
+  into the engine's local store (``forkd_engine.store``; one snapshot at a time, off every
+  request's path) and records ``stored`` (its manifest digest) on it. After a reboot, whose tmpfs
+  lost ``memory.bin``, the snapshot is still ``ready`` and its first spawn writes the file back.
+  A snapshot still unstored when the server stopped is stored when it starts again.
+- *Push* copies a stored snapshot's missing chunks to the remote, then its manifest, then its tag;
+  *pull* fetches a manifest by tag or digest, checks this host can restore it (409 naming the field
+  that differs), fetches only the chunks this host lacks, verifying each, and makes a ``ready``
+  snapshot of it.
+
+Progress goes out as change events (kind snapshot, action ``push``/``pull``, ``done_bytes`` and
+``total_bytes``). A store that fails is a 502 naming the store and what failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+
+from forkd_engine import EngineError
+from forkd_engine.store import (ChunkCorrupt, Incompatible, NotInStore, RemoteStore, StoreError, fetch_manifest,
+                                parse_digest, pull as pull_chunks, push as push_chunks)
+
+from .checks import check_tag
+from .errors import BadRequest, Conflict, EngineFailure, NotFound, StoreFailure
+
+PROGRESS_EVERY = 0.25  # seconds between progress events of one transfer
+
+
+class StoreManager:
+    def __init__(self, controller, store_url: str | None = None, store_options: dict | None = None):
+        self.ctl = controller
+        self.registry = controller.registry
+        self.feed = controller.feed
+        self.remote = None
+        if store_url:
+            try:
+                self.remote = RemoteStore(store_url, **(store_options or {}))
+            except StoreError as exc:
+                raise BadRequest(str(exc)) from None
+        self._queue: queue.Queue[tuple[str, str] | None] = queue.Queue()  # ("store" | "push", tag)
+        # a push under way leaves a marker: one cut short (the server killed) resumes at start-up
+        self._pushing_dir = os.path.join(controller.data_dir, "pushing")
+        os.makedirs(self._pushing_dir, mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: set[str] = set()
+        self._worker = threading.Thread(target=self._work, name="forkd-store", daemon=True)
+        self._worker.start()
+
+    # --- durable by default ----------------------------------------------------------------------
+
+    def _engine_of(self, row: dict):
+        engine = self.ctl.engines.get(row["engine"])
+        return engine if engine is not None and hasattr(engine, "store_snapshot") else None
+
+    def store_later(self, tag: str) -> None:
+        """Queue snapshot ``tag`` for the local store (a no-op for engines without files)."""
+        row = self.registry.get_snapshot(tag)
+        if row is None or self._engine_of(row) is None or (row["handle"] or {}).get("stored"):
+            return
+        with self._lock:
+            if tag in self._pending:
+                return
+            self._pending.add(tag)
+        self._queue.put(("store", tag))
+
+    def resume(self) -> list[str]:
+        """At start-up: drop pins no snapshot owns any more (their chunks become cache), store every
+        ready snapshot the previous server had not stored yet, and resume the pushes it was cut off
+        in. Returns one line per resumed push."""
+        rows = self.registry.list_snapshots()
+        for name, engine in self.ctl.engines.items():
+            if hasattr(engine, "store_snapshot"):
+                owned = {(r["handle"] or {}).get("tag") for r in rows if r["engine"] == name}
+                for pin in set(engine.store.pins()) - owned:
+                    engine.store.unpin(pin)
+        for row in rows:
+            if row["status"] == "ready":
+                self.store_later(row["tag"])
+        found = []
+        for tag in sorted(os.listdir(self._pushing_dir)):
+            row = self.registry.get_snapshot(tag)
+            if row is None or row["status"] != "ready" or self.remote is None:
+                os.unlink(os.path.join(self._pushing_dir, tag))
+                found.append(f"snapshot {tag}: a push was cut short by the server's end; not resumed "
+                             f"({'no remote store now' if self.remote is None else 'the snapshot is gone'})")
+                continue
+            with self._lock:
+                self._pending.add(f"push:{tag}")
+            self._queue.put(("push", tag))
+            found.append(f"snapshot {tag}: a push to {self.remote.url} was cut short by the server's end; it "
+                         f"resumes now (only the chunks the store lacks)")
+        return found
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing is queued for the local store; True if so within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            kind, tag = job
+            try:
+                if kind == "store":
+                    self.store_now(tag)
+                else:
+                    self.push(tag)
+            except Exception:  # noqa: BLE001 - said on the feed: a stored warning, or push progress that stops
+                pass
+            finally:
+                with self._idle:
+                    self._pending.discard(tag if kind == "store" else f"push:{tag}")
+                    self._idle.notify_all()
+
+    def store_now(self, tag: str) -> dict | None:
+        """Write snapshot ``tag`` into the local store now, unless it is there; returns its
+        ``stored`` object (None for an engine without files or a snapshot not ready)."""
+        row = self.registry.get_snapshot(tag)
+        if row is None or row["status"] != "ready" or self._engine_of(row) is None:
+            return None
+        handle = row["handle"] or {}
+        if handle.get("stored"):
+            return handle["stored"]
+        engine = self._engine_of(row)
+        if not engine.alive(handle):
+            return None
+        try:
+            digest = engine.store_snapshot(handle)
+        except EngineError as exc:
+            self.feed.emit("snapshot", "stored", tag=tag, warning=f"not kept in the local store: {exc}")
+            raise
+        stored = {"digest": digest, "remote": False}
+        self._set_stored(tag, handle, stored)
+        self.feed.emit("snapshot", "stored", tag=tag, digest=digest, remote=False)
+        return stored
+
+    def _set_stored(self, tag: str, handle: dict, stored: dict) -> None:
+        with self._lock:
+            row = self.registry.get_snapshot(tag)
+            if row is not None and (row["handle"] or {}).get("tag") == handle.get("tag"):
+                self.registry.update_snapshot(tag, handle=dict(row["handle"], stored=stored))
+
+    # --- remote stores ---------------------------------------------------------------------------
+
+    def _remote(self) -> RemoteStore:
+        if self.remote is None:
+            raise BadRequest("this server has no remote store",
+                             hint="start it with `forkd serve --store s3://bucket/prefix` (or file://, gs://, az://), "
+                                  "or set c.ForkdApp.store")
+        return self.remote
+
+    def _progress(self, tag: str, action: str):
+        last = [0.0]
+
+        def report(done: int, total: int) -> None:
+            now = time.monotonic()
+            if done >= total or now - last[0] >= PROGRESS_EVERY:
+                last[0] = now
+                self.feed.emit("snapshot", action, tag=tag, done_bytes=done, total_bytes=total)
+        return report
+
+    def push(self, tag) -> dict:
+        """Push snapshot ``tag`` to the remote store; returns the push's figures and its digest."""
+        check_tag(tag)
+        remote = self._remote()
+        row = self.registry.get_snapshot(tag)
+        if row is None:
+            raise NotFound(f"snapshot {tag} not found")
+        if row["status"] != "ready":
+            raise Conflict(f"snapshot {tag} is {row['status']}; only a ready snapshot can be pushed")
+        if self._engine_of(row) is None:
+            raise Conflict(f"snapshot {tag} is a {row['engine']}-engine snapshot: a parked process, not files, so "
+                           f"it cannot be pushed", hint="snapshots of the vm engine can be pushed")
+        try:
+            stored = self.store_now(tag)
+        except EngineError as exc:
+            raise EngineFailure(f"push of {tag}: {exc}") from exc
+        if stored is None:
+            raise Conflict(f"snapshot {tag}: its files are gone, nothing to push")
+        engine = self._engine_of(row)
+        marker = os.path.join(self._pushing_dir, tag)
+        open(marker, "w").close()
+        try:
+            result = push_chunks(engine.store, remote, stored["digest"], tag=tag, progress=self._progress(tag, "push"))
+        except StoreError as exc:
+            raise StoreFailure(f"push of {tag}: {exc}") from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
+        self._set_stored(tag, row["handle"], dict(stored, remote=True))
+        self.feed.emit("snapshot", "stored", tag=tag, digest=stored["digest"], remote=True)
+        return {"tag": tag, "store": remote.url, **result}
+
+    def pull(self, tag=None, digest=None) -> dict:
+        """Make a ready snapshot on this host from the remote store, by ``tag`` or ``digest``;
+        returns its SnapshotInfo with the pull's figures under ``pull``."""
+        remote = self._remote()
+        if (tag is None) == (digest is None):
+            raise BadRequest('give exactly one of "tag" and "digest"')
+        if tag is not None:
+            check_tag(tag)
+        else:
+            try:
+                digest = "sha256:" + parse_digest(digest)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        try:
+            manifest = fetch_manifest(remote, tag=tag, digest=digest)
+        except NotInStore as exc:
+            raise NotFound(str(exc)) from None
+        except StoreError as exc:
+            raise StoreFailure(f"pull: {exc}") from None
+        name = tag or manifest.meta.get("tag")
+        check_tag(name)
+        engine = self.ctl.engines.get("vm")
+        if engine is None:
+            raise Conflict(f"snapshot {name} is a VM snapshot and this server cannot run the vm engine "
+                           f"({self.ctl.unavailable.get('vm', 'not available')})")
+        try:
+            manifest.check(engine.host_requires())
+        except Incompatible as exc:
+            raise Conflict(f"pull of {name}: {exc}", field=exc.field, wanted=exc.wanted, have=exc.have) from None
+        with self.ctl.branches.reserve(name, f"snapshot {name} is already being written"):
+            existing = self.registry.get_snapshot(name)
+            if existing is not None:
+                if ((existing["handle"] or {}).get("stored") or {}).get("digest") == manifest.digest:
+                    return self.ctl.snapshot_info(existing)  # already here: pulling again changes nothing
+                raise Conflict(f"snapshot {name} already exists on this host (another snapshot)",
+                               hint=f"delete it first (DELETE /v1/snapshots/{name})")
+            self.registry.insert_snapshot({"tag": name, "engine": "vm", "status": "writing", "created_at": time.time(),
+                                           "lineage": [name],
+                                           "spec": {"pulled_from": remote.url, "digest": manifest.digest}})
+            self.feed.emit("snapshot", "created", tag=name, status="writing")
+            try:
+                engine.store.pin(name, manifest.digest)  # what this pull fetched stays while it runs
+                figures = pull_chunks(engine.store, remote, manifest, progress=self._progress(name, "pull"))
+                handle = engine.import_snapshot(manifest, name, [name])
+            except BaseException as exc:
+                engine.store.unpin(name)
+                engine.store.evict()  # what the pull fetched is cache now, within the cap
+                self.registry.delete_snapshot(name)
+                self.feed.emit("snapshot", "deleted", tag=name)
+                if isinstance(exc, ChunkCorrupt):
+                    raise StoreFailure(f"pull of {name}: {exc}", chunk=exc.chunk) from None
+                if isinstance(exc, StoreError):
+                    raise StoreFailure(f"pull of {name}: {exc}") from None
+                if isinstance(exc, Incompatible):
+                    raise Conflict(f"pull of {name}: {exc}", field=exc.field) from None
+                if isinstance(exc, EngineError):
+                    raise EngineFailure(f"pull of {name}: {exc}") from exc
+                raise
+            handle["stored"] = {"digest": manifest.digest, "remote": True}
+            self.registry.update_snapshot(name, status="ready", handle=handle)
+            self.feed.emit("snapshot", "status", tag=name, status="ready")
+            return dict(self.ctl.snapshot_info(self.registry.get_snapshot(name)), pull=figures)

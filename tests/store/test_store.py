@@ -1,0 +1,272 @@
+"""The chunk store on its own: chunking, manifests, the local cache, and push/pull against real
+stores (a folder, memory, and moto's S3 server on loopback)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from forkd_engine.store import (CHUNK_SIZE, ChunkCache, ChunkCorrupt, Incompatible, Manifest, NotInStore,
+                                RemoteStore, StoreError, delete, fetch_manifest, materialise, persist, pull, push)
+
+from .s3 import S3_ENV, moto_s3
+
+REQUIRES = {"qemu": "QEMU emulator version 7.2.0", "machine": "microvm", "accel": "tcg", "cpu": "max",
+            "mem_mib": 64, "image": "abc"}
+
+
+def write_ram(path: str, seed: int, n_chunks: int = 6, holes=(1,), zero=(2,), tail: int = 12345) -> None:
+    """A RAM-like file: random chunks, a hole, an explicit all-zero chunk and a short tail."""
+    rng = __import__("random").Random(seed)
+    with open(path, "wb") as f:
+        for i in range(n_chunks):
+            if i in holes:
+                f.seek(CHUNK_SIZE, 1)
+            elif i in zero:
+                f.write(bytes(CHUNK_SIZE))
+            else:
+                f.write(rng.randbytes(CHUNK_SIZE // 4) * 4)
+        f.write(rng.randbytes(tail))
+
+
+def files_of(tmp_path, name: str, seed: int) -> dict[str, str]:
+    d = tmp_path / name
+    d.mkdir()
+    write_ram(str(d / "memory.bin"), seed)
+    (d / "devices.bin").write_bytes(b"QEVM device state " * 100)
+    return {"memory.bin": str(d / "memory.bin"), "devices.bin": str(d / "devices.bin")}
+
+
+def test_persist_and_materialise_round_trip(tmp_path):
+    cache = ChunkCache(str(tmp_path / "cache"))
+    files = files_of(tmp_path, "a", 1)
+    seen = []
+    m = persist(cache, files, REQUIRES, {"tag": "a"}, progress=lambda done, total: seen.append((done, total)))
+    mem = m.files["memory.bin"]
+    assert mem["size"] == 6 * CHUNK_SIZE + 12345 and len(mem["chunks"]) == 7
+    assert mem["chunks"][1] is None and mem["chunks"][2] is None  # the hole and the zero chunk
+    assert m.digest.startswith("sha256:") and cache.get_manifest(m.digest).to_bytes() == m.to_bytes()
+    assert seen and seen[-1][0] == seen[-1][1]
+    out = tmp_path / "out"
+    out.mkdir()
+    materialise(cache, m, {n: str(out / n) for n in files})
+    for name, path in files.items():
+        assert (out / name).read_bytes() == open(path, "rb").read()
+    # zero chunks come back as holes: less disk (or tmpfs RAM) than the file's size
+    assert os.stat(out / "memory.bin").st_blocks * 512 < 6 * CHUNK_SIZE
+
+
+def test_manifest_identity_and_requirements():
+    m = Manifest(files={"memory.bin": {"size": 1, "chunks": ["0" * 64]}}, requires=REQUIRES, meta={"tag": "t"})
+    assert Manifest.from_bytes(m.to_bytes()).digest == m.digest
+    m.check(dict(REQUIRES))
+    with pytest.raises(Incompatible) as err:
+        m.check(dict(REQUIRES, qemu="QEMU emulator version 8.2.2"))
+    assert err.value.field == "qemu" and "8.2.2" in str(err.value) and "7.2.0" in str(err.value)
+    with pytest.raises(Incompatible) as err:
+        m.check(dict(REQUIRES, accel="kvm"))
+    assert err.value.field == "accel"
+
+
+def test_tampered_local_chunk_fails_closed(tmp_path):
+    cache = ChunkCache(str(tmp_path / "cache"))
+    m = persist(cache, files_of(tmp_path, "a", 2), REQUIRES, {})
+    victim = m.files["memory.bin"]["chunks"][0]
+    raw = bytearray(open(cache.chunk_path(victim), "rb").read())
+    raw[len(raw) // 2] ^= 0xFF
+    open(cache.chunk_path(victim), "wb").write(raw)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ChunkCorrupt) as err:
+        materialise(cache, m, {"memory.bin": str(out / "memory.bin")})
+    assert victim in str(err.value)
+    assert not os.listdir(out)  # no partial file
+
+
+def test_cache_evicts_lru_unpinned_only(tmp_path):
+    cache = ChunkCache(str(tmp_path / "cache"), cap_bytes=0)
+    keep = persist(cache, files_of(tmp_path, "a", 3), REQUIRES, {"tag": "a"})
+    gone = persist(cache, files_of(tmp_path, "b", 4), REQUIRES, {"tag": "b"})
+    cache.pin("a", keep.digest)
+    assert cache.evict() == 0  # just written: a manifest may be about to pin them
+    for hexd in set(gone.chunks()) | set(keep.chunks()):  # an hour later
+        os.utime(cache.chunk_path(hexd), (time.time() - 3600, time.time() - 3600))
+    assert cache.evict() > 0
+    assert cache.has_all(keep)  # devices.bin is the same chunk in both: pinned through keep
+    assert not any(cache.has(c) for c in set(gone.chunks()) - set(keep.chunks()))
+    assert cache.get_manifest(gone.digest) is None and cache.usage()["unpinned_bytes"] == 0
+
+
+def test_diff_branch_shares_unchanged_chunks(tmp_path):
+    cache = ChunkCache(str(tmp_path / "cache"))
+    parent_files = files_of(tmp_path, "p", 5)
+    parent = persist(cache, parent_files, REQUIRES, {"tag": "p"})
+    child_dir = tmp_path / "c"
+    child_dir.mkdir()
+    data = bytearray(open(parent_files["memory.bin"], "rb").read())
+    data[3 * CHUNK_SIZE + 7] ^= 1  # one page changed in one chunk
+    (child_dir / "memory.bin").write_bytes(data)
+    child = persist(cache, {"memory.bin": str(child_dir / "memory.bin")}, REQUIRES, {"tag": "c"})
+    shared = set(parent.chunks()) & set(child.chunks())
+    assert len(shared) == len(child.chunks()) - 1
+
+
+@pytest.mark.parametrize("kind", ["file", "memory"])
+def test_push_pull_through_obstore(tmp_path, kind):
+    url = f"file://{tmp_path}/remote" if kind == "file" else "memory://"
+    remote = RemoteStore(url)
+    a = ChunkCache(str(tmp_path / "a"))
+    m = persist(a, files_of(tmp_path, "src", 6), REQUIRES, {"tag": "t"})
+    first = push(a, remote, m.digest, tag="t")
+    assert first["uploaded_chunks"] == len(m.chunks())
+    assert push(a, remote, m.digest, tag="t")["uploaded_chunks"] == 0  # nothing rewritten
+    b = ChunkCache(str(tmp_path / "b"))
+    got = fetch_manifest(remote, tag="t")
+    assert got.digest == m.digest
+    assert pull(b, remote, got)["fetched_chunks"] == len(m.chunks())
+    assert pull(b, remote, got)["fetched_chunks"] == 0
+    with pytest.raises(NotInStore, match="no snapshot tagged 'nope'"):
+        fetch_manifest(remote, tag="nope")
+
+
+def test_remote_delete_keeps_chunks_other_manifests_use(tmp_path):
+    remote = RemoteStore(f"file://{tmp_path}/remote")
+    cache = ChunkCache(str(tmp_path / "c"))
+    a = persist(cache, files_of(tmp_path, "a", 7), REQUIRES, {"tag": "a"})
+    b_dir = tmp_path / "b"
+    b_dir.mkdir()
+    data = bytearray(open(tmp_path / "a" / "memory.bin", "rb").read())
+    data[0] ^= 1
+    (b_dir / "memory.bin").write_bytes(data)
+    b = persist(cache, {"memory.bin": str(b_dir / "memory.bin")}, REQUIRES, {"tag": "b"})
+    push(cache, remote, a.digest, tag="a")
+    push(cache, remote, b.digest, tag="b")
+    out = delete(remote, a.digest, grace_seconds=0)
+    assert out["removed_chunks"] == len(set(a.chunks()) - set(b.chunks()))
+    fresh = ChunkCache(str(tmp_path / "fresh"))
+    pull(fresh, remote, fetch_manifest(remote, tag="b"))
+    assert fresh.has_all(b)
+    with pytest.raises(NotInStore):
+        fetch_manifest(remote, tag="a")
+
+
+def test_s3_push_pull_and_tamper(tmp_path, monkeypatch):
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    with moto_s3() as (endpoint, log):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        remote = RemoteStore("s3://forkd/team")
+        a = ChunkCache(str(tmp_path / "a"))
+        m = persist(a, files_of(tmp_path, "src", 8), REQUIRES, {"tag": "t"})
+        push(a, remote, m.digest, tag="t")
+        puts = [p for meth, p in log if meth == "PUT" and "/chunks/" in p]
+        assert sorted(puts) == sorted(f"/forkd/team/chunks/{c[:2]}/{c}" for c in m.chunks())
+        victim = m.chunks()[1]
+        blob = bytearray(remote.get_chunk(victim))
+        blob[-5] ^= 0x40
+        remote.delete(remote.chunk_path(victim))
+        remote.put_chunk(victim, bytes(blob))
+        b = ChunkCache(str(tmp_path / "b"))
+        with pytest.raises(ChunkCorrupt) as err:
+            pull(b, remote, fetch_manifest(remote, tag="t"))
+        assert victim in str(err.value) and "s3://forkd/team" in str(err.value)
+        assert not b.has(victim)
+
+
+def test_unreachable_and_denied_stores_are_named_without_secret(tmp_path, monkeypatch):
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    remote = RemoteStore("s3://forkd/x")
+    with pytest.raises(StoreError) as err:
+        remote.get_tag("t")
+    text = str(err.value)
+    assert "s3://forkd/x" in text and S3_ENV["AWS_SECRET_ACCESS_KEY"] not in text and "Debug" not in text
+    with pytest.raises(StoreError, match="unknown scheme"):
+        RemoteStore("ftp://host/x")
+    with pytest.raises(StoreError, match="no credentials"):
+        RemoteStore("s3://key:secret@bucket/x")
+
+
+def test_two_hosts_pushing_the_same_snapshot_at_once_make_one_manifest(tmp_path, monkeypatch):
+    import threading
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    with moto_s3() as (endpoint, log):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        files = files_of(tmp_path, "src", 9)
+        hosts = [ChunkCache(str(tmp_path / f"h{i}")) for i in range(2)]
+        digests = [persist(h, files, REQUIRES, {"tag": "t"}).digest for h in hosts]
+        assert digests[0] == digests[1]  # the same files make the same snapshot identity on any host
+        results, errors = [], []
+
+        def one(host):
+            try:
+                results.append(push(host, RemoteStore("s3://forkd/race"), digests[0], tag="t"))
+            except Exception as exc:  # noqa: BLE001 - collected, asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(h,)) for h in hosts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(results) == 2
+        remote = RemoteStore("s3://forkd/race")
+        assert [m["path"] for m in remote.list("manifests/")] == [f"manifests/{digests[0][7:]}"]
+        chunks = {m["path"] for m in remote.list("chunks/")}
+        assert len(chunks) == len(Manifest.from_bytes(remote.get_manifest(digests[0][7:])).chunks())
+        # every chunk was written once: the loser of a race finds it there (412) and rewrites nothing
+        assert sum(r["uploaded_chunks"] for r in results) == len(chunks)
+
+
+def test_a_store_that_denies_access_is_named_with_its_reason(tmp_path, monkeypatch):
+    from moto import settings
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    with moto_s3() as (endpoint, _log):
+        monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto checks credentials from now on
+        remote = RemoteStore("s3://forkd/x", endpoint=endpoint, allow_http=True)
+        with pytest.raises(StoreError) as err:
+            remote.get_tag("t")
+        text = str(err.value)
+        assert text.startswith("store s3://forkd/x: reading tags/t: access denied") and "InvalidAccessKeyId" in text
+        assert "<?xml" not in text and S3_ENV["AWS_SECRET_ACCESS_KEY"] not in text
+
+
+def test_a_branch_keeps_a_chunk_changed_in_a_few_pages_as_a_page_patch(tmp_path):
+    cache = ChunkCache(str(tmp_path / "cache"))
+    parent_files = files_of(tmp_path, "p", 10)
+    parent = persist(cache, parent_files, REQUIRES, {"tag": "p"})
+    data = bytearray(open(parent_files["memory.bin"], "rb").read())
+    data[3 * CHUNK_SIZE + 5000] ^= 1                   # one page of chunk 3
+    data[4 * CHUNK_SIZE:5 * CHUNK_SIZE] = os.urandom(CHUNK_SIZE)  # all of chunk 4
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "memory.bin").write_bytes(data)
+    child = persist(cache, {"memory.bin": str(tmp_path / "c" / "memory.bin")}, REQUIRES, {"tag": "c"}, parent=parent)
+    entries = child.files["memory.bin"]["chunks"]
+    patch = entries[3]
+    assert isinstance(patch, dict) and patch["base"] == parent.files["memory.bin"]["chunks"][3]
+    assert patch["patch_size"] == 128 + 4096                  # the page bitmap and one page
+    assert isinstance(entries[4], str)                         # more than half changed: kept whole
+    assert entries[0] == parent.files["memory.bin"]["chunks"][0]
+    new = set(child.chunks()) - set(parent.chunks())
+    assert new == {patch["patch"], entries[4]}
+    # the branch comes back whole, here and on another host
+    remote = RemoteStore(f"file://{tmp_path}/remote")
+    push(cache, remote, parent.digest)
+    push(cache, remote, child.digest)
+    other = ChunkCache(str(tmp_path / "other"))
+    pull(other, remote, fetch_manifest(remote, digest=child.digest))
+    out = tmp_path / "out"
+    out.mkdir()
+    materialise(other, child, {"memory.bin": str(out / "memory.bin")})
+    assert (out / "memory.bin").read_bytes() == bytes(data)
+    # a patch that fails its check stops the write, naming it
+    blob = bytearray(open(other.chunk_path(patch["patch"]), "rb").read())
+    blob[-3] ^= 0xFF
+    open(other.chunk_path(patch["patch"]), "wb").write(blob)
+    with pytest.raises(ChunkCorrupt, match=patch["patch"]):
+        materialise(other, child, {"memory.bin": str(out / "again.bin")})
