@@ -52,17 +52,21 @@ def _fork():
     return pid
 _children.raw_fork = _fork
 
-import forkd_engine.process.fanout as _fanout
-_fork_children = _fanout.fork_children
-def _forking(n, pidns_fd):  # the C loop (fanout.c): the template marks its end only
-    index, pids = _fork_children(n, pidns_fd)
-    if index:
-        _in_child.append(True)
-        _marks[:] = [("child:forked", _time.monotonic(), _time.process_time(), _private_kib())]
-    else:
-        _marks.extend([("parent:forked", _time.monotonic(), _time.process_time(), _private_kib())] * n)
-    return index, pids
-_fanout.fork_children = _forking
+try:
+    import forkd_engine.process.fanout as _fanout
+except ImportError:  # an engine before the C loop: its forks go through raw_fork, marked above
+    _fanout = None
+if _fanout is not None:
+    _fork_children = _fanout.fork_children
+    def _forking(n, pidns_fd):  # the C loop (fanout.c): the template marks its end only
+        index, pids = _fork_children(n, pidns_fd)
+        if index:
+            _in_child.append(True)
+            _marks[:] = [("child:forked", _time.monotonic(), _time.process_time(), _private_kib())]
+        else:
+            _marks.extend([("parent:forked", _time.monotonic(), _time.process_time(), _private_kib())] * n)
+        return index, pids
+    _fanout.fork_children = _forking
 for _owner, _attr in ((_inside, "hand_pid1_to_init"), (_inside, "close_agent_fds"), (_linux, "unshare"),
                       (_linux, "mount"), (_inside, "private_copy"), (_linux, "sethostname"),
                       (_inside, "own_machine_id"), (_linux, "loopback_up"), (_inventory, "repair_after_fork"),

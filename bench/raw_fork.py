@@ -1,9 +1,10 @@
 """The physical limit of a fan-out: ``os.fork()`` of the same workload, children answering a ping.
 
-    python3 bench/raw_fork.py N [MIB]      # prints one JSON object
+    python3 bench/raw_fork.py N [MIB] [--ipython]     # prints one JSON object
 
 The process holds what a bench snapshot holds (numpy, its random module, an array of MIB MiB, the
-heap frozen as a template freezes it), forks N children in a loop, each with one end of a socket
+heap frozen as a template freezes it; with ``--ipython`` also an IPython shell, as a notebook's
+sandbox holds), forks N children in a loop, each with one end of a socket
 pair, then pings every child and waits for every answer. Figures: ``fork_ms`` (the loop),
 ``total_ms`` (until the last answer), and the median USS and PSS of an idle child
 (``smaps_rollup``), read while the children wait for the next message.
@@ -31,8 +32,12 @@ def rollup(pid: int) -> dict:
 
 
 def main() -> int:
-    n = int(sys.argv[1])
-    mib = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    n = int(args[0])
+    mib = int(args[1]) if len(args) > 1 else 64
+    if "--ipython" in sys.argv:
+        from IPython.core.interactiveshell import InteractiveShell
+        shell = InteractiveShell.instance()  # noqa: F841 - the workload
     import numpy
     import numpy.random  # noqa: F401 - as a template prewarms it
     data = numpy.ones(mib * 2**20 // 8)  # noqa: F841 - the workload

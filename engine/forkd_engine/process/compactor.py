@@ -57,8 +57,12 @@ class Compactor:
         self._wake.set()
         with self._start_lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="forkd-compact", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="forkd-compact", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # the sandbox is at its pids limit: the next poke tries again
+                    return
+                self._thread = thread
 
     @contextlib.contextmanager
     def stopped(self):

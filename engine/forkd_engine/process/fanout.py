@@ -9,6 +9,7 @@ mapped. Without it (a process started otherwise) the template forks in a Python 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 from . import sandbox_init
@@ -30,7 +31,7 @@ def load(path: str) -> None:
     global _loop
     fn = ctypes.PyDLL(path).forkd_fanout
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     _loop = fn
 
@@ -43,15 +44,16 @@ def _hook(name: str) -> int:
     return ctypes.cast(getattr(ctypes.pythonapi, name), ctypes.c_void_p).value
 
 
-def fork_children(n: int, pidns_fd: int) -> tuple[int, list[int]]:
-    """Fork ``n`` children, each PID 1 of a new pid namespace. Returns (its index counted from 1,
-    []) in a child, and (0, their pids) in the template; OSError with the errno of the call that
-    failed (the children made before it run on)."""
+def fork_children(n: int, pidns_fd: int, init: str) -> tuple[int, list[int]]:
+    """Fork ``n`` children, each PID 1 of a new pid namespace, where it forks the agent and execs
+    ``init`` (forkd-init). Returns (its index counted from 1, []) in an agent, and (0, the pids of
+    the inits) in the template; OSError with the errno of the call that failed (the children made
+    before it run on)."""
     pids = (ctypes.c_int * n)()
-    got = _loop(n, pidns_fd, pids, _hook("PyOS_BeforeFork"), _hook("PyOS_AfterFork_Parent"),
+    got = _loop(n, pidns_fd, pids, init.encode(), _hook("PyOS_BeforeFork"), _hook("PyOS_AfterFork_Parent"),
                 _hook("PyOS_AfterFork_Child"))
     if got > 0:
         return got, []
     if got < 0:
-        raise OSError(-got, os.strerror(-got))
+        raise OSError(-got, os.strerror(-got), init if -got in (errno.ENOENT, errno.EACCES) else None)
     return 0, list(pids)

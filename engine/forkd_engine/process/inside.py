@@ -189,15 +189,17 @@ class SandboxProcess:
             os._exit(1)
 
     def become(self, identity: dict, listen_fd: int, report_fd: int, lossy: bool = False,
-               tmpfs: dict | None = None) -> None:
-        """In a fresh fork: take the new identity, namespaces and private copies of /tmp and
-        /dev/shm (sized by ``tmpfs``, else as ours), repair what the fork shares with its source,
-        then serve (never returns)."""
+               tmpfs: dict | None = None, init_running: bool = False) -> None:
+        """In a fresh fork: leave PID 1 to forkd-init (unless ``init_running``: a spawn's C loop did),
+        take the new identity, namespaces and private copies of /tmp and /dev/shm (sized by
+        ``tmpfs``, else as ours), repair what the fork shares with its source, then serve (never
+        returns)."""
         # A spawn's copy of a parked template repairs what the template found once; a branch's
         # copy of a sandbox, where user code ran, looks afresh.
         plan, self.fork_plan = self.fork_plan, None
         try:
-            hand_pid1_to_init()
+            if not init_running:
+                hand_pid1_to_init()
             self.config.update(tmpfs or {})
             close_agent_fds(self.agent_fds(), keep={listen_fd, report_fd})
             children.forget_fds()
@@ -279,7 +281,7 @@ class SandboxProcess:
                 identity, tmpfs = kids[index - 1]
                 # A snapshot whose setup left running work (accepted with lossy) hands it to no one.
                 self.become(identity, listen_fds[index - 1], report_fd, lossy=bool(self.config.get("lossy")),
-                            tmpfs=tmpfs)
+                            tmpfs=tmpfs, init_running=fanout.loaded())
         finally:
             for fd in fds:
                 os.close(fd)
@@ -287,20 +289,23 @@ class SandboxProcess:
 
     def _fork_children(self, n: int) -> tuple[int, list[int]]:
         """Fork ``n`` children, each PID 1 of a new pid namespace: (its index counted from 1, []) in a
-        child, (0, their pids) here. In one C loop where the bootstrap loaded it (fanout.py)."""
+        child, (0, their pids) here. In one C loop where the bootstrap loaded it (fanout.py), whose
+        children have handed PID 1 to forkd-init already, each returning here as its agent."""
         if not fanout.loaded():
             pids = []
             for i in range(n):
                 pid, _ = self._fork_into_new_pidns()
                 if pid == 0:
-                    return i + 1, []
+                    return i + 1, []  # become() hands PID 1 over
                 pids.append(pid)
             return 0, pids
         try:
-            return fanout.fork_children(n, self.pidns_fd)
+            return fanout.fork_children(n, self.pidns_fd, IN_SANDBOX)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EUSERS):
                 raise LineageTooDeep(LINEAGE_TOO_DEEP) from None
+            if exc.filename == IN_SANDBOX:
+                raise OSError(f"{IN_SANDBOX} is missing from the sandbox root: the engine binds it there") from None
             raise
 
     def inventory(self, request: dict, fds: list) -> dict:
