@@ -10,12 +10,16 @@ Every figure is paired with its baseline, measured in the same run, interleaved 
 - ``spawn_n100`` / ``spawn_n500``: ``Controller.spawn(tag, n)`` until every child has answered a
   ping (through the controller, one after the other), against ``bench/raw_fork.py``: ``os.fork()``
   of the same workload (numpy and a 64 MiB array) whose children answer a ping over a socket
-  pair. ``call_ms`` is the spawn call alone, against the raw forks alone.
+  pair. ``call_ms`` is the spawn call alone, against the raw forks alone. ``cpu_ms`` is the CPU
+  time the whole fan-out took, summed over every process and thread that took part (the bench's
+  own, the template, each child's agent and init; the raw parent and its children), from
+  schedstat: on a loaded machine, where wall time mostly says how long others ran, the steadier
+  figure.
 - ``uss_per_idle_child``: Private_Clean + Private_Dirty of an idle child (median over the n = 100
   children; a sandbox's figure includes its init), against a raw fork child's.
 - ``demo_fork10``: ``forkd demo``'s fork (10 children of numpy and a 200 MiB array, each answering a
   ping), against a raw fork of 10 of the same workload.
-- ``notebook_fork5`` (``--notebook``): ``kids = %forkd fork -n 5`` in a notebook on the forkd kernel
+- ``notebook_fork5``: ``kids = %forkd fork -n 5`` in a notebook on the forkd kernel
   until the five answer a ping (a forkd serve, a kernel), against a raw fork of 5 of a process
   holding IPython and numpy.
 
@@ -34,8 +38,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from forkd_server.controller import Controller  # noqa: E402
+
+from raw_fork import cpu_ns  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETUP = "import numpy\ndata = numpy.ones({mib} * 2**20 // 8)\n"
@@ -48,13 +55,21 @@ def raw(n: int, mib: int = 64) -> dict:
 
 
 def spawn_once(ctl: Controller, tag: str, n: int, memory: bool = False) -> dict:
+    template = ctl.registry.get_snapshot(tag)["handle"]["pid"]
+    host0, template0 = cpu_ns(), cpu_ns(template)
     t0 = time.perf_counter()
     kids = ctl.spawn(tag, n)
     called = time.perf_counter()
     for k in kids:
         ctl.ping(k["id"])
     total = time.perf_counter()
-    out = {"call_ms": (called - t0) * 1000, "total_ms": (total - t0) * 1000}
+    split = {"host": cpu_ns() - host0, "template": cpu_ns(template) - template0, "agents": 0, "inits": 0}
+    for k in kids:
+        handle = ctl.registry.get_sandbox(k["id"])["handle"]
+        split["agents"] += cpu_ns(handle["pid"])
+        split["inits"] += cpu_ns(handle["init"]["pid"])
+    out = {"call_ms": (called - t0) * 1000, "total_ms": (total - t0) * 1000, "cpu_ms": sum(split.values()) / 1e6,
+           "cpu_split_ms": {k: v / 1e6 for k, v in split.items()}}
     if memory:
         mem = [ctl.memory(k["id"]) for k in kids]
         out["uss_mib"] = statistics.median(m["uss_kib"] for m in mem) / 1024
@@ -74,12 +89,17 @@ def paired(name: str, rounds: int, ours, limit) -> dict:
         else:
             a.append(ours())
             b.append(limit())
-        print(f"  {name} round {i + 1}/{rounds}: ours {a[-1]['total_ms']:.1f} ms, limit {b[-1]['total_ms']:.1f} ms",
+        print(f"  {name} round {i + 1}/{rounds}: ours {a[-1]['total_ms']:.1f} ms ({a[-1].get('cpu_ms', 0):.0f} ms CPU), "
+              f"limit {b[-1]['total_ms']:.1f} ms ({b[-1].get('cpu_ms', 0):.0f} ms CPU)",
               file=sys.stderr)
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
     out = {"ours_total_ms": med(a, "total_ms"), "limit_total_ms": med(b, "total_ms"),
            "ours_runs_ms": [round(r["total_ms"], 1) for r in a], "limit_runs_ms": [round(r["total_ms"], 1) for r in b]}
     out["ratio"] = out["ours_total_ms"] / out["limit_total_ms"]
+    if "cpu_ms" in a[0]:
+        out["ours_cpu_ms"], out["limit_cpu_ms"] = med(a, "cpu_ms"), med(b, "cpu_ms")
+        out["ours_cpu_split_ms"] = {k: statistics.median(r["cpu_split_ms"][k] for r in a) for k in a[0]["cpu_split_ms"]}
+        out["cpu_ratio"] = out["ours_cpu_ms"] / out["limit_cpu_ms"]
     if "call_ms" in a[0]:
         out["ours_call_ms"] = med(a, "call_ms")
         out["limit_fork_ms"] = med(b, "fork_ms")
@@ -129,9 +149,10 @@ def main() -> int:
     parser.add_argument("--profile-memory", action="store_true",
                         help="with --profile: each child's private memory after each stage (slower stages)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", choices=["spawn_n100", "spawn_n500", "demo_fork10"], action="append",
-                        help="measure only these figures (repeatable)")
-    parser.add_argument("--notebook", action="store_true", help="also %%forkd fork -n 5 in a forkd kernel")
+    parser.add_argument("--only", choices=["spawn_n100", "spawn_n500", "demo_fork10", "notebook_fork5"],
+                        action="append", help="measure only these figures (repeatable)")
+    parser.add_argument("--no-notebook", action="store_true", help="leave out %%forkd fork -n 5 (a forkd serve "
+                                                                   "and a kernel)")
     args = parser.parse_args()
     out: dict = {"machine": {"cpus": os.cpu_count(), "kernel": os.uname().release},
                  "load_before": os.getloadavg()}
@@ -140,7 +161,7 @@ def main() -> int:
         try:
             if args.profile:
                 out["profile"] = profile(ctl, 100, args.profile_memory)
-            else:
+            elif not args.only or set(args.only) - {"notebook_fork5"}:
                 ctl.create_snapshot("fanout64", setup=SETUP.format(mib=64))
                 ctl.create_snapshot("fanout200", setup=SETUP.format(mib=200))
                 spawn_once(ctl, "fanout64", 10)  # warm
@@ -158,7 +179,7 @@ def main() -> int:
                     ctl.delete_snapshot(tag)
         finally:
             ctl.close()
-    if args.notebook and not args.profile:
+    if not args.profile and not args.no_notebook and (not args.only or "notebook_fork5" in args.only):
         from fanout_notebook import notebook_fork5
         out["notebook_fork5"] = notebook_fork5(args.rounds)
     out["load_after"] = os.getloadavg()

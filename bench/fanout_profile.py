@@ -58,8 +58,8 @@ except ImportError:  # an engine before the C loop: its forks go through raw_for
     _fanout = None
 if _fanout is not None:
     _fork_children = _fanout.fork_children
-    def _forking(n, pidns_fd):  # the C loop (fanout.c): the template marks its end only
-        index, pids = _fork_children(n, pidns_fd)
+    def _forking(n, *args):  # the C loop (fanout.c): the template marks its end only
+        index, pids = _fork_children(n, *args)
         if index:
             _in_child.append(True)
             _marks[:] = [("child:forked", _time.monotonic(), _time.process_time(), _private_kib())]

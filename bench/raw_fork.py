@@ -6,7 +6,8 @@ The process holds what a bench snapshot holds (numpy, its random module, an arra
 heap frozen as a template freezes it; with ``--ipython`` also an IPython shell, as a notebook's
 sandbox holds), forks N children in a loop, each with one end of a socket
 pair, then pings every child and waits for every answer. Figures: ``fork_ms`` (the loop),
-``total_ms`` (until the last answer), and the median USS and PSS of an idle child
+``total_ms`` (until the last answer), ``cpu_ms`` (the CPU time all of it took: the parent's
+from the first fork on and each child's, from schedstat), and the median USS and PSS of an idle child
 (``smaps_rollup``), read while the children wait for the next message.
 """
 
@@ -31,6 +32,18 @@ def rollup(pid: int) -> dict:
         return out
 
 
+def cpu_ns(pid: int | str = "self") -> int:
+    """CPU time of every thread of a process so far (schedstat, ns): robust to a loaded machine."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            pass
+    return total
+
+
 def main() -> int:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     n = int(args[0])
@@ -44,6 +57,7 @@ def main() -> int:
     gc.collect()
     gc.freeze()
     socks, pids = [], []
+    cpu0 = cpu_ns()
     t0 = time.perf_counter()
     for _ in range(n):
         ours, theirs = socket.socketpair()
@@ -65,13 +79,14 @@ def main() -> int:
         if s.recv(16) != b"pong":
             raise SystemExit("a child did not answer")
     answered = time.perf_counter()
+    cpu = cpu_ns() - cpu0 + sum(cpu_ns(pid) for pid in pids)
     mem = [rollup(pid) for pid in pids]
     for s in socks:
         s.close()
     for pid in pids:
         os.waitpid(pid, 0)
     print(json.dumps({
-        "n": n, "fork_ms": (forked - t0) * 1000, "total_ms": (answered - t0) * 1000,
+        "n": n, "fork_ms": (forked - t0) * 1000, "total_ms": (answered - t0) * 1000, "cpu_ms": cpu / 1e6,
         "uss_mib": statistics.median(m["Private_Clean"] + m["Private_Dirty"] for m in mem) / 1024,
         "pss_mib": statistics.median(m["Pss"] for m in mem) / 1024}))
     return 0

@@ -440,7 +440,9 @@ class ProcessEngine:
              "huge_pages_mib": limits[c.id] if self.huge_pages else 0}
             for c in batch]}
         # The children's cgroup leaves, with their limits, are made while the template forks them
-        # (this thread only waits meanwhile); each child joins its own as soon as it has reported.
+        # (this thread only waits meanwhile); the children join them once all have reported, in one
+        # go: a write to cgroup.procs waits for an RCU grace period unless another has just
+        # been made (cgroup_threadgroup_rwsem), and holds up every fork on the host meanwhile.
         leaves: Future = Future()
         threading.Thread(target=self._prepare_leaves, args=(batch, limits, leaves), name="forkd-leaves",
                          daemon=True).start()
@@ -462,17 +464,14 @@ class ProcessEngine:
                     break
                 msg, pid = got
                 if msg.get("ok"):
-                    h = started[msg["id"]] = self._handle(pid, paths[msg["id"]], role="sandbox")
-                    if leaves.done():
-                        self._join_leaves(h, leaves.result()[msg["id"]])
+                    started[msg["id"]] = self._handle(pid, paths[msg["id"]], role="sandbox")
                 else:
                     errors.append(f"{msg.get('id')}: {msg.get('error')}")
             if errors:
                 raise _failure("spawn failed", "; ".join(errors[:3]))
             made = leaves.result(timeout=self.spawn_timeout)
             for cid, h in started.items():
-                if "cgroups" not in h:
-                    self._join_leaves(h, made[cid])
+                self._join_leaves(h, made[cid])
             return [started[c.id] for c in batch]
         except BaseException:
             for h in started.values():
