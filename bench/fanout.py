@@ -11,10 +11,11 @@ Every figure is paired with its baseline, measured in the same run, interleaved 
   ping (through the controller, one after the other), against ``bench/raw_fork.py``: ``os.fork()``
   of the same workload (numpy and a 64 MiB array) whose children answer a ping over a socket
   pair. ``call_ms`` is the spawn call alone, against the raw forks alone. ``cpu_ms`` is the CPU
-  time the whole fan-out took, summed over every process and thread that took part (the bench's
-  own, the template, each child's agent and init; the raw parent and its children), from
-  schedstat: on a loaded machine, where wall time mostly says how long others ran, the steadier
-  figure.
+  time the whole fan-out took, summed over every process that took part (the bench's own, by
+  getrusage; the template's, each child's agent's and init's, by schedstat, whose threads that
+  ended by then, such as a ping's connection thread, are not counted; the raw parent and its
+  children): on a loaded machine, where wall time mostly says how long others ran, the steadier
+  figure. ``cpu_split_ms`` says whose.
 - ``uss_per_idle_child``: Private_Clean + Private_Dirty of an idle child (median over the n = 100
   children; a sandbox's figure includes its init), against a raw fork child's.
 - ``demo_fork10``: ``forkd demo``'s fork (10 children of numpy and a 200 MiB array, each answering a
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from forkd_server.controller import Controller  # noqa: E402
 
-from raw_fork import cpu_ns  # noqa: E402
+from raw_fork import cpu_ns, own_cpu_ns  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETUP = "import numpy\ndata = numpy.ones({mib} * 2**20 // 8)\n"
@@ -56,14 +57,14 @@ def raw(n: int, mib: int = 64) -> dict:
 
 def spawn_once(ctl: Controller, tag: str, n: int, memory: bool = False) -> dict:
     template = ctl.registry.get_snapshot(tag)["handle"]["pid"]
-    host0, template0 = cpu_ns(), cpu_ns(template)
+    host0, template0 = own_cpu_ns(), cpu_ns(template)
     t0 = time.perf_counter()
     kids = ctl.spawn(tag, n)
     called = time.perf_counter()
     for k in kids:
         ctl.ping(k["id"])
     total = time.perf_counter()
-    split = {"host": cpu_ns() - host0, "template": cpu_ns(template) - template0, "agents": 0, "inits": 0}
+    split = {"host": own_cpu_ns() - host0, "template": cpu_ns(template) - template0, "agents": 0, "inits": 0}
     for k in kids:
         handle = ctl.registry.get_sandbox(k["id"])["handle"]
         split["agents"] += cpu_ns(handle["pid"])
