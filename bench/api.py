@@ -21,12 +21,20 @@ call, so the 999 copies share the real one's pidfd (one fd polled instead of 100
 either way). Decoded rows, sandbox infos and their JSON are reused while the registry is unchanged
 (its generation), on both sides alike, as between two polls of a UI. No other call touches them; they are deleted before anything else runs.
 
-Usage: python3 bench/api.py [--json] [--iterations 500] [--sandboxes 1000]
+And the client SDK's own share: its ping on its kept connection against a raw ``http.client``
+keep-alive ping in the same rounds, as raw p50 plus the median of the paired differences, over raw
+p50 (target <= 1.1; the plain ratio of p50s is printed too); and the throughput of
+``asyncio.gather`` of 200 pings from one ``AsyncController`` against 200 sequential pings of the
+sync ``Controller`` (target >= 2x), alternating rounds, ratio of the median round times. Both ends
+share the machine's two cores: the server's CPU per ping bounds what concurrency can gain.
+
+Usage: python3 bench/api.py [--json] [--iterations 500] [--sandboxes 1000] [--sdk-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -44,9 +52,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from forkd_server.client import AsyncController  # noqa: E402
 from forkd_server.client import Controller as Client  # noqa: E402
 from forkd_server.controller import Controller  # noqa: E402
 from tests.serving import FORKD, free_port  # noqa: E402
+
+
+class _Done(Exception):
+    """--sdk-only: the SDK's figures are in."""
 
 
 def stats(samples_s: list[float]) -> dict:
@@ -127,12 +140,51 @@ def ping_while_stuck(client, port: int, token: str, idle: str, stuck_count: int,
             "target_met": percentile(samples, 0.99) <= 50.0}
 
 
+def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, calls: int = 200) -> dict:
+    """Seconds for ``calls`` sequential sync pings and for ``asyncio.gather`` of as many from one
+    AsyncController, in alternating rounds on one event loop (its pool made once); the pings go to
+    ``sids`` in turn."""
+
+    async def run() -> dict:
+        async with AsyncController(url, token) as actl:
+            async def gathered() -> float:
+                t0 = time.perf_counter()
+                answers = await asyncio.gather(*(actl.ping_sandbox(sids[i % len(sids)]) for i in range(calls)))
+                assert len(answers) == calls
+                return time.perf_counter() - t0
+
+            def sequential() -> float:
+                t0 = time.perf_counter()
+                for i in range(calls):
+                    client.ping_sandbox(sids[i % len(sids)])
+                return time.perf_counter() - t0
+
+            await gathered()  # the pool's connections opened, as in a long-lived service
+            sequential()
+            seq, gat = [], []
+            for _ in range(rounds):
+                seq.append(sequential())
+                gat.append(await gathered())
+            return {"sequential_sync_s": seq, "gather_async_s": gat,
+                    "max_connections": actl.max_connections}
+
+    got = asyncio.run(run())
+    seq, gat = statistics.median(got["sequential_sync_s"]), statistics.median(got["gather_async_s"])
+    return {"calls": calls, "sandboxes": len(sids), "rounds": rounds, "max_connections": got["max_connections"],
+            "sequential_sync_median_s": round(seq, 4), "gather_async_median_s": round(gat, 4),
+            "sequential_sync_per_s": round(calls / seq), "gather_async_per_s": round(calls / gat),
+            "throughput_ratio": round(seq / gat, 3), "target_ratio": 2.0, "target_met": seq / gat >= 2.0,
+            "rounds_s": {k: [round(x, 4) for x in v] for k, v in got.items() if k.endswith("_s")}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--iterations", type=int, default=500, help="samples of ping (list: a fifth of it)")
     parser.add_argument("--sandboxes", type=int, default=1000, help="registered sandboxes for the list test")
     parser.add_argument("--stuck", type=int, default=64, help="long calls running during the ping-under-load test")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds of 200 sequential / gathered pings")
+    parser.add_argument("--sdk-only", action="store_true", help="only the ping and the SDK's figures")
     args = parser.parse_args()
     n_list = max(50, args.iterations // 5)
 
@@ -184,6 +236,9 @@ def main() -> int:
                     result[f"overhead_p50_ms_{name}"] = round(result[name]["p50_ms"] - result["direct"]["p50_ms"], 4)
                     paired = [r - d for r, d in zip(samples[name], samples["direct"])]
                     result[f"overhead_paired_median_ms_{name}"] = round(statistics.median(paired) * 1000, 4)
+            if "rest_sdk" in ways and "rest_keepalive" in ways:  # the SDK's own share, paired
+                paired = [s - k for s, k in zip(samples["rest_sdk"], samples["rest_keepalive"])]
+                result["sdk_minus_keepalive_paired_median_ms"] = round(statistics.median(paired) * 1000, 4)
             return result
 
         ping_path = f"/v1/sandboxes/{sid}/ping"
@@ -192,6 +247,21 @@ def main() -> int:
             "rest_sdk": lambda: client.ping_sandbox(sid),
             "rest_keepalive": lambda: json.loads(keepalive("POST", ping_path)),
         }, args.iterations, 20)
+        p = out["ping"]
+        raw_p50, adds = p["rest_keepalive"]["p50_ms"], p["sdk_minus_keepalive_paired_median_ms"]
+        ratio = (raw_p50 + adds) / raw_p50  # paired: each round's SDK ping against the same round's raw one
+        out["sdk_ping_vs_raw_keepalive"] = {
+            "sdk_p50_ms": p["rest_sdk"]["p50_ms"], "raw_http_client_p50_ms": raw_p50,
+            "ratio_p50": round(p["rest_sdk"]["p50_ms"] / raw_p50, 3), "sdk_adds_paired_median_ms": adds,
+            "ratio_paired": round(ratio, 3), "target_ratio": 1.1, "target_met": ratio <= 1.1}
+        out["sdk_concurrency"] = sdk_concurrency(client, f"http://127.0.0.1:{port}", token, [sid], args.rounds)
+        spread = [sid, *(s["id"] for s in ctl.spawn("bench", 7))]  # the same, over 8 sandboxes' agents
+        out["sdk_concurrency_8_sandboxes"] = sdk_concurrency(client, f"http://127.0.0.1:{port}", token, spread,
+                                                             args.rounds)
+        for other in spread[1:]:
+            ctl.kill_sandbox(other)
+        if args.sdk_only:
+            raise _Done
         fakes = fake_rows(args.sandboxes - 1, ctl.registry.get_sandbox(sid))
         ctl.registry.insert_sandboxes(fakes)
         try:
@@ -209,6 +279,8 @@ def main() -> int:
                                                             keepalive)
         out["ping_while_long_calls_run"]["long_calls"] = args.stuck
         conn.close()
+    except _Done:
+        pass
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
@@ -224,10 +296,22 @@ def main() -> int:
 
     out["target_ms"] = 2.0
     out["target_met"] = {op: {k.removeprefix("overhead_paired_median_ms_"): v <= 2.0 for k, v in out[op].items()
-                              if k.startswith("overhead_paired_median_ms_")} for op in ("ping", "list_sandboxes")}
+                              if k.startswith("overhead_paired_median_ms_")} for op in ("ping", "list_sandboxes")
+                         if op in out}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
+        o = out["sdk_ping_vs_raw_keepalive"]
+        print(f"SDK ping {o['sdk_p50_ms']:.3f} ms vs raw keep-alive {o['raw_http_client_p50_ms']:.3f} ms (p50), "
+              f"+{o['sdk_adds_paired_median_ms']:.3f} ms paired: {o['ratio_paired']:.3f}x "
+              f"(target <= 1.1: {'met' if o['target_met'] else 'NOT met'})")
+        for key in ("sdk_concurrency", "sdk_concurrency_8_sandboxes"):
+            o = out[key]
+            print(f"200 pings of {o['sandboxes']} sandbox(es): sequential sync {o['sequential_sync_median_s'] * 1000:.0f} ms, "
+                  f"gathered async {o['gather_async_median_s'] * 1000:.0f} ms: {o['throughput_ratio']:.2f}x the "
+                  f"throughput (target >= 2: {'met' if o['target_met'] else 'NOT met'})")
+        if args.sdk_only:
+            return 0
         for op in ("ping", "list_sandboxes"):
             o = out[op]
             print(f"{op}: direct p50 {o['direct']['p50_ms']:.3f} ms")

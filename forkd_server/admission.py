@@ -14,7 +14,8 @@ pools keep long work from starving control:
   1. the server's cap: at most ``max_long_calls`` long calls at once, waiting ones included (503
      past it), so an admitted call never waits for a thread;
   2. the caller's cap: at most ``max_long_calls_per_caller`` per caller (429 past it); a caller is
-     the token a request carries (by its hash), else the user of a cookie login;
+     the token a request carries (by its hash), else the user of a cookie login, and within it
+     the client its ``X-Forkd-Client`` header names (``handlers.base.caller_of``);
   3. the sandbox's lane, for calls that run user code in a sandbox (exec, eval, run): one at a
      time per sandbox; up to ``sandbox_queue_size`` more wait their turn in order, each at most
      ``sandbox_queue_timeout`` seconds (409 busy past either, saying what runs and what to do).
@@ -58,7 +59,7 @@ class Lane:
 
 class Admission:
     def __init__(self, *, max_long_calls: int = 128, max_long_calls_per_caller: int = 64,
-                 control_workers: int = 16, sandbox_queue_size: int = 8, sandbox_queue_timeout: float = 60.0,
+                 control_workers: int = 64, sandbox_queue_size: int = 8, sandbox_queue_timeout: float = 60.0,
                  registry: CollectorRegistry | None = None):
         self.max_long_calls = max_long_calls
         self.max_long_calls_per_caller = max_long_calls_per_caller
@@ -174,7 +175,9 @@ class Admission:
             raise TooManyRequests(f"you have {self.callers[caller]} long calls in progress, the most one caller may "
                                   f"hold", hint="wait for one to end (or raise ForkdApp.max_long_calls_per_caller)",
                                   details={"in_progress": self.callers[caller],
-                                           "setting": "ForkdApp.max_long_calls_per_caller"})
+                                           "setting": "ForkdApp.max_long_calls_per_caller",
+                                           "caller": "your token, and within it your X-Forkd-Client header if "
+                                                     "you send one (each SDK client object sends its own)"})
         self.admitted += 1
         self.callers[caller] += 1
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jupyter_server.extension.application import ExtensionApp
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from traitlets import Float, Int, Unicode, default, validate
+from traitlets import Bool, Float, Int, Unicode, default, validate
 
 from . import __version__
 from .controller import default_data_dir
@@ -109,8 +109,10 @@ class ForkdApp(ExtensionApp):
                                                 "create...) admitted at once, each with a thread; 503 past it.")
     max_long_calls_per_caller = Int(64, config=True, help="Long calls one caller (one token, or one logged-in "
                                                           "user) may hold at once; 429 past it.")
-    control_workers = Int(16, config=True, help="Threads for control calls (list, get, kill, ping, interrupt, "
-                                                "tree, metrics...), never shared with long calls.")
+    control_workers = Int(64, config=True, help="Threads for control calls (list, get, kill, ping, interrupt, "
+                                                "tree, metrics...), never shared with long calls. Under more "
+                                                "clients than threads, control calls queue for them "
+                                                "(bench/RESULTS.md, 'Many clients').")
     sandbox_queue_size = Int(8, config=True, help="Calls (exec, eval, run) that may wait while one runs in the "
                                                   "same sandbox; 409 busy past it.")
     sandbox_queue_timeout = Float(60.0, config=True, help="Seconds a call waits for its sandbox before it is "
@@ -118,6 +120,12 @@ class ForkdApp(ExtensionApp):
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
     max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
+    allow_host_network = Bool(False, config=True, help="Let callers create snapshots with host_network: their "
+                                                       "sandboxes share the host's network, so they reach every "
+                                                       "service on its loopback, this server's own port included. "
+                                                       "Off: such a request is answered 403.")
+    mcp = Bool(True, config=True, help="Serve the MCP server (streamable HTTP) at {base_url}{route_prefix}mcp; "
+                                       "needs the mcp package (pip install 'forkd-jupyter[mcp]').")
 
     @default("data_dir")
     def _default_data_dir(self) -> str:
@@ -185,13 +193,35 @@ class ForkdApp(ExtensionApp):
         from .handlers import route_table
 
         self.handlers.extend(route_table(self.route_prefix))
+        from .mcp.http import routes as mcp_routes
+        self.handlers.extend(mcp_routes(self.route_prefix))
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         self.events.loop = asyncio.get_running_loop()
         prefix = self.route_prefix.rstrip("/")
         self.data_dir_lock.announce(serverapp.connection_url.rstrip("/") + (f"/{prefix}" if prefix else ""))
 
+    mcp_mount = None  # the MCP server's session manager, from the first request to it (mcp/http.py)
+
+    def mcp_server(self):
+        """The MCP mount, started on first use (importing the mcp SDK would cost every server start
+        ~0.65 s of CPU); raises ``LookupError`` saying why there is none."""
+        if self.mcp_mount is None:
+            from .mcp import missing_sdk
+            why = "it is off (c.ForkdApp.mcp = False)" if not self.mcp else missing_sdk()
+            if why:
+                raise LookupError(why)
+            from .client import Controller
+            from .mcp.http import McpMount, own_url
+            token = getattr(self.serverapp.identity_provider, "token", None) or None
+            self.mcp_mount = McpMount(Controller(own_url(self.serverapp, self.route_prefix), token))
+            self.mcp_mount.start()
+        return self.mcp_mount
+
     async def stop_extension(self) -> None:
+        if self.mcp_mount is not None:
+            await self.mcp_mount.stop()
+            self.mcp_mount = None
         if self.controller is None:
             return
         self.events.close()

@@ -1,11 +1,16 @@
-"""``/v1/kernels``: where each forkd kernel's HEAD is (the forkd kernel writes it, panels read it)."""
+"""``/v1/kernels``: where each forkd kernel's HEAD is (the forkd kernel writes it, panels read it),
+and moving it (``checkout``: what the panel's "Check out" does, for clients outside the notebook)."""
 
 from __future__ import annotations
+
+import queue
+import re
+import time
 
 from jupyter_server.auth.decorator import authorized
 from tornado import web
 
-from .handlers import ForkdHandler
+from .handlers import ApiError, ForkdHandler
 
 KERNEL_HEAD = {"head": ("string", True), "notebook": ("string", False), "base_snapshot": ("string", False),
                "engine": ("string", False)}
@@ -41,3 +46,58 @@ class KernelHandler(ForkdHandler):
     async def delete(self, kernel_id: str) -> None:
         await self.call(self.app.kernels.forget, kernel_id)
         self.no_content()
+
+
+CHECKOUT = {"sandbox": ("string", True)}
+CHECKOUT_WAIT = 60.0  # seconds the kernel may take to reach the line (it runs after the cell it is running)
+SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # what goes into a %forkd line as it is
+
+
+class KernelCheckoutHandler(ForkdHandler):
+    """``POST /v1/kernels/{id}/checkout {"sandbox"}``: move a notebook to a sandbox, as the panel's
+    "Check out" does: ``%forkd checkout`` run in the notebook's kernel (so it happens between cells,
+    and the kernel, which owns HEAD, moves it). Only for a kernel this Jupyter server runs."""
+
+    auth_resource = "forkd:kernels"
+    body_spec = CHECKOUT
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, kernel_id: str) -> None:
+        target = self.body(self.body_spec)["sandbox"]
+        if not SAFE_ID.match(target):
+            raise ApiError(400, f"{target!r} is not a sandbox id\nlist_sandboxes (GET /v1/sandboxes) names them")
+        record = await self.call(self.app.kernels.get, kernel_id)
+        await self.call(self.controller.get_sandbox, target)  # 404 saying how it ended, before the kernel
+        manager = self.serverapp.kernel_manager
+        if kernel_id not in manager.list_kernel_ids():
+            raise ApiError(409, f"the kernel of {record.get('notebook') or kernel_id} does not run in this Jupyter "
+                                f"server\nrun `%forkd checkout {target}` in the notebook itself")
+        content = await run_line(manager.get_kernel(kernel_id), f"%forkd checkout {target}", CHECKOUT_WAIT)
+        if content is None:
+            raise ApiError(409, f"the kernel of {record.get('notebook') or kernel_id} did not reach the checkout "
+                                f"within {CHECKOUT_WAIT:g} s: a cell is running\nthe checkout is queued and happens "
+                                f"when the cell ends; interrupt the cell to have it now")
+        if content.get("status") != "ok":
+            raise ApiError(409, f"the notebook's kernel refused the checkout: {content.get('evalue') or content}")
+        self.send(await self.call(self.app.kernels.get, kernel_id))
+
+
+async def run_line(kernel, code: str, timeout: float) -> dict | None:
+    """Run ``code`` silently in a kernel this server manages; its execute_reply's content, or None
+    if it did not come within ``timeout`` (the request stays queued in the kernel)."""
+    client = kernel.client()
+    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    try:
+        msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False, stop_on_error=False)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reply = await client.get_shell_msg(timeout=left)
+            except (TimeoutError, queue.Empty):
+                return None
+            if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                return reply["content"]
+        return None
+    finally:
+        client.stop_channels()

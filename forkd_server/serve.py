@@ -100,7 +100,8 @@ def read_token_file(path: str) -> str:
 
 def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None = None,
                token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-               no_token: bool = False, branch_concurrency: int | None = None) -> tuple[list[str], str | None, bool]:
+               no_token: bool = False, branch_concurrency: int | None = None,
+               allow_host_network: bool = False) -> tuple[list[str], str | None, bool]:
     """Validate the options; returns (server argv, token or None, whether the token was generated)."""
     if bool(tls_cert) != bool(tls_key):
         raise ServeError("--tls-cert and --tls-key go together")
@@ -137,15 +138,18 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         argv += [f"--ServerApp.certfile={tls_cert}", f"--ServerApp.keyfile={tls_key}"]
     if branch_concurrency is not None:
         argv.append(f"--ForkdApp.branch_concurrency={branch_concurrency}")
+    if allow_host_network:
+        argv.append("--ForkdApp.allow_host_network=True")
     return argv, token, generated
 
 
 def serve(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None = None, token_file: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None, no_token: bool = False,
-          branch_concurrency: int | None = None, extra_args: list[str] | None = None) -> int:
+          branch_concurrency: int | None = None, allow_host_network: bool = False,
+          extra_args: list[str] | None = None) -> int:
     try:
         argv, token, generated = build_argv(host, port, data_dir, token_file, tls_cert, tls_key, no_token,
-                                            branch_concurrency)
+                                            branch_concurrency, allow_host_network)
     except ServeError as exc:
         print(f"forkd serve: {exc}", file=sys.stderr)
         return 2

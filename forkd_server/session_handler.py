@@ -21,10 +21,10 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web, websocket
 
 from .errors import ForkdError
-from .handlers.base import caller_of
+from .handlers.base import ScrubbedLog, caller_of
 
 
-class SessionHandler(WebSocketMixin, websocket.WebSocketHandler, ExtensionHandlerMixin, JupyterHandler):
+class SessionHandler(ScrubbedLog, WebSocketMixin, websocket.WebSocketHandler, ExtensionHandlerMixin, JupyterHandler):
     auth_resource = "forkd:sandboxes"
     session = None
 

@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 what="${1:-demo}"
 fail() { echo "forkd setup: $*" >&2; exit 1; }
 case "$what" in
-  demo) groups="process vm"; extras=demo ;;
-  test) groups="process vm test"; extras=demo,test ;;
+  demo) groups="process vm"; extras=demo,mcp ;;
+  test) groups="process vm test"; extras=demo,mcp,test ;;
   *) echo "usage: scripts/setup.sh [demo|test]" >&2; exit 2 ;;
 esac
 

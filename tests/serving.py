@@ -121,3 +121,60 @@ def serving(*args: str, env: dict | None = None):
         cleanup(srv.url, token)
         srv.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+class JupyterServer:
+    """``jupyter server`` with forkd (as ``jupyter lab`` serves it: routes under ``/forkd/``), a token, a
+    root and data dir of its own, no FORKD_URL (its kernels find it through its runtime dir).
+    ``stop()`` deletes what it holds, stops it and removes its directory."""
+
+    def __init__(self):
+        self.workdir = tempfile.mkdtemp(prefix="fkmcp")
+        self.token = secrets.token_hex(20)
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}
+        env["JUPYTER_RUNTIME_DIR"] = os.path.join(self.workdir, "rt")  # its kernels find it there
+        self.log = open(os.path.join(self.workdir, "server.log"), "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={self.port}",
+             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.workdir}",
+             f"--ForkdApp.data_dir={os.path.join(self.workdir, 'd')}"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while True:  # bounded polling of the real condition: forkd's /healthz answers
+            if self.proc.poll() is not None:
+                raise AssertionError(f"jupyter server exited:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(f"{self.forkd_url}/healthz", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"jupyter server did not start:\n{self.output()}") from None
+                time.sleep(0.05)
+
+    url = property(lambda self: f"http://127.0.0.1:{self.port}")
+    forkd_url = property(lambda self: f"{self.url}/forkd")
+    mcp_url = property(lambda self: f"{self.url}/forkd/mcp")
+
+    def output(self) -> str:
+        with open(self.log.name) as f:
+            return f.read()
+
+    def api(self, method: str, path: str, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, method=method, data=data, headers={
+            "Authorization": f"token {self.token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = r.read()
+        return json.loads(text) if text else None
+
+    def stop(self) -> None:
+        cleanup(self.forkd_url, self.token)
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)

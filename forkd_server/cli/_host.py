@@ -18,7 +18,8 @@ def cmd_serve(args) -> int:
 
     return serve(host=args.host, port=args.port, data_dir=args.data_dir, token_file=args.token_file,
                  tls_cert=args.tls_cert, tls_key=args.tls_key, no_token=args.no_token,
-                 branch_concurrency=args.branch_concurrency, extra_args=args.jupyter_args)
+                 branch_concurrency=args.branch_concurrency, allow_host_network=args.allow_host_network,
+                 extra_args=args.jupyter_args)
 
 
 def cmd_doctor(args) -> int:
@@ -95,6 +96,9 @@ def add_serve_command(sub) -> None:
     p.add_argument("--tls-key", default=os.environ.get("FORKD_TLS_KEY"))
     p.add_argument("--branch-concurrency", type=int, default=None,
                    help="branches in flight at once (default 4)")
+    p.add_argument("--allow-host-network", action="store_true",
+                   help="let callers create snapshots with host_network (their sandboxes reach every service on "
+                        "this host's loopback, this server included); off by default: 403")
     add_debug_option(p)
     p.set_defaults(func=cmd_serve, jupyter_args=[])
     p.epilog = "Other jupyter-server options pass through, e.g. --ServerApp.log_level=DEBUG."

@@ -1,4 +1,4 @@
-"""Client SDK for forkd's /v1 API: stdlib only, and importing it never imports jupyter_server.
+"""Client SDK for forkd's /v1 API, sync and async; importing it never imports jupyter_server.
 
 ``Controller`` keeps the PyPI ``forkd`` SDK's method names, arguments and wire bodies
 (reference/forkd-api.md §8), so code written for forkd works unchanged; it adds ``create_snapshot``,
@@ -12,24 +12,40 @@ surface on top::
         child_snap = sb.branch(mode="live", wait=False).wait()
         grandkids = child_snap.fork(3)
 
+``AsyncController``, ``AsyncSandbox`` and ``AsyncSnapshot`` are the same for asyncio: the same
+methods, arguments, answers and errors, awaited::
+
+    from forkd_server.client import AsyncSnapshot
+    snap = await AsyncSnapshot.create("py", setup="import time")
+    async with (await snap.fork())[0] as sb:
+        async for event in sb.run_stream("print('hi')"):
+            ...
+
 Where the server is: ``base_url`` argument, else ``$FORKD_URL``, else (inside a notebook, or on a
 host with a running ``forkd serve`` / Jupyter server with forkd enabled) the running server found
 from Jupyter's runtime files, else ``http://127.0.0.1:8889``. The token: ``token`` argument, else
-``$FORKD_TOKEN``, else the discovered server's token.
+``$FORKD_TOKEN``, else the discovered server's. Each controller keeps a pool of connections to the
+server alive between calls (``max_connections``).
 
 Import from here (``from forkd_server.client import Controller, Sandbox, ...``): this package is
 the SDK's one public surface. Its private modules are its rooms, each importing only those below
-it: ``_transport`` (finding the server, one request, errors, the event stream), ``_controller``
-(``Controller``: one method per REST route) and ``_objects`` (``Sandbox``, ``Snapshot`` and what
-their calls return). Streaming sessions are ``forkd_server.streaming`` (``Controller.session``).
+it: ``_errors`` and ``_discovery``; ``_core`` (sans-I/O: building requests, reading answers,
+errors, retries, event decoding, the effects an operation asks for) and ``_cells`` (running cells
+over a session, sans-I/O too); ``_sync`` (http.client, pooled) and ``_async`` (aiohttp), the two thin
+transports with their drivers; ``_controller`` (one method per REST route, written once) and
+``_objects`` (``Sandbox``, ``Snapshot`` and their async twins, written once). Streaming sessions
+are ``forkd_server.streaming`` (``Controller.session``).
 """
 
 from __future__ import annotations
 
-from ._controller import Controller
-from ._objects import CommandResult, Execution, Sandbox, Snapshot
-from ._transport import (ControllerError, EventStream, ForkWarning, ServerTimeout, ServerUnreachable,
-                         discover_server)
+from ._async import AsyncEventStream
+from ._controller import AsyncController, Controller
+from ._discovery import discover_server
+from ._errors import ControllerError, ForkWarning, ServerTimeout, ServerUnreachable, SessionClosed
+from ._objects import AsyncSandbox, AsyncSnapshot, CommandResult, Execution, Sandbox, Snapshot
+from ._sync import EventStream
 
-__all__ = ["Controller", "ControllerError", "ServerUnreachable", "ServerTimeout", "ForkWarning", "Sandbox",
-           "Snapshot", "CommandResult", "Execution", "EventStream", "discover_server"]
+__all__ = ["AsyncController", "AsyncEventStream", "AsyncSandbox", "AsyncSnapshot", "CommandResult", "Controller",
+           "ControllerError", "EventStream", "Execution", "ForkWarning", "Sandbox", "ServerTimeout",
+           "ServerUnreachable", "SessionClosed", "Snapshot", "discover_server"]

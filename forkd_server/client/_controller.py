@@ -1,25 +1,34 @@
-"""``Controller``: the client of forkd's /v1 REST API.
+"""``Controller`` and ``AsyncController``: the client of forkd's /v1 REST API, sync and async.
 
 It keeps the PyPI ``forkd`` SDK's method names, arguments and wire bodies (reference/forkd-api.md
 §8), so code written for forkd works unchanged, and adds ``create_snapshot``, ``run_code``, files,
-workspaces, kernels, events and waiting for ``ready``. One method per route; the wire itself
-(finding the server, errors) is ``_transport``.
+workspaces, kernels, events and waiting for ``ready``. One method per route, written once in
+``Calls``: each builds its request (``_core.Wire.request``) and hands it, or a generator of steps,
+to ``_do``, which the sync transport runs to its result and the async one to an awaitable.
 """
 
 from __future__ import annotations
 
 import base64
-import json
-import socket
 import time
 
-from ._transport import Connection, ControllerError, EventStream, ServerUnreachable, label_query, warn_lossy
+from ._async import AsyncTransport
+from ._core import Close, NextEvent, Sleep, Subscribe, label_query
+from ._errors import ControllerError, ServerUnreachable, warn_lossy
+from ._sync import SyncTransport
 
-__all__ = ["Controller"]
+__all__ = ["AsyncController", "Calls", "Controller"]
 
 
-class Controller(Connection):
-    """forkd's ``Controller``: the same method names, arguments and wire bodies, plus extras."""
+class Calls:
+    """The controller's calls, written once (see the module's docstring). On ``AsyncController``
+    each returns an awaitable of what the same call on ``Controller`` returns."""
+
+    _SESSION = "Session"  # the streaming session class (forkd_server.streaming) of this family
+
+    def _request(self, method: str, path: str, body=None, **kw):
+        """One call to any route: its parsed JSON answer."""
+        return self._do(self.request(method, path, body, **kw))
 
     # -- forkd's methods (wire-identical) --
 
@@ -90,9 +99,8 @@ class Controller(Connection):
             body["lossy"] = True
         if labels:
             body["labels"] = dict(labels)
-        info = self._request("POST", f"/v1/sandboxes/{sandbox_id}/branch", body)
-        warn_lossy(info, f"branch {info.get('tag')} of {sandbox_id} did not carry")
-        return info
+        return self._do(self.request("POST", f"/v1/sandboxes/{sandbox_id}/branch", body),
+                        then=lambda info: warn_lossy(info, f"branch {info.get('tag')} of {sandbox_id} did not carry"))
 
     def inventory(self, sandbox_id: str) -> dict:
         """What a branch of the sandbox now would not carry: ``{"id", "engine", "lost": [...]}``."""
@@ -112,8 +120,8 @@ class Controller(Connection):
         return self._request("POST", f"/v1/sandboxes/{sandbox_id}/eval", {"code": code})
 
     def ping_sandbox(self, sandbox_id: str) -> dict:
-        # No body: urllib then sends Content-Length: 0 and no Content-Type, like forkd's SDK.
-        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/ping")
+        # No body: Content-Length: 0 and no Content-Type, like forkd's SDK; safe to send again
+        return self._do(self.request("POST", f"/v1/sandboxes/{sandbox_id}/ping", idempotent=True))
 
     # -- beyond forkd --
 
@@ -124,8 +132,7 @@ class Controller(Connection):
         return self._request("GET", "/version")
 
     def metrics(self) -> str:
-        with self._open("GET", "/metrics") as resp:
-            return resp.read().decode()
+        return self._do(self.request("GET", "/metrics", text=True))
 
     def create_snapshot(self, tag: str, setup: str | None = None, setup_commands: list[list[str]] | None = None,
                         engine: str = "auto", mem_size_mib: int | None = None, host_network: bool = False,
@@ -149,9 +156,9 @@ class Controller(Connection):
         body = {"tag": tag, "engine": engine, **{k: v for k, v in given.items() if v is not None}}
         if setup_timeout_secs is not None:  # the call waits for the whole creation
             timeout = max(timeout, setup_timeout_secs + 60)
-        info = self._request("POST", "/v1/snapshots", body, timeout=timeout)
-        warn_lossy(info, f"snapshot {tag}: its children lack what its setup left running")
-        return info
+        return self._do(self.request("POST", "/v1/snapshots", body, timeout=timeout),
+                        then=lambda info: warn_lossy(info, f"snapshot {tag}: its children lack what its setup "
+                                                           f"left running"))
 
     def snapshot_info(self, tag: str) -> dict:
         return self._request("GET", f"/v1/snapshots/{tag}/info")
@@ -191,10 +198,12 @@ class Controller(Connection):
                              timeout=max(self.timeout, (timeout or 600) + 10))
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:
-        reply = self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", query={"path": path})
-        if "entries" in reply:
-            raise IsADirectoryError(f"{path} is a directory; use list_files")
-        return base64.b64decode(reply["data_b64"])
+        def data(reply: dict) -> bytes:
+            if "entries" in reply:
+                raise IsADirectoryError(f"{path} is a directory; use list_files")
+            return base64.b64decode(reply["data_b64"])
+
+        return self._do(self.request("GET", f"/v1/sandboxes/{sandbox_id}/files", query={"path": path}), then=data)
 
     def write_file(self, sandbox_id: str, path: str, data: bytes | str, *, append: bool = False,
                    mode: int | None = None) -> dict:
@@ -204,13 +213,16 @@ class Controller(Connection):
         if mode is not None:
             query["mode"] = format(mode, "o")
         raw = data.encode() if isinstance(data, str) else bytes(data)
-        return self._request("PUT", f"/v1/sandboxes/{sandbox_id}/files", raw=raw, query=query)
+        return self._request("PUT", f"/v1/sandboxes/{sandbox_id}/files", raw=raw, query=query,
+                             idempotent=not append)
 
     def list_files(self, sandbox_id: str, path: str = ".") -> list[dict]:
-        reply = self._request("GET", f"/v1/sandboxes/{sandbox_id}/files", query={"path": path})
-        if "entries" not in reply:
-            raise NotADirectoryError(f"{path} is a file; use read_file")
-        return reply["entries"]
+        def entries(reply: dict) -> list[dict]:
+            if "entries" not in reply:
+                raise NotADirectoryError(f"{path} is a file; use read_file")
+            return reply["entries"]
+
+        return self._do(self.request("GET", f"/v1/sandboxes/{sandbox_id}/files", query={"path": path}), then=entries)
 
     def remove_file(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         query = {"path": path, **({"recursive": "true"} if recursive else {})}
@@ -233,6 +245,11 @@ class Controller(Connection):
                                                     ("engine", engine)) if v is not None}}
         return self._request("PUT", f"/v1/kernels/{kernel_id}", body)
 
+    def checkout_kernel(self, kernel_id: str, sandbox_id: str, timeout: float = 120.0) -> dict:
+        """Move a forkd-kernel notebook to ``sandbox_id``: ``%forkd checkout`` run in its kernel
+        (after any cell it is running), as the panel's Check out does."""
+        return self._request("POST", f"/v1/kernels/{kernel_id}/checkout", {"sandbox": sandbox_id}, timeout=timeout)
+
     def forget_kernel(self, kernel_id: str) -> None:
         return self._request("DELETE", f"/v1/kernels/{kernel_id}")
 
@@ -241,36 +258,45 @@ class Controller(Connection):
         return self._request("POST", f"/v1/sandboxes/{sandbox_id}/interrupt")
 
     def session(self, sandbox_id: str, shell: str = "plain", timeout: float = 120.0):
-        """A streaming session with the sandbox (``forkd_server.streaming.Session``): cells whose
+        """A streaming session with the sandbox (``forkd_server.streaming.Session``; for
+        ``AsyncController`` an ``AsyncSession``: ``async with ctl.session(id) as s``): cells whose
         output arrives as it is printed, input(), interrupts; ``shell="ipython"`` for IPython."""
-        from ..streaming import Session
-        return Session(self, sandbox_id, shell=shell, timeout=timeout)
+        from .. import streaming
+        return getattr(streaming, self._SESSION)(self, sandbox_id, shell=shell, timeout=timeout)
 
     def tree(self, *, labels: dict[str, str] | None = None) -> list[dict]:
         """The lineage as nodes; with ``labels``, the nodes carrying all of them and their ancestors."""
         return self._request("GET", "/v1/tree", query=label_query(labels))
 
-    def events(self, timeout: float | None = None) -> "EventStream":
+    def events(self, timeout: float | None = None):
         """Subscribe to change events (``{"kind", "action", "tag"|"id", "status", ...}``).
 
         The subscription is open when this returns, so no later change is missed; iterate the
-        returned ``EventStream`` for events as they happen, ``close()`` it (from any thread) to stop.
+        returned ``EventStream`` for events as they happen, ``close()`` it (from any thread) to stop
+        (``AsyncController``: ``stream = await ctl.events()``, ``async for``, ``await stream.aclose()``).
         ``timeout`` bounds the wait for each next event (the server sends keep-alives every 15 s);
         ``socket.timeout`` / ``TimeoutError`` ends the iteration with an exception.
         """
-        return EventStream(self._open("GET", "/v1/events", timeout=timeout or 3600))
+        return self._do(self._subscribe_steps(timeout or 3600))
+
+    def _subscribe_steps(self, timeout: float):
+        return (yield Subscribe(self.request("GET", "/v1/events", timeout=timeout)))
 
     def wait_snapshot(self, tag: str, timeout: float = 120.0) -> dict:
         """Block until snapshot ``tag`` is ``ready`` or ``failed``; returns its SnapshotInfo.
 
         Listens on /v1/events, subscribed before each look at the snapshot, so no change is missed.
         """
+        return self._do(self._wait_snapshot(tag, timeout))
+
+    def _wait_snapshot(self, tag: str, timeout: float):
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            stream = self._open("GET", "/v1/events", timeout=max(1.0, min(left, 20.0)))
-            with stream:
-                info = next((s for s in self.list_snapshots() if s["tag"] == tag), None)
+            stream = yield from self._subscribe_steps(max(1.0, min(left, 20.0)))
+            try:
+                snapshots = yield from self.plan.list_snapshots()
+                info = next((s for s in snapshots if s["tag"] == tag), None)
                 if info is None:
                     raise ControllerError(404, {"error": f"snapshot {tag} not found"}, self.base_url)
                 if info.get("status", "ready") != "writing":
@@ -278,21 +304,39 @@ class Controller(Connection):
                 if left <= 0:
                     raise TimeoutError(f"snapshot {tag} still writing after {timeout:g} s")
                 try:  # until an event names this tag; then look again
-                    for line in stream:
-                        if line.startswith(b"data:") and json.loads(line[5:]).get("tag") == tag:
+                    while (event := (yield NextEvent(stream))) is not None:
+                        if event.get("tag") == tag or time.monotonic() > deadline:
                             break
-                        if time.monotonic() > deadline:
-                            break
-                except (socket.timeout, TimeoutError):
+                except TimeoutError:
                     pass  # a fresh stream and a fresh look
+            finally:
+                yield Close(stream)
 
     def wait_ready(self, timeout: float = 30.0) -> dict:
         """Wait until the server answers /healthz (bounded polling); returns its answer."""
+        return self._do(self._wait_ready(timeout))
+
+    def _wait_ready(self, timeout: float):
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self._request("GET", "/healthz", timeout=2)
+                return (yield self.request("GET", "/healthz", timeout=2))
             except ServerUnreachable:
                 if time.monotonic() > deadline:
                     raise
-            time.sleep(0.05)
+            yield Sleep(0.05)
+
+
+class Controller(Calls, SyncTransport):
+    """forkd's ``Controller``: the same method names, arguments and wire bodies, plus extras.
+
+    Its connections to the server are kept alive and pooled (``max_connections``, shared by the
+    threads that use it); ``close()`` or ``with Controller() as ctl:`` closes them."""
+
+
+class AsyncController(Calls, AsyncTransport):
+    """``Controller`` for asyncio: the same methods, arguments, answers and errors, each awaited
+    (``await ctl.ping_sandbox(id)``). One pool of kept-alive connections (aiohttp) serves all the
+    calls a task or many tasks make at once; ``async with AsyncController() as ctl:`` closes it."""
+
+    _SESSION = "AsyncSession"

@@ -24,7 +24,7 @@ ID = r"([^/]+)"
 
 def route_table(prefix: str) -> list[tuple[str, type]]:
     """Every route, relative to base_url. ``prefix`` is 'forkd/' in jupyter lab, '' for forkd serve."""
-    from ..kernel_handlers import KernelHandler, KernelsHandler  # they build on ForkdHandler, above
+    from ..kernel_handlers import KernelCheckoutHandler, KernelHandler, KernelsHandler  # they build on ForkdHandler, above
     from ..session_handler import SessionHandler
     routes = [
         (r"healthz/?", HealthHandler),
@@ -51,6 +51,7 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/sandboxes/{ID}/files", FilesHandler),
         (r"v1/kernels", KernelsHandler),
         (rf"v1/kernels/{ID}", KernelHandler),
+        (rf"v1/kernels/{ID}/checkout", KernelCheckoutHandler),
         (r"v1/workspaces", WorkspacesHandler),
         (rf"v1/workspaces/{ID}", WorkspaceHandler),
         (rf"v1/workspaces/{ID}/suspend", WorkspaceSuspendHandler),

@@ -45,14 +45,40 @@ def scrub(uri: str) -> str:
     return _SECRET_PARAM.sub(r"\1[secret]", uri)
 
 
+class ScrubbedLog:
+    """The one way every forkd route (REST and WebSocket alike) puts a request in the log: its URI
+    with ``?token=`` scrubbed. tornado's own ``_request_summary`` and ``log_exception`` write the
+    URI in clear with every 4xx; jupyter_server's access log scrubs it on its own."""
+
+    def _request_summary(self) -> str:
+        return f"{self.request.method} {scrub(self.request.uri)} ({self.request.remote_ip})"
+
+    def log_exception(self, typ, value, tb) -> None:
+        if isinstance(value, web.HTTPError):
+            if value.log_message:
+                gen_log.warning("%d %s: %s", value.status_code, self._request_summary(),
+                                value.log_message % value.args)
+        else:
+            app_log.error("Uncaught exception %s", self._request_summary(), exc_info=(typ, value, tb))
+
+
+CLIENT_HEADER = "X-Forkd-Client"  # the SDK sends a random id per client object
+
+
 def caller_of(handler) -> str:
-    """Whose long calls a request's are: the token it sent (its hash, never the token), else the user
-    (any authenticated jupyter handler: REST routes and the session WebSocket alike)."""
+    """Whose long calls a request's are (any authenticated jupyter handler: REST routes and the
+    session WebSocket alike): the token it sent (its hash, never the token), else the user; and
+    within that, the client that says who it is with ``X-Forkd-Client``, so that clients sharing
+    one token (every client of ``forkd serve``) each have a cap of their own. Clients that send no
+    such header share their token's."""
     token = handler.identity_provider.get_token(handler) if handler.token_authenticated else None
     if token:
-        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
-    user = handler.current_user
-    return "user:" + (getattr(user, "username", None) or "anonymous")
+        caller = "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    else:
+        user = handler.current_user
+        caller = "user:" + (getattr(user, "username", None) or "anonymous")
+    client = handler.request.headers.get(CLIENT_HEADER, "")
+    return caller + "/client:" + hashlib.sha256(client.encode()).hexdigest()[:16] if client else caller
 
 
 MIB = 1 << 20
@@ -118,7 +144,7 @@ def out_of_range(name: str, value, bounds: dict) -> str | None:
 
 
 @web.stream_request_body
-class ForkdHandler(ExtensionHandlerMixin, APIHandler):
+class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
     """Base of every forkd route: forkd's auth answers and error bodies, the controller on a pool.
 
     Bodies are streamed in and kept up to ``max_body_bytes``; past it the rest is read and dropped
@@ -174,18 +200,6 @@ class ForkdHandler(ExtensionHandlerMixin, APIHandler):
             raise ApiError(413, f"the request body is {self._received} bytes, more than the "
                                 f"{self.max_body_bytes} this route takes", {"limit_bytes": self.max_body_bytes})
         return b"".join(self._chunks or ())
-
-    def _request_summary(self) -> str:
-        return f"{self.request.method} {scrub(self.request.uri)} ({self.request.remote_ip})"
-
-    def log_exception(self, typ, value, tb) -> None:
-        # tornado's would log the request URI (a ?token= in it) in clear; this one never does
-        if isinstance(value, web.HTTPError):
-            if value.log_message:
-                gen_log.warning("%d %s: %s", value.status_code, self._request_summary(),
-                                value.log_message % value.args)
-        else:
-            app_log.error("Uncaught exception %s", self._request_summary(), exc_info=(typ, value, tb))
 
     def write_error(self, status_code: int, **kwargs) -> None:
         exc = (kwargs.get("exc_info") or (None, None, None))[1]

@@ -22,6 +22,10 @@ SNAPSHOT_CREATE = {
     "tap": ("string", False), "boot_wait_secs": ("integer", False),
 }
 COMPACT = {"to": ("string", True)}
+HOST_NETWORK_OFF = ("host_network is not allowed on this server: a sandbox on the host's network reaches every "
+                    "service on the host's loopback, this server's own API included. To allow it, start the "
+                    "server with `forkd serve --allow-host-network` (in jupyter lab: "
+                    "--ForkdApp.allow_host_network=True, or c.ForkdApp.allow_host_network = True in its config)")
 
 
 class SnapshotsHandler(ForkdHandler):
@@ -37,6 +41,8 @@ class SnapshotsHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self) -> None:
         body = self.body(self.body_spec)
+        if body.get("host_network") and not self.app.allow_host_network:
+            raise ApiError(403, HOST_NETWORK_OFF)
         engine = body.get("engine", "auto")
         if "kernel" in body or "rootfs" in body:  # forkd's form: a VM booted from kernel + rootfs
             try:

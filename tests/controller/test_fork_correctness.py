@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import re
+import threading
 
 import pytest
 
@@ -273,6 +275,41 @@ def test_a_users_socket_refuses_the_branch_and_is_closed_in_a_lossy_one(ctl, pla
     assert ev(ctl, g, "os.read(r, 10)") == "b''"
     assert ctl.run_code(g, "os.write(w, b'from the copy')")["error"]["ename"] == "OSError"
     assert ctl.run_code(sb, "os.read(r, 10)")["error"]["ename"] == "BlockingIOError"  # nothing reached the source
+
+
+@pytest.mark.parametrize("call", ["ping", "eval"])
+def test_the_agents_own_connections_never_refuse_a_branch(ctl, plain, call):
+    """Requests the API sends the sandbox meanwhile (pings or evals on six threads) are the agent's
+    own sockets, never the user's: 40 full branches of the idle sandbox all go through."""
+    sb = ctl.spawn(plain, 1)[0]["id"]
+    stop = threading.Event()
+    pings = [0] * 6
+
+    def ping(i):
+        while not stop.is_set():
+            if call == "ping":
+                assert ctl.ping(sb)["pong"] is True
+            else:
+                assert ev(ctl, sb, "1") == "1"
+            pings[i] += 1
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        pingers = [pool.submit(ping, i) for i in range(6)]
+        refusals, tags = [], []
+        try:
+            for _ in range(40):
+                try:
+                    tags.append(ctl.branch(sb)["tag"])
+                except ForkdError as exc:
+                    refusals.append(exc.what)
+        finally:
+            stop.set()
+        for p in pingers:
+            p.result()
+    for tag in tags:
+        ctl.delete_snapshot(tag)
+    assert min(pings) > 0  # every thread pinged while the branches ran
+    assert refusals == [], f"{len(refusals)} of 40 branches refused: {refusals[0]}"
 
 
 def test_an_import_cut_short_by_a_lossy_fork_runs_again_in_the_copy(ctl, plain):

@@ -9,6 +9,7 @@ everything nested in it is gone its init (forkd-init, PID 1 of its pid namespace
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -147,3 +148,44 @@ def test_init_is_pid_1_and_the_agent_its_child(ctl, numpy_snap):
         assert anonymous < 256, f"forkd-init holds {anonymous} KiB of anonymous memory"
     finally:
         ctl.kill_sandbox(sb["id"])
+
+
+KILL_ALL_VISIBLE = """
+import os, signal
+me, hit = os.getpid(), []
+for name in os.listdir('/proc'):
+    if name.isdigit() and int(name) not in (1, me):
+        try:
+            os.kill(int(name), signal.SIGKILL)
+            hit.append(int(name))
+        except OSError:
+            pass
+hit
+"""
+
+
+@pytest.mark.xfail(strict=True, raises=NotFound,
+                   reason="a branch's template lives in a pid namespace nested in its source's, in the same "
+                          "user namespace and host uid: the source sees it and may signal it "
+                          "(docs/design/process-engine.md, 'What a sandbox can signal')")
+def test_a_sandbox_cannot_kill_its_branch_or_what_was_spawned_from_it(ctl, numpy_snap):
+    """The sandbox's user code signals every process it can see, after a branch that has a running
+    child: the branch (a template) and its child go on."""
+    source = ctl.spawn(numpy_snap, 1)[0]["id"]
+    tag = None
+    kids = []
+    try:
+        assert ctl.run_code(source, STATE)["exit_code"] == 0
+        tag = ctl.branch(source)["tag"]
+        kids.append(ctl.spawn(tag, 1)[0]["id"])
+        ctl.run_code(source, KILL_ALL_VISIBLE)
+        assert ev(ctl, kids[0], "saved") == "'keep-me'"  # the branch's child still answers
+        kids.append(ctl.spawn(tag, 1)[0]["id"])  # and the branch still spawns
+        assert ev(ctl, kids[1], "saved") == "'keep-me'"
+        assert ctl.get_snapshot(tag)["status"] == "ready"
+    finally:
+        for sandbox_id in kids + [source]:
+            with contextlib.suppress(NotFound):  # what the kill reached has ended already
+                ctl.kill_sandbox(sandbox_id)
+        if tag is not None:
+            ctl.delete_snapshot(tag)

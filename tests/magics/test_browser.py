@@ -27,6 +27,9 @@ CHROMIUM = "/usr/bin/chromium"
 REPO = Path(__file__).parents[2]
 SHOTS = Path(os.environ.get("FORKD_SCREENSHOT_DIR") or REPO / "build" / "screenshots")
 
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+
 playwright_sync = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
                                 reason="Debian's chromium is not installed (scripts/setup.sh test installs it)")
@@ -90,10 +93,7 @@ def test_quickstart_in_jupyterlab_shows_branch_going_ready(lab, forkd):
     for old in (shot, SHOTS / "quickstart-page.png"):
         old.unlink(missing_ok=True)
     with playwright_sync.sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--no-first-run"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{lab['url']}/lab/tree/quickstart.ipynb?token={lab['token']}")
@@ -184,9 +184,7 @@ def test_run_all_leaves_the_whole_tree_drawn_even_in_a_view_drawn_afterwards(lab
     and a view drawn later (the page reloaded, the kernel still running) shows the same."""
     gone = {"quickstart": "deleted", "quickstart-b1": "deleted"}
     with playwright_sync.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             open_in_lab(page, lab, "quickstart.ipynb")
@@ -237,9 +235,7 @@ def test_a_stored_notebook_shows_its_static_picture_of_the_tree(lab, forkd):
     not the widget's text, ``LineageWidget(...)``."""
     shutil.copy(REPO / "notebooks" / "quickstart.ipynb", os.path.join(lab["root"], "stored.ipynb"))
     with playwright_sync.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             open_in_lab(page, lab, "stored.ipynb")

@@ -5,6 +5,7 @@ earlier run of it left, so it passes again after a run that was cut short."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,10 @@ from pathlib import Path
 import nbformat
 import pytest
 from jupyter_client.manager import KernelManager
+
+from forkd_server.client import Controller
+
+from ..serving import JupyterServer
 
 NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
 SANITIZE = NOTEBOOKS / "nbval-sanitize.cfg"
@@ -22,7 +27,8 @@ pytestmark = pytest.mark.slow  # a whole notebook per test, ~10 s each
 
 
 def test_the_demo_notebooks_are_there():
-    assert ALL == ["agent-mid-thought.ipynb", "hyperparameter-fanout.ipynb", "quickstart.ipynb",
+    assert ALL == ["agent-forks-a-notebook.ipynb", "agent-mid-thought.ipynb", "hyperparameter-fanout.ipynb",
+                   "quickstart.ipynb",
                    "safe-destructive-operation.ipynb", "time-travel.ipynb", "what-a-fork-costs.ipynb"]
 
 
@@ -54,7 +60,8 @@ def under_nbval(forkd, name: str) -> None:
     # snapshot stays for the next forkd kernel)
     ctl = forkd.controller()
     left = [s["tag"] for s in ctl.list_snapshots()]
-    assert left == ([t for t in left if t.startswith("forkd-kernel-")] if on_forkd_kernel else [])
+    opens_forkd_kernel = on_forkd_kernel or needs_jupyter(nb)
+    assert left == ([t for t in left if t.startswith("forkd-kernel-")] if opens_forkd_kernel else [])
     if on_forkd_kernel:
         # nbval kills its kernel without a shutdown request, as a crash would: the notebook's own
         # sandbox (its HEAD, recorded with the server) is all that is left, and it is still running.
@@ -66,9 +73,37 @@ def under_nbval(forkd, name: str) -> None:
     assert ctl.list_sandboxes() == []
 
 
+def needs_jupyter(nb) -> bool:
+    """A notebook that opens a notebook on the forkd kernel through Jupyter's sessions API (and talks
+    to the MCP server of the Jupyter server it runs in) runs against a ``jupyter server`` of its own."""
+    return nb.metadata.get("forkd", {}).get("server") == "jupyter"
+
+
+class InJupyter:
+    """A ``jupyter server`` with forkd (``tests.serving.JupyterServer``), as ``under_nbval`` uses a server."""
+
+    def __init__(self):
+        self.server = JupyterServer()
+
+    @property
+    def env(self) -> dict:
+        return {**os.environ, "FORKD_URL": self.server.forkd_url, "FORKD_TOKEN": self.server.token}
+
+    def controller(self) -> Controller:
+        return Controller(self.server.forkd_url, self.server.token)
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_notebook_under_nbval(forkd, name):
-    under_nbval(forkd, name)
+    if not needs_jupyter(nbformat.read(NOTEBOOKS / name, as_version=4)):
+        under_nbval(forkd, name)
+        return
+    jupyter = InJupyter()
+    try:
+        under_nbval(jupyter, name)
+        assert jupyter.controller().list_kernels() == []  # the notebook it opened was closed, its kernel gone
+    finally:
+        jupyter.server.stop()
 
 
 def test_a_notebook_cut_short_runs_again(forkd):

@@ -138,6 +138,23 @@ async def test_create_snapshot_errors(jp_fetch, forkd_app):
     assert listed == []  # a failed build leaves nothing behind
 
 
+async def test_host_network_needs_the_servers_opt_in(jp_fetch, forkd_app, jp_http_port):
+    body = {"tag": "hostnet", "host_network": True}
+    code, reply = await call(jp_fetch, "POST", "snapshots", body=body)
+    assert code == 403 and "--allow-host-network" in reply["error"] and "allow_host_network" in reply["error"]
+    assert (await call(jp_fetch, "POST", "snapshots", body={**body, "host_network": False}))[0] == 201
+    code, listed = await call(jp_fetch, "GET", "snapshots")
+    assert [s["tag"] for s in listed] == ["hostnet"]  # the refused request made nothing
+    await call(jp_fetch, "DELETE", "snapshots", "hostnet")
+    forkd_app.allow_host_network = True  # as --ForkdApp.allow_host_network=True (forkd serve --allow-host-network)
+    code, snap = await call(jp_fetch, "POST", "snapshots", body=body)
+    assert code == 201, snap
+    code, kids = await call(jp_fetch, "POST", "sandboxes", body={"snapshot_tag": "hostnet"})
+    reach = f"__import__('socket').create_connection(('127.0.0.1', {jp_http_port}), 5).getpeername()[1]"
+    code, reply = await call(jp_fetch, "POST", "sandboxes", kids[0]["id"], "eval", body={"code": reach})
+    assert (code, reply["result"]) == (200, str(jp_http_port)), reply  # what the opt-in allows: this server's port
+
+
 async def test_create_snapshot_forkd_form(jp_fetch, forkd_app, tmp_path):
     code, body = await call(jp_fetch, "POST", "snapshots", body={"tag": "a/b", "kernel": "/nope"})
     assert code == 400 and "invalid tag" in body["error"]  # the tag is checked first

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from forkd_server.handlers import HealthHandler, route_table
+from forkd_server.mcp.http import routes as mcp_routes
 
 VERBS = ("get", "post", "put", "patch", "delete")
 
@@ -15,7 +16,7 @@ VERBS = ("get", "post", "put", "patch", "delete")
 def _routes():
     """(method, path parts) for every verb every handler implements, with sample path arguments."""
     out = []
-    for pattern, handler in route_table("forkd/"):
+    for pattern, handler in route_table("forkd/") + mcp_routes("forkd/"):
         path = pattern.lstrip("/").replace(r"\.", ".").replace("([^/]+)", "x").replace(".*", "nope").replace("/?", "")
         for verb in VERBS:
             if verb in vars(handler) or any(verb in vars(base) for base in handler.__mro__[1:]
@@ -29,7 +30,7 @@ ROUTES = _routes()
 
 def test_route_enumeration_covers_the_app(forkd_app):
     registered = [(p, h) for p, h in forkd_app.handlers]
-    assert registered == route_table("forkd/")
+    assert registered == route_table("forkd/") + mcp_routes("forkd/")
     assert len(ROUTES) >= 34  # every verb of every route (workspaces and compact included)
 
 
@@ -112,7 +113,7 @@ def test_route_patterns_compile():
 
 def test_jupyter_server_finds_no_undecorated_endpoint(jp_web_app, forkd_app):
     """jupyter_server's own check (what raises JupyterServerAuthWarning) passes for every forkd route."""
-    for pattern, handler in route_table("forkd/"):
+    for pattern, handler in route_table("forkd/") + mcp_routes("forkd/"):
         assert jp_web_app._check_handler_auth(pattern, handler) == [], handler.__name__
 
 

@@ -187,6 +187,19 @@ def test_no_token_in_the_log(server):
     assert wrong not in log and server.token not in log
 
 
+def test_host_network_is_refused_without_the_opt_in(ctl):
+    with pytest.raises(ControllerError) as info:
+        ctl.create_snapshot("hostnet", host_network=True)
+    assert info.value.status == 403 and "forkd serve --allow-host-network" in str(info.value)
+    assert "hostnet" not in [s["tag"] for s in ctl.list_snapshots()]
+
+
+def test_allow_host_network_reaches_the_extension():
+    from forkd_server.serve import build_argv
+    assert "--ForkdApp.allow_host_network=True" in build_argv(no_token=True, allow_host_network=True)[0]
+    assert not any("allow_host_network" in a for a in build_argv(no_token=True)[0])
+
+
 # --- the CLI ------------------------------------------------------------------------------------
 
 def test_cli_round_trip(server, ctl):

@@ -6,6 +6,7 @@ snapshot, which takes ~0.1-0.2 s per child.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -84,6 +85,25 @@ def kids(vm_engine):
     yield made
     for h in made:
         vm_engine.kill(h)
+
+
+@contextlib.contextmanager
+def vm_controller(vm_engine, tag: str, setup: str):
+    """A controller on the VM engine with one 256 MiB snapshot ``tag`` made from ``setup``; on
+    leaving, every sandbox and snapshot it made is gone."""
+    from forkd_server.controller import Controller
+    path = tempfile.mkdtemp(prefix="fkvc")
+    c = Controller(path, engines={"vm": vm_engine})
+    try:
+        c.create_snapshot(tag, engine="vm", setup=setup, mem_size_mib=256)
+        yield c
+    finally:
+        for sb in c.list_sandboxes():
+            c.kill_sandbox(sb["id"])
+        for snap in c.list_snapshots():
+            c.delete_snapshot(snap["tag"])
+        c.registry.close()
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def run(engine, handle, code: str, timeout: float = 60):

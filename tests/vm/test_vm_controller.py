@@ -4,31 +4,20 @@ killed with SIGKILL in the middle of a branch leaving no snapshot marked ready."
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
 
-from forkd_server.controller import Controller
 from forkd_server.errors import BadRequest
 
-from .conftest import requires_qemu
+from .conftest import requires_qemu, vm_controller
 
 pytestmark = requires_qemu
 
 
 @pytest.fixture(scope="module")
 def ctl(vm_engine):
-    path = tempfile.mkdtemp(prefix="fkvc")
-    c = Controller(path, engines={"vm": vm_engine})
-    c.create_snapshot("vmbase", engine="vm", setup="import os, time\nvalue = 7", mem_size_mib=256)
-    yield c
-    for sb in c.list_sandboxes():
-        c.kill_sandbox(sb["id"])
-    for snap in c.list_snapshots():
-        c.delete_snapshot(snap["tag"])
-    c.registry.close()
-    shutil.rmtree(path, ignore_errors=True)
+    with vm_controller(vm_engine, "vmbase", "import os, time\nvalue = 7") as c:
+        yield c
 
 
 def test_auto_is_not_vm_under_tcg(vm_engine):

@@ -6,32 +6,21 @@ ended."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
 from forkd_engine import linux
 
-from forkd_server.controller import Controller
 from forkd_server.errors import Gone, NotFound
 
-from .conftest import requires_qemu
+from .conftest import requires_qemu, vm_controller
 
 pytestmark = requires_qemu
 
 
 @pytest.fixture(scope="module")
 def ctl(vm_engine):
-    path = tempfile.mkdtemp(prefix="fkvd")
-    c = Controller(path, engines={"vm": vm_engine})
-    c.create_snapshot("deathbase", engine="vm", setup="import os\nvalue = 7", mem_size_mib=256)
-    yield c
-    for sb in c.list_sandboxes():
-        c.kill_sandbox(sb["id"])
-    for snap in c.list_snapshots():
-        c.delete_snapshot(snap["tag"])
-    c.registry.close()
-    shutil.rmtree(path, ignore_errors=True)
+    with vm_controller(vm_engine, "deathbase", "import os\nvalue = 7") as c:
+        yield c
 
 
 def source_with_save_points(ctl, case: str) -> tuple[str, list[str], str]:

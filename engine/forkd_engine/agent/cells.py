@@ -136,6 +136,8 @@ class PlainRunner:
         out, err = EventStream("stdout", emit), EventStream("stderr", emit)
 
         def display(*objs, **_kw):
+            out.flush()  # what the cell printed before comes before the display, as in Jupyter
+            err.flush()
             for obj in objs:
                 emit({"type": "display_data", "data": mime_bundle(obj), "metadata": {}})
 

@@ -143,17 +143,54 @@ def _loop_fds(loop) -> set[int]:
     return fds
 
 
-def open_descriptors(agent_fds: set[int]) -> dict[int, str]:
-    """The user's open descriptors other than 0-2: fd -> what /proc says it is."""
+def _accepted_from(fd: int, address) -> bool | None:
+    """Whether socket ``fd`` bears ``address`` as its own (a connection accepted from the listener
+    bound to it); None if ``fd`` was closed since it was listed (a connection that just ended)."""
+    try:
+        dup = os.dup(fd)  # from here on the socket cannot go away under us
+    except OSError:
+        return None
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return False
+    with sock:
+        try:
+            return sock.getsockname() == address
+        except OSError:
+            return False
+
+
+def _descriptors() -> dict[int, str]:
+    """Every open descriptor of this process: fd -> what /proc says it is."""
     out = {}
     with os.scandir("/proc/self/fd") as it:
         for entry in it:
-            fd = int(entry.name)
-            if fd <= 2 or fd in agent_fds:
-                continue
             with contextlib.suppress(OSError):
-                out[fd] = os.readlink(entry.path)
+                out[int(entry.name)] = os.readlink(entry.path)
     return out
+
+
+def connections_to(address) -> set[int]:
+    """Descriptors of the connections accepted from the listener bound to ``address``: each bears
+    the listener's address as its own, from the moment it is accepted."""
+    if not address:
+        return set()
+    return {fd for fd, target in _descriptors().items()
+            if target.startswith("socket:") and _accepted_from(fd, address)}
+
+
+def open_descriptors(agent_fds: set[int], agent_address=None) -> dict[int, str]:
+    """The user's open descriptors other than 0-2: fd -> what /proc says it is.
+
+    ``agent_address``, the agent listener's address: a connection accepted from it is the agent's
+    (a request the API is sending), also in the moment before the thread serving it has recorded
+    it in ``agent_fds``, and so is one closed since it was listed (it ended meanwhile)."""
+    return {fd: target for fd, target in _descriptors().items()
+            if fd > 2 and fd not in agent_fds
+            and not (agent_address and target.startswith("socket:")
+                     and _accepted_from(fd, agent_address) is not False)}
 
 
 def _is_shared_kernel_object(target: str) -> bool:
@@ -178,8 +215,9 @@ def _repointable(path: str) -> bool:
             or any(path == d or path.startswith(d + "/") for d in PRIVATE_DIRS))
 
 
-def lost(agent_fds: set[int], running: tuple[str, float] | None = None) -> list[str]:
-    """Everything a fork now would not carry, one line a thing (empty: the fork is exact)."""
+def lost(agent_fds: set[int], running: tuple[str, float] | None = None, agent_address=None) -> list[str]:
+    """Everything a fork now would not carry, one line a thing (empty: the fork is exact).
+    ``agent_address``: see ``open_descriptors``."""
     items = []
     if running is not None:
         ran = time.time() - running[1]
@@ -201,7 +239,8 @@ def lost(agent_fds: set[int], running: tuple[str, float] | None = None) -> list[
     loop_fds: set[int] = set()
     for loop in _known_loops():
         loop_fds |= _loop_fds(loop)
-    shared = {fd: t for fd, t in open_descriptors(agent_fds | loop_fds).items() if _is_shared_kernel_object(t)}
+    shared = {fd: t for fd, t in open_descriptors(agent_fds | loop_fds, agent_address).items()
+              if _is_shared_kernel_object(t)}
     if shared:
         kinds = ", ".join(sorted({t.split(":")[0] + (":" + t.split(":")[1].strip("[]") if t.startswith("anon_inode") else "")
                                   for t in shared.values()}))

@@ -86,23 +86,35 @@ class AgentServer:
             fds = {c.fileno() for c in self._conns} | set(self._held)
         return {fd for fd in fds | {self.listener.fileno()} if fd >= 0}
 
+    def address(self):
+        """The listener's address, which every connection accepted from it bears as its own (how
+        the inventory knows a connection in the moment before its thread has recorded it)."""
+        return self.listener.getsockname()
+
+    def _hold(self, fds: list[int]) -> None:
+        with self._conns_lock:
+            self._held.update(fds)
+
+    def _release(self, fds: list[int]) -> None:
+        with self._conns_lock:
+            self._held.difference_update(fds)
+
     def dispatch(self, request: dict, fds: list[int]) -> dict:
         action = self.actions.get(request.get("action")) if isinstance(request, dict) else None
         if action is None:
             for fd in fds:
                 os.close(fd)
+            self._release(fds)
             if not isinstance(request, dict):
                 return {"error": "request must be a JSON object", "exit_code": 1}
             return self.runtime.handle(request)
-        with self._conns_lock:
-            self._held.update(fds)
+        self._hold(fds)  # held already when they came with a request read by serve_connection
         try:
             return action(request, fds)
         except Exception as exc:  # noqa: BLE001 - answer, never die
             return {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1}
         finally:
-            with self._conns_lock:
-                self._held.difference_update(fds)
+            self._release(fds)
 
     def serve_connection(self, conn: socket.socket) -> None:
         buf = bytearray()
@@ -119,11 +131,13 @@ class AgentServer:
                         return
                     except OSError:
                         return
+                    self._hold(fds)  # the agent's from the moment they arrive, not the user's
                     if request is None:
                         return
                     if isinstance(request, dict) and request.get("action") == "session":
                         for fd in fds:
                             os.close(fd)
+                        self._release(fds)
                         self.serve_session(conn, buf, request)
                         return
                     reply = self.dispatch(request, fds)

@@ -149,6 +149,11 @@ class SandboxProcess:
         fds = children.agent_fds() | ({self.pidns_fd} if self.pidns_fd >= 0 else set())
         return fds | (self.server.agent_fds() if self.server is not None else set())
 
+    def lost(self, running: tuple[str, float] | None) -> list[str]:
+        """What a fork now would not carry: the user's, never the agent's own connections."""
+        address = self.server.address() if self.server is not None else None
+        return inventory.lost(self.agent_fds(), running, address)
+
     # --- becoming a template or a sandbox --------------------------------------------------------
 
     def serve(self, listen_fd: int, report_fd: int, warnings: list[str] | None = None) -> None:
@@ -201,7 +206,8 @@ class SandboxProcess:
             if not init_running:
                 hand_pid1_to_init()
             self.config.update(tmpfs or {})
-            close_agent_fds(self.agent_fds(), keep={listen_fd, report_fd})
+            accepted = inventory.connections_to(self.server.address()) if self.server is not None else set()
+            close_agent_fds(self.agent_fds() | accepted, keep={listen_fd, report_fd})
             children.forget_fds()
             self.server = None
             self.pidns_fd = -1
@@ -311,7 +317,7 @@ class SandboxProcess:
     def inventory(self, request: dict, fds: list) -> dict:
         for fd in fds:
             os.close(fd)
-        return {"lost": inventory.lost(self.agent_fds(), self.runtime.executor.busy())}
+        return {"lost": self.lost(self.runtime.executor.busy())}
 
     def branch(self, request: dict, fds: list) -> dict:
         """Fork this sandbox into a new template. On the main thread when it is idle, so the copy
@@ -325,7 +331,7 @@ class SandboxProcess:
         identity = {"id": request["id"], "role": "template", "lineage": list(request.get("lineage") or [])}
         try:
             def fork_here(running=None) -> dict:
-                lost = inventory.lost(self.agent_fds(), running)
+                lost = self.lost(running)
                 if lost and not lossy:
                     return {"error": "lossy fork refused", "lost": lost, "exit_code": 1}
                 t0 = time.perf_counter()
@@ -347,7 +353,7 @@ class SandboxProcess:
                 running = executor.busy()
                 if not lossy:
                     return {"error": "lossy fork refused", "exit_code": 1,
-                            "lost": inventory.lost(self.agent_fds(), running or ("a request", time.time()))}
+                            "lost": self.lost(running or ("a request", time.time()))}
                 return fork_here(running)  # here, on this thread: the main thread is busy
         finally:
             for fd in fds:

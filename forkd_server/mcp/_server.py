@@ -1,0 +1,37 @@
+"""The MCP server: one ``MCPServer`` over one SDK ``Controller``, whatever carries it (stdio for
+``forkd mcp``, streamable HTTP inside jupyter-server and ``forkd serve``, memory in tests)."""
+
+from __future__ import annotations
+
+import logging
+
+from mcp.server.mcpserver import MCPServer
+
+from .. import __version__
+from ..client import Controller
+from . import _forkd_tools, _notebook_tools, _resources
+
+INSTRUCTIONS = """\
+forkd: fork-on-write Python sandboxes, and notebooks that run in them. A snapshot is a warmed-up
+interpreter frozen in time; spawn_sandboxes forks copy-on-write sandboxes from it in milliseconds;
+branch_sandbox turns a running sandbox into a new snapshot (a pause of a few ms).
+To try several changes on a user's live notebook: list_notebooks, notebook_fork (n copies of its
+state), run_cell in each copy, then notebook_checkout the copy to keep (the user's notebook moves
+there) and kill_sandbox the others."""
+
+
+def build_server(controller: Controller | None = None) -> MCPServer:
+    """The MCP server driving the forkd server ``controller`` reaches (default: the SDK's own
+    finding: ``$FORKD_URL``/``$FORKD_TOKEN``, else a running server on this host)."""
+    ctl = controller or Controller()
+    root = logging.getLogger()
+    kept = root.level, list(root.handlers)
+    try:
+        server = MCPServer("forkd", title="forkd for Jupyter", version=__version__, instructions=INSTRUCTIONS)
+    finally:  # its constructor configures the process's root logger (basicConfig): not ours to change
+        root.setLevel(kept[0])
+        root.handlers[:] = kept[1]
+    _forkd_tools.register(server, ctl)
+    _notebook_tools.register(server, ctl)
+    _resources.register(server, ctl)
+    return server
