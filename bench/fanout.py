@@ -16,8 +16,9 @@ Every figure is paired with its baseline, measured in the same run, interleaved 
   ended by then, such as a ping's connection thread, are not counted; the raw parent and its
   children): on a loaded machine, where wall time mostly says how long others ran, the steadier
   figure. ``cpu_split_ms`` says whose.
-- ``uss_per_idle_child``: Private_Clean + Private_Dirty of an idle child (median over the n = 100
-  children; a sandbox's figure includes its init), against a raw fork child's.
+- USS per idle child (``ours_uss_mib``, ``limit_uss_mib``, ``uss_ratio`` in ``spawn_n100``):
+  Private_Clean + Private_Dirty of an idle child (median over the n = 100 children; a sandbox's
+  figure includes its init), against a raw fork child's.
 - ``demo_fork10``: ``forkd demo``'s fork (10 children of numpy and a 200 MiB array, each answering a
   ping), against a raw fork of 10 of the same workload.
 - ``notebook_fork5``: ``kids = %forkd fork -n 5`` in a notebook on the forkd kernel
