@@ -148,20 +148,28 @@ class Registry:
     def next_counter(self, name: str, count: int = 1) -> int:
         """Reserve ``count`` values of a persistent counter; returns the first."""
         with self.tx() as db:
-            row = db.execute("SELECT value FROM counters WHERE name=?", (name,)).fetchone()
-            first = row[0] if row else 0
-            db.execute("INSERT OR REPLACE INTO counters(name, value) VALUES (?, ?)", (name, first + count))
+            return self._next(db, name, count)
+
+    @staticmethod
+    def _next(db: sqlite3.Connection, name: str, count: int) -> int:
+        row = db.execute("SELECT value FROM counters WHERE name=?", (name,)).fetchone()
+        first = row[0] if row else 0
+        db.execute("INSERT OR REPLACE INTO counters(name, value) VALUES (?, ?)", (name, first + count))
         return first
 
     # --- generic row helpers ----------------------------------------------------------------------
 
     def _insert(self, table: str, rows: list[dict]) -> None:
         with self.tx() as db:
-            for row in rows:
-                enc = _encode(row)
-                cols = ", ".join(enc)
-                marks = ", ".join("?" for _ in enc)
-                db.execute(f"INSERT INTO {table} ({cols}) VALUES ({marks})", tuple(enc.values()))
+            self._insert_rows(db, table, rows)
+
+    @staticmethod
+    def _insert_rows(db: sqlite3.Connection, table: str, rows: list[dict]) -> None:
+        for row in rows:
+            enc = _encode(row)
+            cols = ", ".join(enc)
+            marks = ", ".join("?" for _ in enc)
+            db.execute(f"INSERT INTO {table} ({cols}) VALUES ({marks})", tuple(enc.values()))
 
     def _update(self, table: str, key: str, value: str, fields: dict) -> None:
         enc = _encode(fields)
@@ -213,6 +221,14 @@ class Registry:
 
     def insert_sandboxes(self, rows: list[dict]) -> None:
         self._insert("sandboxes", rows)
+
+    def insert_numbered_sandboxes(self, count: int, rows_from) -> list[dict]:
+        """Reserve ``count`` sandbox numbers and insert the rows ``rows_from(first number)`` makes
+        of them, in one transaction (a spawn's first of two); returns the rows."""
+        with self.tx() as db:
+            rows = rows_from(self._next(db, "sandbox", count))
+            self._insert_rows(db, "sandboxes", rows)
+        return rows
 
     def update_sandbox(self, sandbox_id: str, **fields) -> None:
         self._update("sandboxes", "id", sandbox_id, fields)

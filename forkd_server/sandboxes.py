@@ -146,14 +146,19 @@ class SandboxManager:
         engine = self.engines[row["engine"]]
         if memory_limit_mib is None:  # the engine's default limit, if it has one, shown as the sandbox's
             memory_limit_mib = getattr(engine, "default_memory_limit_mib", None)
-        first = self.registry.next_counter("sandbox", n)
         now = time.time()
-        ids = [f"sb-{int(now):08x}-{(first + i) % 0x10000:04x}" for i in range(n)]
-        rows = [{"id": sid, "snapshot_tag": snapshot_tag, "engine": row["engine"], "status": "starting",
-                 "created_at": now, "lineage": row["lineage"] + [sid], "memory_limit_mib": memory_limit_mib,
-                 "labels": {**(row.get("labels") or {}), **labels}}
-                for sid in ids]
-        self.registry.insert_sandboxes(rows)
+
+        def rows_from(first: int) -> list[dict]:
+            ids = [f"sb-{int(now):08x}-{(first + i) % 0x10000:04x}" for i in range(n)]
+            return [{"id": sid, "snapshot_tag": snapshot_tag, "engine": row["engine"], "status": "starting",
+                     "created_at": now, "lineage": row["lineage"] + [sid], "memory_limit_mib": memory_limit_mib,
+                     "labels": {**(row.get("labels") or {}), **labels}}
+                    for sid in ids]
+
+        # Two transactions a spawn: its rows 'starting' before the engine acts (so a restart ends
+        # what a crash left starting), and 'running' with their handles after.
+        rows = self.registry.insert_numbered_sandboxes(n, rows_from)
+        ids = [r["id"] for r in rows]
         try:
             handles = engine.spawn(row["handle"], [ChildSpec(id=r["id"], lineage=r["lineage"],
                                                              memory_limit_mib=memory_limit_mib) for r in rows])
@@ -163,7 +168,7 @@ class SandboxManager:
                 raise Conflict(f"spawn from {snapshot_tag}: {exc}") from None
             raise EngineFailure(str(exc)) from exc
         self.registry.set_sandbox_handles(dict(zip(ids, handles)))
-        out = [sandbox_info(self.registry.get_sandbox(sid)) for sid in ids]
+        out = [sandbox_info({**r, "status": "running", "handle": h, "branch_count": 0}) for r, h in zip(rows, handles)]
         for info in out:
             self.feed.emit("sandbox", "created", id=info["id"], snapshot_tag=snapshot_tag, status="running")
         return out

@@ -183,6 +183,21 @@ class Cgroups:
     def apply(self, name: str, pid: int | list[int], memory_mib: int | None, pids_max: int | None) -> list[str]:
         """Put ``pid`` (or each of a list) into leaves limiting it (a memory limit caps huge pages
         too, with ``caps_huge_pages``); returns the leaf paths made."""
+        leaves = self.prepare(name, memory_mib, pids_max)
+        self.join(leaves, pid)
+        return leaves
+
+    @staticmethod
+    def join(leaves: list[str], pid: int | list[int]) -> None:
+        """Put ``pid`` (or each of a list) into these leaves (made by ``prepare``)."""
+        for leaf in leaves:
+            for one in pid if isinstance(pid, list) else [pid]:
+                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                    f.write(str(one))
+
+    def prepare(self, name: str, memory_mib: int | None, pids_max: int | None) -> list[str]:
+        """Make the leaves ``apply`` puts a process into, with their limits, and nothing in them yet
+        (a spawn makes its children's while the template forks them); returns their paths."""
         made = []
         memory = memory_mib and memory_mib * 1024 * 1024
         for controller, value in (("memory", memory), ("pids", pids_max),
@@ -207,9 +222,6 @@ class Cgroups:
                 with contextlib.suppress(OSError):  # no swap accounting on many hosts
                     with open(os.path.join(leaf, "memory.memsw.limit_in_bytes"), "w") as f:
                         f.write(str(value))
-            for one in pid if isinstance(pid, list) else [pid]:
-                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
-                    f.write(str(one))
             if leaf not in made:
                 made.append(leaf)
         return made

@@ -256,14 +256,26 @@ def lost(agent_fds: set[int], running: tuple[str, float] | None = None, agent_ad
 
 # --- in the copy, first thing ------------------------------------------------------------------------
 
-def repair_after_fork(agent_fds: set[int], lossy: bool) -> list[str]:
-    """Give this fresh fork its own files, shared memory and event loops (call after /tmp and
-    /dev/shm are its own copies). Returns notes on what could not be repaired."""
-    notes = []
+def fork_plan(agent_fds: set[int]) -> dict:
+    """What ``repair_after_fork`` would find in a copy of this process made now: the user's
+    descriptors and writable shared mappings. A template computes it once when it parks: no code
+    of the user's runs in it after its setup, so every copy it makes finds the same (the agent's
+    own descriptors, which it closes, aside), and no copy need read /proc to learn it."""
     loop_fds = set()
     for loop in _known_loops():
         loop_fds |= _loop_fds(loop)
-    for fd, target in open_descriptors(agent_fds | loop_fds).items():
+    return {"descriptors": open_descriptors(agent_fds | loop_fds), "mappings": _shared_mappings()}
+
+
+def repair_after_fork(agent_fds: set[int], lossy: bool, plan: dict | None = None) -> list[str]:
+    """Give this fresh fork its own files, shared memory and event loops (call after /tmp and
+    /dev/shm are its own copies, and after the agent's descriptors but ``agent_fds`` were closed);
+    ``plan``: what ``fork_plan`` found in the parked template this is a copy of, else it is read
+    now. Returns notes on what could not be repaired."""
+    notes = []
+    if plan is None:
+        plan = fork_plan(agent_fds)
+    for fd, target in plan["descriptors"].items():
         try:
             if target.startswith("/"):
                 _reopen_file(fd, target)
@@ -271,7 +283,7 @@ def repair_after_fork(agent_fds: set[int], lossy: bool) -> list[str]:
                 _replace_shared(fd)
         except OSError as exc:
             notes.append(f"descriptor {fd} ({target}): {exc.strerror or exc}")
-    for lo, hi, perms, offset, path in _shared_mappings():
+    for lo, hi, perms, offset, path in plan["mappings"]:
         try:
             _repoint_mapping(lo, hi, perms, offset, path)
         except OSError as exc:

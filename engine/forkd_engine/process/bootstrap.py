@@ -17,7 +17,7 @@ import sys
 import traceback
 
 from .. import linux
-from . import rootfs
+from . import fanout, rootfs
 from ..agent import inventory
 from .inside import SandboxProcess, hand_pid1_to_init, report
 from .machine_id import own_machine_id
@@ -86,6 +86,7 @@ def template_main(cfg: dict) -> None:
 def main() -> int:
     cfg = json.load(sys.stdin)
     try:
+        fanout.load(cfg["fanout"])  # from the host's files, which the sandbox root does not show
         proc_fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # the host's, for the id maps
         rootfs.build_and_enter(cfg["root_dir"], hidden=cfg["hidden"], init=cfg["init"])
         ready_r, ready_w = os.pipe()

@@ -49,11 +49,20 @@ class Compactor:
         self.lock = threading.Lock()  # held while a step touches the memory map
         self._wake = threading.Event()
         self._yield = threading.Event()  # a branch wants the lock: the background pass stops
-        threading.Thread(target=self._run, name="forkd-compact", daemon=True).start()
+        self._thread: threading.Thread | None = None  # started by the first poke: a fresh sandbox has
+        self._start_lock = threading.Lock()           # nothing to compact, and a thread costs memory
 
     def poke(self) -> None:
         """User code ran: look again once the sandbox is idle."""
         self._wake.set()
+        with self._start_lock:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name="forkd-compact", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # the sandbox is at its pids limit: the next poke tries again
+                    return
+                self._thread = thread
 
     @contextlib.contextmanager
     def stopped(self):

@@ -28,7 +28,7 @@ from ..agent.client import AgentClient, AgentSession, AgentUnavailable
 from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, ExitStatus,
                     Handle, InvalidSpec, LimitHit, LimitReached, LossyFork, PROBE_PARALLELISM, SnapshotSpec,
                     ping_problem)
-from . import hugepages, reserve, rootfs, sandbox_init
+from . import fanout, hugepages, reserve, rootfs, sandbox_init
 from .setup import Setup
 from ..cgroups import CgroupError, Cgroups, leaf_name, subtree
 
@@ -103,6 +103,7 @@ class ProcessEngine:
         try:
             rootfs.check_python_location()
             self.init_path = sandbox_init.build()  # PID 1 of every namespace we make
+            self.fanout_path = fanout.build()       # a template's fork loop for spawns
         except (RuntimeError, OSError) as exc:
             raise EngineUnavailable(str(exc)) from None
         self.root_dir = os.path.join(self.data_dir, "newroot")
@@ -369,7 +370,8 @@ class ProcessEngine:
             "tag": spec.tag, "setup": spec.setup, "setup_commands": spec.setup_commands,
             "host_network": spec.host_network, "setup_timeout": spec.setup_timeout,
             "tmp_size_mib": tmp_mib, "shm_size_mib": shm_mib, "uid": self.uid, "gid": self.gid,
-            "root_dir": self.root_dir, "hidden": [self.data_dir], "init": self.init_path, "env": _sandbox_env(),
+            "root_dir": self.root_dir, "hidden": [self.data_dir], "init": self.init_path, "fanout": self.fanout_path,
+            "env": _sandbox_env(),
             "listen_fd": listener.fileno(), "report_fd": theirs.fileno(), "lossy": spec.lossy,
             "shell": spec.shell, "deny_hugetlb": not self.cgroups.caps_huge_pages,
         }
@@ -473,6 +475,13 @@ class ProcessEngine:
              # its leaves cap its huge pages at its memory limit: the compactor moves up to that
              "huge_pages_mib": limits[c.id] if self.huge_pages else 0}
             for c in batch]}
+        # The children's cgroup leaves, with their limits, are made while the template forks them
+        # (this thread only waits meanwhile); the children join them once all have reported, in one
+        # go: a write to cgroup.procs waits for an RCU grace period unless another has just
+        # been made (cgroup_threadgroup_rwsem), and holds up every fork on the host meanwhile.
+        leaves: Future = Future()
+        threading.Thread(target=self._prepare_leaves, args=(batch, limits, leaves), name="forkd-leaves",
+                         daemon=True).start()
         started: dict[str, Handle] = {}
         try:
             reply = self.call(snapshot, request, timeout=self.spawn_timeout,
@@ -496,11 +505,9 @@ class ProcessEngine:
                     errors.append(f"{msg.get('id')}: {msg.get('error')}")
             if errors:
                 raise _failure("spawn failed", "; ".join(errors[:3]))
+            made = leaves.result(timeout=self.spawn_timeout)
             for cid, h in started.items():
-                try:
-                    h["cgroups"] = self.cgroups.apply(cid, [h["init"]["pid"], h["pid"]], limits[cid], self.pids_max)
-                except (CgroupError, OSError) as exc:
-                    raise EngineError(str(exc)) from exc
+                self._join_leaves(h, made[cid])
             return [started[c.id] for c in batch]
         except BaseException:
             for h in started.values():
@@ -508,12 +515,37 @@ class ProcessEngine:
                     self.kill(h)
             for path in paths.values():
                 _unlink(path)
+            with contextlib.suppress(Exception):  # those of children that never started
+                for cid, made in leaves.result(timeout=self.spawn_timeout).items():
+                    if cid not in started or "cgroups" not in started[cid]:
+                        self.cgroups.remove(made)
             raise
         finally:
             ours.close()
             theirs.close()
             for s, _ in listeners:
                 s.close()
+
+    def _prepare_leaves(self, batch: list[ChildSpec], limits: dict[str, int], out: Future) -> None:
+        """Make each child's leaves (memory, pids and huge-page limits), into ``out``: id -> paths."""
+        made: dict[str, list[str]] = {}
+        try:
+            for c in batch:
+                made[c.id] = self.cgroups.prepare(c.id, limits[c.id], self.pids_max)
+        except (CgroupError, OSError) as exc:
+            for paths in made.values():
+                self.cgroups.remove(paths)
+            out.set_exception(EngineError(str(exc)))
+            return
+        out.set_result(made)
+
+    def _join_leaves(self, handle: Handle, leaves: list[str]) -> None:
+        """Put a reported child and its init into their leaves; the handle then names them."""
+        try:
+            self.cgroups.join(leaves, [handle["init"]["pid"], handle["pid"]])
+        except OSError as exc:
+            raise EngineError(str(exc)) from exc
+        handle["cgroups"] = leaves
 
     def kill(self, handle: Handle) -> None:
         self._end(handle)

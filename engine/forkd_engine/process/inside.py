@@ -29,6 +29,7 @@ from ..agent import children, inventory
 from ..agent.executor import Busy, Executor
 from ..agent.runtime import Runtime
 from ..agent.server import AgentServer
+from . import fanout
 from .compactor import Compactor
 from .sandbox_init import IN_SANDBOX
 from .machine_id import own_machine_id
@@ -38,6 +39,11 @@ _PROC_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
 
 class LineageTooDeep(OSError):
     pass
+
+
+LINEAGE_TOO_DEEP = ("lineage too deep: Linux nests pid namespaces at most 32 levels and every fork "
+                    "generation (spawn or branch) takes one; branch from a shallower sandbox, or use the VM "
+                    "engine (engine \"vm\"), which has no such limit")
 
 
 def report(fd: int, message: dict) -> None:
@@ -137,6 +143,7 @@ class SandboxProcess:
         self.runtime = Runtime(self.identity)
         self.pidns_fd = -1
         self.server: AgentServer | None = None
+        self.fork_plan: dict | None = None  # a parked template's: what each copy repairs (inventory.fork_plan)
 
     def agent_fds(self) -> set[int]:
         fds = children.agent_fds() | ({self.pidns_fd} if self.pidns_fd >= 0 else set())
@@ -165,6 +172,7 @@ class SandboxProcess:
                 for frozen in ("exec", "eval", "run_code", "files"):
                     actions[frozen] = self._frozen
                 self.runtime.executor = None
+                self.fork_plan = inventory.fork_plan(self.agent_fds() | {listen_fd, report_fd})
                 prewarm_for_forks()
                 self.server = AgentServer(self.runtime, listener, actions, threaded=False)
                 report(report_fd, {"id": self.identity["id"], "ok": True, **({"warnings": warnings} if warnings else {})})
@@ -186,12 +194,17 @@ class SandboxProcess:
             os._exit(1)
 
     def become(self, identity: dict, listen_fd: int, report_fd: int, lossy: bool = False,
-               tmpfs: dict | None = None) -> None:
-        """In a fresh fork: take the new identity, namespaces and private copies of /tmp and
-        /dev/shm (sized by ``tmpfs``, else as ours), repair what the fork shares with its source,
-        then serve (never returns)."""
+               tmpfs: dict | None = None, init_running: bool = False) -> None:
+        """In a fresh fork: leave PID 1 to forkd-init (unless ``init_running``: a spawn's C loop did),
+        take the new identity, namespaces and private copies of /tmp and /dev/shm (sized by
+        ``tmpfs``, else as ours), repair what the fork shares with its source, then serve (never
+        returns)."""
+        # A spawn's copy of a parked template repairs what the template found once; a branch's
+        # copy of a sandbox, where user code ran, looks afresh.
+        plan, self.fork_plan = self.fork_plan, None
         try:
-            hand_pid1_to_init()
+            if not init_running:
+                hand_pid1_to_init()
             self.config.update(tmpfs or {})
             accepted = inventory.connections_to(self.server.address()) if self.server is not None else set()
             close_agent_fds(self.agent_fds() | accepted, keep={listen_fd, report_fd})
@@ -219,7 +232,7 @@ class SandboxProcess:
                 own_machine_id()
                 if not self.config.get("host_network"):
                     linux.loopback_up()
-            notes = inventory.repair_after_fork({listen_fd, report_fd}, lossy)
+            notes = inventory.repair_after_fork({listen_fd, report_fd}, lossy, plan)
             if notes:
                 raise OSError(f"could not give the fork its own copy of: {'; '.join(notes)}")
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
@@ -246,10 +259,7 @@ class SandboxProcess:
             linux.unshare(linux.CLONE_NEWPID)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EUSERS):
-                raise LineageTooDeep(
-                    "lineage too deep: Linux nests pid namespaces at most 32 levels and every fork "
-                    "generation (spawn or branch) takes one; branch from a shallower sandbox, or use the VM "
-                    "engine (engine \"vm\"), which has no such limit") from None
+                raise LineageTooDeep(LINEAGE_TOO_DEEP) from None
             raise
         t0 = time.perf_counter()
         pid = children.raw_fork()
@@ -267,22 +277,42 @@ class SandboxProcess:
             return {"error": f"spawn needs 1 report fd and {len(children_spec)} listening fds, got {len(fds)}",
                     "exit_code": 1}
         report_fd, listen_fds = fds[0], fds[1:]
-        pids = []
+        kids = [({"id": child["id"], "role": "sandbox", "lineage": list(child.get("lineage") or []),
+                  "huge_pages_mib": int(child.get("huge_pages_mib") or 0)},
+                 {k: int(child[k]) for k in ("tmp_size_mib", "shm_size_mib") if child.get(k)})
+                for child in children_spec]  # all made before the first fork: the loop writes nothing
         try:
-            for child, lfd in zip(children_spec, listen_fds):
-                identity = {"id": child["id"], "role": "sandbox",
-                            "lineage": list(child.get("lineage") or []),
-                            "huge_pages_mib": int(child.get("huge_pages_mib") or 0)}
-                tmpfs = {k: int(child[k]) for k in ("tmp_size_mib", "shm_size_mib") if child.get(k)}
-                pid, _ = self._fork_into_new_pidns()
-                if pid == 0:
-                    # A snapshot whose setup left running work (accepted with lossy) hands it to no one.
-                    self.become(identity, lfd, report_fd, lossy=bool(self.config.get("lossy")), tmpfs=tmpfs)
-                pids.append(pid)
+            index, pids = self._fork_children(len(kids))
+            if index:
+                identity, tmpfs = kids[index - 1]
+                # A snapshot whose setup left running work (accepted with lossy) hands it to no one.
+                self.become(identity, listen_fds[index - 1], report_fd, lossy=bool(self.config.get("lossy")),
+                            tmpfs=tmpfs, init_running=fanout.loaded())
         finally:
             for fd in fds:
                 os.close(fd)
         return {"pids": pids}
+
+    def _fork_children(self, n: int) -> tuple[int, list[int]]:
+        """Fork ``n`` children, each PID 1 of a new pid namespace: (its index counted from 1, []) in a
+        child, (0, their pids) here. In one C loop where the bootstrap loaded it (fanout.py), whose
+        children have handed PID 1 to forkd-init already, each returning here as its agent."""
+        if not fanout.loaded():
+            pids = []
+            for i in range(n):
+                pid, _ = self._fork_into_new_pidns()
+                if pid == 0:
+                    return i + 1, []  # become() hands PID 1 over
+                pids.append(pid)
+            return 0, pids
+        try:
+            return fanout.fork_children(n, self.pidns_fd, IN_SANDBOX)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EUSERS):
+                raise LineageTooDeep(LINEAGE_TOO_DEEP) from None
+            if exc.filename == IN_SANDBOX:
+                raise OSError(f"{IN_SANDBOX} is missing from the sandbox root: the engine binds it there") from None
+            raise
 
     def inventory(self, request: dict, fds: list) -> dict:
         for fd in fds:

@@ -36,24 +36,30 @@ def cache_dir() -> str:
 
 def build() -> str:
     """The path of forkd-init built from this version of ``init.c`` (built now if missing)."""
-    with open(SOURCE, "rb") as f:
+    # Static where the C library allows it: the fewest private pages in each of many processes.
+    return build_cached(SOURCE, NAME, "its sandboxes' init (forkd-init, a few lines of C)", [["-static"], []])
+
+
+def build_cached(source_path: str, name: str, what: str, variants: list[list[str]], suffix: str = "") -> str:
+    """``source_path`` built with the host's C compiler into forkd's cache, once per version of the
+    source (the first of ``variants``, extra compiler flags, that builds); returns its path."""
+    with open(source_path, "rb") as f:
         source = f.read()
-    out = os.path.join(cache_dir(), f"{NAME}-{hashlib.sha256(source).hexdigest()[:16]}")
+    out = os.path.join(cache_dir(), f"{name}-{hashlib.sha256(source).hexdigest()[:16]}{suffix}")
     if os.access(out, os.X_OK):
         return out
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise InitUnavailable("the process engine builds its sandboxes' init (forkd-init, a few lines of C) "
-                              "with the host's C compiler, and there is none: apt-get install gcc libc6-dev")
+        raise InitUnavailable(f"the process engine builds {what} with the host's C compiler, and there is "
+                              f"none: apt-get install gcc libc6-dev")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     partial = f"{out}.{os.getpid()}.partial"
-    # Static where the C library allows it: the fewest private pages in each of many processes.
-    for flags in (["-static"], []):
-        done = subprocess.run([cc, "-Os", "-s", *flags, "-o", partial, SOURCE], capture_output=True, text=True)
+    for flags in variants:
+        done = subprocess.run([cc, "-Os", "-s", *flags, "-o", partial, source_path], capture_output=True, text=True)
         if done.returncode == 0:
             break
     else:
-        raise InitUnavailable(f"could not build forkd-init with {cc} (apt-get install gcc libc6-dev): "
+        raise InitUnavailable(f"could not build {name} with {cc} (apt-get install gcc libc6-dev): "
                               f"{done.stderr.strip()[-800:]}")
     os.chmod(partial, 0o755)
     os.replace(partial, out)  # another engine may build the same at once: either copy is the same

@@ -1,0 +1,105 @@
+/* forkd's fan-out loop: a template's fork of a spawn's children, in C.
+ *
+ *   int forkd_fanout(int n, int pidns_fd, int *pids, const char *init,
+ *                    before, after_parent, after_child)
+ *
+ * Each child is the first process (PID 1) of a pid namespace of its own: unshare(CLONE_NEWPID),
+ * then setns() back to ours (pidns_fd) for the next one. That first process must become forkd-init
+ * (``init``) with the sandbox's agent, a copy of the template, as its child. It is made with
+ * clone(CLONE_VM | CLONE_VFORK): it runs on a small stack of its own in the template's memory
+ * while the template waits, forks the agent from that memory (the one copy of the template's page
+ * tables a child costs), and execs forkd-init, which hands the memory back to the template whole
+ * (no second copy to make and tear down, as forking the agent from a forked copy would). The agent
+ * goes on where the template stood before the clone (longjmp), as a fork child of it would. Loaded
+ * into the template with ctypes.PyDLL (the GIL stays held, as os.fork holds it), and given
+ * CPython's own fork hooks (PyOS_BeforeFork, PyOS_AfterFork_Parent, PyOS_AfterFork_Child): the
+ * interpreter sees one fork per agent exactly as os.fork() makes it, each agent running its
+ * after-fork hooks first thing.
+ *
+ * Why in C: Python between two forks writes the interpreter's memory (reference counts, frames,
+ * ctypes arguments, after-fork hooks), and every page written in a process whose copy another
+ * then holds alone is private memory of that copy: the template's loop wrote pages each child then
+ * kept, and the namespace's first process wrote pages its fork, the agent, then kept once it had
+ * exec'd. The loop's CPU is paid per child too.
+ *
+ * Returns, in an agent, its index counted from 1; in the template 0 once all n are forked, or
+ * -errno of the call that failed (pids[i] is 0 for each child not made).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <sched.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <sys/rseq.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef void (*hook)(void);
+
+static sigjmp_buf resume;  /* the template in its loop, where each agent goes on */
+static char first_stack[64 * 1024] __attribute__((aligned(16)));
+
+struct first {
+    const char *init;
+    int index;
+};
+
+/* The first process of the new namespace, in the template's memory while the template waits:
+ * fork the agent (glibc's fork, whose child side resets what the C library kept of the template's
+ * threads and locks), then exec forkd-init as PID 1 (never returns). Signals are blocked
+ * throughout, so no handler of the template's runs here on its memory. */
+static int first_process(void *arg) {
+    struct first *f = arg;
+    pid_t agent = fork();
+    if (agent == 0)
+        siglongjmp(resume, f->index);
+    if (agent > 0) {
+        char number[16], *p = number + sizeof number;
+        *--p = 0;
+        do
+            *--p = (char)('0' + agent % 10);
+        while ((agent /= 10) > 0);
+        char *argv[] = {(char *)f->init, p, NULL};
+        execv(f->init, argv);
+    }
+    _exit(127);   /* no init: our exit ends the namespace, and the agent with it, loudly */
+}
+
+int forkd_fanout(int n, int pidns_fd, int *pids, const char *init, hook before, hook after_parent,
+                 hook after_child) {
+    if (access(init, X_OK) != 0)
+        return -errno;
+    int err = 0;
+    sigset_t all, old;
+    sigfillset(&all);
+    before();
+    sigprocmask(SIG_SETMASK, &all, &old);
+    for (int i = 0; i < n && !err; i++) {
+        if (unshare(CLONE_NEWPID) != 0) {
+            err = errno;
+            break;
+        }
+        struct first f = {init, i + 1};
+        int index = sigsetjmp(resume, 0);
+        if (index > 0) {   /* the agent */
+            /* A fork inherits its parent's rseq area, and the first process, made with CLONE_VM,
+             * had none: register the one glibc set up for this thread again (sched_getcpu). */
+            if (__rseq_size > 0)
+                syscall(SYS_rseq, (char *)__builtin_thread_pointer() + __rseq_offset,
+                        __rseq_size < 32 ? 32 : __rseq_size, 0, RSEQ_SIG);   /* 32: the original ABI's */
+            sigprocmask(SIG_SETMASK, &old, NULL);
+            after_child();
+            return index;
+        }
+        pid_t pid = clone(first_process, first_stack + sizeof first_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &f);
+        if (pid < 0)
+            err = errno;
+        else
+            pids[i] = pid;
+        if (setns(pidns_fd, CLONE_NEWPID) != 0 && !err)   /* our own namespace again, for the next */
+            err = errno;
+    }
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    after_parent();
+    return -err;
+}

@@ -1,0 +1,75 @@
+"""A spawn's children, forked in the template's C loop (process/fanout.c): each one whole.
+
+Each child's first process is PID 1 of a pid namespace of its own and has become forkd-init; the
+agent is its child, PID 2 there; both are in the child's own leaves, with its limits; and a fresh
+sandbox starts its compactor's thread only once a cell has run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from forkd_engine.process import fanout
+
+from ..conftest import requires_root
+from .conftest import ev
+
+pytestmark = requires_root
+
+
+def _status(pid: int, key: str) -> list[str]:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split()[1:] for line in f if line.startswith(key + ":"))
+
+
+def _wait_threads(pid: int, count: int, timeout: float = 10) -> int:
+    """The agent's number of threads once it is ``count`` (a connection's thread ends after its reply)."""
+    deadline = time.monotonic() + timeout
+    while (now := len(os.listdir(f"/proc/{pid}/task"))) != count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
+
+
+def test_each_child_is_an_init_and_its_agent_in_leaves_of_their_own(ctl, snap):
+    assert os.path.exists(fanout.build())  # the loop the templates load
+    kids = ctl.spawn(snap, 12, memory_limit_mib=256)
+    try:
+        namespaces = set()
+        for kid in kids:
+            handle = ctl.registry.get_sandbox(kid["id"])["handle"]
+            agent, init = handle["pid"], handle["init"]["pid"]
+            assert _status(agent, "PPid") == [str(init)]
+            with open(f"/proc/{init}/comm") as f:
+                assert f.read().strip() == "forkd-init"
+            assert _status(init, "NSpid")[-1] == "1" and _status(agent, "NSpid")[-1] == "2"
+            namespaces.add(os.readlink(f"/proc/{agent}/ns/pid"))
+            leaves = handle["cgroups"]
+            assert leaves and all(os.path.basename(leaf) == kid["id"] for leaf in leaves)
+            for leaf in leaves:
+                with open(os.path.join(leaf, "cgroup.procs")) as f:
+                    assert {str(agent), str(init)} <= set(f.read().split())
+            memory = [leaf for leaf in leaves if os.path.exists(os.path.join(leaf, "memory.limit_in_bytes"))
+                      or os.path.exists(os.path.join(leaf, "memory.max"))]
+            for leaf in memory:
+                name = "memory.max" if os.path.exists(os.path.join(leaf, "memory.max")) else "memory.limit_in_bytes"
+                with open(os.path.join(leaf, name)) as f:
+                    assert int(f.read()) == 256 << 20
+            assert ev(ctl, kid["id"], "counter") == "41"  # the snapshot's state
+        assert len(namespaces) == len(kids)
+    finally:
+        for kid in kids:
+            ctl.kill_sandbox(kid["id"])
+
+
+def test_the_compactor_thread_waits_for_a_first_cell(ctl, snap):
+    kid = ctl.spawn(snap, 1)[0]
+    try:
+        pid = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
+        ctl.ping(kid["id"])
+        assert _wait_threads(pid, 3) == 3  # the main thread (cells), the reaper, the accepting thread
+        assert ctl.run_code(kid["id"], "x = 1")["exit_code"] == 0
+        assert _wait_threads(pid, 4) == 4
+        assert "forkd-compact" in ev(ctl, kid["id"], "[t.name for t in __import__('threading').enumerate()]")
+    finally:
+        ctl.kill_sandbox(kid["id"])
