@@ -126,6 +126,9 @@ class ForkdApp(ExtensionApp):
     store_region = Unicode("", config=True, help="S3 region of the store (default: $AWS_REGION).")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
     max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
+    recovery_probe_timeout = Float(5.0, config=True, help="Seconds each sandbox and template recorded by the "
+                                                          "previous server has to answer its ping after a restart "
+                                                          "(calls about it answer 503 until it has, or is ended).")
     allow_host_network = Bool(False, config=True, help="Let callers create snapshots with host_network: their "
                                                        "sandboxes share the host's network, so they reach every "
                                                        "service on its loopback, this server's own port included. "
@@ -175,16 +178,18 @@ class ForkdApp(ExtensionApp):
         from .errors import ForkdError
         options = {k: v for k, v in (("endpoint", self.store_endpoint), ("region", self.store_region)) if v}
         try:
+            # The port listens at once: what outlived the previous server is settled on threads
+            # meanwhile, and calls about an object not settled yet answer 503 (recovery.py).
             self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
                                          default_engine=self.default_engine, store=self.store or None,
-                                         store_options=options)
+                                         store_options=options, recover_in_background=True,
+                                         probe_timeout=self.recovery_probe_timeout)
         except ForkdError as exc:  # a store URL that cannot be used: said, and the server does not start
             self.log.critical("forkd: %s", exc)
             raise
+        self.controller.recovery.on_done = self._recovered  # logs what the start-up repaired or resumed
         if self.store:
             self.log.info("forkd: remote snapshot store %s", self.controller.stores.remote.url)
-        for line in self.controller.recovered.get("findings", []):  # what the start-up repaired or resumed
-            self.log.warning("forkd: %s", line)
         from .kernels import KernelHeads
         from .sessions import SessionManager
         self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)
@@ -205,6 +210,14 @@ class ForkdApp(ExtensionApp):
             logger.register_event_schema(EVENT_SCHEMA)
         self.log.info("forkd: data in %s, routes under %s%s", self.controller.data_dir,
                       self.serverapp.base_url, self.route_prefix)
+
+    def _recovered(self, result: dict) -> None:
+        """Called on the recovery thread once every object it found is settled."""
+        settled = self.controller.recovery.settled_s if self.controller else None
+        for line in result["findings"]:
+            self.log.warning("forkd: recovery: %s", line)
+        self.log.info("forkd: recovery settled in %.2f s: %s", settled or 0.0,
+                      ", ".join(f"{k} {v}" for k, v in result.items() if k != "findings"))
 
     def initialize_handlers(self) -> None:
         from .handlers import route_table

@@ -43,7 +43,12 @@ def default_data_dir() -> str:
 
 class Controller:
     def __init__(self, data_dir: str, engines: dict | None = None, *, branch_concurrency: int = 4,
-                 default_engine: str = "auto", store: str | None = None, store_options: dict | None = None):
+                 default_engine: str = "auto", store: str | None = None, store_options: dict | None = None,
+                 recover_in_background: bool = False, probe_timeout: float | None = None):
+        """``recover_in_background``: return once the registry is read, and settle what outlived the
+        previous server on threads meanwhile (calls about an object not settled yet answer 503);
+        else return once all of it is settled (recovery.py). ``probe_timeout``: seconds each
+        recorded agent has to answer its ping then (default ``recovery.PROBE_TIMEOUT``)."""
         if branch_concurrency < 1:
             raise ValueError("branch_concurrency must be at least 1")
         self.data_dir = os.path.realpath(data_dir)
@@ -59,8 +64,22 @@ class Controller:
         self.creation = CreationManager(self)
         self.stores = StoreManager(self, store, store_options)  # local durability, push and pull
         self.branches.on_ready = self.stores.store_later
-        self.recovered = self.reconcile()  # what the start-up found (counts and findings)
-        self.recovered["findings"] += self.stores.resume()
+        self.recovery = Recovery(self, probe_timeout)  # ends with self.stores.resume()
+        self.recovery.start(background=recover_in_background)
+
+    def reconcile(self) -> dict:
+        """Settle again, here, everything the registry records, as a start-up does (recovery.py);
+        returns counts and ``findings``."""
+        self.recovery.wait()
+        self.recovery = Recovery(self, self.recovery.probe_timeout)
+        self.recovery.start(background=False)
+        return self.recovery.result()
+
+    @property
+    def recovered(self) -> dict:
+        """What the start-up found (counts and ``findings``), once it has settled everything."""
+        self.recovery.wait()
+        return self.recovery.result()
 
     @property
     def branch_cap(self) -> int:
@@ -87,6 +106,7 @@ class Controller:
         return engines
 
     def close(self) -> None:
+        self.recovery.wait()  # its threads use the engines and the registry
         self.stores.close()
         for engine in self.engines.values():
             engine.close()
@@ -118,7 +138,7 @@ class Controller:
     def checked_snapshot(self, row: dict) -> dict:
         """A ready snapshot whose template died outside our control becomes failed, with a reason."""
         row = self.branches.overlay(row)  # a write whose final record was refused reads as failed
-        if row["status"] != "ready":
+        if row["status"] != "ready" or row["tag"] in self.recovery.snapshots:  # settled by recovery.py
             return row
         engine = self.engines.get(row["engine"])
         if engine is not None and engine.alive(row["handle"]):
@@ -138,13 +158,6 @@ class Controller:
 
     snapshot_info = staticmethod(snapshot_info)
     sandbox_info = staticmethod(sandbox_info)
-
-    # --- start-up --------------------------------------------------------------------------------
-
-    def reconcile(self) -> dict:
-        """Re-attach to what survived a restart (and answers); record and end what did not.
-        Returns counts and ``findings`` (recovery.py)."""
-        return Recovery(self).run()
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -195,6 +208,7 @@ class Controller:
         check_tag(tag)
         if cascade and force:
             raise BadRequest("cascade and force are mutually exclusive")
+        self.recovery.check_snapshot(tag)
         if tag in self.branches.in_flight:
             if self.creation.cancel(tag):  # a snapshot being created: its setup is stopped, nothing stays
                 return
@@ -215,6 +229,8 @@ class Controller:
                                + (f" (cascade from {tag} would delete it)" if victim["tag"] != tag else ""),
                                hint="delete the workspace instead",
                                details={"rest": f"DELETE /v1/workspaces/{name}", "cli": f"forkd workspace delete {name}"})
+        for victim in victims[1:]:
+            self.recovery.check_snapshot(victim["tag"])
         for victim in reversed(victims):
             engine = self.engines.get(victim["engine"])
             if victim["handle"] and engine is not None:
@@ -372,22 +388,28 @@ class Controller:
     workspace_info = staticmethod(workspace_info)
 
     def list_workspaces(self) -> list[dict]:
+        self.recovery.check_workspaces()
         return self.workspaces.list()
 
     def get_workspace(self, name) -> dict:
+        self.recovery.check_workspaces()
         return self.workspaces.get(name)
 
     def create_workspace(self, name, snapshot_tag, *, memory_limit_mib=None, **_forkd_options) -> dict:
         """forkd's ``per_child_netns`` is accepted and ignored."""
+        self.recovery.check_workspaces()
         return self.workspaces.create(name, snapshot_tag, memory_limit_mib=memory_limit_mib)
 
     def suspend_workspace(self, name, *, diff: bool = False) -> dict:
+        self.recovery.check_workspaces()
         return self.workspaces.suspend(name, diff=diff)
 
     def resume_workspace(self, name) -> dict:
+        self.recovery.check_workspaces()
         return self.workspaces.resume(name)
 
     def delete_workspace(self, name) -> None:
+        self.recovery.check_workspaces()
         self.workspaces.delete(name)
 
     # --- lineage ---------------------------------------------------------------------------------

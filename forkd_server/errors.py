@@ -44,6 +44,11 @@ class Busy(ForkdError):
     status = 503
 
 
+class Recovering(ForkdError):
+    """The server restarted and has not settled this object yet (recovery.py): retry shortly."""
+    status = 503
+
+
 class EngineFailure(ForkdError):
     """The engine failed doing valid work (a crash, a timeout); the message names the cause."""
     status = 500

@@ -1,111 +1,283 @@
-"""Start-up: take back what outlived the previous server, and end what it left broken.
+"""Start-up: take back what outlived the previous server, and end what it left broken, one object
+at a time, so that nothing one sandbox, VM or snapshot left behind can stop the server starting.
 
-Templates and sandboxes outlive ``forkd serve`` by design. When a controller starts, it re-attaches
-to each one it recorded only if its process lives *and its agent answers* (every agent is pinged at
-once, each within ``PROBE_TIMEOUT``), so nothing is listed ``ready`` or ``running`` while dead or
-stuck. In order:
+Templates and sandboxes outlive ``forkd serve`` by design. When a controller starts it reads the
+registry (milliseconds) and from then on every object it recorded is *settling*: a call about it
+answers 503 "recovering" until it is settled, and a sandbox is not listed. Under the server the
+settling runs on threads while the port already listens (``Controller(recover_in_background=True)``);
+each object is settled on its own, all at once (``SETTLE_WORKERS``), and whatever goes wrong with one
+(an engine error, a VM that will not thaw) fails that object alone, with the reason:
 
-1. What the previous server was writing or starting (``writing`` snapshots, ``starting``
-   sandboxes) is ended: snapshots become ``failed`` with the reason, starts are dropped.
-2. Each engine repairs or ends what only it can see (``Engine.recover``): for the VM engine, a
-   source a live branch left frozen is thawed (or killed, saying why) and RAM files no snapshot
-   owns are removed; for the process engine, sockets no record names.
-3. Every ready snapshot and running sandbox is probed. A VM snapshot whose RAM file tmpfs lost (a
-   reboot) answers from the local store and stays ``ready`` (stores.py). A process snapshot whose
-   template is gone is ``lost``, saying why: a parked process cannot be written to files, so it
-   does not outlive a reboot. A snapshot whose template is silent, or whose files are gone with no
-   copy in the store, becomes ``failed`` with the reason (a silent template is left running: its
-   sandboxes live in its pid namespace; deleting the snapshot ends it); a sandbox that is gone is
-   dropped, and one alive but silent is ended and dropped, its ``killed`` event saying why.
-4. Workspaces settle on what is left (``WorkspaceManager.reconcile``).
+- what the previous server was writing (``writing`` snapshots) becomes ``failed``, its leftovers
+  ended; a start it did not finish (``starting`` sandboxes) is ended and dropped;
+- a sandbox whose end was under way (its row's ``ending``: a kill, or a drop, the server died in)
+  is ended now, and its row goes once its process has;
+- every ready snapshot and running sandbox is first repaired where only its engine can see what
+  is wrong (``Engine.repair``: a VM a live branch left frozen is thawed), then pinged (within
+  ``PROBE_TIMEOUT``): one that answers is taken back as it was. A VM snapshot whose RAM file tmpfs
+  lost (a reboot) answers from the local store and stays ``ready`` (stores.py). A process snapshot
+  whose template is gone is ``lost``, saying why: a parked process cannot be written to files, so
+  it does not outlive a reboot. A snapshot whose template is silent, or whose files are gone with
+  no copy in the store, becomes ``failed`` with the reason (a silent template is left running: its
+  sandboxes live in its pid namespace; deleting the snapshot ends it). A sandbox that is gone is
+  dropped, one alive but silent is ended and dropped, its ``killed`` event saying why;
+- an object whose settling raised is marked so: a snapshot ``failed``, a sandbox ended and
+  dropped ("lost"), the reason in its record;
+- workspaces then settle on what is left (``WorkspaceManager.reconcile``; workspace calls answer
+  503 until then); then, while calls go on, the stores resume what the previous server left
+  (``StoreManager.resume``: snapshots not stored yet, pushes cut short) and each engine ends and
+  removes what no record names and that predates it (``Engine.recover``: agents behind unknown
+  sockets, RAM files, VM directories, QEMUs nobody records).
 
-``run`` returns counts and ``findings``: one line per thing repaired, ended or removed.
+``result()`` gives counts and ``findings``: one line per thing repaired, ended or removed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Callable
+
+from forkd_engine import EngineError
 
 from . import endings
+from .errors import Recovering
 
 if TYPE_CHECKING:
     from .controller import Controller
 
-PROBE_TIMEOUT = 5.0  # seconds an agent has to answer its ping when the server starts
+log = logging.getLogger("forkd.recovery")
+
+PROBE_TIMEOUT = 5.0    # seconds an agent has to answer its ping when the server starts
+SETTLE_WORKERS = 128   # objects settled at once: most of a settle is waiting (a silent agent, a kill)
 
 INTERRUPTED = "snapshot is not bootable: interrupted by a server restart while it was being written"
 LOST = ("snapshot lost: its template process was gone when the server started (the host restarted, or the "
         "process was ended while no server ran); a process-engine snapshot is a parked process, which cannot "
         "be written to files, so it does not outlive a reboot. Create it again, or use engine vm for snapshots "
         "that last")
+RETRY = ("retry in a moment: the server restarted and settles what it recorded "
+         "(GET /healthz says how many are left)")
 
 
 class Recovery:
-    def __init__(self, controller: "Controller"):
+    def __init__(self, controller: "Controller", probe_timeout: float | None = None):
         self.ctl = controller
+        self.probe_timeout = PROBE_TIMEOUT if probe_timeout is None else probe_timeout
         self.registry = controller.registry
         self.engines = controller.engines
-        self.feed = controller.feed
+        self.sandboxes: set[str] = set()   # ids not settled yet
+        self.snapshots: set[str] = set()   # tags not settled yet
+        self.counts = {"snapshots_attached": 0, "snapshots_failed": 0, "snapshots_lost": 0, "sandboxes_attached": 0,
+                       "sandboxes_dropped": 0}
+        self.findings: list[str] = []
+        self._lock = threading.Lock()
+        self._settled = threading.Event()   # every recorded object (and workspace) settled
+        self._finished = threading.Event()  # and the engines' sweeps done
+        self.started = time.monotonic()
+        self.settled_s: float | None = None  # seconds from start to the last object settled
+        self.on_done: Callable[[dict], None] | None = None
 
-    def run(self) -> dict:
-        counts = {"snapshots_attached": 0, "snapshots_failed": 0, "snapshots_lost": 0, "sandboxes_attached": 0,
-                  "sandboxes_dropped": 0}
-        findings: list[str] = []
-        self._end_interrupted(counts)
-        snapshots = [r for r in self.registry.list_snapshots() if r["status"] == "ready"]
-        sandboxes = [r for r in self.registry.list_sandboxes() if r["status"] == "running" and r["handle"]]
-        for name, engine in self.engines.items():
-            known = [r["handle"] for r in snapshots + sandboxes if r["engine"] == name and r["handle"]]
-            findings += engine.recover(known)
-        for name, engine in self.engines.items():
-            snaps = [r for r in snapshots if r["engine"] == name]
-            boxes = [r for r in sandboxes if r["engine"] == name]
-            why = engine.probe([r["handle"] for r in snaps + boxes], PROBE_TIMEOUT) if snaps or boxes else []
-            for row, reason in zip(snaps, why[:len(snaps)]):
-                if reason is None:
-                    counts["snapshots_attached"] += 1
-                    continue
-                finding, status = self._fail_snapshot(engine, row, reason)
-                counts[f"snapshots_{status}"] += 1
-                findings.append(finding)
-            for row, reason in zip(boxes, why[len(snaps):]):
-                if reason is None:
-                    counts["sandboxes_attached"] += 1
-                    continue
-                counts["sandboxes_dropped"] += 1
-                findings.append(self._drop_sandbox(engine, row, reason))
-        for row in snapshots:  # of an engine this server cannot run: as every listing judges them
-            if row["engine"] not in self.engines:
-                ready = self.ctl.checked_snapshot(row)["status"] == "ready"
-                counts["snapshots_attached" if ready else "snapshots_failed"] += 1
-        for row in sandboxes:
-            if row["engine"] not in self.engines:
-                counts["sandboxes_attached" if self.ctl.sandboxes.alive(row) else "sandboxes_dropped"] += 1
-        counts.update(self.ctl.workspaces.reconcile())
-        counts["findings"] = findings
-        return counts
+    # --- what callers ask --------------------------------------------------------------------------
 
-    def _end_interrupted(self, counts: dict) -> None:
-        """Writes and starts the previous server did not finish: their writer is gone."""
+    @property
+    def pending(self) -> int:
+        """Objects not settled yet (0 once recovery is over)."""
+        if self._settled.is_set():
+            return 0
+        return max(1, len(self.sandboxes) + len(self.snapshots))  # 1: the workspaces, settled last
+
+    def check_sandbox(self, sandbox_id: str) -> None:
+        if sandbox_id in self.sandboxes:
+            raise Recovering(f"sandbox {sandbox_id} is recovering: the server restarted and has not settled it yet",
+                             hint=RETRY, recovering=True)
+
+    def check_snapshot(self, tag: str) -> None:
+        if tag in self.snapshots:
+            raise Recovering(f"snapshot {tag} is recovering: the server restarted and has not settled it yet",
+                             hint=RETRY, recovering=True)
+
+    def check_workspaces(self) -> None:
+        if not self._settled.is_set():
+            raise Recovering("workspaces are recovering: the server restarted and settles them once their "
+                             "sandboxes and snapshots are", hint=RETRY, recovering=True)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until everything is settled and swept; True once it is."""
+        return self._finished.wait(timeout)
+
+    def result(self) -> dict:
+        with self._lock:
+            return {**self.counts, "findings": list(self.findings)}
+
+    # --- the run -------------------------------------------------------------------------------------
+
+    def start(self, background: bool) -> None:
+        """Read what to settle (fast, here), then settle it and sweep: on a thread of its own, or
+        here. With nothing recorded, the settling (workspaces alone) is done here either way."""
+        jobs = self._plan()
+        if not background:
+            self._settle_all(jobs)
+            self._sweep()
+            return
+        if not jobs:
+            self._settle_all(jobs)
+        threading.Thread(target=self._background, args=(jobs,), name="forkd-recovery", daemon=True).start()
+
+    def _background(self, jobs: list) -> None:
+        if not self._settled.is_set():
+            self._settle_all(jobs)
+        self._sweep()
+
+    def _plan(self) -> list[tuple[str, str, Callable[[dict], None], dict]]:
+        """The jobs, one per object: (kind, key, settle function, row); their keys become pending."""
+        jobs = []
         for row in self.registry.list_snapshots():
-            if row["status"] != "writing":
-                continue
-            engine = self.engines.get(row["engine"])
-            if engine is not None:
-                if row["handle"]:
-                    engine.delete_snapshot(row["handle"])
-                else:
-                    engine.abandon("snap:" + row["tag"])
-            self.registry.update_snapshot(row["tag"], status="failed", warning=INTERRUPTED)
-            counts["snapshots_failed"] += 1
+            if row["engine"] not in self.engines:  # of an engine this server cannot run: as every listing judges them
+                ready = self.ctl.checked_snapshot(row)["status"] == "ready"
+                self.counts["snapshots_attached" if ready else "snapshots_failed"] += 1
+            elif row["status"] == "writing":
+                jobs.append(("snapshot", row["tag"], self._end_write, row))
+            elif row["status"] == "ready":
+                jobs.append(("snapshot", row["tag"], self._probe_snapshot, row))
         for row in self.registry.list_sandboxes():
-            if row["status"] == "running" and row["handle"]:
-                continue
-            engine = self.engines.get(row["engine"])
-            if engine is not None:
-                engine.abandon(row["id"])
-            self.registry.delete_sandboxes([row["id"]])
-            counts["sandboxes_dropped"] += 1
+            if row["engine"] not in self.engines:
+                self.counts["sandboxes_attached" if self.ctl.sandboxes.alive(row) else "sandboxes_dropped"] += 1
+            elif row.get("ending"):
+                jobs.append(("sandbox", row["id"], self._finish_end, row))
+            elif row["status"] == "running" and row["handle"]:
+                jobs.append(("sandbox", row["id"], self._probe_sandbox, row))
+            else:
+                jobs.append(("sandbox", row["id"], self._end_start, row))
+        self.snapshots = {key for kind, key, _fn, _row in jobs if kind == "snapshot"}
+        self.sandboxes = {key for kind, key, _fn, _row in jobs if kind == "sandbox"}
+        return jobs
+
+    def _settle_all(self, jobs: list) -> None:
+        """Every recorded object, all at once, then the workspaces on what is left."""
+        try:
+            if jobs:
+                with ThreadPoolExecutor(max_workers=min(SETTLE_WORKERS, len(jobs)),
+                                        thread_name_prefix="forkd-settle") as pool:
+                    wait([pool.submit(self._settle, *job) for job in jobs])
+            try:
+                self.counts.update(self.ctl.workspaces.reconcile())
+            except Exception as exc:  # noqa: BLE001 - the server comes up; the workspaces say stale
+                log.exception("forkd: workspaces could not be settled")
+                self._found(f"workspaces: could not be settled after the restart ({type(exc).__name__}: {exc})")
+        finally:
+            self.sandboxes, self.snapshots = set(), set()
+            self.settled_s = time.monotonic() - self.started
+            self._settled.set()
+
+    def _sweep(self) -> None:
+        """Each engine ends and removes what no record names (all engines at once), then says so.
+        Calls go on meanwhile: an engine sweeps only what predates it."""
+        try:
+            try:
+                self._found(*self.ctl.stores.resume())
+            except Exception as exc:  # noqa: BLE001 - what it could not resume waits for the next start
+                log.exception("forkd: the stores could not resume")
+                self._found(f"stores: could not resume what the previous server left ({type(exc).__name__}: {exc})")
+            known = [r["handle"] for r in self.registry.list_snapshots() + self.registry.list_sandboxes()
+                     if r["handle"]]
+            engines = list(self.engines.items())
+            with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
+                for found in pool.map(lambda named: self._guarded(named, known), engines):
+                    self._found(*found)
+        finally:
+            self._finished.set()
+            if self.on_done is not None:
+                self.on_done(self.result())
+
+    def _guarded(self, named_engine: tuple, known: list) -> list[str]:
+        name, engine = named_engine
+        try:
+            return engine.recover(known)
+        except Exception as exc:  # noqa: BLE001 - what it could not remove stays for the next start
+            log.exception("forkd: %s engine: recover failed", name)
+            return [f"{name} engine: could not look for leftovers no record names ({type(exc).__name__}: {exc})"]
+
+    def _found(self, *lines: str) -> None:
+        with self._lock:
+            self.findings += lines
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.counts[key] += 1
+
+    def _settle(self, kind: str, key: str, fn: Callable[[dict], None], row: dict) -> None:
+        """Settle one object; whatever it raises fails that object alone, saying why."""
+        try:
+            fn(row)
+        except Exception as exc:  # noqa: BLE001 - one object's failure is that object's
+            why = f"{type(exc).__name__}: {exc}"
+            log.warning("forkd: %s %s could not be recovered: %s", kind, key, why)
+            try:
+                if kind == "snapshot":
+                    self._lose_snapshot(row, why)
+                else:
+                    self._lose_sandbox(row, why)
+            except Exception as again:  # noqa: BLE001 - recorded for the next start
+                log.exception("forkd: %s %s could not be marked lost", kind, key)
+                self._found(f"{kind} {key}: could not be recovered ({why}) nor marked so ({again})")
+        finally:
+            (self.snapshots if kind == "snapshot" else self.sandboxes).discard(key)
+
+    # --- one object each -------------------------------------------------------------------------
+
+    def _end_write(self, row: dict) -> None:
+        """A snapshot the previous server was writing: its writer is gone, so it is failed."""
+        engine = self.engines[row["engine"]]
+        try:
+            if row["handle"]:
+                engine.delete_snapshot(row["handle"])
+            else:
+                engine.abandon("snap:" + row["tag"])
+        finally:
+            self.registry.update_snapshot(row["tag"], status="failed", warning=INTERRUPTED)
+            self._count("snapshots_failed")
+
+    def _end_start(self, row: dict) -> None:
+        """A spawn the previous server did not finish recording: no handle, so it is ended by name."""
+        self.engines[row["engine"]].abandon(row["id"])
+        self.registry.delete_sandboxes([row["id"]])
+        self._count("sandboxes_dropped")
+        self._found(f"sandbox {row['id']}: ended its start, cut short when the server stopped")
+
+    def _finish_end(self, row: dict) -> None:
+        """A kill (or drop) the previous server started and did not see through."""
+        self.ctl.sandboxes.end(row, row["ending"])
+        self._count("sandboxes_dropped")
+        self._found(f"sandbox {row['id']}: finished its end, under way when the server stopped "
+                    f"({row['ending']['reason']})")
+
+    def _repair(self, engine, row: dict, what: str) -> None:
+        for line in engine.repair(row["handle"]):
+            self._found(f"{engine.name} engine: {what}: {line}")
+
+    def _probe_snapshot(self, row: dict) -> None:
+        engine = self.engines[row["engine"]]
+        self._repair(engine, row, f"snapshot {row['tag']}")
+        reason = engine.probe([row["handle"]], self.probe_timeout)[0]
+        if reason is None:
+            self._count("snapshots_attached")
+            return
+        finding, status = self._fail_snapshot(engine, row, reason)
+        self._count(f"snapshots_{status}")
+        self._found(finding)
+
+    def _probe_sandbox(self, row: dict) -> None:
+        engine = self.engines[row["engine"]]
+        self._repair(engine, row, f"sandbox {row['id']}")
+        reason = engine.probe([row["handle"]], self.probe_timeout)[0]
+        if reason is None:
+            self._count("sandboxes_attached")
+            return
+        self._count("sandboxes_dropped")
+        self._found(self._drop_sandbox(engine, row, reason))
 
     def _fail_snapshot(self, engine, row: dict, reason: str) -> tuple[str, str]:
         """(the finding, ``failed`` or ``lost``) for a snapshot that did not answer."""
@@ -131,3 +303,20 @@ class Recovery:
             ended = self.ctl.sandboxes.death(row)  # a limit it died of while no server watched
         self.ctl.sandboxes.drop(row, ended)
         return f"sandbox {row['id']}: {ended['reason']}"
+
+    def _lose_snapshot(self, row: dict, why: str) -> None:
+        warning = f"snapshot is not bootable: it could not be recovered when the server started ({why})"
+        self.ctl.fail_snapshot(row["tag"], warning)
+        self._count("snapshots_failed")
+        self._found(f"snapshot {row['tag']}: {warning}")
+
+    def _lose_sandbox(self, row: dict, why: str) -> None:
+        """End a sandbox that could not be settled: nothing of it may run unrecorded."""
+        ended = {"reason": f"it could not be recovered when the server started ({why}); it was ended",
+                 "limit_hit": None}
+        try:
+            self.ctl.sandboxes.end(row, ended)
+        except EngineError as exc:
+            ended["reason"] += f", but its process would not exit ({exc}): the next start ends it"
+        self._count("sandboxes_dropped")
+        self._found(f"sandbox {row['id']}: {ended['reason']}")

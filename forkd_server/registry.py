@@ -68,12 +68,13 @@ CREATE TABLE IF NOT EXISTS workspaces (
 _ADDED_COLUMNS = {
     "snapshots": {"warnings": "TEXT",  # JSON list: what a lossy fork left behind
                   "labels": "TEXT"},   # JSON object str -> str
-    "sandboxes": {"labels": "TEXT"},
+    "sandboxes": {"labels": "TEXT",
+                  "ending": "TEXT"},   # JSON: why it is being ended; the row goes once its process has
     "ended_sandboxes": {"hint": "TEXT",      # what to do, one line (endings.py)
                         "details": "TEXT"},  # JSON object: the facts behind the reason
 }
 ENDED_KEPT = 1000  # sandboxes whose end (when, why) is remembered, the latest first
-_JSON = {"lineage", "spec", "handle", "retiring", "warnings", "labels", "details"}
+_JSON = {"lineage", "spec", "handle", "retiring", "warnings", "labels", "details", "ending"}
 
 
 def _decode(row: sqlite3.Row | None) -> dict | None:

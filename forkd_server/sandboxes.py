@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 EXIT_WAIT = 1.0  # s an agent whose connection broke has to finish exiting before it is judged alive
 
 
+def running(row: dict) -> bool:
+    """A sandbox row that names a running sandbox: started, and no end under way."""
+    return row["status"] == "running" and not row.get("ending")
+
+
 def _timed_out(exc: BaseException | None) -> bool:
     """True if the agent call failed because its deadline passed (not because the agent went away)."""
     while exc is not None:
@@ -44,8 +49,10 @@ class SandboxManager:
         self._killing: set[str] = set()       # ids a kill is ending: it records their end, no one else
 
     def row(self, sandbox_id) -> dict:
+        if isinstance(sandbox_id, str):
+            self.ctl.recovery.check_sandbox(sandbox_id)  # 503 while a restart has not settled it
         row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
-        if row is None or row["status"] != "running" or not self.alive(row):
+        if row is None or not running(row) or not self.alive(row):
             raise self.not_found(sandbox_id)
         return row
 
@@ -71,12 +78,27 @@ class SandboxManager:
             return endings.died(row, [])
         return endings.died(row, engine.limits_hit(row["handle"]), engine.exit_status(row["handle"]))
 
-    def drop(self, row: dict, ended: dict) -> None:
-        """Release what an ended (or ending) sandbox held, forget it, remember why, and say so."""
+    def end(self, row: dict, ended: dict, remember: bool = True) -> None:
+        """End a sandbox and record that it ended, in that order: the duty is recorded first (the
+        row's ``ending``), the engine ends the process (or releases what a dead one held: socket,
+        cgroup leaves) and only once it is gone does the row go, remembering why (``ended``). A
+        crash in between leaves the duty recorded, and the next start-up finishes it (recovery.py);
+        an end the engine cannot make (EngineError) leaves it too. ``remember=False``: a sandbox the
+        server made for its own purposes, whose id no one asks about."""
+        self.registry.update_sandbox(row["id"], ending=ended)
         engine = self.engines.get(row["engine"])
         if engine is not None and row["handle"]:
-            engine.kill(row["handle"])  # ends it, or releases what it held (socket, cgroup leaves)
-        self.registry.delete_sandboxes([row["id"]], ended=ended)
+            engine.kill(row["handle"])
+        self.registry.delete_sandboxes([row["id"]], ended=ended if remember else None)
+
+    def drop(self, row: dict, ended: dict) -> None:
+        """End (or release what it held) a sandbox that died or must go, remember why, and say so.
+        If its process will not go, the recorded duty stays for the next start-up, and it is said."""
+        try:
+            self.end(row, ended)
+        except EngineError as exc:
+            ended = dict(ended, reason=f"{ended['reason']}; its process would not exit ({exc}): the next "
+                                       f"start of the server ends it")
         self.feed.emit("sandbox", "killed", id=row["id"], reason=ended["reason"],
                        **({"limit": ended["limit_hit"]} if ended["limit_hit"] else {}),
                        **({"hint": ended["hint"]} if ended.get("hint") else {}))
@@ -113,6 +135,7 @@ class SandboxManager:
         if memory_limit_mib is not None:
             check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
         labels = check_labels(labels)
+        self.ctl.recovery.check_snapshot(snapshot_tag)
         row = self.registry.get_snapshot(snapshot_tag)
         row = row and self.ctl.checked_snapshot(row)
         if row is not None and row["status"] != "ready":
@@ -195,11 +218,12 @@ class SandboxManager:
         gen, rows = self.registry.sandbox_table()
         listing = self._listing
         if listing is None or listing[0] != gen:
-            running = [r for r in rows if r["status"] == "running"]
-            listing = self._listing = (gen, running, [sandbox_info(r) for r in running])
-        _gen, running, infos = listing
-        alive = self._alive_many(running)
-        return gen, infos, [alive[r["id"]] or self.alive(r) for r in running]
+            live = [r for r in rows if running(r)]
+            listing = self._listing = (gen, live, [sandbox_info(r) for r in live])
+        _gen, live, infos = listing
+        alive = self._alive_many(live)
+        settling = self.ctl.recovery.sandboxes  # not listed until a restart has settled them
+        return gen, infos, [r["id"] not in settling and (alive[r["id"]] or self.alive(r)) for r in live]
 
     def _alive_many(self, rows: list[dict]) -> dict[str, bool]:
         """Liveness of many sandboxes, asking each engine once when it can answer in bulk."""
@@ -215,11 +239,19 @@ class SandboxManager:
         return sandbox_info(self.row(sandbox_id))
 
     def kill(self, sandbox_id) -> None:
-        row = self.row(sandbox_id)
+        """Kill a sandbox; answered once its process is gone (a kill that did not finish, here or
+        before a crash, is finished by the next kill of the id, or by the next start-up)."""
+        if isinstance(sandbox_id, str):
+            self.ctl.recovery.check_sandbox(sandbox_id)
+        row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
+        if row is None or not row.get("ending"):
+            row = self.row(sandbox_id)
         self._killing.add(row["id"])
         try:
-            self.engines[row["engine"]].kill(row["handle"])
-            self.registry.delete_sandboxes([row["id"]], ended=endings.killed(row["id"]))
+            self.end(row, row.get("ending") or endings.killed(row["id"]))
+        except EngineError as exc:
+            raise EngineFailure(f"sandbox {row['id']} was killed but its process has not exited: {exc}",
+                                hint="DELETE it again; a restart of the server also finishes the kill") from exc
         finally:
             self._killing.discard(row["id"])
         self.feed.emit("sandbox", "killed", id=row["id"])
@@ -324,12 +356,9 @@ class SandboxManager:
         row = self.registry.get_sandbox(sandbox_id)
         if row is None:
             return True
-        engine = self.engines.get(row["engine"])
         try:
-            if engine is not None and row["handle"]:
-                engine.kill(row["handle"])
-        except Exception:  # noqa: BLE001 - the caller's result stands; reconcile retries where it records the duty
+            self.end(row, row.get("ending") or endings.killed(sandbox_id), remember=False)
+        except Exception:  # noqa: BLE001 - the caller's result stands; the recorded duty is finished later
             return False
-        self.registry.delete_sandboxes([sandbox_id])
         self.feed.emit("sandbox", "killed", id=sandbox_id)
         return True

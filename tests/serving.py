@@ -43,12 +43,35 @@ class Server:
         self.proc = subprocess.Popen([*FORKD, "serve", "--port", str(self.port), "--data-dir", self.data_dir,
                                       *self.args], stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
 
-    def crash_and_restart(self) -> None:
-        """kill -9 the server and start it again on the same port and data dir (sandboxes outlive it)."""
+    def crash(self) -> None:
+        """kill -9 the server (sandboxes outlive it); ``start`` starts it again."""
         self.proc.kill()
         self.proc.wait()
+
+    def start(self) -> None:
+        """Start the server again on the same port and data dir (without waiting for it)."""
+        self._start()
+
+    def crash_and_restart(self) -> None:
+        """kill -9 the server and start it again on the same port and data dir (sandboxes outlive it);
+        returns once it has settled what it recorded."""
+        self.crash()
         self._start()
         self.wait_healthy()
+        self.wait_settled()
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/healthz", timeout=10) as r:
+            return json.loads(r.read())
+
+    def wait_settled(self, timeout: float = 120) -> None:
+        """Bounded polling until a restarted server has settled what it recorded (/healthz stops
+        saying ``recovering``)."""
+        deadline = time.monotonic() + timeout
+        while "recovering" in self.health():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"forkd serve did not settle what it recorded:\n{self.output()}")
+            time.sleep(0.05)
 
     def output(self) -> str:
         with open(self.log.name) as f:
@@ -64,7 +87,7 @@ class Server:
             try:
                 with urllib.request.urlopen(f"{scheme}://127.0.0.1:{self.port}/healthz", timeout=1,
                                             context=ctx) as r:
-                    assert json.loads(r.read()) == {"ok": True}
+                    assert json.loads(r.read())["ok"] is True
                     return
             except OSError:
                 if time.monotonic() > deadline:

@@ -6,6 +6,7 @@ Everything here raises ``OSError`` with the real errno, so callers can say what 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -109,6 +110,12 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def boot_ticks() -> int:
+    """Now, in the unit of ``process_start_time``: clock ticks since boot."""
+    with open("/proc/uptime") as f:
+        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
 def parent_pid(pid: int) -> int | None:
     """The parent of ``pid`` as this process's pid namespace sees it (None if it is gone)."""
     try:
@@ -134,6 +141,32 @@ def live_children(pid: int) -> list[int]:
         except (OSError, ValueError):
             continue
     return [c for c in found if process_start_time(c) is not None]
+
+
+def socket_holders(path: str) -> list[int]:
+    """The processes holding a descriptor of the Unix socket bound at ``path`` (in this network
+    namespace), found through its inode in /proc/net/unix and every process's fd table: for a socket
+    whose process answers nothing on it."""
+    inodes = set()
+    with contextlib.suppress(OSError), open("/proc/net/unix") as f:
+        next(f, None)
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 8 and parts[7] == path:
+                inodes.add(f"socket:[{parts[6]}]")
+    holders = []
+    if not inodes:
+        return holders
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd.path) in inodes:
+                        holders.append(int(entry.name))
+                        break
+    return holders
 
 
 def wait_exit(pid: int, start_time: int | None, timeout: float) -> bool:

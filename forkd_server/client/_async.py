@@ -5,6 +5,7 @@ SDK never loads it."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator, Iterator
 
 from ._core import (Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder, Sleep,
@@ -80,6 +81,7 @@ class AsyncTransport(Wire):
         http = self._client()
         url = URL(request.url, encoded=True)  # the path as built, as the sync SDK sends it
         attempt = 0
+        started = time.monotonic()
         while True:
             try:
                 async with http.request(request.method, url, data=request.content, headers=request.headers,
@@ -92,6 +94,10 @@ class AsyncTransport(Wire):
                 if error is not None:
                     raise error from None
                 attempt += 1
+                continue
+            wait = self.ask_again(request, status, content, started)
+            if wait is not None:
+                await asyncio.sleep(wait)
                 continue
             return self.answer(request, status, content)
 

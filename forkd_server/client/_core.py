@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import sys
+import time
 from typing import Any, Callable, Iterator, NamedTuple
 from urllib.parse import urlencode, urlsplit
 
@@ -34,6 +35,7 @@ DEFAULT_URL = "http://127.0.0.1:8889"
 USER_AGENT = "Python-urllib/%d.%d" % sys.version_info[:2]
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 CLIENT_HEADER = "X-Forkd-Client"
+RECOVERING_POLL = 0.1  # s between asks about an object a restarted server has not settled yet
 
 
 class Request:
@@ -213,6 +215,23 @@ class Wire:
         except ValueError:
             parsed = content.decode("utf-8", "replace")
         raise ControllerError(status, parsed, request.url)
+
+    @staticmethod
+    def ask_again(request: Request, status: int, content: bytes, started: float) -> float | None:
+        """Seconds to wait before sending ``request`` again, else None. A 503 ``recovering`` (a
+        restarted server has not settled the object yet, and did nothing) is asked again, within the
+        request's timeout (``started``: ``time.monotonic()`` when it was first sent)."""
+        if status != 503 or b"recovering" not in content:
+            return None
+        try:
+            body = json.loads(content)
+        except ValueError:
+            return None
+        if not (isinstance(body, dict) and body.get("recovering") is True):
+            return None
+        if time.monotonic() - started + RECOVERING_POLL > request.timeout:
+            return None
+        return RECOVERING_POLL
 
     def failure(self, request: Request, kind: str, reason: Any, attempt: int) -> Exception | None:
         """What a failed exchange becomes: None to send it again, else the error to raise.

@@ -106,6 +106,7 @@ class SyncTransport(Wire):
     def _exchange(self, request: Request) -> Any:
         pool = self._connections()
         attempt = 0
+        started = time.monotonic()
         while True:
             conn = pool.take(request.timeout)
             try:
@@ -129,6 +130,10 @@ class SyncTransport(Wire):
                 conn.close()
             else:
                 pool.give_back(conn)
+            wait = self.ask_again(request, resp.status, content, started)
+            if wait is not None:
+                time.sleep(wait)
+                continue
             return self.answer(request, resp.status, content)
 
     def _do(self, step, then=None):

@@ -29,7 +29,11 @@ class HealthHandler(ForkdHandler):
 
     @allow_unauthenticated
     def get(self) -> None:
-        self.send({"ok": True})
+        # After a restart, while recorded objects are still being settled, how many are left
+        # (calls about them answer 503 until then); no figure once all are.
+        controller = self.controller
+        left = controller.recovery.pending if controller is not None else 0
+        self.send({"ok": True, **({"recovering": left} if left else {})})
 
 
 class VersionHandler(ForkdHandler):

@@ -179,3 +179,37 @@ def test_importing_the_client_does_not_import_jupyter_server():
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+RECOVERING = json.dumps({"error": "sandbox sb-1 is recovering: the server restarted and has not settled it yet",
+                         "recovering": True}).encode()
+
+
+@pytest.mark.parametrize("first, asked", [((503, RECOVERING), 3), ((503, b'{"error": "too many long calls"}'), 1)])
+def test_a_503_recovering_is_asked_again_until_the_object_is_settled(first, asked):
+    """A restarted server answers 503 "recovering" (with ``recovering: true``, before doing anything)
+    about an object it has not settled yet: the SDK asks again. Any other 503 (a cap) is the answer."""
+    replies = [first, first, (200, b'{"id": "sb-1"}')]
+
+    class Settling(Recorder):
+        def _record(self):
+            Recorder.reply = replies.pop(0)
+            super()._record()
+
+        do_GET = _record
+
+    Recorder.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Settling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ctl = Controller(f"http://127.0.0.1:{server.server_port}/", token="t0k3n", timeout=10)
+        if asked == 1:
+            with pytest.raises(ControllerError) as refused:
+                ctl.get_sandbox("sb-1")
+            assert refused.value.status == 503
+        else:
+            assert ctl.get_sandbox("sb-1") == {"id": "sb-1"}
+        assert len(Recorder.seen) == asked
+    finally:
+        server.shutdown()
+        server.server_close()

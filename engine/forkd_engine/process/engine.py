@@ -41,6 +41,7 @@ DEFAULT_PIDS_MAX = 1024          # processes and threads per sandbox (and per sn
 RETIRE_TIMEOUT = 10.0   # s an agent of a handle without an init has to answer "retire" (see _retire)
 INIT_REPORT_WAIT = 2.0  # s an init has to say how its agent ended (it reaps at once: a loaded host's moment)
 KILL_WAIT = 10.0        # s a killed agent has to exit (SIGKILL: only a process stuck in the kernel takes long)
+ABANDON_TIMEOUT = 5.0   # s an agent no record names has to answer "retire" before it is killed
 
 
 def _import_path() -> list[str]:
@@ -124,6 +125,7 @@ class ProcessEngine:
         self.huge_pages, self.huge_pages_note = hugepages.allow_surplus(self.cgroups.hugetlb_status())
         # Free huge pages the host backs already, for the copies a write after a branch makes (reserve.py)
         self.huge_page_reserve = reserve.start() if self.huge_pages else None
+        self.started = time.time()  # what recover() may end predates this
         self._creating: dict[str, Setup] = {}  # tag -> its setup, while it runs
         self._creating_lock = threading.Lock()
 
@@ -280,26 +282,60 @@ class ProcessEngine:
                     why[i] = w
         return why
 
+    def repair(self, handle: Handle) -> list[str]:
+        """Nothing to repair: a template or sandbox is whole while its process lives."""
+        return []
+
     def recover(self, known: list[Handle]) -> list[str]:
         """Files in the run directory no known handle names: starts a previous server never
-        recorded. Whatever still serves on such a socket is retired; the files are removed."""
+        recorded. Whatever still serves on such a socket is ended (all at once); the files are
+        removed. Only what is older than the engine: a start of its own may be under way."""
         named = {h.get("socket") for h in known}
-        found = []
+        sockets, found = [], []
         for entry in os.scandir(self.run_dir):
             if entry.path in named:
                 continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat().st_mtime >= self.started:
+                    continue
             if entry.name.endswith(".sock"):
-                try:
-                    AgentClient(entry.path, timeout=5).call({"action": "retire"})
-                    found.append(f"process engine: retired an agent no record names, at {entry.path}")
-                except (AgentUnavailable, OSError, ValueError):
-                    found.append(f"process engine: removed a socket no record names, {entry.path}")
+                sockets.append(entry.path)
             elif entry.name.endswith(".log"):  # a snapshot's start-up log, kept only while it starts
                 found.append(f"process engine: removed the log of a snapshot start no record names, {entry.path}")
-            else:
-                continue
-            _unlink(entry.path)
+                _unlink(entry.path)
+        if sockets:
+            with ThreadPoolExecutor(max_workers=min(PROBE_PARALLELISM, len(sockets))) as pool:
+                for path, how in zip(sockets, pool.map(self._end_behind, sockets)):
+                    found.append(f"process engine: {how}, at {path}")
         return found
+
+    def _end_behind(self, path: str) -> str:
+        """End whatever serves on socket ``path`` that no record names, and remove the socket: it is
+        asked to retire; one that does not answer is killed (found by the socket it holds)."""
+        try:
+            try:
+                AgentClient(path, timeout=ABANDON_TIMEOUT).call({"action": "retire"})
+                return "retired an agent no record names"
+            except (AgentUnavailable, OSError, ValueError):
+                pass
+            killed = []
+            for pid in linux.socket_holders(path):
+                init = linux.parent_pid(pid)
+                if init is None or sandbox_init.ending(init, linux.process_start_time(init)) is not None:
+                    continue
+                with contextlib.suppress(OSError), open(f"/proc/{init}/comm") as f:
+                    if not f.read().startswith(sandbox_init.NAME):
+                        continue  # no init of ours above it: not an agent this engine made
+                    start, init_start = linux.process_start_time(pid), linux.process_start_time(init)
+                    if start is not None and init_start is not None:
+                        self._end({"pid": pid, "start_time": start, "socket": path,
+                                   "init": {"pid": init, "start_time": init_start}})
+                        killed.append(pid)
+            if killed:
+                return f"killed an agent no record names that did not answer (pid {', '.join(map(str, killed))})"
+            return "removed a socket no record names"
+        finally:
+            _unlink(path)
 
     def memory(self, handle: Handle) -> dict:
         if not self.alive(handle):
@@ -533,13 +569,17 @@ class ProcessEngine:
                     if linux.process_start_time(handle["pid"]) == handle["start_time"]:
                         with contextlib.suppress(ProcessLookupError):
                             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                        linux.wait_pidfd(pidfd, KILL_WAIT)
+                        if not linux.wait_pidfd(pidfd, KILL_WAIT):
+                            raise EngineError(f"process {handle['pid']} did not exit within {KILL_WAIT:g} s of SIGKILL")
                 finally:
                     os.close(pidfd)
         sandbox_init.collect(init["pid"], init["start_time"])
         if not sandbox_init.holds_forks(init["pid"]):
             # It goes at once (after its strays): wait, so a kill leaves nothing of the sandbox.
-            linux.wait_exit(init["pid"], init["start_time"], KILL_WAIT)
+            if not linux.wait_exit(init["pid"], init["start_time"], KILL_WAIT) \
+                    and not sandbox_init.holds_forks(init["pid"]):
+                raise EngineError(f"the init {init['pid']} of process {handle['pid']} did not exit within "
+                                  f"{KILL_WAIT:g} s of its agent's end")
         self._forget(handle)
 
     def _retire(self, handle: Handle) -> None:
@@ -580,9 +620,7 @@ class ProcessEngine:
         """End whatever an interrupted start left serving under ``name`` (the registry has no handle)."""
         path = self._socket_path(name)
         if os.path.exists(path):
-            with contextlib.suppress(AgentUnavailable, OSError, ValueError):
-                AgentClient(path, timeout=5).call({"action": "retire"})
-            self._forget({"socket": path})
+            self._end_behind(path)
 
     def _forget(self, handle: Handle) -> None:
         """Release what we hold for a process we are done with: its socket and its pidfd."""

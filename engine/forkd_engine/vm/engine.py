@@ -39,7 +39,7 @@ from . import memory as vmem
 from .channel import AgentChannel, VMSession
 from .host import QEMU, host_tsc_khz, kvm_status, qemu_binary, qemu_version
 from .image import Image, ImageError, build_image
-from .qemu import MAX_SOCKET_PATH, Qemu
+from .qemu import MAX_SOCKET_PATH, STOP_WAIT, Qemu
 
 
 class VMEngine:
@@ -96,7 +96,9 @@ class VMEngine:
         self._vm_locks: dict[tuple, threading.Lock] = {}
         self.creating: dict[str, dict] = {}  # tag -> {"handle", "cancelled"} while its setup runs
         self.creating_lock = threading.Lock()
+        threading.Thread(target=vmem.warm, name="forkd-vm-warm", daemon=True).start()
         self.started = time.time()  # what recover() may sweep predates this
+        self.started_ticks = linux.boot_ticks()  # the same, in process start times' unit
 
     # --- image -----------------------------------------------------------------------------------
 
@@ -208,17 +210,17 @@ class VMEngine:
         with ThreadPoolExecutor(max_workers=min(PROBE_PARALLELISM, len(handles))) as pool:
             return list(pool.map(one, handles))
 
+    def repair(self, handle: Handle) -> list[str]:
+        """At start-up, before ``probe``: thaw a VM a live branch of the previous server left frozen
+        (or stopped). A VM one of our own branches is working on is being written: left alone."""
+        if handle.get("kind") != "vm" or not self.alive(handle) or self.branch_lock(handle).locked():
+            return []
+        return recovery.thaw(handle)
+
     def recover(self, known: list[Handle]) -> list[str]:
-        """At start-up: thaw each VM a live branch of the previous server left frozen (or stopped),
-        then remove RAM files, snapshot and VM directories no handle in ``known`` owns."""
-        # A VM one of our own branches is working on is not frozen but being written: left alone.
-        vms = [h for h in known if h.get("kind") == "vm" and self.alive(h) and not self.branch_lock(h).locked()]
-        found = []
-        if vms:
-            with ThreadPoolExecutor(max_workers=min(8, len(vms))) as pool:
-                for h, done in zip(vms, pool.map(recovery.thaw, vms)):
-                    found += [f"vm engine: {h['name']}: {line}" for line in done]
-        return found + recovery.sweep(self, known)
+        """At start-up: remove RAM files, snapshot and VM directories no handle in ``known`` owns,
+        and end QEMUs no handle names."""
+        return recovery.sweep(self, known)
 
     def branch_lock(self, handle: Handle) -> threading.Lock:
         """Held while a branch of this VM runs: one at a time, and recover() leaves such a VM alone."""
@@ -229,7 +231,9 @@ class VMEngine:
 
     def kill(self, handle: Handle) -> None:
         self._drop_channel(handle)
-        self.qemu.stop(handle["pid"], handle.get("start_time"))
+        if not self.qemu.stop(handle["pid"], handle.get("start_time")):
+            # Its directory (and pid file) stays: the next kill, or a restart's sweep, ends it.
+            raise EngineError(f"QEMU process {handle['pid']} did not exit within {STOP_WAIT:g} s of SIGKILL")
         shutil.rmtree(handle["dir"], ignore_errors=True)
         self.cgroups.remove(handle.get("cgroups") or [])
 

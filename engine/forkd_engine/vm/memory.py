@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import io
 import os
@@ -19,10 +20,20 @@ import struct
 
 from .. import linux
 
-try:  # vectorised pagemap scan; imported up front so the first branch's pause does not pay for it
-    import numpy as np
-except ImportError:  # pragma: no cover - the pure-Python loop below does the same, slower
-    np = None
+np = None  # numpy, for the vectorised pagemap scan: imported by warm(), off the server's start-up path
+
+
+def warm() -> None:
+    """Import numpy now (~0.4 s), so that the first branch's pause does not pay for it. The engine
+    calls it on a thread of its own when it starts; ``private_runs`` falls back to a loop without it."""
+    global np
+    if np is None:
+        try:
+            import numpy
+        except ImportError:  # pragma: no cover - the pure-Python loop does the same, slower
+            numpy = False
+        np = numpy
+
 
 PAGE = 4096
 QEVM_HEADER = b"QEVM\x00\x00\x00\x03"
@@ -105,7 +116,9 @@ def private_runs(pid: int, start: int, size: int) -> list[tuple[int, int]]:
         raw = f.read(npages * 8)
     if len(raw) != npages * 8:
         raise OSError(f"short read of /proc/{pid}/pagemap")
-    if np is not None:
+    if np is None:
+        warm()
+    if np:
         v = np.frombuffer(raw, dtype=np.uint64)
         private = ((v >> np.uint64(63)) == 1) & (((v >> np.uint64(61)) & np.uint64(1)) == 0)
         edges = np.diff(np.concatenate(([0], private.view(np.int8), [0])))
@@ -218,9 +231,19 @@ def lift_write_protect(pid: int, start: int, size: int) -> int:
     pidfd = os.pidfd_open(pid)
     try:
         for number in userfaultfds(pid):
-            fd = linux.pidfd_getfd(pidfd, number)
             try:
-                fcntl.ioctl(fd, UFFDIO_WRITEPROTECT, bytearray(struct.pack("QQQ", start, size, 0)))
+                fd = linux.pidfd_getfd(pidfd, number)
+            except FileNotFoundError:  # QEMU closed it meanwhile: it protects nothing now
+                continue
+            try:
+                try:
+                    fcntl.ioctl(fd, UFFDIO_WRITEPROTECT, bytearray(struct.pack("QQQ", start, size, 0)))
+                except OSError as exc:
+                    # ENOENT: this userfaultfd has no write-protect registered on the range (QEMU
+                    # unregistered it, or never registered RAM with it): nothing of it to lift.
+                    if exc.errno in (errno.ENOENT, errno.EINVAL):
+                        continue
+                    raise
                 with contextlib.suppress(OSError):  # QEMU may have unregistered it meanwhile
                     fcntl.ioctl(fd, UFFDIO_UNREGISTER, bytearray(struct.pack("QQ", start, size)))
                 lifted += 1

@@ -24,6 +24,7 @@ from ..base import EngineError, Handle
 from .image import DATA_SERIAL, PACKAGES_SERIAL
 
 MAX_SOCKET_PATH = 107
+STOP_WAIT = 10.0  # s a killed QEMU has to be gone (SIGKILL: only a process stuck in the kernel takes long)
 MACHINE = "microvm"
 DISK_ID = "d0"
 PACKAGES_ID = "p0"  # the read-only packages disk (SnapshotSpec.packages), shared by every child
@@ -208,27 +209,43 @@ class Qemu:
             return rec["pid"] if ran else None
         return None
 
-    def stop(self, pid: int, start_time) -> None:
+    def stop(self, pid: int, start_time) -> bool:
         """SIGKILL QEMU ``pid`` (if it is still the one started at ``start_time``) and wait until it
-        is gone, all its threads: only then are its cgroup leaves empty."""
+        is gone, all its threads: only then are its cgroup leaves empty. False if it lives on."""
         proc = self.children.pop(pid, None)
         if proc is not None:  # our child: its pid cannot have been reused before we reap it
             with contextlib.suppress(OSError):
                 proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-            return
+            try:
+                proc.wait(timeout=STOP_WAIT)
+            except subprocess.TimeoutExpired:
+                self.children[pid] = proc
+                return False
+            return True
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
-            return
+            return True
         try:
             current = linux.process_start_time(pid)
             if current is not None and current != start_time:
-                return  # another process has this pid now
+                return True  # another process has this pid now
             if current is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            linux.wait_pidfd(pidfd, 10)  # dying or dead: until every thread has exited
+            return linux.wait_pidfd(pidfd, STOP_WAIT)  # dying or dead: until every thread has exited
         finally:
             os.close(pidfd)
+
+    def running_here(self) -> list[tuple[int, int | None, str]]:
+        """(pid, start time, directory) of each process running in a VM directory of this engine
+        that it did not start itself: QEMUs a previous server started (whose directory may be gone)."""
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) in self.children:
+                continue
+            with contextlib.suppress(OSError):
+                cwd = os.readlink(f"/proc/{entry.name}/cwd").removesuffix(" (deleted)")
+                if cwd.startswith(self.run_dir + os.sep):
+                    found.append((int(entry.name), linux.process_start_time(int(entry.name)), cwd))
+        return found

@@ -46,9 +46,13 @@ def thaw(handle: Handle) -> list[str]:
     done = []
     pid = handle["pid"]
     if vmem.userfaultfds(pid):
-        start, _pgoff, _path = vmem.find_ram_mapping(pid, handle["mem_mib"] << 20)
-        if vmem.lift_write_protect(pid, start, handle["mem_mib"] << 20):
-            done.append("lifted the write-protect of a live branch whose writer died (its vCPUs were waiting on it)")
+        try:
+            start, _pgoff, _path = vmem.find_ram_mapping(pid, handle["mem_mib"] << 20)
+            if vmem.lift_write_protect(pid, start, handle["mem_mib"] << 20):
+                done.append("lifted the write-protect of a live branch whose writer died "
+                            "(its vCPUs were waiting on it)")
+        except OSError as exc:  # it may have exited meanwhile: whether it answers decides (the probe)
+            done.append(f"could not lift a write-protect ({exc})")
     try:
         with QMP(handle["qmp"], timeout=QMP_TIMEOUT) as qmp:
             if qmp.execute("query-migrate").get("status") in ("active", "setup", "device", "pre-switchover"):
@@ -104,6 +108,12 @@ def sweep(engine: "VMEngine", known: list[Handle]) -> list[str]:
                 size = _disk_usage(entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
                 found.append(f"vm engine: removed {what} no record owns: {entry.path} ({size >> 20} MiB{ended})")
+    # QEMUs of this engine whose directory is gone (or was never recorded): found by where they run.
+    pids = {h["pid"] for h in known if h.get("kind") == "vm"}
+    for pid, start, cwd in engine.qemu.running_here():
+        if pid not in pids and start is not None and start < engine.started_ticks:
+            engine.qemu.stop(pid, start)
+            found.append(f"vm engine: ended QEMU {pid} that no record names (it ran in {cwd})")
     return found
 
 
