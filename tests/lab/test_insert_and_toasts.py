@@ -72,8 +72,10 @@ def test_inserted_code_runs_in_a_forkd_kernel_notebook(page, lab):
 def test_palette_notifications_are_sentences(page, lab):
     name = open_notebook(page, "forkd-python")
     page.evaluate("window.jupyterapp.commands.execute('forkd:branch-notebook')")
-    toast = page.locator(".jp-toast-message", has_text=f"Branched {name}")
-    toast.wait_for(timeout=60_000)
+    # its toast, whatever it says (a failure's sentence says why in the assertion below); the
+    # command waits for the kernel's %forkd line, which a loaded host may take a while to run
+    toast = page.locator(".jp-toast-message", has_text=re.compile("branch", re.I)).first
+    toast.wait_for(timeout=120_000)
     text = toast.text_content()
     assert re.fullmatch(rf"Branched {re.escape(name)} into snapshot branch-sb-[0-9a-f]{{8}}-[0-9a-f]{{4}}-0 "
                         r"\(the notebook paused \d+\.\d ms\)\.", text), text
