@@ -65,6 +65,9 @@ def qemus_of(data_dir: str) -> set[int]:
     return found
 
 
+# Each round's burst leaves dozens of QEMUs restoring under TCG on 2 cores: a test beside it that
+# waits on a browser or a kernel for a bounded time would be starved, not wrong.
+@pytest.mark.exclusive
 def test_kill_9_of_serve_mid_vm_burst_then_restart_loop():
     with serving() as server:
         url, token = server.url, server.token
