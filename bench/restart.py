@@ -44,8 +44,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from forkd_server.client import Controller as Client  # noqa: E402
-from forkd_server.client import ControllerError, ServerUnreachable  # noqa: E402
-from tests.serving import Server, cleanup  # noqa: E402
+from tests.serving import Server, burst, cleanup  # noqa: E402
 
 LISTEN_TARGET_S = 2.0
 SETTLE_TARGET_S = 5.0
@@ -79,30 +78,6 @@ def timed_start(server: Server) -> tuple[float, float]:
         time.sleep(0.005)
 
 
-def worker(url: str, token: str, stop: threading.Event, progress: threading.Semaphore) -> None:
-    client = Client(url, token, timeout=CALL_TIMEOUT)
-    rng = random.Random()
-    mine: list[str] = []
-    n = 0
-    while not stop.is_set():
-        n += 1
-        try:
-            kids = client.spawn_sandboxes("base", rng.randint(1, 5))
-            progress.release()
-            tag = f"rb-{secrets.token_hex(4)}"
-            live = n % 2 == 1
-            client.branch_sandbox(kids[0]["id"], tag, mode="live" if live else "full", wait=not live)
-            mine.append(tag)
-            progress.release()
-            for kid in kids:
-                client.kill_sandbox(kid["id"])
-            if len(mine) > 1:
-                client.delete_snapshot(mine.pop(0))
-        except (ControllerError, ServerUnreachable):
-            if stop.is_set():
-                return
-
-
 def clear(client: Client) -> None:
     """Kill every sandbox and delete every snapshot but ``base``."""
     for sb in client.list_sandboxes():
@@ -133,7 +108,7 @@ def crash_rounds(engine: str, rounds: int, workers: int) -> dict:
         rng = random.Random(11)
         for _ in range(rounds):
             stop, progress = threading.Event(), threading.Semaphore(0)
-            threads = [threading.Thread(target=worker, args=(server.url, token, stop, progress), daemon=True)
+            threads = [threading.Thread(target=burst, args=(server.url, token, stop, progress), daemon=True)
                        for _ in range(workers)]
             for t in threads:
                 t.start()

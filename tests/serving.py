@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -13,6 +14,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -201,3 +203,31 @@ class JupyterServer:
             self.proc.wait()
         self.log.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def burst(url: str, token: str, stop: threading.Event, progress: threading.Semaphore, *,
+          prefix: str = "rb", timeout: float = 120) -> None:
+    """One thread of a crash burst on snapshot ``base``: spawn 1-5, branch one (live without
+    waiting, or full), kill them, delete an older branch; until ``stop``. ``progress`` is released
+    after each spawn and each branch. Errors are expected once the server is killed under it."""
+    client = Controller(url, token, timeout=timeout)
+    rng = random.Random(threading.get_ident())
+    mine: list[str] = []
+    n = 0
+    while not stop.is_set():
+        n += 1
+        try:
+            kids = client.spawn_sandboxes("base", rng.randint(1, 5))
+            progress.release()
+            tag = f"{prefix}-{secrets.token_hex(4)}"
+            live = n % 2 == 1
+            client.branch_sandbox(kids[0]["id"], tag, mode="live" if live else "full", wait=not live)
+            mine.append(tag)
+            progress.release()
+            for kid in kids:
+                client.kill_sandbox(kid["id"])
+            if len(mine) > 1:
+                client.delete_snapshot(mine.pop(0))
+        except (ControllerError, ServerUnreachable):
+            if stop.is_set():
+                return

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 import threading
 
 import pytest
 
-from forkd_server.client import Controller, ControllerError, ServerUnreachable
+from forkd_server.client import Controller
 
 from ..conftest import requires_root, wait_gone
-from ..serving import cleanup, serving
+from ..serving import burst, cleanup, serving
 from .conftest import requires_qemu
 
 pytestmark = [requires_root, requires_qemu, pytest.mark.slow]
@@ -23,32 +22,6 @@ pytestmark = [requires_root, requires_qemu, pytest.mark.slow]
 ROUNDS = 5
 WORKERS = 4
 CALL_TIMEOUT = 120  # seconds: a VM call under TCG on a loaded host is slow, not stuck
-
-
-def worker(url: str, token: str, stop: threading.Event, progress: threading.Semaphore) -> None:
-    """Spawn 1-5, branch one (live without waiting, or full), kill them, delete an older branch:
-    until stopped. Errors are expected once the server is killed under us."""
-    client = Controller(url, token, timeout=CALL_TIMEOUT)
-    rng = random.Random(threading.get_ident())
-    mine: list[str] = []
-    n = 0
-    while not stop.is_set():
-        n += 1
-        try:
-            kids = client.spawn_sandboxes("base", rng.randint(1, 5))
-            progress.release()
-            tag = f"vb-{secrets.token_hex(4)}"
-            live = n % 2 == 1
-            client.branch_sandbox(kids[0]["id"], tag, mode="live" if live else "full", wait=not live)
-            mine.append(tag)
-            progress.release()
-            for kid in kids:
-                client.kill_sandbox(kid["id"])
-            if len(mine) > 1:
-                client.delete_snapshot(mine.pop(0))
-        except (ControllerError, ServerUnreachable):
-            if stop.is_set():
-                return
 
 
 def qemus_of(data_dir: str) -> set[int]:
@@ -76,7 +49,8 @@ def test_kill_9_of_serve_mid_vm_burst_then_restart_loop():
         rng = random.Random(20)
         for _ in range(ROUNDS):
             stop, progress = threading.Event(), threading.Semaphore(0)
-            threads = [threading.Thread(target=worker, args=(url, token, stop, progress), daemon=True)
+            threads = [threading.Thread(target=burst, args=(url, token, stop, progress), daemon=True,
+                                        kwargs={"prefix": "vb", "timeout": CALL_TIMEOUT})
                        for _ in range(WORKERS)]
             for t in threads:
                 t.start()
