@@ -167,7 +167,13 @@ class Lab:
                 self.log.flush()
                 pytest.fail("jupyter lab did not start:\n" + Path(self.root, "lab.log").read_text()[-4000:])
             time.sleep(0.1)
-        self.controller().wait_ready(30)
+        ctl = self.controller()
+        ctl.wait_ready(30)
+        # a restart settles what the last server recorded in the background (503 "recovering" for
+        # those objects meanwhile): the next test starts on a settled server
+        deadline = time.monotonic() + 120
+        while ctl.healthz().get("recovering") and time.monotonic() < deadline:
+            time.sleep(0.1)
         self.starts.append(time.time())
 
     def stop(self) -> None:
