@@ -10,7 +10,6 @@ so each makes its own AsyncController; the module's snapshot is made with the sy
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import urllib.error
 
@@ -20,6 +19,7 @@ from forkd_server.client import (AsyncController, AsyncSandbox, AsyncSnapshot, C
                                  ServerUnreachable, SessionClosed, Snapshot)
 from forkd_server.streaming import AsyncSession
 
+from .test_client_pool import tcp_to
 from .test_client_wire import CASES, Recorder, last, recorder  # noqa: F401 - the recorder fixture
 
 
@@ -33,24 +33,8 @@ def actl(server, **kw) -> AsyncController:
 
 
 def client_ports(server_port: int) -> set[int]:
-    """Local ports of this process's established TCP connections to ``server_port`` (from /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
-                if state == "01" and inode in inodes and int(remote.rsplit(":", 1)[1], 16) == server_port:
-                    ports.add(int(local.rsplit(":", 1)[1], 16))
-    return ports
+    """Local ports of this process's established TCP connections to ``server_port``."""
+    return {local for local, state in tcp_to(server_port) if state == "01"}
 
 
 # --- the wire: the same bytes as the sync SDK (and forkd's) ----------------------------------------

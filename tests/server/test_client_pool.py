@@ -61,8 +61,9 @@ def closed(n: int, timeout: float = 10) -> None:
         time.sleep(0.001)
 
 
-def our_sockets(port: int) -> int:
-    """This process's TCP sockets to ``port``, in any state (from /proc)."""
+def tcp_to(port: int) -> list[tuple[int, str]]:
+    """This process's TCP sockets whose remote port is ``port``: (local port, state as /proc writes
+    it: "01" established), from /proc."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -71,13 +72,20 @@ def our_sockets(port: int) -> int:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    count = 0
-    with open("/proc/self/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            cols = line.split()
-            if cols[9] in inodes and int(cols[2].rsplit(":", 1)[1], 16) == port:
-                count += 1
-    return count
+    found = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
+                if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == port:
+                    found.append((int(local.rsplit(":", 1)[1], 16), state))
+    return found
+
+
+def our_sockets(port: int) -> int:
+    """This process's TCP sockets to ``port``, in any state."""
+    return len(tcp_to(port))
 
 
 async def aclosed(n: int, port: int, timeout: float = 10) -> None:
