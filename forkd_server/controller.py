@@ -29,6 +29,7 @@ from .recovery import Recovery
 from .registry import Registry
 from .sandboxes import SandboxManager
 from .stores import StoreManager
+from .tiers import TierManager
 from .wire import has_labels, sandbox_info, snapshot_info, tree_nodes, workspace_info
 from .workspaces import WorkspaceManager, state_tag
 
@@ -60,6 +61,7 @@ class Controller:
         self.feed = ChangeFeed()
         self.branches = BranchManager(self.registry, self.engines, self.feed, branch_concurrency)
         self.sandboxes = SandboxManager(self)
+        self.tiers = TierManager(self)  # running -> frozen -> stored, and the wake on the next call
         self.workspaces = WorkspaceManager(self)
         self.creation = CreationManager(self)
         self.stores = StoreManager(self, store, store_options)  # local durability, push and pull
@@ -290,6 +292,20 @@ class Controller:
     def files(self, sandbox_id, op: str, path, **options) -> dict:
         return self.sandboxes.files(sandbox_id, op, path, **options)
 
+    # --- tiers (tiers.py) ------------------------------------------------------------------------
+
+    def freeze_sandbox(self, sandbox_id) -> dict:
+        """Pause a sandbox, its memory kept and no CPU used (tier ``frozen``); the next call wakes it."""
+        return self.tiers.freeze(sandbox_id)
+
+    def store_sandbox(self, sandbox_id) -> dict:
+        """Write a VM sandbox's state to the store and end its process (tier ``stored``)."""
+        return self.tiers.store(sandbox_id)
+
+    def wake_sandbox(self, sandbox_id) -> dict:
+        """Make a frozen or stored sandbox running again; SandboxInfo plus ``wake`` (its figures)."""
+        return self.tiers.wake(sandbox_id)
+
     # --- branch ----------------------------------------------------------------------------------
 
     def branch(self, sandbox_id, tag=None, *, mode=None, diff=False, live=False, measure_diff=False,
@@ -317,7 +333,7 @@ class Controller:
                 raise BadRequest("wait=false needs mode live (the branch returns while memory is still being written)")
             if self.registry.get_snapshot(tag) is not None:
                 raise Conflict(f"snapshot {tag} already exists; DELETE first")
-            row = self.sandboxes.row(sandbox_id)
+            row = self.tiers.running_row(sandbox_id)  # a frozen or stored sandbox wakes first
             if parent_tag is not None and parent_tag != row["snapshot_tag"]:
                 raise BadRequest(f"parent_tag {parent_tag!r} is not the source's snapshot {row['snapshot_tag']!r}")
             if parent_tag is not None and not diff:

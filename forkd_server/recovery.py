@@ -147,6 +147,8 @@ class Recovery:
                 self.counts["sandboxes_attached" if self.ctl.sandboxes.alive(row) else "sandboxes_dropped"] += 1
             elif row.get("ending"):
                 jobs.append(("sandbox", row["id"], self._finish_end, row))
+            elif row.get("tier") == "stored":
+                jobs.append(("sandbox", row["id"], self._settle_stored, row))
             elif row["status"] == "running" and row["handle"]:
                 jobs.append(("sandbox", row["id"], self._probe_sandbox, row))
             else:
@@ -182,7 +184,7 @@ class Recovery:
                 log.exception("forkd: the stores could not resume")
                 self._found(f"stores: could not resume what the previous server left ({type(exc).__name__}: {exc})")
             known = [r["handle"] for r in self.registry.list_snapshots() + self.registry.list_sandboxes()
-                     if r["handle"]]
+                     if r["handle"]] + self.ctl.tiers.stored_handles()
             engines = list(self.engines.items())
             with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
                 for found in pool.map(lambda named: self._guarded(named, known), engines):
@@ -271,13 +273,32 @@ class Recovery:
 
     def _probe_sandbox(self, row: dict) -> None:
         engine = self.engines[row["engine"]]
+        frozen = row.get("tier") == "frozen"
+        if frozen:  # a frozen agent answers no ping: thawed for the probe, frozen again after
+            try:
+                engine.thaw(row["handle"])
+            except EngineError as exc:
+                self._found(f"sandbox {row['id']}: could not thaw it for its probe ({exc})")
         self._repair(engine, row, f"sandbox {row['id']}")
         reason = engine.probe([row["handle"]], self.probe_timeout)[0]
         if reason is None:
+            if frozen:
+                engine.freeze(row["handle"])
             self._count("sandboxes_attached")
             return
         self._count("sandboxes_dropped")
         self._found(self._drop_sandbox(engine, row, reason))
+
+    def _settle_stored(self, row: dict) -> None:
+        """A stored sandbox (tiers.py): kept, stored and wakeable, while its stored state is whole."""
+        reason = self.ctl.tiers.settle_stored(row)
+        if reason is None:
+            self._count("sandboxes_attached")
+            return
+        self._count("sandboxes_dropped")
+        ended = {"reason": f"{reason} when the server started; it was dropped", "limit_hit": None}
+        self.ctl.sandboxes.drop(self.registry.get_sandbox(row["id"]) or row, ended)
+        self._found(f"sandbox {row['id']}: {ended['reason']}")
 
     def _fail_snapshot(self, engine, row: dict, reason: str) -> tuple[str, str]:
         """(the finding, ``failed`` or ``lost``) for a snapshot that did not answer."""

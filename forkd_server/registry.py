@@ -69,12 +69,14 @@ _ADDED_COLUMNS = {
     "snapshots": {"warnings": "TEXT",  # JSON list: what a lossy fork left behind
                   "labels": "TEXT"},   # JSON object str -> str
     "sandboxes": {"labels": "TEXT",
-                  "ending": "TEXT"},   # JSON: why it is being ended; the row goes once its process has
+                  "ending": "TEXT",    # JSON: why it is being ended; the row goes once its process has
+                  "tier": "TEXT",      # "frozen" | "stored"; NULL: running (tiers.py)
+                  "stored": "TEXT"},   # JSON: a stored sandbox's state snapshot {"handle", "digest", "remote"}
     "ended_sandboxes": {"hint": "TEXT",      # what to do, one line (endings.py)
                         "details": "TEXT"},  # JSON object: the facts behind the reason
 }
 ENDED_KEPT = 1000  # sandboxes whose end (when, why) is remembered, the latest first
-_JSON = {"lineage", "spec", "handle", "retiring", "warnings", "labels", "details", "ending"}
+_JSON = {"lineage", "spec", "handle", "retiring", "warnings", "labels", "details", "ending", "stored"}
 
 
 def _decode(row: sqlite3.Row | None) -> dict | None:

@@ -62,7 +62,10 @@ class SandboxManager:
         return endings.not_found(sandbox_id, ended)
 
     def alive(self, row: dict) -> bool:
-        """True if its process lives; a sandbox that died outside our control is dropped."""
+        """True if its process lives, or its state is in the store (tier ``stored``, tiers.py); a
+        sandbox that died outside our control is dropped."""
+        if row.get("tier") == "stored":
+            return True
         engine = self.engines.get(row["engine"])
         if engine is not None and row["handle"] and engine.alive(row["handle"]):
             return True
@@ -89,6 +92,8 @@ class SandboxManager:
         engine = self.engines.get(row["engine"])
         if engine is not None and row["handle"]:
             engine.kill(row["handle"])
+        if engine is not None and row.get("stored"):  # its state in the store (tiers.py) goes with it
+            engine.delete_snapshot(row["stored"]["handle"])
         self.registry.delete_sandboxes([row["id"]], ended=ended if remember else None)
 
     def drop(self, row: dict, ended: dict) -> None:
@@ -104,10 +109,10 @@ class SandboxManager:
                        **({"hint": ended["hint"]} if ended.get("hint") else {}))
 
     def _agent(self, sandbox_id: str, request: dict, what: str, timeout: float | None = None) -> dict:
-        row = self.row(sandbox_id)
-        engine = self.engines.get(row["engine"])
         try:
-            return engine.call(row["handle"], request, timeout=timeout)
+            with self.ctl.tiers.call(sandbox_id) as row:  # a frozen or stored sandbox wakes first
+                engine = self.engines.get(row["engine"])
+                return engine.call(row["handle"], request, timeout=timeout)
         except (AgentUnreachable, EngineError) as exc:
             if not _timed_out(exc) and engine.wait_exit(row["handle"], EXIT_WAIT):
                 if sandbox_id in self._killing:  # a kill ends it: the kill records that
@@ -195,6 +200,7 @@ class SandboxManager:
                                hint=f"spawn a sandbox with {memory_limit_mib} MiB instead",
                                details={"why": "under what the sandbox holds, the kernel would reclaim its memory "
                                                "or kill it"})
+            row = self.ctl.tiers.running_row(sandbox_id)  # a stored sandbox has no process to raise it of
             handle = dict(row["handle"])
             try:
                 self.engines[row["engine"]].raise_memory_limit(handle, memory_limit_mib)
@@ -258,13 +264,16 @@ class SandboxManager:
 
     def memory(self, sandbox_id) -> dict:
         row = self.row(sandbox_id)
+        if row.get("tier") == "stored":  # no process, no RAM: its state is in the store
+            return {"rss_kib": 0, "pss_kib": 0, "uss_kib": 0, "tier": "stored"}
         return self.engines[row["engine"]].memory(row["handle"])
 
     # --- talking to the agent --------------------------------------------------------------------
 
     def engine_of(self, sandbox_id) -> tuple:
-        """(engine, handle) of a running sandbox, for managers that talk to its agent (404 if none)."""
-        row = self.row(sandbox_id)
+        """(engine, handle) of a running sandbox, for managers that talk to its agent (404 if none);
+        a frozen or stored one is woken first."""
+        row = self.ctl.tiers.running_row(sandbox_id)
         return self.engines[row["engine"]], row["handle"]
 
     def interrupt(self, sandbox_id) -> dict:
@@ -273,7 +282,7 @@ class SandboxManager:
 
     def inventory(self, sandbox_id) -> dict:
         """What a branch of the sandbox now would not carry (empty where the engine carries all)."""
-        row = self.row(sandbox_id)
+        row = self.ctl.tiers.running_row(sandbox_id)
         try:
             lost = self.engines[row["engine"]].inventory(row["handle"])
         except (AgentUnreachable, EngineError) as exc:

@@ -79,6 +79,7 @@ class StoreManager:
         for name, engine in self.ctl.engines.items():
             if hasattr(engine, "store_snapshot"):
                 owned = {(r["handle"] or {}).get("tag") for r in rows if r["engine"] == name}
+                owned |= {h.get("tag") for h in self.ctl.tiers.stored_handles()}  # stored sandboxes' states
                 for pin in set(engine.store.pins()) - owned:
                     engine.store.unpin(pin)
         for row in rows:

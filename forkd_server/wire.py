@@ -40,9 +40,9 @@ def snapshot_info(row: dict) -> dict:
     if row.get("warnings"):  # what a lossy fork left behind, for as long as the snapshot lives
         info["warnings"] = row["warnings"]
     info["labels"] = row.get("labels") or {}
-    stored = (row["handle"] or {}).get("stored")
+    stored = _stored(row)
     if stored:  # kept in the local store (durable across reboots); remote: pushed to this server's store
-        info["stored"] = {"digest": stored["digest"], "remote": bool(stored.get("remote"))}
+        info["stored"] = stored
     return info
 
 
@@ -63,6 +63,8 @@ def sandbox_info(row: dict) -> dict:
         "status": row["status"],
         "lineage": row["lineage"],
         "labels": row.get("labels") or {},
+        # running, frozen (paused, no CPU) or stored (in the store, no process): tiers.py
+        "tier": row.get("tier") or "running",
     }
 
 
@@ -82,6 +84,11 @@ def workspace_info(row: dict) -> dict:
     return info
 
 
+def _stored(row: dict) -> dict | None:
+    stored = (row["handle"] or {}).get("stored")
+    return {"digest": stored["digest"], "remote": bool(stored.get("remote"))} if stored else None
+
+
 def tree_nodes(snapshots: list[dict], sandboxes: list[dict]) -> list[dict]:
     """Every snapshot and running sandbox as a node with a parent id (None for roots) and the whole
     lineage (root ... itself), so a front end can draw ancestors that are gone."""
@@ -90,12 +97,14 @@ def tree_nodes(snapshots: list[dict], sandboxes: list[dict]) -> list[dict]:
         nodes.append({"id": s["tag"], "kind": "snapshot", "parent": s["lineage"][-2] if len(s["lineage"]) > 1 else None,
                       "status": s["status"], "pause_ms": None, "pause_us": None, **pause_fields(s["pause_ms"]),
                       "created_at": s["created_at"], "engine": s["engine"], "lineage": s["lineage"],
-                      "labels": s.get("labels") or {}, "warnings": s.get("warnings") or []})
+                      "labels": s.get("labels") or {}, "warnings": s.get("warnings") or [],
+                      **({"stored": _stored(s)} if _stored(s) else {})})
     for b in sandboxes:
         if b["status"] == "running":
             nodes.append({"id": b["id"], "kind": "sandbox", "parent": b["snapshot_tag"], "status": "running",
                           "pause_ms": None, "pause_us": None, "created_at": b["created_at"], "engine": b["engine"],
-                          "lineage": b["lineage"], "labels": b.get("labels") or {}})
+                          "lineage": b["lineage"], "labels": b.get("labels") or {},
+                          "tier": b.get("tier") or "running"})
     return nodes
 
 

@@ -80,6 +80,7 @@ _FILES = {("memory", "v2"): "memory.max", ("memory", "v1"): "memory.limit_in_byt
           ("pids", "v2"): "pids.max", ("pids", "v1"): "pids.max"}
 _UNLIMITED = {("memory", "v2"): "max", ("memory", "v1"): "-1", ("pids", "v2"): "max", ("pids", "v1"): "max"}
 CONTROLLERS = ("memory", "pids", "hugetlb")
+FREEZE_WAIT = 10.0  # s a leaf has to report itself frozen or thawed
 HUGE_SIZE = "2MB"  # the huge page size sandboxes may use (process/hugepages.py); every other is capped at 0
 # A huge-page cap file: faults ("max", v1 "limit_in_bytes") and reservations ("rsvd."...), per size.
 _HUGETLB_CAP = re.compile(r"hugetlb\.(\w+)\.(?:rsvd\.)?(?:max|limit_in_bytes)")
@@ -311,6 +312,36 @@ class Cgroups:
                 hit.append(LimitHit("pids", most, forks, f"the pids limit ({most} processes and threads) refused a fork"
                                                          + (f" ({forks} times)" if forks > 1 else "")))
         return hit
+
+    @staticmethod
+    def freezer(leaves: list[str]) -> str | None:
+        """The leaf among these that can freeze its processes: a cgroup v2 one (``cgroup.freeze``,
+        Linux 5.2); None where every leaf is v1."""
+        return next((leaf for leaf in leaves if os.path.exists(os.path.join(leaf, "cgroup.freeze"))), None)
+
+    @staticmethod
+    def set_frozen(leaf: str, frozen: bool, timeout: float = FREEZE_WAIT) -> None:
+        """Freeze (or thaw) every process of a v2 leaf and wait until the kernel says it is done
+        (``cgroup.events``: ``frozen 1``); a frozen process keeps its state and takes no CPU, and
+        nothing in it can tell (no signal, no EINTR). Raises CgroupError past ``timeout``."""
+        want = "1" if frozen else "0"
+        with open(os.path.join(leaf, "cgroup.freeze"), "w") as f:
+            f.write(want)
+        events = os.path.join(leaf, "cgroup.events")
+        deadline = time.monotonic() + timeout
+        with open(events) as f:
+            poller = select.poll()
+            poller.register(f, select.POLLPRI)  # kernfs wakes pollers when cgroup.events changes
+            while True:
+                f.seek(0)
+                state = dict(line.split() for line in f.read().splitlines() if line.strip())
+                if state.get("frozen") == want:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CgroupError(errno.ETIMEDOUT, f"{leaf} did not {'freeze' if frozen else 'thaw'} "
+                                                       f"within {timeout:g} s")
+                poller.poll(min(left, 0.05) * 1000)
 
     @staticmethod
     def procs(leaf: str) -> list[int]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from .base import ApiError, ForkdHandler, NotFoundHandler
 from .meta import (OPENAPI_PATH, EventsHandler, HealthHandler, MetricsHandler, OpenAPIHandler, TreeHandler,
                    VersionHandler)
-from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, InterruptHandler, InventoryHandler,
-                        MemoryHandler, PingHandler, RunHandler, SandboxesHandler, SandboxHandler)
+from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, FreezeHandler, InterruptHandler,
+                        InventoryHandler, MemoryHandler, PingHandler, RunHandler, SandboxesHandler, SandboxHandler,
+                        StoreHandler, WakeHandler)
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
                         SnapshotPushHandler, SnapshotsHandler)
 from .workspaces import WorkspaceHandler, WorkspaceResumeHandler, WorkspacesHandler, WorkspaceSuspendHandler
@@ -52,6 +53,9 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/sandboxes/{ID}/inventory", InventoryHandler),
         (rf"v1/sandboxes/{ID}/memory", MemoryHandler),
         (rf"v1/sandboxes/{ID}/files", FilesHandler),
+        (rf"v1/sandboxes/{ID}/freeze", FreezeHandler),
+        (rf"v1/sandboxes/{ID}/store", StoreHandler),
+        (rf"v1/sandboxes/{ID}/wake", WakeHandler),
         (r"v1/kernels", KernelsHandler),
         (rf"v1/kernels/{ID}", KernelHandler),
         (rf"v1/kernels/{ID}/checkout", KernelCheckoutHandler),

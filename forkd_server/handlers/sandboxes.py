@@ -1,5 +1,6 @@
 """Sandbox routes: spawn and list, get, change (labels, a higher memory limit) and kill, the agent
-calls (ping, exec, eval, run, files, interrupt), branch, inventory and memory.
+calls (ping, exec, eval, run, files, interrupt), branch, inventory, memory, and the moves between
+tiers (freeze, store, wake: tiers.py).
 
 Control calls (list, get, change, kill, ping, interrupt, inventory, memory) use ``self.call``; long ones
 ``self.long_call``, and exec, eval and run in the sandbox's lane (admission.py)."""
@@ -194,6 +195,39 @@ class MemoryHandler(ForkdHandler):
     @authorized
     async def get(self, sandbox_id: str) -> None:
         self.send(await self.call(self.controller.memory, sandbox_id, sandbox=sandbox_id))
+
+
+class FreezeHandler(ForkdHandler):
+    """No body: pause the sandbox (tier ``frozen``); the next call wakes it."""
+
+    auth_resource = "forkd:sandboxes"
+
+    @web.authenticated
+    @authorized(action="write")
+    async def post(self, sandbox_id: str) -> None:
+        self.send(await self.call(self.controller.freeze_sandbox, sandbox_id, sandbox=sandbox_id))
+
+
+class StoreHandler(ForkdHandler):
+    """No body: write the sandbox's state to the store and end its process (tier ``stored``)."""
+
+    auth_resource = "forkd:sandboxes"
+
+    @web.authenticated
+    @authorized(action="write")
+    async def post(self, sandbox_id: str) -> None:
+        self.send(await self.long_call("a store", self.controller.store_sandbox, sandbox_id, sandbox=sandbox_id))
+
+
+class WakeHandler(ForkdHandler):
+    """No body: make a frozen or stored sandbox running; its answer says how long that took."""
+
+    auth_resource = "forkd:sandboxes"
+
+    @web.authenticated
+    @authorized(action="write")
+    async def post(self, sandbox_id: str) -> None:
+        self.send(await self.long_call("a wake", self.controller.wake_sandbox, sandbox_id, sandbox=sandbox_id))
 
 
 class FilesHandler(ForkdHandler):

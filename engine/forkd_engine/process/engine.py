@@ -547,7 +547,37 @@ class ProcessEngine:
             raise EngineError(str(exc)) from exc
         handle["cgroups"] = leaves
 
+    # --- freeze and thaw (the frozen tier) ---------------------------------------------------------
+
+    def freeze(self, handle: Handle) -> None:
+        """Freeze the sandbox: its v2 cgroup leaf's freezer where it has one (nothing inside can tell),
+        else SIGSTOP to each of its processes (a stop its processes' parents may see)."""
+        self._set_frozen(handle, True)
+
+    def thaw(self, handle: Handle) -> None:
+        self._set_frozen(handle, False)
+
+    def _set_frozen(self, handle: Handle, frozen: bool) -> None:
+        if not self.alive(handle):
+            raise EngineError(f"process {handle['pid']} is gone")
+        leaves = handle.get("cgroups") or []
+        leaf = self.cgroups.freezer(leaves)
+        try:
+            if leaf is not None:
+                self.cgroups.set_frozen(leaf, frozen)
+                return
+            pids = sorted({p for lf in leaves for p in self.cgroups.procs(lf)}) or \
+                [p for p in ((handle.get("init") or {}).get("pid"), handle["pid"]) if p]
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        except OSError as exc:
+            raise EngineError(f"could not {'freeze' if frozen else 'thaw'} process {handle['pid']}: {exc}") from exc
+
     def kill(self, handle: Handle) -> None:
+        if handle.get("cgroups") and self.alive(handle):
+            with contextlib.suppress(EngineError):  # a frozen init could not reap its agent
+                self._set_frozen(handle, False)
         self._end(handle)
         self.cgroups.remove(handle.get("cgroups") or [])  # its init's go once its last fork has
 

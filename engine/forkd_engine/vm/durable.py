@@ -125,6 +125,20 @@ def ensure_files(engine: "VMEngine", handle: Handle) -> bool:
         return True
 
 
+def release_files(engine: "VMEngine", handle: Handle) -> bool:
+    """Remove a stored snapshot's ``memory.bin`` (its RAM in tmpfs); ``ensure_files`` writes it back
+    from the store. Only when the store holds the snapshot (its pin and manifest): never the one copy."""
+    manifest = stored_manifest(engine, handle)
+    if manifest is None or not engine.store.has_all(manifest):
+        return False
+    with _lock(engine, handle["tag"]):
+        try:
+            os.unlink(handle["memory"])
+        except FileNotFoundError:
+            pass
+    return True
+
+
 def _check_room(engine: "VMEngine", manifest: Manifest, files: dict[str, str]) -> None:
     ram = manifest.files.get("memory.bin", {}).get("size", 0) >> 20
     if "memory.bin" in files:

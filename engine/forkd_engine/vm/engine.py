@@ -40,6 +40,7 @@ from .channel import AgentChannel, VMSession
 from .host import QEMU, host_tsc_khz, kvm_status, qemu_binary, qemu_version
 from .image import Image, ImageError, build_image
 from .qemu import MAX_SOCKET_PATH, STOP_WAIT, Qemu
+from .qmp import QMP, QMPError
 
 
 class VMEngine:
@@ -227,6 +228,26 @@ class VMEngine:
         with self._channels_lock:
             return self._vm_locks.setdefault(self._key(handle), threading.Lock())
 
+    # --- freeze and thaw (the frozen tier) ---------------------------------------------------------
+
+    def freeze(self, handle: Handle) -> None:
+        """Stop the VM's vCPUs (QMP ``stop``): its RAM and devices stay as they are, no CPU is used."""
+        self._run_state(handle, "stop")
+
+    def thaw(self, handle: Handle) -> None:
+        """Let a frozen VM run on (QMP ``cont``). Its guest clock lags by the time it was frozen."""
+        self._run_state(handle, "cont")
+
+    def _run_state(self, handle: Handle, command: str) -> None:
+        if handle.get("kind") != "vm" or not self.alive(handle):
+            raise EngineError(f"QEMU process {handle.get('pid')} is gone")
+        try:
+            with QMP(handle["qmp"], timeout=10) as qmp:
+                qmp.execute(command)
+        except QMPError as exc:
+            raise EngineError(f"could not {'freeze' if command == 'stop' else 'thaw'} VM {handle['pid']}: {exc}") \
+                from exc
+
     # --- killing ---------------------------------------------------------------------------------
 
     def kill(self, handle: Handle) -> None:
@@ -265,6 +286,16 @@ class VMEngine:
     def store_snapshot(self, handle: Handle, progress=None) -> str:
         """Keep a ready snapshot's files in the local store; returns its manifest digest."""
         return durable.store_snapshot(self, handle, progress)
+
+    def release_files(self, handle: Handle) -> bool:
+        """Free a stored snapshot's RAM file (tmpfs, i.e. RAM): the store holds it, and its next
+        spawn writes it back. False (nothing freed) when the store does not hold it."""
+        return durable.release_files(self, handle)
+
+    def materialise(self, handle: Handle) -> bool:
+        """Write a snapshot's files back from the local store where they are gone; True if any was
+        (a spawn does this by itself; called first, it is timed apart)."""
+        return durable.ensure_files(self, handle)
 
     def import_snapshot(self, manifest: Manifest, tag: str, lineage: list[str]) -> Handle:
         """Snapshot ``tag`` from a manifest whose chunks the local store holds (after a pull)."""

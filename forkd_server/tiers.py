@@ -1,0 +1,287 @@
+"""Tiers: a sandbox is ``running``, ``frozen`` (paused: its memory kept, no CPU used) or ``stored``
+(its state a snapshot in the store: no process, no RAM), and the next call wakes it.
+
+- *freeze*: the engine pauses every process (the process engine's cgroup freezer) or vCPU (the VM
+  engine's QMP ``stop``); waking is a thaw, milliseconds.
+- *store* (VM engine only): the sandbox is branched (mode full) into a snapshot of its own, named
+  ``<id>@stored-<n>`` (``@`` is in no user tag, so it never meets one), kept in the local chunk
+  store and pushed to the remote store when the server has one; then its QEMU ends and the
+  snapshot's RAM file leaves tmpfs. Waking fetches what the local store lacks, writes the RAM file
+  back, and restores a VM under the *same* sandbox id, so callers never see the change. A process
+  sandbox is a process, which cannot be written as files: ``frozen`` is its deepest tier.
+
+The state is recorded in the sandbox's row (``tier``, and ``stored``: the snapshot's handle and
+digest) before the old process ends, and the handle of the new one before its stored state goes,
+so a crash at any point leaves a sandbox that is still running, or still stored and wakeable
+(recovery.py settles either). One lock per sandbox orders the moves; a call waits on it for a wake
+under way (``WAKE_WAIT``) and then gets a 503 saying so, never a 500. A move down is refused (409)
+while a call runs in the sandbox: a frozen agent would leave that call hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import TYPE_CHECKING, Iterator
+
+from forkd_engine import ChildSpec, EngineError
+from forkd_engine.store import StoreError, fetch_manifest, pull as pull_chunks, push as push_chunks
+
+from .errors import Busy, Conflict, EngineFailure, StoreFailure
+from .wire import sandbox_info
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+TIERS = ("running", "frozen", "stored")
+WAKE_WAIT = 120.0    # s a call waits for another move of its sandbox (a wake from the store) to finish
+STORE_WAIT = 600.0   # s the branch a store makes has to be written
+
+
+def tier_of(row: dict) -> str:
+    return row.get("tier") or "running"
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000, 2)
+
+
+class TierManager:
+    def __init__(self, controller: "Controller"):
+        self.ctl = controller
+        self.registry = controller.registry
+        self.feed = controller.feed
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._moving: dict[str, str] = {}   # id -> the move holding its lock ("a wake from stored", ...)
+        self._calls: dict[str, int] = {}    # id -> calls running in it now
+
+    # --- the lock of one sandbox -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _holding(self, sandbox_id: str, move: str) -> Iterator[None]:
+        with self._guard:
+            lock = self._locks.setdefault(sandbox_id, threading.Lock())
+        if not lock.acquire(timeout=WAKE_WAIT):
+            raise Busy(f"sandbox {sandbox_id} is busy with {self._moving.get(sandbox_id, 'a move between tiers')} "
+                       f"for more than {WAKE_WAIT:g} s", hint="retry in a moment")
+        self._moving[sandbox_id] = move
+        try:
+            yield
+        finally:
+            self._moving.pop(sandbox_id, None)
+            lock.release()
+
+    # --- calls: the sandbox running while they run -----------------------------------------------
+
+    def running_row(self, sandbox_id) -> dict:
+        """The row of a sandbox made ``running`` first if it was not (a wake)."""
+        row = self.ctl.sandboxes.row(sandbox_id)
+        if tier_of(row) == "running":
+            return row
+        with self._holding(row["id"], "a wake"):
+            row = self.ctl.sandboxes.row(sandbox_id)
+            if tier_of(row) != "running":
+                row, _ = self._wake(row)
+            return row
+
+    @contextlib.contextmanager
+    def call(self, sandbox_id) -> Iterator[dict]:
+        """One call to a sandbox's agent: woken first, and kept from moving down until it returns."""
+        row = self.running_row(sandbox_id)
+        with self._guard:
+            self._calls[row["id"]] = self._calls.get(row["id"], 0) + 1
+        try:
+            if tier_of(self.registry.get_sandbox(row["id"]) or row) != "running":  # moved down in between
+                row = self.running_row(sandbox_id)
+            yield row
+        finally:
+            with self._guard:
+                left = self._calls.get(row["id"], 1) - 1
+                if left:
+                    self._calls[row["id"]] = left
+                else:
+                    self._calls.pop(row["id"], None)
+
+    def _idle(self, row: dict, move: str) -> None:
+        if self._calls.get(row["id"]):
+            raise Conflict(f"sandbox {row['id']} is running a call; it can {move} once the call has returned",
+                           hint=f"retry when it is idle, or interrupt it (POST /v1/sandboxes/{row['id']}/interrupt)")
+
+    # --- the moves -------------------------------------------------------------------------------
+
+    def freeze(self, sandbox_id) -> dict:
+        """Pause a running sandbox (its memory kept, no CPU): tier ``frozen``. A frozen one is
+        answered as it is; a stored one is deeper already (409)."""
+        row = self.ctl.sandboxes.row(sandbox_id)
+        with self._holding(row["id"], "a freeze"):
+            row = self.ctl.sandboxes.row(sandbox_id)
+            tier = tier_of(row)
+            if tier == "stored":
+                raise Conflict(f"sandbox {row['id']} is stored, a deeper tier than frozen",
+                               hint=f"wake it first (POST /v1/sandboxes/{row['id']}/wake)")
+            if tier == "running":
+                self._idle(row, "freeze")
+                try:
+                    self.ctl.engines[row["engine"]].freeze(row["handle"])
+                except EngineError as exc:
+                    raise EngineFailure(f"freeze of {row['id']}: {exc}") from exc
+                self._set(row["id"], "frozen")
+            return sandbox_info(self.registry.get_sandbox(row["id"]))
+
+    def store(self, sandbox_id) -> dict:
+        """Write a VM sandbox's state into the store and end its QEMU: tier ``stored``. 409 on the
+        process engine, whose deepest tier is frozen."""
+        row = self.ctl.sandboxes.row(sandbox_id)
+        engine = self.ctl.engines[row["engine"]]
+        if not hasattr(engine, "store_snapshot"):
+            raise Conflict(f"sandbox {row['id']} runs on the {row['engine']} engine, whose deepest tier is frozen: "
+                           f"a process cannot be written as files",
+                           hint=f"freeze it instead (POST /v1/sandboxes/{row['id']}/freeze), or run sandboxes that "
+                                f"can be stored on the vm engine",
+                           details={"rest": f"POST /v1/sandboxes/{row['id']}/freeze", "sdk": "sandbox.freeze()",
+                                    "cli": f"forkd freeze {row['id']}",
+                                    "vm": "snapshots created with engine vm (forkd serve, c.ForkdApp) store their "
+                                          "sandboxes"})
+        with self._holding(row["id"], "a store"):
+            row = self.ctl.sandboxes.row(sandbox_id)
+            if tier_of(row) == "stored":
+                return sandbox_info(row)
+            self._idle(row, "be stored")
+            if tier_of(row) == "frozen":  # a branch runs the VM's own stop and resume
+                try:
+                    engine.thaw(row["handle"])
+                except EngineError as exc:
+                    raise EngineFailure(f"store of {row['id']}: {exc}") from exc
+                self._set(row["id"], None)
+            return sandbox_info(self._store(row, engine))
+
+    def _store(self, row: dict, engine) -> dict:
+        tag = f"{row['id']}@stored-{self.registry.next_counter('stored:' + row['id'])}"
+        release = self.ctl.branches.take_slot(tag)
+        snap = None
+        try:
+            try:
+                result = engine.branch(row["handle"], tag, row["lineage"] + [tag], "full")
+                snap = result.ready.result(timeout=STORE_WAIT)
+                digest = engine.store_snapshot(snap)
+            except (EngineError, TimeoutError) as exc:
+                raise EngineFailure(f"store of {row['id']}: {exc}") from exc
+            remote = self.ctl.stores.remote
+            if remote is not None:
+                try:
+                    push_chunks(engine.store, remote, digest)
+                except StoreError as exc:
+                    raise StoreFailure(f"store of {row['id']}: {exc}",
+                                       hint="the sandbox runs on; store it again once the store answers") from None
+            stored = {"handle": snap, "digest": digest, "remote": remote is not None,
+                      **({"store": remote.url} if remote is not None else {})}
+            # Recorded before the VM ends: from here a crash leaves it stored (recovery ends the VM).
+            self.registry.update_sandbox(row["id"], tier="stored", stored=stored)
+        except BaseException:
+            if snap is not None:
+                with contextlib.suppress(Exception):
+                    engine.delete_snapshot(snap)
+            raise
+        finally:
+            release()
+        self.retire_process(row, engine)
+        engine.release_files(snap)  # its RAM file leaves tmpfs: the store holds it
+        self.feed.emit("sandbox", "tier", id=row["id"], tier="stored", digest=digest)
+        return self.registry.get_sandbox(row["id"])
+
+    def retire_process(self, row: dict, engine) -> None:
+        """End the process of a sandbox now stored, and forget its handle (recovery finishes this)."""
+        if row["handle"]:
+            try:
+                engine.kill(row["handle"])
+            except EngineError as exc:
+                raise EngineFailure(f"sandbox {row['id']} is stored, but its QEMU did not exit: {exc}",
+                                    hint="a restart of the server ends it") from exc
+            self.registry.update_sandbox(row["id"], handle=None)
+
+    def wake(self, sandbox_id) -> dict:
+        """Make a sandbox running again, its state intact: SandboxInfo plus ``wake``, the time it
+        took (``ms``) and, from stored, its split (``fetch_ms``, ``decompress_ms``, ``restore_ms``)."""
+        row = self.ctl.sandboxes.row(sandbox_id)
+        with self._holding(row["id"], "a wake"):
+            row = self.ctl.sandboxes.row(sandbox_id)
+            row, figures = self._wake(row) if tier_of(row) != "running" else (row, {"from": "running", "ms": 0.0})
+            return {**sandbox_info(row), "wake": figures}
+
+    def _wake(self, row: dict) -> tuple[dict, dict]:
+        """(the running row, the wake's figures); the caller holds the sandbox's lock."""
+        engine = self.ctl.engines[row["engine"]]
+        t0 = time.perf_counter()
+        tier = tier_of(row)
+        if tier == "frozen":
+            try:
+                engine.thaw(row["handle"])
+            except EngineError as exc:
+                raise EngineFailure(f"wake of {row['id']}: {exc}") from exc
+            self._set(row["id"], None)
+            figures = {"from": "frozen", "ms": _ms(t0)}
+        else:
+            figures = self._restore(row, engine, t0)
+        self.feed.emit("sandbox", "tier", id=row["id"], tier="running", wake_ms=figures["ms"])
+        return self.registry.get_sandbox(row["id"]), figures
+
+    def _restore(self, row: dict, engine, t0: float) -> dict:
+        stored = row["stored"]
+        snap = stored["handle"]
+        if row["handle"]:  # a store cut short after its record: its VM still runs
+            self.retire_process(row, engine)
+        fetched = 0
+        manifest = engine.store.get_manifest(stored["digest"])
+        if manifest is None or not engine.store.has_all(manifest):
+            remote = self.ctl.stores.remote
+            if remote is None or not stored.get("remote"):
+                raise EngineFailure(f"wake of {row['id']}: its stored state {stored['digest']} is gone from the local "
+                                    f"store {engine.store.root}" + ("" if remote else " and no remote store is set"))
+            try:
+                manifest = manifest or fetch_manifest(remote, digest=stored["digest"])
+                fetched = pull_chunks(engine.store, remote, manifest)["fetched_bytes"]
+                engine.store.pin(snap["tag"], stored["digest"])
+            except StoreError as exc:
+                raise StoreFailure(f"wake of {row['id']}: {exc}", hint="it stays stored; retry once the store "
+                                                                      "answers") from None
+        fetch_ms = _ms(t0)
+        t1 = time.perf_counter()
+        try:
+            engine.materialise(snap)
+            decompress_ms = _ms(t1)
+            t2 = time.perf_counter()
+            handle = engine.spawn(snap, [ChildSpec(id=row["id"], lineage=row["lineage"],
+                                                   memory_limit_mib=row["memory_limit_mib"])])[0]
+        except EngineError as exc:
+            raise EngineFailure(f"wake of {row['id']}: {exc}", hint="it stays stored; retry the call") from exc
+        restore_ms = _ms(t2)
+        # Recorded before the stored state goes: a crash from here leaves it running.
+        self.registry.update_sandbox(row["id"], handle=handle, tier=None, stored=None)
+        with contextlib.suppress(Exception):  # its chunks become cache (pinned no more)
+            engine.delete_snapshot(snap)
+        return {"from": "stored", "ms": _ms(t0), "fetch_ms": fetch_ms, "fetched_bytes": fetched,
+                "decompress_ms": decompress_ms, "restore_ms": restore_ms}
+
+    def _set(self, sandbox_id: str, tier: str | None) -> None:
+        self.registry.update_sandbox(sandbox_id, tier=tier)
+        if tier is not None:
+            self.feed.emit("sandbox", "tier", id=sandbox_id, tier=tier)
+
+    # --- start-up ----------------------------------------------------------------------------------
+
+    def stored_handles(self) -> list[dict]:
+        """The handles of every stored sandbox's state snapshot (what an engine's sweep must keep)."""
+        return [r["stored"]["handle"] for r in self.registry.list_sandboxes() if r.get("stored")]
+
+    def settle_stored(self, row: dict) -> str | None:
+        """At start-up, a stored sandbox: end a VM a store cut short left running; None when its
+        stored state is whole, else why not."""
+        engine = self.ctl.engines[row["engine"]]
+        if row["handle"]:
+            self.retire_process(row, engine)
+        snap = (row.get("stored") or {}).get("handle")
+        if not snap or not engine.alive(snap):
+            return "its stored state is gone (no files, and the local store holds no copy)"
+        return None
