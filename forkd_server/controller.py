@@ -393,6 +393,10 @@ class Controller:
         """A ready snapshot on this host from the remote store, by tag or by digest."""
         return self.stores.pull(tag=tag, digest=digest)
 
+    def delete_remote_snapshot(self, name) -> dict:
+        """Delete a snapshot (by tag or digest) from the remote store, keeping chunks others use."""
+        return self.stores.delete_remote(name)
+
     def wait_snapshot(self, tag, timeout: float = 60.0) -> dict:
         """Block until a snapshot is ``ready`` or ``failed``; returns its info."""
         check_tag(tag)

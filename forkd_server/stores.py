@@ -24,13 +24,16 @@ import threading
 import time
 
 from forkd_engine import EngineError
-from forkd_engine.store import (ChunkCorrupt, Incompatible, NotInStore, RemoteStore, StoreError, fetch_manifest,
-                                parse_digest, pull as pull_chunks, push as push_chunks)
+from forkd_engine.store import (ChunkCorrupt, Incompatible, NotInStore, RemoteStore, StoreError, delete as delete_remote,
+                                fetch_manifest, parse_digest, pull as pull_chunks, push as push_chunks)
 
 from .checks import check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound, StoreFailure
 
 PROGRESS_EVERY = 0.25  # seconds between progress events of one transfer
+# A remote delete sweeps no chunk younger than this (s): a push under way writes its chunks before
+# its manifest. $FORKD_STORE_DELETE_GRACE sets another (0 only where nothing else pushes).
+DELETE_GRACE = 3600.0
 
 
 class StoreManager:
@@ -39,6 +42,7 @@ class StoreManager:
         self.registry = controller.registry
         self.feed = controller.feed
         self.remote = None
+        self.grace_seconds = float(os.environ.get("FORKD_STORE_DELETE_GRACE") or DELETE_GRACE)
         if store_url:
             try:
                 self.remote = RemoteStore(store_url, **(store_options or {}))
@@ -207,6 +211,34 @@ class StoreManager:
         self._set_stored(tag, row["handle"], dict(stored, remote=True))
         self.feed.emit("snapshot", "stored", tag=tag, digest=stored["digest"], remote=True)
         return {"tag": tag, "store": remote.url, **result}
+
+    def delete_remote(self, name) -> dict:
+        """Delete a snapshot from the remote store, by tag or ``sha256:`` digest: its manifest and the
+        tags naming it, then (mark and sweep) every chunk no remaining manifest lists and older than
+        the grace period. Snapshots on this host stay; those that named it are no longer ``remote``."""
+        remote = self._remote()
+        if not isinstance(name, str) or not name:
+            raise BadRequest("give a tag or a sha256: digest")
+        try:
+            if name.startswith("sha256:"):
+                digest = "sha256:" + parse_digest(name)
+            else:
+                check_tag(name)
+                digest = remote.get_tag(name)
+            fetch_manifest(remote, digest=digest)  # a 404 for a snapshot the store does not hold
+            figures = delete_remote(remote, digest, grace_seconds=self.grace_seconds)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        except NotInStore as exc:
+            raise NotFound(str(exc)) from None
+        except StoreError as exc:
+            raise StoreFailure(f"delete of {name} from the store: {exc}") from None
+        for row in self.registry.list_snapshots():
+            stored = (row["handle"] or {}).get("stored") or {}
+            if stored.get("digest") == digest and stored.get("remote"):
+                self._set_stored(row["tag"], row["handle"], dict(stored, remote=False))
+                self.feed.emit("snapshot", "stored", tag=row["tag"], digest=digest, remote=False)
+        return {"digest": digest, "store": remote.url, **figures}
 
     def pull(self, tag=None, digest=None) -> dict:
         """Make a ready snapshot on this host from the remote store, by ``tag`` or ``digest``;

@@ -182,6 +182,30 @@ class Calls:
         body = {"tag": tag} if tag is not None else {"digest": digest}
         return self._request("POST", "/v1/snapshots/pull", body, timeout=timeout)
 
+    def delete_remote_snapshot(self, tag: str | None = None, *, digest: str | None = None,
+                               timeout: float = 3600) -> dict:
+        """Delete a snapshot from the server's remote store, by ``tag`` (the store's tag index) or
+        ``digest``: its manifest and the tags naming it go, then every chunk no other manifest lists
+        (mark and sweep; chunks written within the store's grace period stay). Returns ``{"digest",
+        "store", "removed_chunks", "kept_chunks"}``. Snapshots on the server itself stay."""
+        return self._request("DELETE", f"/v1/store/snapshots/{tag if tag is not None else digest}", timeout=timeout)
+
+    # -- tiers: running, frozen (paused, no CPU), stored (in the store, no process); a call wakes it --
+
+    def freeze_sandbox(self, sandbox_id: str) -> dict:
+        """Pause a sandbox, its memory kept and no CPU used (tier ``frozen``); its SandboxInfo."""
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/freeze")
+
+    def store_sandbox(self, sandbox_id: str, *, timeout: float = 900) -> dict:
+        """Write a VM sandbox's state to the store and end its process (tier ``stored``); a 409 on
+        the process engine, whose deepest tier is frozen."""
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/store", timeout=timeout)
+
+    def wake_sandbox(self, sandbox_id: str, *, timeout: float = 900) -> dict:
+        """Make a frozen or stored sandbox running; its SandboxInfo plus ``wake`` (``ms``, and from
+        stored ``fetch_ms``, ``decompress_ms``, ``restore_ms``). Any other call wakes it too."""
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/wake", timeout=timeout)
+
     # -- workspaces: named sandboxes that suspend into ws-<name>-state and resume from it --
 
     def list_workspaces(self) -> list[dict]:

@@ -143,6 +143,37 @@ class _SandboxCalls:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.id!r}, snapshot_tag={self.snapshot_tag!r})"
 
+    @property
+    def tier(self) -> str:
+        """``running``, ``frozen`` or ``stored``, as of the last answer about this sandbox
+        (``refresh()`` asks again)."""
+        return self.info.get("tier") or "running"
+
+    def refresh(self):
+        """Ask the server for this sandbox's info again (its tier, labels...); returns self."""
+        return self.controller._do(self.controller.plan.get_sandbox(self.id), then=self._took)
+
+    def freeze(self):
+        """Pause it, its memory kept and no CPU used; the next call wakes it. Returns self."""
+        return self.controller._do(self.controller.plan.freeze_sandbox(self.id), then=self._took)
+
+    def store(self):
+        """Write its state to the store and end its process (VM engine; the process engine's
+        deepest tier is frozen: a 409). The next call wakes it, same id. Returns self."""
+        return self.controller._do(self.controller.plan.store_sandbox(self.id), then=self._took)
+
+    def wake(self) -> dict:
+        """Make it running again now; returns the wake's figures (``ms``; from stored also
+        ``fetch_ms``, ``decompress_ms``, ``restore_ms``)."""
+        def took(info: dict) -> dict:
+            self._took(info)
+            return info.get("wake") or {}
+        return self.controller._do(self.controller.plan.wake_sandbox(self.id), then=took)
+
+    def _took(self, info: dict):
+        self.info = {k: v for k, v in info.items() if k != "wake"}
+        return self
+
     def ping(self) -> dict:
         return self.controller.ping_sandbox(self.id)
 

@@ -110,6 +110,18 @@ class SnapshotPushHandler(ForkdHandler):
         self.send(await self.long_call("a push", self.controller.push_snapshot, tag))
 
 
+class StoreSnapshotHandler(ForkdHandler):
+    """``DELETE /v1/store/snapshots/{tag|sha256:digest}``: a snapshot leaves the remote store (its
+    manifest and tags; chunks no other manifest lists, by mark and sweep)."""
+
+    auth_resource = "forkd:snapshots"
+
+    @web.authenticated
+    @authorized
+    async def delete(self, name: str) -> None:
+        self.send(await self.long_call("a delete from the store", self.controller.delete_remote_snapshot, name))
+
+
 class SnapshotPullHandler(SnapshotHandler):
     """``POST /v1/snapshots/pull`` makes a snapshot from the remote store. The path is also that of a
     snapshot tagged ``pull``, which ``DELETE`` still deletes."""
