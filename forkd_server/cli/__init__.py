@@ -3,7 +3,7 @@
 Every subcommand except ``serve``, ``doctor``, ``demo`` and ``image`` talks to a server (``--url``
 / ``$FORKD_URL``, token ``--token`` / ``$FORKD_TOKEN``) through the client SDK; tables and progress
 bars for people, ``--json`` for scripts. The commands live beside the REST routes they use, one
-module each: ``_snapshots``, ``_store`` (push, pull), ``_sandboxes``, ``_workspaces``, ``_host``
+module each: ``_snapshots``, ``_store`` (push, pull), ``_sandboxes``, ``_tiers`` (freeze, store, wake), ``_workspaces``, ``_host``
 for the commands about this host and ``_mcp`` for the MCP server over stdio; ``_output`` is how
 they show what they got, ``_errors`` how they say a failure (one line;
 ``--debug`` or ``FORKD_DEBUG=1`` adds its details and the traceback). Here: the parser and ``main``.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from . import _host, _mcp, _sandboxes, _snapshots, _store, _workspaces
+from . import _host, _mcp, _sandboxes, _snapshots, _store, _tiers, _workspaces
 from ._errors import Parser, add_debug_option, debug_wanted, report
 
 __all__ = ["build_parser", "main"]
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _snapshots.add_commands(sub, options)
     _store.add_commands(sub, options)
     _sandboxes.add_commands(sub, options)
+    _tiers.add_commands(sub, options)
     _workspaces.add_commands(sub, options)
     _host.add_commands(sub, options)
     _mcp.add_commands(sub)

@@ -43,10 +43,11 @@ def cmd_ls(args) -> int:
     if args.json:
         emit_json(boxes)
     else:
-        console().print(table(f"{len(boxes)} sandbox(es)", ["id", "snapshot", "engine", "pid", "branches",
+        console().print(table(f"{len(boxes)} sandbox(es)", ["id", "snapshot", "engine", "tier", "pid", "branches",
                                                             "memory limit", "created"],
-                              [[b["id"], b["snapshot_tag"], b.get("engine"), b.get("pid"), b.get("branch_count"),
-                                b.get("memory_limit_mib"), ago(b.get("created_at_unix"))] for b in boxes]))
+                              [[b["id"], b["snapshot_tag"], b.get("engine"), b.get("tier", "running"), b.get("pid"),
+                                b.get("branch_count"), b.get("memory_limit_mib"), ago(b.get("created_at_unix"))]
+                               for b in boxes]))
     return 0
 
 

@@ -1,5 +1,6 @@
 """``forkd push TAG`` and ``forkd pull TAG`` (or ``--digest``): snapshots to and from the server's
-remote store, with a progress bar on stderr (none with ``--json``)."""
+remote store, with a progress bar on stderr (none with ``--json``); ``forkd push --delete TAG`` (or a
+``sha256:`` digest) deletes one from the store, as ``git push --delete`` does a remote branch."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def _bar(args, what: str):
 
 
 def cmd_push(args) -> int:
+    if args.delete:
+        out = client(args).delete_remote_snapshot(args.tag)
+        if args.json:
+            emit_json(out)
+            return 0
+        console().print(f"deleted {args.tag} ({out['digest']}) from {out['store']}\n"
+                        f"  {out['removed_chunks']} chunks removed, {out['kept_chunks']} kept (other snapshots list "
+                        f"them)", soft_wrap=True)
+        return 0
     with _bar(args, f"pushing {args.tag}") as progress:
         out = client(args).push_snapshot(args.tag, progress=progress)
     if args.json:
@@ -56,7 +66,9 @@ def cmd_pull(args) -> int:
 
 def add_commands(sub, options) -> None:
     p = sub.add_parser("push", parents=[options], help="push a VM snapshot to the server's remote store (--store)")
-    p.add_argument("tag")
+    p.add_argument("tag", help="the snapshot (with --delete: its tag in the store, or sha256:DIGEST)")
+    p.add_argument("--delete", action="store_true",
+                   help="delete it from the remote store instead (chunks other snapshots list stay)")
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("pull", parents=[options], help="make a snapshot from the server's remote store")

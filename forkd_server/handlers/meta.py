@@ -128,6 +128,10 @@ class TreeHandler(ForkdHandler):
         """What each sandbox's main thread runs, from a ping of each, side by side on the probe pool
         (admission.py): each ping has ``BUSY_PING_TIMEOUT``, the whole ``BUSY_DEADLINE``, so frozen
         agents cost probe threads for a second, never a control thread, and show as not answering."""
+        for node in sandboxes:
+            if node.get("tier", "running") != "running":
+                node["busy"] = None  # a ping would wake it (tiers.py); a frozen or stored sandbox runs nothing
+        sandboxes = [n for n in sandboxes if n.get("tier", "running") == "running"]
         pings = [functools.partial(self.controller.ping, n["id"], timeout=BUSY_PING_TIMEOUT) for n in sandboxes]
         for node, got in zip(sandboxes, await self.app.admission.probe(pings, BUSY_DEADLINE)):
             if isinstance(got, dict):

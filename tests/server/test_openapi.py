@@ -32,7 +32,8 @@ def handler_ops() -> dict[tuple[str, str], type]:
             continue
         path = pattern.replace("/?", "").replace(r"\.", ".")
         param = "{tag}" if path.startswith("/v1/snapshots/") else \
-            "{name}" if path.startswith("/v1/workspaces/") else "{id}"
+            "{name}" if path.startswith("/v1/workspaces/") else \
+            "{ref}" if path.startswith("/v1/store/") else "{id}"
         path = path.replace("([^/]+)", param)
         assert not re.search(r"[()\[\]*+?\\]", path), f"untranslated pattern {pattern}"
         for verb in VERBS:
