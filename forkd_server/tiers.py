@@ -105,8 +105,16 @@ class TierManager:
                     self._calls.pop(row["id"], None)
 
     def _idle(self, row: dict, move: str) -> None:
-        if self._calls.get(row["id"]):
-            raise Conflict(f"sandbox {row['id']} is running a call; it can {move} once the call has returned",
+        """409 unless the sandbox is idle: no call of ours in it, and its main thread runs nothing
+        (its ping says so: a cell of a streaming session counts too)."""
+        busy = "a call" if self._calls.get(row["id"]) else None
+        if busy is None:
+            try:
+                busy = self.ctl.engines[row["engine"]].call(row["handle"], {"action": "ping"}, timeout=5).get("busy")
+            except EngineError:
+                busy = None  # an agent that does not answer runs nothing we could cut short
+        if busy:
+            raise Conflict(f"sandbox {row['id']} is running {busy}; it can {move} once that has returned",
                            hint=f"retry when it is idle, or interrupt it (POST /v1/sandboxes/{row['id']}/interrupt)")
 
     # --- the moves -------------------------------------------------------------------------------

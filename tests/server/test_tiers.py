@@ -1,0 +1,112 @@
+"""Tiers by hand on the process engine, through ``forkd serve`` and the SDK: a frozen sandbox takes
+no CPU and the next call wakes it with its state; ``/store`` is a 409 saying why (a process cannot
+be written as files) and what to use; a restart keeps a frozen sandbox frozen and wakeable."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from forkd_server.client import ControllerError, Sandbox
+
+SPIN = """
+import threading
+spins = 0
+def spin():
+    global spins
+    while True:
+        spins += 1
+threading.Thread(target=spin, daemon=True).start()
+"""
+
+
+@pytest.fixture(scope="module")
+def snap(ctl):
+    ctl.create_snapshot("tier-base", setup="x = 41")
+    yield "tier-base"
+    ctl.delete_snapshot("tier-base")
+
+
+@pytest.fixture
+def sandbox(ctl, snap):
+    sb = Sandbox.create(snap, controller=ctl)
+    yield sb
+    try:
+        sb.kill()
+    except ControllerError:
+        pass
+
+
+def cpu_ticks(pid: int) -> int:
+    """User + system clock ticks of a process, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def ticks_grow(pid: int, timeout: float = 30) -> bool:
+    """True once the process has used CPU (a spinning thread does, however loaded the host)."""
+    start, deadline = cpu_ticks(pid), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cpu_ticks(pid) > start:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_frozen_sandbox_uses_no_cpu_and_the_next_eval_wakes_it_with_its_state(ctl, sandbox):
+    sandbox.run_code(SPIN)
+    pid = sandbox.info["pid"]
+    assert ticks_grow(pid)  # spinning: it uses CPU while it runs
+    assert sandbox.freeze().tier == "frozen"
+    assert ctl.get_sandbox(sandbox.id)["tier"] == "frozen"
+    assert [s["tier"] for s in ctl.list_sandboxes() if s["id"] == sandbox.id] == ["frozen"]
+    before = cpu_ticks(pid)
+    assert not ticks_grow(pid, timeout=1.5)  # the same spinning thread, frozen: not one tick
+    assert cpu_ticks(pid) == before
+    assert sandbox.eval("x + 1") == "42"  # woken by the call, its state intact
+    assert sandbox.refresh().tier == "running"
+    assert ticks_grow(pid)  # and it runs on: the thread spins again
+
+
+def test_wake_says_how_long_and_freezing_twice_is_no_error(sandbox):
+    sandbox.freeze()
+    assert sandbox.freeze().tier == "frozen"
+    woke = sandbox.wake()
+    assert woke["from"] == "frozen" and woke["ms"] >= 0 and sandbox.tier == "running"
+    assert sandbox.wake()["from"] == "running"
+
+
+def test_store_on_the_process_engine_is_a_409_saying_why_and_what_to_use(sandbox):
+    with pytest.raises(ControllerError) as err:
+        sandbox.store()
+    assert err.value.status == 409
+    assert "a process cannot be written as files" in err.value.what
+    assert "freeze" in err.value.hint and "vm engine" in err.value.hint
+    assert sandbox.refresh().tier == "running" and sandbox.eval("x") == "41"
+
+
+def test_a_move_down_while_a_call_runs_is_a_409_and_the_call_finishes(ctl, sandbox):
+    done = {}
+    cell = threading.Thread(target=lambda: done.update(out=sandbox.run_code("import time\ntime.sleep(3)\nx")))
+    cell.start()
+    deadline = time.monotonic() + 30
+    while not ctl.ping_sandbox(sandbox.id).get("busy") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(ControllerError) as err:
+        sandbox.freeze()
+    assert err.value.status == 409 and "is running" in err.value.what
+    cell.join(60)
+    assert done["out"].error is None and done["out"].text == "41"
+    assert sandbox.refresh().tier == "running"
+
+
+def test_a_restart_keeps_a_frozen_sandbox_frozen_and_wakeable(server, ctl, sandbox):
+    sandbox.run_code("y = 'kept'")
+    sandbox.freeze()
+    server.crash_and_restart()
+    assert sandbox.refresh().tier == "frozen"
+    assert sandbox.eval("y") == "'kept'"
+    assert sandbox.refresh().tier == "running"
