@@ -38,6 +38,8 @@ class Head:
         self.ended: str | None = None  # why HEAD's session ended (the sandbox died), else None
         self.end_said: tuple[str, dict] = ("", {})  # the server's hint and details about that end
         self.comms: set[str] = set()   # comm ids the sandbox opened (closed on the frontend at checkout)
+        self.parked = False            # HEAD was stored on purpose (idle.py): its session's end is no death
+        self.before_request: Callable[[], object] = lambda: None  # wakes HEAD first (idle.py)
         self._waiting: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
 
@@ -130,6 +132,7 @@ class Head:
 
     def open_request(self, kind: str, **fields) -> tuple[str, queue.Queue]:
         """Send a request; its events and its reply arrive on the returned queue (None: session ended)."""
+        self.before_request()
         session = self.check()
         rid = session.new_id()
         events: queue.Queue = queue.Queue()
@@ -166,6 +169,7 @@ class Head:
             self.finish(rid)
 
     def send(self, message: dict) -> None:
+        self.before_request()
         try:
             self.check().send(message)
         except SessionClosed:
@@ -177,6 +181,13 @@ class Head:
         while True:
             event = session.recv()
             if event is None:
+                if self.parked and session is self.session:  # stored on purpose: woken by the next request
+                    with self._lock:
+                        self.ended = "stored: its state is in the store, the next request wakes it"
+                        waiting = list(self._waiting.values())
+                    for events in waiting:
+                        events.put(None)
+                    return
                 why = self._why_ended() if session is self.session else None
                 with self._lock:
                     current = session is self.session

@@ -22,7 +22,7 @@ import threading
 
 from IPython.core.error import UsageError
 from ipykernel.kernelbase import Kernel
-from traitlets import Integer, List, Unicode, default
+from traitlets import Float, Integer, List, Unicode, default
 
 from forkd_magics._complete import install as install_completer
 from forkd_magics._errors import Explained, details_bundle, explained
@@ -33,6 +33,7 @@ from forkd_server.client import Controller, ControllerError, ServerUnreachable
 from . import __version__
 from .base import BaseSnapshot
 from .head import Head, HeadGone
+from .idle import IdleTiers
 from .local import KernelMagics, LocalShell, is_forkd_cell, on_forkd_line, with_forkd_magic
 from .ownership import make_ours
 
@@ -41,6 +42,19 @@ REPLIES = ("status", "interrupt_reply", "session_reply")
 
 def _env_list(name: str) -> list[str]:
     return [p.strip() for p in os.environ.get(name, "").replace(",", " ").split() if p.strip()]
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"${name}={value!r} is not a number of seconds") from None
+    if seconds < 0:
+        raise ValueError(f"${name}={value!r}: seconds cannot be negative (0 turns the move off)")
+    return seconds
 
 
 class ForkdKernel(Kernel):
@@ -67,6 +81,22 @@ class ForkdKernel(Kernel):
                                                  "($FORKD_KERNEL_MEMORY_LIMIT_MIB; default: the host's memory, "
                                                  "since the pages a notebook shares with the branches it keeps "
                                                  "stay charged to it).")
+
+    freeze_after = Float(config=True, help="Seconds the notebook idles before its sandbox is frozen: paused, no CPU "
+                                           "($FORKD_KERNEL_FREEZE_AFTER; default 600; 0: never). The next cell "
+                                           "wakes it.")
+    store_after = Float(config=True, help="Seconds the notebook idles before its sandbox is stored: its state "
+                                          "written to the store, its VM ended, no RAM held ($FORKD_KERNEL_STORE_AFTER; "
+                                          "default 3600; 0: never). VM engine only: a process sandbox stays frozen. "
+                                          "The next cell wakes it, state intact, and says how long that took.")
+
+    @default("freeze_after")
+    def _freeze_after(self) -> float:
+        return _env_seconds("FORKD_KERNEL_FREEZE_AFTER", 600.0)
+
+    @default("store_after")
+    def _store_after(self) -> float:
+        return _env_seconds("FORKD_KERNEL_STORE_AFTER", 3600.0)
 
     @default("engine")
     def _engine(self) -> str:
@@ -100,6 +130,9 @@ class ForkdKernel(Kernel):
         self.base = BaseSnapshot(self.controller, engine=self.engine, setup=self.setup, packages=self.packages,
                                  tag=self.base_snapshot)
         self.head = Head(self.controller, self._on_other)
+        self.idle = IdleTiers(self.controller, self.head, self.freeze_after, self.store_after,
+                              log=lambda text: self.log.warning("%s", text))
+        self.head.before_request = self.idle.awake  # a frozen or stored HEAD wakes before any request
         self.stack: list[str] = []     # where %forkd checkout - goes back to
         self.cells_run = 0              # cells sent to HEAD (a fork of an unchanged HEAD reuses its branch)
         self.own: set[str] = set()      # sandboxes this kernel started (HEADs it moved through)
@@ -250,6 +283,15 @@ class ForkdKernel(Kernel):
             self._send_iopub("comm_close", {"comm_id": comm_id, "data": {}}, self._last_parent)
         self.head.comms.clear()
 
+    # --- every request holds HEAD's moves down off until it is answered (idle.py) ----------------
+
+    async def dispatch_shell(self, *args, **kwargs):
+        self.idle.begin()
+        try:
+            return await super().dispatch_shell(*args, **kwargs)
+        finally:
+            self.idle.end()
+
     # --- execute ---------------------------------------------------------------------------------
 
     async def do_execute(self, code, silent, store_history=True, user_expressions=None, allow_stdin=False,
@@ -272,6 +314,15 @@ class ForkdKernel(Kernel):
         if self._notice:
             self._send_iopub("stream", {"name": "stderr", "text": self._notice}, parent)
             self._notice = None
+        try:
+            woke = self.idle.awake()  # HEAD frozen or stored while the notebook idled: the cell says so
+        except (ControllerError, ServerUnreachable) as exc:
+            said = explained(exc, self.controller.base_url)
+            return self._error(parent, "SandboxGone", f"forkd: could not wake this notebook's sandbox "
+                                                      f"{self.head.sandbox_id}: {said.what}\n{said.hint or 'run the cell again'}",
+                               said.details)
+        if woke:
+            self._send_iopub("stream", {"name": "stderr", "text": woke + "\n"}, parent)
         if self.head.ended is not None and self.head.reconnect():
             self._send_iopub("stream", {"name": "stderr", "text": (
                 f"forkd: reconnected to {self.head.sandbox_id} (the server went away and came back; "
@@ -479,6 +530,7 @@ class ForkdKernel(Kernel):
     async def do_shutdown(self, restart):
         """A restart keeps HEAD (the fresh kernel says where it is); a shutdown frees the sandboxes
         this kernel started. Snapshots (branches) and sandboxes made by %forkd fork stay."""
+        self.idle.close()
         self.head.close()
         if not restart:
             for sandbox in self.own:

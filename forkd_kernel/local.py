@@ -190,9 +190,15 @@ class HeadInfo:
     def id(self) -> str:
         return self.sandbox["id"]
 
+    @property
+    def tier(self) -> str:
+        """running, frozen (paused while the notebook idles) or stored (in the store, no RAM)."""
+        return self.sandbox.get("tier") or "running"
+
     def __repr__(self) -> str:
         lineage = " → ".join(self.sandbox.get("lineage") or [])
-        lines = [f"HEAD {self.id} ({self.sandbox.get('engine')}, forked from {self.sandbox.get('snapshot_tag')})",
+        lines = [f"HEAD {self.id} ({self.sandbox.get('engine')}, {self.tier}, forked from "
+                 f"{self.sandbox.get('snapshot_tag')})",
                  f"lineage: {lineage}"]
         if self.way_back:
             lines.append(f"%forkd checkout - goes back to {self.way_back}")
