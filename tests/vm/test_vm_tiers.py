@@ -1,0 +1,57 @@
+"""An idle notebook on the VM engine holds no RAM: the forkd kernel freezes its sandbox after
+``$FORKD_KERNEL_FREEZE_AFTER`` seconds, stores it after ``$FORKD_KERNEL_STORE_AFTER`` (its QEMU
+ends, its RAM file leaves tmpfs), and the next cell wakes it from the store under the same id with
+``x`` intact, saying how long the wake took and its split (seconds here, so the test waits little)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from forkd_server.client import Controller
+
+from ..kernel.cells import head_of, run
+from ..kernel.conftest import ServerForKernels
+from ..kernel.test_idle_tiers import wait_tier
+from .conftest import requires_qemu
+
+pytestmark = [requires_qemu, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def idle_vm_kernel(vm_root):
+    cache = os.environ.get("FORKD_VM_CACHE") or os.path.join(vm_root, "cache")  # the image built once
+    server = ServerForKernels()
+    try:
+        km, kc = start_new_kernel(kernel_name="forkd-python", startup_timeout=600,
+                                  env={**os.environ, "FORKD_VM_CACHE": cache, "FORKD_KERNEL_ENGINE": "vm",
+                                       "FORKD_KERNEL_FREEZE_AFTER": "1", "FORKD_KERNEL_STORE_AFTER": "3"})
+        try:
+            yield server, kc
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
+    finally:
+        server.stop()
+
+
+def test_a_vm_notebook_goes_frozen_then_stored_and_the_next_cell_wakes_it(idle_vm_kernel):
+    server, kc = idle_vm_kernel
+    assert run(kc, "x = 21", timeout=900).ok  # makes the base snapshot first
+    head = head_of(kc)
+    ctl = Controller(server.url, server.token)
+    pid = ctl.get_sandbox(head)["pid"]
+    assert wait_tier(ctl, head, "frozen", timeout=120) == "frozen"
+    assert wait_tier(ctl, head, "stored", timeout=300) == "stored"
+    info = ctl.get_sandbox(head)
+    assert info["pid"] is None and not os.path.exists(f"/proc/{pid}")  # no QEMU: no process, no RAM
+    assert ctl.memory(head)["rss_kib"] == 0
+    assert "stored" in run(kc, "%forkd head").result
+    cell = run(kc, "x * 2", timeout=300)
+    assert cell.result == "42", cell.text  # the same id, its state intact
+    woke = [c["text"] for c in cell.of("stream") if "woke" in c["text"]]
+    assert len(woke) == 1 and f"woke this notebook's sandbox {head} from stored in " in woke[0]
+    assert "fetch" in woke[0] and "decompress" in woke[0] and "restore" in woke[0]
+    assert head_of(kc) == head and ctl.get_sandbox(head)["tier"] == "running"
