@@ -24,6 +24,12 @@ remote store. Figures:
 - wake_from_local_store: a snapshot whose RAM file tmpfs lost, spawned again: materialise_ms
   (decompress + verify + write memory.bin into tmpfs; nothing to fetch from the local store) and
   restore_ms (QEMU's restore until the agent confirms), as a stored notebook's wake would do.
+- tiers: a sandbox of the same kind of guest moved by the controller's tiers (forkd_server/tiers.py,
+  as ``POST /v1/sandboxes/{id}/freeze``, ``/store`` and ``/wake`` do), medians of ``--reps``:
+  frozen_wake_ms (frozen -> running: QMP ``cont``), store_ms (branch into the local store, QEMU
+  ended, RAM file freed) and the wake of a stored sandbox from the local store with its split:
+  fetch_ms (chunks the local store lacks: none here), decompress_ms (memory.bin written back) and
+  restore_ms (a VM restored under the same id), total_ms; eval_after_wake checks the state.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ from forkd_engine.store import ChunkCache, RemoteStore, pull, push  # noqa: E402
 from forkd_engine.store.transfer import IO_WORKERS  # noqa: E402
 from forkd_engine.vm import VMEngine  # noqa: E402
 from forkd_engine.vm import durable  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from forkd_server.controller import Controller  # noqa: E402
 
 
 def ms(t0: float) -> float:
@@ -107,6 +116,35 @@ def baseline(remote: RemoteStore, blobs: list[bytes]) -> tuple[float, float]:
     return put_s, get_s
 
 
+def tiers(engine: VMEngine, data_dir: str, args, setup: str) -> dict:
+    """A sandbox frozen and woken, then stored and woken, ``--reps`` times each, through the
+    controller's tiers (the REST routes' code), on a guest like the parent's."""
+    ctl = Controller(data_dir, engines={"vm": engine})
+    try:
+        ctl.create_snapshot("nb", engine="vm", mem_size_mib=args.mem, packages=["python3-numpy"],
+                            setup=setup + "x = 21\n", setup_timeout_secs=900)
+        ctl.stores.wait_idle(900)  # its durable copy is written first: nothing else runs while we measure
+        sb = ctl.spawn("nb")[0]["id"]
+        frozen, stored, store_ms = [], [], []
+        for _ in range(args.reps):
+            ctl.freeze_sandbox(sb)
+            frozen.append(ctl.wake_sandbox(sb)["wake"]["ms"])
+            t0 = time.monotonic()
+            ctl.store_sandbox(sb)
+            store_ms.append(ms(t0))
+            stored.append(ctl.wake_sandbox(sb)["wake"])
+        state = ctl.eval(sb, "(x, float(arr[:3].sum()) > 0)")["result"]
+        ctl.kill_sandbox(sb)
+        ctl.delete_snapshot("nb")
+        return {"frozen_wake_ms": med(frozen), "target_frozen_wake_ms": "<= 50", "store_ms": med(store_ms),
+                "stored_wake": {**{k: med([w[k] for w in stored]) for k in ("fetch_ms", "decompress_ms", "restore_ms")},
+                                "total_ms": med([w["ms"] for w in stored])},
+                "target_stored_wake_ms": "<= 2000", "reps": args.reps, "eval_after_wake": state}
+    finally:
+        ctl.stores.close()
+        ctl.registry.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
@@ -114,6 +152,7 @@ def main() -> int:
     ap.add_argument("--numpy-mb", type=int, default=100)
     ap.add_argument("--changed", type=float, default=0.10, help="fraction of guest RAM the diff branch rewrites")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", choices=["tiers"], help="only the tiers' figures (freeze, store, wake)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="fkstore")
     server, endpoint = moto_process()
@@ -123,84 +162,87 @@ def main() -> int:
     try:
         n = args.numpy_mb * 1_000_000 // 8
         setup = f"import numpy as np\narr = np.random.default_rng(1).random({n})\n"
-        parent = engine.create_snapshot(SnapshotSpec(tag="parent", mem_size_mib=args.mem, packages=["python3-numpy"],
-                                                     setup=setup, setup_timeout=900))
-        handles.append(parent)
-        t0 = time.monotonic()
-        digest = engine.store_snapshot(parent)
-        out["persist_ms"] = ms(t0)
-        manifest = engine.store.get_manifest(digest)
-        stored = manifest.stored_bytes({c: engine.store.size(c) for c in manifest.chunks()})
-        ram = args.mem << 20
-        zero = sum(c is None for c in manifest.files["memory.bin"]["chunks"])
-        out.update(stored_bytes=stored, guest_ram_bytes=ram, stored_over_ram=round(stored / ram, 3),
-                   memory_chunks=len(manifest.files["memory.bin"]["chunks"]), zero_chunks_not_stored=zero,
-                   target_stored_over_ram="<= 0.5")
+        if args.only != "tiers":
+            parent = engine.create_snapshot(SnapshotSpec(tag="parent", mem_size_mib=args.mem, packages=["python3-numpy"],
+                                                         setup=setup, setup_timeout=900))
+            handles.append(parent)
+            t0 = time.monotonic()
+            digest = engine.store_snapshot(parent)
+            out["persist_ms"] = ms(t0)
+            manifest = engine.store.get_manifest(digest)
+            stored = manifest.stored_bytes({c: engine.store.size(c) for c in manifest.chunks()})
+            ram = args.mem << 20
+            zero = sum(c is None for c in manifest.files["memory.bin"]["chunks"])
+            out.update(stored_bytes=stored, guest_ram_bytes=ram, stored_over_ram=round(stored / ram, 3),
+                       memory_chunks=len(manifest.files["memory.bin"]["chunks"]), zero_chunks_not_stored=zero,
+                       target_stored_over_ram="<= 0.5")
 
-        # a diff branch that rewrote a fraction of guest RAM (in the array: what a notebook does)
-        kid = engine.spawn(parent, [ChildSpec(id="kid", lineage=["parent", "kid"])])[0]
-        handles.append(kid)
-        rewrite = int(args.changed * ram) // 8
-        run(engine, kid, f"arr[:{min(rewrite, n)}] += 1.0")
-        result = engine.branch(kid, "branch", ["parent", "kid", "branch"], mode="diff")
-        child = result.ready.result(timeout=600)
-        handles.append(child)
-        engine.kill(kid)
-        handles.remove(kid)
-        child_digest = engine.store_snapshot(child)
+            # a diff branch that rewrote a fraction of guest RAM (in the array: what a notebook does)
+            kid = engine.spawn(parent, [ChildSpec(id="kid", lineage=["parent", "kid"])])[0]
+            handles.append(kid)
+            rewrite = int(args.changed * ram) // 8
+            run(engine, kid, f"arr[:{min(rewrite, n)}] += 1.0")
+            result = engine.branch(kid, "branch", ["parent", "kid", "branch"], mode="diff")
+            child = result.ready.result(timeout=600)
+            handles.append(child)
+            engine.kill(kid)
+            handles.remove(kid)
+            child_digest = engine.store_snapshot(child)
 
-        # push / pull against moto, interleaved with plain obstore on the same bytes
-        blobs = [engine.store.read(c) for c in manifest.chunks()]
-        moved = sum(map(len, blobs))
-        push_s, pull_s, put_s, get_s = [], [], [], []
-        for rep in range(args.reps):
-            remote = bucket(endpoint, f"bench-{rep}")
-            t0 = time.monotonic()
-            first = push(engine.store, remote, digest, tag="parent")
-            push_s.append(time.monotonic() - t0)
-            if rep == 0:
-                second = push(engine.store, remote, child_digest, tag="branch")
-                out.update(parent_uploaded_bytes=first["uploaded_bytes"], diff_uploaded_bytes=second["uploaded_bytes"],
-                           diff_uploaded_chunks=second["uploaded_chunks"], diff_chunks=second["chunks"],
-                           diff_upload_ratio=round(second["uploaded_bytes"] / first["uploaded_bytes"], 3),
-                           diff_upload_over_ram=round(second["uploaded_bytes"] / ram, 3),
-                           diff_floor_ratio=round(min(rewrite, n) * 8 / first["uploaded_bytes"], 3),
-                           target_diff_upload_ratio="<= 0.15")
-            fresh = ChunkCache(os.path.join(root, f"pull{rep}"))
-            t0 = time.monotonic()
-            pull(fresh, remote, manifest)
-            pull_s.append(time.monotonic() - t0)
-            shutil.rmtree(fresh.root)
-            p, g = baseline(remote, blobs)
-            put_s.append(p)
-            get_s.append(g)
-        mb = moved / 1e6
-        content = sum(min(manifest.chunk_size, e["size"] - i * manifest.chunk_size)
-                      for e in manifest.files.values() for i, c in enumerate(e["chunks"]) if c is not None) / 1e6
-        out.update(content_mb=round(content, 1), push_content_mb_s=med([content / s for s in push_s]),
-                   pull_content_mb_s=med([content / s for s in pull_s]))
-        out.update(moved_mb=round(mb, 1), reps=args.reps,
-                   push_mb_s=med([mb / s for s in push_s]), baseline_put_mb_s=med([mb / s for s in put_s]),
-                   pull_mb_s=med([mb / s for s in pull_s]), baseline_get_mb_s=med([mb / s for s in get_s]),
-                   target_mb_s=">= 200")
-        out["push_over_baseline"] = round(out["push_mb_s"] / out["baseline_put_mb_s"], 2)
-        out["pull_over_baseline"] = round(out["pull_mb_s"] / out["baseline_get_mb_s"], 2)
+            # push / pull against moto, interleaved with plain obstore on the same bytes
+            blobs = [engine.store.read(c) for c in manifest.chunks()]
+            moved = sum(map(len, blobs))
+            push_s, pull_s, put_s, get_s = [], [], [], []
+            for rep in range(args.reps):
+                remote = bucket(endpoint, f"bench-{rep}")
+                t0 = time.monotonic()
+                first = push(engine.store, remote, digest, tag="parent")
+                push_s.append(time.monotonic() - t0)
+                if rep == 0:
+                    second = push(engine.store, remote, child_digest, tag="branch")
+                    out.update(parent_uploaded_bytes=first["uploaded_bytes"], diff_uploaded_bytes=second["uploaded_bytes"],
+                               diff_uploaded_chunks=second["uploaded_chunks"], diff_chunks=second["chunks"],
+                               diff_upload_ratio=round(second["uploaded_bytes"] / first["uploaded_bytes"], 3),
+                               diff_upload_over_ram=round(second["uploaded_bytes"] / ram, 3),
+                               diff_floor_ratio=round(min(rewrite, n) * 8 / first["uploaded_bytes"], 3),
+                               target_diff_upload_ratio="<= 0.15")
+                fresh = ChunkCache(os.path.join(root, f"pull{rep}"))
+                t0 = time.monotonic()
+                pull(fresh, remote, manifest)
+                pull_s.append(time.monotonic() - t0)
+                shutil.rmtree(fresh.root)
+                p, g = baseline(remote, blobs)
+                put_s.append(p)
+                get_s.append(g)
+            mb = moved / 1e6
+            content = sum(min(manifest.chunk_size, e["size"] - i * manifest.chunk_size)
+                          for e in manifest.files.values() for i, c in enumerate(e["chunks"]) if c is not None) / 1e6
+            out.update(content_mb=round(content, 1), push_content_mb_s=med([content / s for s in push_s]),
+                       pull_content_mb_s=med([content / s for s in pull_s]))
+            out.update(moved_mb=round(mb, 1), reps=args.reps,
+                       push_mb_s=med([mb / s for s in push_s]), baseline_put_mb_s=med([mb / s for s in put_s]),
+                       pull_mb_s=med([mb / s for s in pull_s]), baseline_get_mb_s=med([mb / s for s in get_s]),
+                       target_mb_s=">= 200")
+            out["push_over_baseline"] = round(out["push_mb_s"] / out["baseline_put_mb_s"], 2)
+            out["pull_over_baseline"] = round(out["pull_mb_s"] / out["baseline_get_mb_s"], 2)
 
-        # wake from the local store: the RAM file gone (a reboot), written back, then restored
-        wake = {"materialise_ms": [], "restore_ms": []}
-        for rep in range(args.reps):
-            os.unlink(parent["memory"])
-            t0 = time.monotonic()
-            durable.ensure_files(engine, parent)
-            wake["materialise_ms"].append(ms(t0))
-            t0 = time.monotonic()
-            h = engine.spawn(parent, [ChildSpec(id=f"wake{rep}", lineage=["parent", f"wake{rep}"])])[0]
-            wake["restore_ms"].append(ms(t0))
-            engine.kill(h)
-        out["wake_from_local_store"] = {"fetch_ms": 0.0, "materialise_ms": med(wake["materialise_ms"]),
-                                        "restore_ms": med(wake["restore_ms"]),
-                                        "total_ms": med([a + b for a, b in zip(wake["materialise_ms"], wake["restore_ms"])]),
-                                        "target_ms": "<= 2000"}
+            # wake from the local store: the RAM file gone (a reboot), written back, then restored
+            wake = {"materialise_ms": [], "restore_ms": []}
+            for rep in range(args.reps):
+                os.unlink(parent["memory"])
+                t0 = time.monotonic()
+                durable.ensure_files(engine, parent)
+                wake["materialise_ms"].append(ms(t0))
+                t0 = time.monotonic()
+                h = engine.spawn(parent, [ChildSpec(id=f"wake{rep}", lineage=["parent", f"wake{rep}"])])[0]
+                wake["restore_ms"].append(ms(t0))
+                engine.kill(h)
+            out["wake_from_local_store"] = {"fetch_ms": 0.0, "materialise_ms": med(wake["materialise_ms"]),
+                                            "restore_ms": med(wake["restore_ms"]),
+                                            "total_ms": med([a + b for a, b in zip(wake["materialise_ms"], wake["restore_ms"])]),
+                                            "target_ms": "<= 2000"}
+
+        out["tiers"] = tiers(engine, os.path.join(root, "ctl"), args, setup)
     finally:
         for h in handles:
             (engine.kill if h.get("kind") == "vm" else engine.delete_snapshot)(h)
