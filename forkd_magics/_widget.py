@@ -74,6 +74,7 @@ def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, 
             "status": status, "history": _history(history.get(s["tag"]), status),
             "created": s.get("created_at_unix"), "engine": s.get("engine"), "pause_ms": s.get("pause_ms"),
             "warnings": _warnings(s), "labels": s.get("labels") or {}, "info": s,
+            **({"stored": s["stored"]} if s.get("stored") else {}),  # kept in the store (remote: pushed)
         }
     for b in sandboxes:
         lineage = b.get("lineage") or [b["snapshot_tag"], b["id"]]
@@ -83,6 +84,7 @@ def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, 
             "lineage": lineage, "status": status, "history": _history(history.get(b["id"]), status),
             "created": b.get("created_at_unix"), "engine": b.get("engine"), "pause_ms": None,
             "warnings": _warnings(b), "labels": b.get("labels") or {}, "info": b,
+            "tier": b.get("tier") or "running",
         }
     return tree
 
@@ -226,6 +228,10 @@ class LineageWidget(anywidget.AnyWidget):
                 node["warnings"] = _warnings(node["info"])
             if status:
                 node["info"] = dict(node["info"], status=status)
+            if action == "tier" and event.get("tier"):  # running, frozen or stored
+                node["tier"] = event["tier"]
+            if action == "stored" and event.get("digest"):
+                node["stored"] = {"digest": event["digest"], "remote": bool(event.get("remote"))}
             self.tree = {**self.tree, node_id: node}
 
     # --- live updates --------------------------------------------------------------------------

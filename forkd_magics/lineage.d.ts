@@ -17,6 +17,8 @@ export interface ILineageNode {
   heads?: string[]; // notebooks whose HEAD it is
   head_kernels?: string[]; // and their kernels' ids
   busy?: string | boolean; // what it runs (a string), false when idle
+  tier?: 'running' | 'frozen' | 'stored'; // a sandbox's: frozen (paused, no CPU), stored (in the store, no RAM)
+  stored?: { digest: string; remote: boolean } | null; // a snapshot kept in the store (remote: pushed)
   ghost?: boolean;
   tomb?: boolean; // gone from the server, kept in the drawing until "clear gone"
   info?: Record<string, unknown>;

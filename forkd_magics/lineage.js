@@ -19,6 +19,12 @@ function el(tag, attrs, parent, text) {
   return e;
 }
 
+// A sandbox's tier, said where it shows (running needs no word).
+const TIER_TITLES = {
+  frozen: "paused, its memory kept, no CPU used; the next call wakes it",
+  stored: "its state is in the store, no process and no RAM; the next call wakes it, same id"
+};
+
 function svgEl(tag, attrs, parent) {
   const e = document.createElementNS("http://www.w3.org/2000/svg", tag);
   for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
@@ -241,11 +247,17 @@ export class LineageView {
     row.dataset.status = node.status;
     row.setAttribute("aria-selected", id === this.selected ? "true" : "false");
     const warns = warningsOf(node);
-    row.setAttribute("aria-label", `${node.kind} ${id}, ${node.status}${warns.length ? `, ${plural(warns.length, "warning")}` : ""}`);
+    const tier = node.kind === "sandbox" && node.tier && node.tier !== "running" && !gone ? node.tier : null;
+    row.setAttribute("aria-label", `${node.kind} ${id}, ${node.status}${tier ? `, ${tier}` : ""}${warns.length ? `, ${plural(warns.length, "warning")}` : ""}`);
     const top = el("div", { class: "forkd-line1" }, row);
     el("span", { class: "forkd-icon", "aria-hidden": "true" }, top, node.kind === "snapshot" ? "◆" : "●");
     idLabel(top, id);
     if (!gone && node.heads && node.heads.length) el("span", { class: "forkd-chip forkd-head-chip", title: `HEAD of ${node.heads.join(", ")}` }, top, "HEAD");
+    if (tier) el("span", { class: `forkd-chip forkd-tier tier-${tier}`, title: TIER_TITLES[tier] || tier }, top, tier);
+    if (node.kind === "snapshot" && node.stored && !gone) {
+      el("span", { class: "forkd-chip forkd-stored", title: `kept in the ${node.stored.remote ? "local and the remote" : "local"} store: ${node.stored.digest}` },
+        top, node.stored.remote ? "stored · remote" : "stored");
+    }
     if (warns.length) el("span", { class: "forkd-chip forkd-warn", title: warns.join("\n") }, top, `⚠ ${warns.length}`);
     const meta = el("div", { class: "forkd-line2" }, row);
     el("span", { class: `forkd-dot status-${node.status}`, "aria-hidden": "true" }, meta);
@@ -255,7 +267,7 @@ export class LineageView {
     if (node.ghost) bits.push("gone; kept for lineage");
     if (node.pause_ms !== null && node.pause_ms !== undefined) bits.push(`paused ${fmtMs(node.pause_ms)}`);
     if (node.memory && node.memory.uss_kib !== undefined && !gone) bits.push(`${fmtKib(node.memory.uss_kib)} private`);
-    if (node.busy !== undefined && !gone) bits.push(node.busy ? "busy" : "idle");
+    if (node.busy !== undefined && !gone && !tier) bits.push(node.busy ? "busy" : "idle");
     if (node.engine) bits.push(node.engine);
     if (node.created !== undefined && node.created !== null && !node.ghost) {
       el("span", { class: "forkd-age", "data-created": node.created, title: "age" }, meta, "· " + age(node.created, now));
@@ -358,6 +370,8 @@ export class LineageView {
     if (node.pause_ms !== null && node.pause_ms !== undefined) rowsT.push(["pause", fmtMs(node.pause_ms)]);
     if (node.memory) rowsT.push(["memory", ["uss", "pss", "rss"].filter((k) => node.memory[`${k}_kib`] !== undefined).map((k) => `${k === "uss" ? "private" : k} ${fmtKib(node.memory[`${k}_kib`])}`).join(" · ")]);
     if (node.busy !== undefined) rowsT.push(["activity", node.busy ? `busy${typeof node.busy === "string" ? `: ${node.busy}` : ""}` : "idle"]);
+    if (node.kind === "sandbox" && node.tier) rowsT.push(["tier", `${node.tier}${TIER_TITLES[node.tier] ? ` (${TIER_TITLES[node.tier]})` : ""}`]);
+    if (node.stored) rowsT.push(["stored", `${node.stored.digest} (${node.stored.remote ? "local and remote store" : "local store"})`]);
     if (node.heads && node.heads.length) rowsT.push(["HEAD of", node.heads.join(", ")]);
     for (const [k, v] of Object.entries(node.labels || {})) rowsT.push([`label ${k}`, v]);
     for (const key of ["branched_from", "pid", "branch_count", "memory_limit_mib", "prepare_ms"]) {

@@ -19,6 +19,8 @@ export interface ITreeNode {
   warnings?: string[];
   warning?: string;
   labels?: Record<string, string>;
+  tier?: 'running' | 'frozen' | 'stored';
+  stored?: { digest: string; remote: boolean };
 }
 
 export interface IKernelHead {

@@ -180,6 +180,8 @@ export class LineageModel {
       labels: n.labels || {},
       memory: n.memory === undefined ? old?.memory : n.memory,
       busy: n.kind === 'sandbox' && n.busy !== undefined ? n.busy || false : undefined,
+      tier: n.kind === 'sandbox' ? n.tier || 'running' : undefined,
+      stored: n.stored || null,
       info: { ...n }
     };
   }
@@ -252,6 +254,10 @@ export class LineageModel {
       };
     } else if (id && (action === 'killed' || action === 'deleted')) {
       delete tree[id]; // the drawing keeps it as a tombstone, marked killed / deleted (and nobody's HEAD)
+    } else if (id && action === 'tier' && tree[id] && event.tier) {
+      tree[id] = { ...tree[id], tier: event.tier }; // frozen, stored, or woken to running
+    } else if (id && action === 'stored' && tree[id] && event.digest) {
+      tree[id] = { ...tree[id], stored: { digest: event.digest, remote: !!event.remote } };
     } else if (id && action === 'updated' && tree[id] && event.labels) {
       tree[id] = { ...tree[id], labels: event.labels }; // a checkout made it a notebook's
     } else if (id && action === 'status' && tree[id]) {

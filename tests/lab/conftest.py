@@ -105,7 +105,8 @@ def venv_env(venv: Path, **extra) -> dict:
     """The venv's environment, as a user's shell would give it once activated: its bin first, then
     the host's own directories (the engine runs host tools), nothing of this checkout on the path."""
     keep = {k: v for k, v in os.environ.items() if k in ("HOME", "LANG", "LC_ALL", "TERM", "USER")
-            or k.startswith("PIP_")}  # the machine's package index settings
+            or k.startswith("PIP_")  # the machine's package index settings
+            or k == "FORKD_VM_CACHE"}  # the run's guest image, built once (tests/parallel.py)
     return {**keep, "PATH": f"{venv / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "VIRTUAL_ENV": str(venv), **extra}
 
