@@ -79,7 +79,8 @@ class WorkspaceManager:
     def _sandbox(self, row: dict) -> dict | None:
         """The workspace's live sandbox row, or None when it is gone."""
         sb = self.registry.get_sandbox(row["live_sandbox_id"]) if row["live_sandbox_id"] else None
-        if sb is None or sb["status"] != "running" or not sb["handle"] or not self.ctl.sandboxes.alive(sb):
+        if sb is None or sb["status"] != "running" or not (sb["handle"] or sb.get("tier") == "stored") \
+                or not self.ctl.sandboxes.alive(sb):
             return None
         return sb
 
@@ -166,6 +167,7 @@ class WorkspaceManager:
                 self._mark_stale(row)
                 raise NotFound(f"sandbox {row['live_sandbox_id']} not found: workspace {name}'s sandbox is gone "
                                f"(the workspace is now stale)", hint="resume it to start again from its last state")
+            sb = self.ctl.tiers.running_row(sb["id"])  # a frozen or stored sandbox wakes to be branched
             previous = self.registry.get_snapshot(tag)
             if previous is not None and not (row["current_state_tag"] == tag
                                              and (previous["spec"] or {}).get("workspace") == name):
