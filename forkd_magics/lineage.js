@@ -369,7 +369,7 @@ export class LineageView {
     if (node.engine) rowsT.push(["engine", node.engine]);
     if (node.pause_ms !== null && node.pause_ms !== undefined) rowsT.push(["pause", fmtMs(node.pause_ms)]);
     if (node.memory) rowsT.push(["memory", ["uss", "pss", "rss"].filter((k) => node.memory[`${k}_kib`] !== undefined).map((k) => `${k === "uss" ? "private" : k} ${fmtKib(node.memory[`${k}_kib`])}`).join(" · ")]);
-    if (node.busy !== undefined) rowsT.push(["activity", node.busy ? `busy${typeof node.busy === "string" ? `: ${node.busy}` : ""}` : "idle"]);
+    if (node.busy !== undefined && !(node.tier && node.tier !== "running")) rowsT.push(["activity", node.busy ? `busy${typeof node.busy === "string" ? `: ${node.busy}` : ""}` : "idle"]);
     if (node.kind === "sandbox" && node.tier) rowsT.push(["tier", `${node.tier}${TIER_TITLES[node.tier] ? ` (${TIER_TITLES[node.tier]})` : ""}`]);
     if (node.stored) rowsT.push(["stored", `${node.stored.digest} (${node.stored.remote ? "local and remote store" : "local store"})`]);
     if (node.heads && node.heads.length) rowsT.push(["HEAD of", node.heads.join(", ")]);

@@ -255,7 +255,14 @@ export class LineageModel {
     } else if (id && (action === 'killed' || action === 'deleted')) {
       delete tree[id]; // the drawing keeps it as a tombstone, marked killed / deleted (and nobody's HEAD)
     } else if (id && action === 'tier' && tree[id] && event.tier) {
-      tree[id] = { ...tree[id], tier: event.tier }; // frozen, stored, or woken to running
+      // frozen, stored, or woken to running: a sandbox not running runs nothing, a stored one holds no RAM
+      const node = tree[id];
+      tree[id] = {
+        ...node,
+        tier: event.tier,
+        busy: event.tier === 'running' ? node.busy : undefined,
+        memory: event.tier === 'stored' ? { rss_kib: 0, pss_kib: 0, uss_kib: 0 } : node.memory
+      };
     } else if (id && action === 'stored' && tree[id] && event.digest) {
       tree[id] = { ...tree[id], stored: { digest: event.digest, remote: !!event.remote } };
     } else if (id && action === 'updated' && tree[id] && event.labels) {
