@@ -110,3 +110,14 @@ def test_a_restart_keeps_a_frozen_sandbox_frozen_and_wakeable(server, ctl, sandb
     assert sandbox.refresh().tier == "frozen"
     assert sandbox.eval("y") == "'kept'"
     assert sandbox.refresh().tier == "running"
+
+
+async def test_the_async_sdk_moves_tiers_too(server, snap):
+    from forkd_server.client import AsyncController, AsyncSandbox
+
+    async with AsyncController(server.url, server.token) as actl:
+        async with await AsyncSandbox.create(snap, controller=actl) as sb:
+            assert (await sb.freeze()).tier == "frozen"
+            woke = await sb.wake()
+            assert woke["from"] == "frozen" and sb.tier == "running"
+            assert await sb.eval("x") == "41"
