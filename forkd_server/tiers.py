@@ -88,21 +88,25 @@ class TierManager:
 
     @contextlib.contextmanager
     def call(self, sandbox_id) -> Iterator[dict]:
-        """One call to a sandbox's agent: woken first, and kept from moving down until it returns."""
-        row = self.running_row(sandbox_id)
-        with self._guard:
-            self._calls[row["id"]] = self._calls.get(row["id"], 0) + 1
+        """One call to a sandbox's agent: woken first, and kept from moving down until it returns.
+        Counted under the sandbox's lock, so a move down either sees the call or happens before it
+        (and the call then wakes it)."""
+        sid = self.ctl.sandboxes.row(sandbox_id)["id"]
+        with self._holding(sid, "a wake"):
+            row = self.ctl.sandboxes.row(sandbox_id)
+            if tier_of(row) != "running":
+                row, _ = self._wake(row)
+            with self._guard:
+                self._calls[sid] = self._calls.get(sid, 0) + 1
         try:
-            if tier_of(self.registry.get_sandbox(row["id"]) or row) != "running":  # moved down in between
-                row = self.running_row(sandbox_id)
             yield row
         finally:
             with self._guard:
-                left = self._calls.get(row["id"], 1) - 1
+                left = self._calls.get(sid, 1) - 1
                 if left:
-                    self._calls[row["id"]] = left
+                    self._calls[sid] = left
                 else:
-                    self._calls.pop(row["id"], None)
+                    self._calls.pop(sid, None)
 
     def _idle(self, row: dict, move: str) -> None:
         """409 unless the sandbox is idle: no call of ours in it, and its main thread runs nothing
