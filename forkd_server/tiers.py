@@ -265,7 +265,7 @@ class TierManager:
             decompress_ms = _ms(t1)
             t2 = time.perf_counter()
             handle = engine.spawn(snap, [ChildSpec(id=row["id"], lineage=row["lineage"],
-                                                   memory_limit_mib=row["memory_limit_mib"])])[0]
+                                                   memory_limit_mib=row["memory_limit_mib"], wake=True)])[0]
         except EngineError as exc:
             raise EngineFailure(f"wake of {row['id']}: {exc}", hint="it stays stored; retry the call") from exc
         restore_ms = _ms(t2)

@@ -96,6 +96,9 @@ class ChildSpec:
     id: str
     lineage: list[str] = field(default_factory=list)
     memory_limit_mib: int | None = None
+    # The same sandbox woken from its stored state (tiers), not a copy: no fork hygiene (its
+    # generators keep their streams, its identity stays), only its clock is stepped. VM engine.
+    wake: bool = False
 
 
 @dataclass(frozen=True)

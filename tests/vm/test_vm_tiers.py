@@ -1,7 +1,7 @@
 """An idle notebook on the VM engine holds no RAM: the forkd kernel freezes its sandbox after
 ``$FORKD_KERNEL_FREEZE_AFTER`` seconds, stores it after ``$FORKD_KERNEL_STORE_AFTER`` (its QEMU
 ends, its RAM file leaves tmpfs), and the next cell wakes it from the store under the same id with
-``x`` intact, saying how long the wake took and its split (seconds here, so the test waits little)."""
+``x`` intact (and a seeded generator's stream unbroken: a wake is no copy), saying how long the wake took and its split (seconds here, so the test waits little)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def idle_vm_kernel(vm_root):
 
 def test_a_vm_notebook_goes_frozen_then_stored_and_the_next_cell_wakes_it(idle_vm_kernel):
     server, kc = idle_vm_kernel
-    assert run(kc, "x = 21", timeout=900).ok  # makes the base snapshot first
+    # makes the base snapshot first; a seeded generator, whose stream a wake must not change
+    assert run(kc, "x = 21\nimport random\nrandom.seed(7)\nfirst = random.random()", timeout=900).ok
     head = head_of(kc)
     ctl = Controller(server.url, server.token)
     pid = ctl.get_sandbox(head)["pid"]
@@ -49,8 +50,9 @@ def test_a_vm_notebook_goes_frozen_then_stored_and_the_next_cell_wakes_it(idle_v
     assert info["pid"] is None and not os.path.exists(f"/proc/{pid}")  # no QEMU: no process, no RAM
     assert ctl.memory(head)["rss_kib"] == 0
     assert "stored" in run(kc, "%forkd head").result
-    cell = run(kc, "x * 2", timeout=300)
-    assert cell.result == "42", cell.text  # the same id, its state intact
+    cell = run(kc, "x * 2, random.random() == [r.random() for r in [random.Random(7)] for _ in '12'][1]",
+               timeout=300)
+    assert cell.result == "(42, True)", cell.text  # the same id, its state intact, its stream unbroken
     woke = [c["text"] for c in cell.of("stream") if "woke" in c["text"]]
     assert len(woke) == 1 and f"woke this notebook's sandbox {head} from stored in " in woke[0]
     assert "fetch" in woke[0] and "decompress" in woke[0] and "restore" in woke[0]

@@ -111,13 +111,18 @@ class SerialAgent:
         self.sessions: dict[str, Session] = {}
 
     def restore(self, seed: bytes, host_ns: int, identity: dict, max_drift_ns: int = 500_000_000) -> int:
-        """Fork hygiene after a restore; returns how far the clock was stepped (ns)."""
+        """Fork hygiene after a restore; returns how far the clock was stepped (ns). Role ``wake``
+        (the same sandbox restored from its stored state, not a copy): the clock alone is stepped,
+        and its generators, identity and machine id stay as they were."""
         if len(seed) < 32:
             raise ValueError("restore needs at least 32 bytes of entropy")
         add_entropy(seed)
         stepped_ns = host_ns - time.time_ns()
         if abs(stepped_ns) > max_drift_ns:
             time.clock_settime_ns(time.CLOCK_REALTIME, host_ns)
+        if identity["role"] == "wake":
+            self.restores += 1
+            return stepped_ns
         self.runtime.after_fork(identity)  # reseeds Python's generators from the reseeded CRNG
         hostname = identity["hostname"]
         if hostname:

@@ -82,7 +82,8 @@ def spawn(engine: "VMEngine", snapshot: Handle, children: list[ChildSpec]) -> li
             # Connect before the guest runs: it then sees its host connected throughout. A QEMU that
             # cannot restore (a torn device state) may be gone by the send already.
             ch = engine.channel(h)
-            slot = ch.send(restore_request({"id": child.id, "role": "sandbox", "lineage": child.lineage}))
+            slot = ch.send(restore_request({"id": child.id, "role": "wake" if child.wake else "sandbox",
+                                            "lineage": child.lineage}))
             if "incoming_fd" in h:
                 _incoming_and_cont(engine, h, h.pop("incoming_fd"))
             reply = ch.wait(slot, engine.restore_timeout)
