@@ -1,7 +1,9 @@
 """An idle notebook on the VM engine holds no RAM: the forkd kernel freezes its sandbox after
 ``$FORKD_KERNEL_FREEZE_AFTER`` seconds, stores it after ``$FORKD_KERNEL_STORE_AFTER`` (its QEMU
-ends, its RAM file leaves tmpfs), and the next cell wakes it from the store under the same id with
-``x`` intact (and a seeded generator's stream unbroken: a wake is no copy), saying how long the wake took and its split (seconds here, so the test waits little)."""
+ends, its RAM file leaves tmpfs), a server killed and started again keeps it stored, and the next
+cell wakes it from the store under the same id with ``x`` intact (and a seeded generator's stream
+unbroken: a wake is no copy), saying how long the wake took and its split (idle times of seconds
+here, so the test waits little)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ def test_a_vm_notebook_goes_frozen_then_stored_and_the_next_cell_wakes_it(idle_v
     assert info["pid"] is None and not os.path.exists(f"/proc/{pid}")  # no QEMU: no process, no RAM
     assert ctl.memory(head)["rss_kib"] == 0
     assert "stored" in run(kc, "%forkd head").result
+    server.server.crash_and_restart()  # kill -9 of the server: the sandbox stays stored, and wakeable
+    assert ctl.get_sandbox(head)["tier"] == "stored"
     cell = run(kc, "x * 2, random.random() == [r.random() for r in [random.Random(7)] for _ in '12'][1]",
                timeout=300)
     assert cell.result == "(42, True)", cell.text  # the same id, its state intact, its stream unbroken
