@@ -62,7 +62,7 @@ class Listing:
     def _rows(self):
         snaps = [(s.tag, s.status, s.branched_from or "", "" if s.pause_ms is None else f"{s.pause_ms:.2f} ms")
                  for s in sorted(self.snapshots, key=lambda s: s.tag)]
-        sbs = [(b.id, b.snapshot_tag, str(b.info.get("branch_count", 0)))
+        sbs = [(b.id, b.snapshot_tag, b.tier, str(b.info.get("branch_count", 0)))
                for b in sorted(self.sandboxes, key=lambda b: b.id)]
         return snaps, sbs
 
@@ -79,7 +79,7 @@ class Listing:
             lines += self._text_table(("TAG", "STATUS", "BRANCHED FROM", "PAUSE"), snaps)
         lines.append(f"{len(sbs)} sandbox(es)")
         if sbs:
-            lines += self._text_table(("ID", "SNAPSHOT", "BRANCHES"), sbs)
+            lines += self._text_table(("ID", "SNAPSHOT", "TIER", "BRANCHES"), sbs)
         p.text("\n".join(lines))
 
     def _repr_html_(self) -> str:
@@ -92,7 +92,7 @@ class Listing:
 
         return (f"<b>{len(snaps)} snapshot(s){html.escape(self._of)}</b>" + (table(("tag", "status", "branched from", "pause"), snaps)
                                                        if snaps else "")
-                + f"<b>{len(sbs)} sandbox(es)</b>" + (table(("id", "snapshot", "branches"), sbs) if sbs else ""))
+                + f"<b>{len(sbs)} sandbox(es)</b>" + (table(("id", "snapshot", "tier", "branches"), sbs) if sbs else ""))
 
 
 @magics_class
