@@ -95,6 +95,7 @@ class SandboxManager:
         if engine is not None and row.get("stored"):  # its state in the store (tiers.py) goes with it
             engine.delete_snapshot(row["stored"]["handle"])
         self.registry.delete_sandboxes([row["id"]], ended=ended if remember else None)
+        self.ctl.tiers.forget(row["id"])
 
     def drop(self, row: dict, ended: dict) -> None:
         """End (or release what it held) a sandbox that died or must go, remember why, and say so.

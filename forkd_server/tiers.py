@@ -73,6 +73,13 @@ class TierManager:
             self._moving.pop(sandbox_id, None)
             lock.release()
 
+    def forget(self, sandbox_id: str) -> None:
+        """The sandbox ended: drop its lock (unless a move holds it, which then finds it gone)."""
+        with self._guard:
+            lock = self._locks.get(sandbox_id)
+            if lock is not None and not lock.locked():
+                del self._locks[sandbox_id]
+
     # --- calls: the sandbox running while they run -----------------------------------------------
 
     def running_row(self, sandbox_id) -> dict:
@@ -91,11 +98,14 @@ class TierManager:
         """One call to a sandbox's agent: woken first, and kept from moving down until it returns.
         Counted under the sandbox's lock, so a move down either sees the call or happens before it
         (and the call then wakes it)."""
-        sid = self.ctl.sandboxes.row(sandbox_id)["id"]
+        row = self.ctl.sandboxes.row(sandbox_id)
+        sid = row["id"]
         with self._holding(sid, "a wake"):
-            row = self.ctl.sandboxes.row(sandbox_id)
-            if tier_of(row) != "running":
-                row, _ = self._wake(row)
+            now = self.registry.get_sandbox(sid)  # a move may have happened before we held the lock
+            if now is None or tier_of(now) != "running" or now["handle"] != row["handle"]:
+                row = self.ctl.sandboxes.row(sandbox_id)
+                if tier_of(row) != "running":
+                    row, _ = self._wake(row)
             with self._guard:
                 self._calls[sid] = self._calls.get(sid, 0) + 1
         try:

@@ -65,7 +65,7 @@ def test_a_token_in_the_query_is_logged_as_secret(server, method, path):
         if path == "/v1/events" and token == server.token:
             continue  # a stream: it is logged when it ends, which this client does not wait for
         marker = f"probe{next(_probes)}x"
-        route = path.format(id="sb-none", tag="none", name="none")
+        route = path.format(id="sb-none", tag="none", name="none", ref="none")
         _call(f"{server.url}{route}?{marker}=1&token={token}", method)
         lines = _lines_of(server, marker)
         assert lines, f"nothing logged for {method} {route}"
