@@ -283,7 +283,11 @@ class Recovery:
         reason = engine.probe([row["handle"]], self.probe_timeout)[0]
         if reason is None:
             if frozen:
-                engine.freeze(row["handle"])
+                try:
+                    engine.freeze(row["handle"])
+                except EngineError as exc:  # it answers and runs: kept running, said so
+                    self.registry.update_sandbox(row["id"], tier=None)
+                    self._found(f"sandbox {row['id']}: could not freeze it again after its probe ({exc}); it runs")
             self._count("sandboxes_attached")
             return
         self._count("sandboxes_dropped")
