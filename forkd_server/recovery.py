@@ -21,6 +21,9 @@ each object is settled on its own, all at once (``SETTLE_WORKERS``), and whateve
   no copy in the store, becomes ``failed`` with the reason (a silent template is left running: its
   sandboxes live in its pid namespace; deleting the snapshot ends it). A sandbox that is gone is
   dropped, one alive but silent is ended and dropped, its ``killed`` event saying why;
+- a frozen sandbox (tiers.py) is thawed for its ping and frozen again; a stored one has no process
+  to ping: it stays stored while its stored state is whole (a VM a store cut short left running is
+  ended), and is dropped, saying why, when that state is gone;
 - an object whose settling raised is marked so: a snapshot ``failed``, a sandbox ended and
   dropped ("lost"), the reason in its record;
 - workspaces then settle on what is left (``WorkspaceManager.reconcile``; workspace calls answer
