@@ -6,6 +6,7 @@ are written into the store as a host's store writes them."""
 from __future__ import annotations
 
 import os
+import secrets
 
 import pytest
 
@@ -17,6 +18,9 @@ from ..serving import serving
 from .s3 import S3_ENV, moto_s3
 from .test_store import REQUIRES, files_of
 
+# A prefix of its own: moto keeps its buckets per process, so other modules' objects may be in "forkd"
+STORE = f"s3://forkd/delete-{secrets.token_hex(4)}"
+
 
 @pytest.fixture(scope="module")
 def s3():
@@ -27,13 +31,13 @@ def s3():
 @pytest.fixture(scope="module")
 def server(s3):
     # grace 0: every unlisted chunk is swept at once (nothing else pushes to this store meanwhile)
-    with serving("--store", "s3://forkd/team", env={**s3[0], "FORKD_STORE_DELETE_GRACE": "0"}) as srv:
+    with serving("--store", STORE, env={**s3[0], "FORKD_STORE_DELETE_GRACE": "0"}) as srv:
         yield srv
 
 
 def two_snapshots(tmp_path, env: dict):
     """Snapshots a and b in the store, b a branch of a that changed one chunk: (a, b, remote)."""
-    remote = RemoteStore("s3://forkd/team", **s3_options_from_env(env))
+    remote = RemoteStore(STORE, **s3_options_from_env(env))
     cache = ChunkCache(str(tmp_path / "cache"))
     files = files_of(tmp_path, "a", 11)
     a = persist(cache, files, REQUIRES, {"tag": "a"})
@@ -54,7 +58,7 @@ def test_deleting_a_snapshot_keeps_the_chunks_another_uses(server, s3, tmp_path)
     assert shared and set(a.chunks()) - shared
     ctl = Controller(server.url, server.token)
     out = ctl.delete_remote_snapshot("a")
-    assert out["digest"] == a.digest and out["store"] == "s3://forkd/team"
+    assert out["digest"] == a.digest and out["store"] == STORE
     assert out["removed_chunks"] == len(set(a.chunks()) - shared)
     left = {m["path"].rsplit("/", 1)[1] for m in remote.list("chunks/")}
     assert left == set(b.chunks())  # every chunk b lists stays, and only those
