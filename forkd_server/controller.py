@@ -419,6 +419,10 @@ class Controller:
         ``labels``: the nodes carrying all of them and their ancestors, so the lineage stays whole."""
         nodes = tree_nodes([self.branches.overlay(r) for r in self.registry.list_snapshots()],
                            self.registry.list_sandboxes())
+        recovering = self.recovery.unsettled()
+        for node in nodes:  # shown, so the lineage stays whole, but not as what it may no longer be
+            if node["id"] in recovering:
+                node["status"] = "recovering"
         if not labels:
             return nodes
         keep = {a for n in nodes if has_labels(n["labels"], labels) for a in n["lineage"]}
