@@ -134,6 +134,33 @@ def subtree(prefix: str, data_dir: str) -> str:
     return f"{prefix}/{hashlib.sha1(os.path.realpath(data_dir).encode()).hexdigest()[:12]}"
 
 
+_MEMORY_USAGE = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+
+
+def memory_room(group: str) -> int | None:
+    """Bytes the memory limits above ``group``'s leaves still allow: the smallest ``limit - usage``
+    over the group and each of its ancestors up to the hierarchy's root (a container's own group,
+    under a cgroup namespace), for those that have a limit; None where none has. A few small file
+    reads: cheap enough for a health check."""
+    where = locate("memory")
+    if where is None:
+        return None
+    version, base = where
+    limit_file, usage_file = _MEMORY_USAGE[version]
+    paths, path = [base], base
+    for part in group.split("/"):
+        path = os.path.join(path, part)
+        paths.append(path)
+    room = None
+    for path in paths:
+        limit = _limit(path, limit_file) if os.path.isdir(path) else -1
+        if limit < 0:
+            continue
+        left = max(0, limit - _counter(path, usage_file, None))
+        room = left if room is None else min(room, left)
+    return room
+
+
 class Cgroups:
     """Creates ``<hierarchy>/<group>/<name>`` leaves with limits and removes them when empty."""
 
@@ -145,6 +172,10 @@ class Cgroups:
 
     def status(self) -> dict:
         return {c: (locate(c) or ("none", ""))[0] for c in CONTROLLERS}
+
+    def memory_room(self) -> int | None:
+        """What the memory limits over this engine's leaves still allow (``memory_room``)."""
+        return memory_room(self.group)
 
     def _parent(self, version: str, base: str, controller: str) -> str:
         parent = os.path.join(base, self.group)
