@@ -36,9 +36,10 @@ class HealthHandler(ForkdHandler):
             self.send({"ok": True})
             return
         left = controller.recovery.pending
-        # What a router places by (capacity.py): file reads and the registry's cached rows, on the
-        # control pool, so a registry write in progress never holds the event loop.
-        block = await self.call(controller.capacity)
+        # What a router places by (capacity.py): file reads and the registry's cached rows, on a
+        # thread of its own (admission.py), so a registry write in progress never holds the event
+        # loop and a health check never waits behind control calls.
+        block = await self._answer(self.app.admission.health(controller.capacity), None)
         self.send({"ok": True, **({"recovering": left} if left else {}), "capacity": block})
 
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -76,6 +77,26 @@ async def test_capacity_block_names_and_types(jp_fetch, forkd_app):
     assert all(type(block[k]) is int for k in ("sandboxes", "max_sandboxes", "snapshots"))
     forkd_app.controller.kill_sandbox(kids[0]["id"])
     assert (await health(jp_fetch))["capacity"]["sandboxes"] == 1
+
+
+async def test_healthz_answers_while_every_control_thread_is_held(jp_fetch, forkd_app):
+    """A health check never queues behind control calls: with all of them held (blocked on an
+    event only this test sets), /healthz still answers with its capacity block."""
+    admission = forkd_app.admission
+    release = threading.Event()
+    workers = admission.control_pool._max_workers
+    held = [asyncio.ensure_future(admission.control(lambda: release.wait(60))) for _ in range(workers)]
+    try:
+        deadline = time.monotonic() + 30
+        while admission.control_running < workers:  # bounded polling: every control thread taken
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        body = await asyncio.wait_for(health(jp_fetch), 30)
+        assert set(body["capacity"]) == BLOCK
+        assert not any(f.done() for f in held)  # they were held all along
+    finally:
+        release.set()
+        await asyncio.gather(*held)
 
 
 async def test_no_cap_is_null(jp_fetch, forkd_app, monkeypatch):
