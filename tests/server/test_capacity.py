@@ -154,7 +154,7 @@ async def test_a_sandbox_that_died_unseen_does_not_hold_room(jp_fetch, forkd_app
 def test_memory_free_is_bounded_by_the_data_dirs_cgroup(forkd_data_dir):
     """A memory limit on the engine's group for this data dir shows in memory_free (the host's
     MemAvailable is far larger)."""
-    from forkd_engine.cgroups import memory_room, subtree
+    from forkd_engine.cgroups import Cgroups, memory_room, subtree
     from forkd_server.capacity import mem_available, memory_free
 
     where = locate("memory")
@@ -173,12 +173,10 @@ def test_memory_free_is_bounded_by_the_data_dirs_cgroup(forkd_data_dir):
     try:
         with open(os.path.join(path, limit_file), "w") as f:
             f.write(str(200 << 20))
-        room = memory_room(group)
-        assert room == 200 << 20  # nothing runs in it: all of the limit is left
+        assert memory_room(group) == 200 << 20  # nothing runs in it: all of the limit is left
 
-        class Engine:
-            class cgroups:
-                memory_room = staticmethod(lambda: memory_room(group))
+        class Engine:  # what memory_free asks of an engine: its Cgroups
+            cgroups = Cgroups(group)
         assert memory_free({"e": Engine()}) == 200 << 20 < mem_available()
         assert memory_free({}) == mem_available()
     finally:
