@@ -79,6 +79,29 @@ async def test_capacity_block_names_and_types(jp_fetch, forkd_app):
     assert (await health(jp_fetch))["capacity"]["sandboxes"] == 1
 
 
+async def test_the_answers_match_openapi_json(jp_fetch, forkd_app, snap):
+    """/healthz and the cap's 503 as the document describes them (its schemas, unknown fields of
+    the capacity block refused)."""
+    import jsonschema
+
+    from forkd_server.handlers import OPENAPI_PATH
+
+    with open(OPENAPI_PATH) as f:
+        doc = json.load(f)
+
+    def check(body, name):
+        jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+                                        ).validate(body)
+
+    check(await health(jp_fetch), "Health")
+    code, body = await spawn(jp_fetch, CAP + 1)
+    assert code == 503
+    check(body, "Error")
+    assert "503" in doc["paths"]["/v1/sandboxes"]["post"]["responses"]
+    with pytest.raises(jsonschema.ValidationError):  # the check can fail: a renamed figure is refused
+        check({"ok": True, "capacity": {**(await health(jp_fetch))["capacity"], "mem_free": 1}}, "Health")
+
+
 async def test_healthz_answers_while_every_control_thread_is_held(jp_fetch, forkd_app):
     """A health check never queues behind control calls: with all of them held (blocked on an
     event only this test sets), /healthz still answers with its capacity block."""
