@@ -203,6 +203,11 @@ def test_the_router_finds_the_hosts_through_the_headless_service():
     assert secret_key_of(pod, c, flag(args, "--hosts-token-file")) == ("forkd-tokens", "hosts-token")
     assert set(secrets) == {"token", "hosts-token"}
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    # its host table and pins outlive the pod: a claim, one pod at a time on it
+    volume, _ = mount_of(pod, c, flag(args, "--data-dir"))
+    claim = objs[("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert c["ports"][0]["containerPort"] == int(flag(args, "--port"))
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"]["path"] == "/healthz"
     router_svc = objs[("Service", "forkd")]
