@@ -213,6 +213,7 @@ def test_memory_free_is_bounded_by_the_data_dirs_cgroup(forkd_data_dir):
 def test_serve_flag():
     argv = build_argv(no_token=True, max_sandboxes=40)[0]
     assert "--ForkdApp.max_sandboxes=40" in argv
+    assert "--ForkdApp.max_sandboxes=0" in build_argv(no_token=True, max_sandboxes=0)[0]  # 0: drain the host
     assert not any("max_sandboxes" in a for a in build_argv(no_token=True)[0])
     with pytest.raises(ServeError, match="--max-sandboxes must be 0 or more"):
         build_argv(no_token=True, max_sandboxes=-1)
