@@ -16,7 +16,6 @@ from forkd_server.client import Controller
 
 from ..kernel.cells import head_of, run
 from ..kernel.conftest import ServerForKernels
-from ..kernel.test_idle_tiers import wait_tier
 from .conftest import requires_qemu
 
 pytestmark = [requires_qemu, pytest.mark.slow]
@@ -41,13 +40,22 @@ def idle_vm_kernel(vm_root):
 
 def test_a_vm_notebook_goes_frozen_then_stored_and_the_next_cell_wakes_it(idle_vm_kernel):
     server, kc = idle_vm_kernel
+    ctl = Controller(server.url, server.token)
+    events = ctl.events(timeout=300)  # open before the first cell: every move of HEAD is seen
     # makes the base snapshot first; a seeded generator, whose stream a wake must not change
     assert run(kc, "x = 21\nimport random\nrandom.seed(7)\nfirst = random.random()", timeout=900).ok
     head = head_of(kc)
-    ctl = Controller(server.url, server.token)
     pid = ctl.get_sandbox(head)["pid"]
-    assert wait_tier(ctl, head, "frozen", timeout=120) == "frozen"
-    assert wait_tier(ctl, head, "stored", timeout=300) == "stored"
+    moves = []
+    try:
+        for event in events:  # frozen may last only seconds: the events say it, not a poll's luck
+            if event.get("action") == "tier" and event.get("id") == head:
+                moves.append(event["tier"])
+                if event["tier"] == "stored":
+                    break
+    finally:
+        events.close()
+    assert moves == ["frozen", "stored"]
     info = ctl.get_sandbox(head)
     assert info["pid"] is None and not os.path.exists(f"/proc/{pid}")  # no QEMU: no process, no RAM
     assert ctl.memory(head)["rss_kib"] == 0
