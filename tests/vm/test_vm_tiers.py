@@ -8,6 +8,8 @@ here, so the test waits little)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 from jupyter_client.manager import start_new_kernel
@@ -69,3 +71,38 @@ def test_a_vm_notebook_goes_frozen_then_stored_and_the_next_cell_wakes_it(idle_v
     assert len(woke) == 1 and f"woke this notebook's sandbox {head} from stored in " in woke[0]
     assert "fetch" in woke[0] and "decompress" in woke[0] and "restore" in woke[0]
     assert head_of(kc) == head and ctl.get_sandbox(head)["tier"] == "running"
+
+
+def test_by_hand_a_stored_sandbox_wakes_from_the_remote_store_when_this_host_lost_its_chunks(vm_engine, tmp_path):
+    """freeze -> store -> wake through the routes' code, with a remote store: the store pushes it, and
+    a wake after the local store lost its chunks (evicted, say) fetches them back, verified."""
+    from forkd_server.controller import Controller as ServerController
+
+    data = tempfile.mkdtemp(prefix="fkvt")
+    ctl = ServerController(data, engines={"vm": vm_engine}, store=f"file://{tmp_path}/remote")
+    try:
+        ctl.create_snapshot("tiny", engine="vm", mem_size_mib=192, setup="x = 20")
+        sb = ctl.spawn("tiny")[0]["id"]
+        ctl.run_code(sb, "x += 1")
+        assert ctl.freeze_sandbox(sb)["tier"] == "frozen"
+        info = ctl.store_sandbox(sb)
+        assert info["tier"] == "stored" and info["pid"] is None
+        stored = ctl.registry.get_sandbox(sb)["stored"]
+        assert stored["remote"] is True and not os.path.exists(stored["handle"]["memory"])  # no RAM file
+        store = vm_engine.store
+        others = set().union(*(store.get_manifest(d).chunks() for name, d in store.pins().items()
+                               if name != stored["handle"]["tag"] and store.get_manifest(d)))
+        lost = set(store.get_manifest(stored["digest"]).chunks()) - others
+        for chunk in lost:  # only what no other snapshot here uses: the session's engine is shared
+            os.unlink(store.chunk_path(chunk))
+        woke = ctl.wake_sandbox(sb)["wake"]
+        assert woke["from"] == "stored" and woke["fetched_bytes"] > 0
+        assert ctl.eval(sb, "x")["result"] == "21" and ctl.get_sandbox(sb)["tier"] == "running"
+    finally:
+        for s in ctl.list_sandboxes():
+            ctl.kill_sandbox(s["id"])
+        for s in ctl.list_snapshots():
+            ctl.delete_snapshot(s["tag"])
+        ctl.stores.close()
+        ctl.registry.close()
+        shutil.rmtree(data, ignore_errors=True)
