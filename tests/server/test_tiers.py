@@ -121,3 +121,14 @@ async def test_the_async_sdk_moves_tiers_too(server, snap):
             woke = await sb.wake()
             assert woke["from"] == "frozen" and sb.tier == "running"
             assert await sb.eval("x") == "41"
+
+
+def test_the_cli_moves_tiers_and_says_why_it_cannot_store(server, sandbox):
+    from .test_serve import cli
+
+    assert cli(server, "freeze", sandbox.id).stdout.strip() == f"{sandbox.id}: frozen"
+    assert "frozen" in cli(server, "ls").stdout
+    woke = cli(server, "wake", sandbox.id).stdout
+    assert woke.startswith(f"{sandbox.id}: running (woken from frozen in ")
+    refused = cli(server, "store", sandbox.id, check=False)
+    assert refused.returncode != 0 and "a process cannot be written as files" in refused.stderr
