@@ -159,3 +159,25 @@ async def test_async_sdk(server, parent):
         with pytest.raises(ControllerError) as info:
             await kids[1].ping()
         assert info.value.status == 404
+
+
+def test_cli(server, ctl, parent):
+    import json
+
+    from .test_serve import cli, one_line
+
+    tree = json.loads(cli(server, "fork", parent.id, "-n", "2", "--json").stdout)
+    first, second = (k["id"] for k in tree["sandboxes"])
+    shown = " ".join(cli(server, "fork", parent.id, "-n", "1").stdout.split())
+    assert "fork tree ft-" in shown and "forkd promote sb-" in shown
+    out = " ".join(cli(server, "promote", second).stdout.split())  # rich wraps at the terminal's width
+    assert out.startswith(f"{second} won fork tree {tree['fork_tree_id']}: killed 1 sibling(s), released snapshot "
+                          f"{tree['snapshot']['tag']}")
+    assert first not in {b["id"] for b in ctl.list_sandboxes()}
+    assert len(json.loads(cli(server, "fork", "--tag", "ftree", "-n", "1", "--json").stdout)) == 1  # forkd's spawn
+    said = one_line(cli(server, "fork", parent.id, "-n", "0", check=False))
+    assert said == "forkd fork: field `count` must be at least 1 and at most 1000, got 0 (HTTP 400)\n"
+    said = one_line(cli(server, "promote", parent.id, check=False))
+    assert said.startswith(f"forkd promote: sandbox {parent.id} is in no open fork tree (HTTP 400); POST ")
+    said = one_line(cli(server, "fork", check=False))
+    assert "give a SANDBOX to fork (a fork tree), or --tag SNAPSHOT" in said
