@@ -142,9 +142,13 @@ class ForkTreeManager:
         if tree_id is None:
             tree_id = (winner.get("labels") or {}).get(FORK_TREE_LABEL)
             if tree_id is None:
-                raise BadRequest(f"sandbox {winner['id']} is in no open fork tree",
-                                 hint=f"POST /v1/sandboxes/{winner['id']}/fork makes one; give tree_id to name "
-                                      f"a tree that was promoted already")
+                sid = winner["id"]
+                raise BadRequest(f"sandbox {sid} is in no open fork tree",
+                                 hint="fork a sandbox into a tree first, then keep one of its children",
+                                 details={"rest": f'POST /v1/sandboxes/{sid}/fork {{"count": 3}}',
+                                          "sdk": "kids = sandbox.fork(count=3); kids[0].promote()",
+                                          "cli": f"forkd fork {sid} -n 3", "magic": f"kids = %forkd fork {sid} -n 3",
+                                          "promoted": "a tree promoted already is named by tree_id"})
         with self._lock:  # one promote of a tree at a time: the second sees the first's result
             tree = self.get(tree_id)
             if winner["id"] not in tree["members"]:

@@ -66,7 +66,8 @@ def test_wrong_lines_say_what_to_do(ip, forkd):
     ip.user_ns["source"] = source
     with pytest.raises(UsageError) as info:
         ip.run_line_magic("forkd", "keep source")
-    assert str(info.value).startswith(f"forkd keep: sandbox {source.id} is in no open fork tree\nPOST ")
+    assert str(info.value) == (f"forkd keep: sandbox {source.id} is in no open fork tree\nfork a sandbox into a tree "
+                               f"first, then keep one of its children: kids = %forkd fork {source.id} -n 3")
     with pytest.raises(UsageError, match="not both"):
         ip.run_line_magic("forkd", "fork source -t kr -n 2")
     with pytest.raises(UsageError, match="forkd fork: -n must be at least 1"):

@@ -178,6 +178,7 @@ def test_cli(server, ctl, parent):
     said = one_line(cli(server, "fork", parent.id, "-n", "0", check=False))
     assert said == "forkd fork: field `count` must be at least 1 and at most 1000, got 0 (HTTP 400)\n"
     said = one_line(cli(server, "promote", parent.id, check=False))
-    assert said.startswith(f"forkd promote: sandbox {parent.id} is in no open fork tree (HTTP 400); POST ")
+    assert said == (f"forkd promote: sandbox {parent.id} is in no open fork tree (HTTP 400); fork a sandbox into a "
+                    f"tree first, then keep one of its children: forkd fork {parent.id} -n 3\n")
     said = one_line(cli(server, "fork", check=False))
     assert "give a SANDBOX to fork (a fork tree), or --tag SNAPSHOT" in said
