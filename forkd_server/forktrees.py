@@ -21,6 +21,7 @@ branches of members do not inherit it (branching.py), so nothing outside the tre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import threading
@@ -43,12 +44,14 @@ CREATE TABLE IF NOT EXISTS fork_trees (
     source TEXT NOT NULL,
     snapshot_tag TEXT NOT NULL,
     user_tag INTEGER NOT NULL,
+    owners TEXT NOT NULL,
     members TEXT NOT NULL,
     status TEXT NOT NULL,
     winner TEXT,
     created_at REAL NOT NULL
 )"""
-FIELDS = ("tree_id", "source", "snapshot_tag", "user_tag", "members", "status", "winner", "created_at")
+FIELDS = ("tree_id", "source", "snapshot_tag", "user_tag", "owners", "members", "status", "winner", "created_at")
+_JSON = {"owners", "members"}
 
 
 def _owners(labels: dict | None) -> dict:
@@ -61,6 +64,7 @@ class ForkTreeManager:
         self.registry = controller.registry
         self.kernels = None  # the server's KernelHeads (kernels.py), when a Jupyter server runs us
         self._lock = threading.Lock()
+        self._promoting: dict[str, threading.Lock] = {}  # tree id -> held while it is being promoted
         with self.registry.tx() as db:
             db.execute(_SCHEMA)
 
@@ -70,7 +74,7 @@ class ForkTreeManager:
         with self.registry.tx() as db:
             db.execute(f"INSERT OR REPLACE INTO fork_trees ({', '.join(FIELDS)}) VALUES "
                        f"({', '.join('?' * len(FIELDS))})",
-                       tuple(json.dumps(row[f]) if f == "members" else row[f] for f in FIELDS))
+                       tuple(json.dumps(row[f]) if f in _JSON else row[f] for f in FIELDS))
 
     def _drop(self, tree_id: str) -> None:
         with self.registry.tx() as db:
@@ -86,8 +90,14 @@ class ForkTreeManager:
                            hint="the fork's answer names its tree (fork_tree_id); so does each child's "
                                 "fork_tree_id label (GET /v1/sandboxes/{id})")
         row = dict(zip(FIELDS, found))
-        row["members"] = json.loads(row["members"])
-        return row
+        return {k: json.loads(v) if k in _JSON else v for k, v in row.items()}
+
+    def members(self, tree: dict) -> list[str]:
+        """The tree's children: recorded once spawned, and (should a crash have come between the
+        spawn and that record) the sandboxes of its snapshot that carry its label."""
+        labelled = [r["id"] for r in self.registry.list_sandboxes() if r["snapshot_tag"] == tree["snapshot_tag"]
+                    and (r.get("labels") or {}).get(FORK_TREE_LABEL) == tree["tree_id"]]
+        return list(dict.fromkeys([*tree["members"], *labelled]))
 
     # --- fork --------------------------------------------------------------------------------------
 
@@ -108,16 +118,21 @@ class ForkTreeManager:
         source = self.ctl.sandboxes.row(sandbox_id)  # 404 (saying how it ended) before any work
         tree_id = "ft-" + secrets.token_hex(5)
         snapshot = self._branch(source["id"], tag or tree_id, lossy, labels)
+        # Recorded before its children exist, so none is ever a member of no tree; ``owners``: whose
+        # each child is when it starts (its labels are the snapshot's and these).
+        tree = {"tree_id": tree_id, "source": source["id"], "snapshot_tag": snapshot["tag"],
+                "user_tag": int(tag is not None), "owners": _owners({**snapshot["labels"], **labels}),
+                "members": [], "status": "open", "winner": None, "created_at": time.time()}
         try:
+            self._write(tree)
             kids = self.ctl.spawn(snapshot["tag"], count, memory_limit_mib=memory_limit_mib,
-                                            labels={**labels, FORK_TREE_LABEL: tree_id})
-        except BaseException:  # no children: the branch made for them goes too
+                                  labels={**labels, FORK_TREE_LABEL: tree_id})
+        except BaseException:  # no children: the branch made for them and the record go too
             if tag is None:
                 self._release(snapshot["tag"])
+            self._drop(tree_id)
             raise
-        self._write({"tree_id": tree_id, "source": source["id"], "snapshot_tag": snapshot["tag"],
-                     "user_tag": int(tag is not None), "status": "open", "winner": None, "created_at": time.time(),
-                     "members": {k["id"]: _owners(k["labels"]) for k in kids}})
+        self._write({**tree, "members": [k["id"] for k in kids]})
         return {"fork_tree_id": tree_id, "snapshot": snapshot, "sandboxes": kids}
 
     def _branch(self, sandbox_id: str, tag: str, lossy: bool, labels: dict) -> dict:
@@ -149,20 +164,28 @@ class ForkTreeManager:
                                           "sdk": "kids = sandbox.fork(count=3); kids[0].promote()",
                                           "cli": f"forkd fork {sid} -n 3", "magic": f"kids = %forkd fork {sid} -n 3",
                                           "promoted": "a tree promoted already is named by tree_id"})
-        with self._lock:  # one promote of a tree at a time: the second sees the first's result
+        with self._tree_lock(tree_id):  # one promote of a tree at a time: the second sees the first's result
             tree = self.get(tree_id)
-            if winner["id"] not in tree["members"]:
+            members = self.members(tree)
+            if winner["id"] not in members:
                 raise BadRequest(f"sandbox {winner['id']} is not in fork tree {tree_id}",
-                                 hint=f"its members: {', '.join(sorted(tree['members'])) or 'none'}")
+                                 hint=f"its members: {', '.join(sorted(members)) or 'none'}")
             if tree["status"] == "promoted" and tree["winner"] != winner["id"]:
                 raise Conflict(f"fork tree {tree_id} was promoted already: {tree['winner']} won it",
                                hint=f"fork {winner['id']} again to start a new tree from it")
-            killed, kept, failed = self._drop_siblings(tree, winner["id"], cleanup_siblings)
+            killed, kept, failed = self._drop_siblings(tree, members, winner["id"], cleanup_siblings)
             released = self._release_snapshot(tree, winner["id"], kept)
-            self._write({**tree, "status": "promoted", "winner": winner["id"]})
-            self._close_labels(tree)
+            self._write({**tree, "members": members, "status": "promoted", "winner": winner["id"]})
+            self._close_labels(tree, members)
         return {"fork_tree_id": tree_id, "winner": sandbox_info(self.registry.get_sandbox(winner["id"])),
                 "killed": killed, "released": released, "kept": kept, "failed": failed}
+
+    @contextlib.contextmanager
+    def _tree_lock(self, tree_id: str):
+        with self._lock:
+            lock = self._promoting.setdefault(tree_id, threading.Lock())
+        with lock:
+            yield
 
     def _holders(self) -> tuple[dict[str, str], dict[str, str]]:
         """({sandbox: whose HEAD}, {snapshot: whose base}) of the forkd kernels this server knows."""
@@ -174,11 +197,12 @@ class ForkTreeManager:
                 bases[k["base_snapshot"]] = who
         return heads, bases
 
-    def _drop_siblings(self, tree: dict, winner: str, cleanup: bool) -> tuple[list, list, list]:
+    def _drop_siblings(self, tree: dict, members: list[str], winner: str, cleanup: bool) -> tuple[list, list, list]:
         heads, _ = self._holders()
         workspaces = {w["live_sandbox_id"]: w["name"] for w in self.registry.list_workspaces() if w["live_sandbox_id"]}
         killed, kept, failed = [], [], []
-        for sid, owners in tree["members"].items():
+        owners = tree["owners"]
+        for sid in members:
             row = self.registry.get_sandbox(sid)
             if sid == winner or row is None or row.get("ending"):
                 continue  # the winner, or gone already
@@ -234,9 +258,9 @@ class ForkTreeManager:
         except NotFound:
             pass
 
-    def _close_labels(self, tree: dict) -> None:
+    def _close_labels(self, tree: dict, members: list[str]) -> None:
         """The tree is decided: its survivors are members of no open tree any more."""
-        for sid in tree["members"]:
+        for sid in members:
             row = self.registry.get_sandbox(sid)
             labels = (row or {}).get("labels") or {}
             if row is not None and labels.get(FORK_TREE_LABEL) == tree["tree_id"]:

@@ -182,3 +182,12 @@ def test_cli(server, ctl, parent):
                     f"tree first, then keep one of its children: forkd fork {parent.id} -n 3\n")
     said = one_line(cli(server, "fork", check=False))
     assert "give a SANDBOX to fork (a fork tree), or --tag SNAPSHOT" in said
+
+
+def test_a_restarted_server_still_promotes(server, ctl, parent):
+    tree = ctl.fork_sandbox(parent.id, 2)
+    first, second = (k["id"] for k in tree["sandboxes"])
+    server.crash_and_restart()  # kill -9: the tree's record and its sandboxes outlive it
+    result = ctl.promote_sandbox(second)
+    assert result["fork_tree_id"] == tree["fork_tree_id"] and result["killed"] == [first]
+    assert result["released"] == [tree["snapshot"]["tag"]]
