@@ -73,12 +73,17 @@ def hand_pid1_to_init() -> None:
     /proc of its own) alongside, so the new sandbox waits only for this fork."""
     if not os.access(IN_SANDBOX, os.X_OK):
         raise OSError(f"{IN_SANDBOX} is missing from the sandbox root: the engine binds it there")
+    # What the child says to its init before the init runs must not be lost: PID 1 drops a signal
+    # from inside its namespace that it neither handles nor blocks, but a blocked one waits, and
+    # stays pending across exec (an agent ending before the engine recorded it asks at once).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD})
     pid = children.raw_fork()
     if pid:
         try:
             os.execv(IN_SANDBOX, [IN_SANDBOX, str(pid)])
         finally:
             os._exit(127)  # no init: our exit ends the namespace, and the fork with it, loudly
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def end_unrecorded() -> None:
