@@ -273,6 +273,7 @@ class ForkdMagics(Magics):
               f"sibling{'' if len(killed) == 1 else 's'}" + (f", released snapshot {', '.join(released)}" if released else ""))
         for kept in result["kept"]:
             print(f"  kept {kept['kind']} {kept['id']}: {kept['reason']}")
+        sys.stdout.flush()  # said before the winner is shown as the cell's result
         if result["failed"]:
             lines = "".join(f"\n  {f['id']}: {f['error']}" for f in result["failed"])
             raise UsageError(f"forkd keep: could not kill {len(result['failed'])} sibling(s) (%forkd kill them):{lines}")
