@@ -128,9 +128,10 @@ class ForkTreeManager:
             kids = self.ctl.spawn(snapshot["tag"], count, memory_limit_mib=memory_limit_mib,
                                   labels={**labels, FORK_TREE_LABEL: tree_id})
         except BaseException:  # no children: the branch made for them and the record go too
-            if tag is None:
-                self._release(snapshot["tag"])
-            self._drop(tree_id)
+            with contextlib.suppress(Exception):  # the spawn's own error is the one to say
+                if tag is None:
+                    self._release(snapshot["tag"])
+                self._drop(tree_id)
             raise
         self._write({**tree, "members": [k["id"] for k in kids]})
         return {"fork_tree_id": tree_id, "snapshot": snapshot, "sandboxes": kids}
