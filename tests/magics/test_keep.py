@@ -10,6 +10,7 @@ from IPython.core.error import UsageError
 from forkd_server.client import ControllerError, Sandbox
 
 from .conftest import cell, in_notebook
+from .test_widget import comms, front_end_says, replies, wait_for  # noqa: F401 - comms: the recording comm fixture
 
 
 def alive(ctl) -> set[str]:
@@ -77,3 +78,27 @@ def test_wrong_lines_say_what_to_do(ip, forkd):
     with pytest.raises(ControllerError):  # nothing was forked by the refused lines
         source.controller.snapshot_info("ft-x")
     assert [s["tag"] for s in source.controller.list_snapshots()] == ["kr"]
+
+
+def test_the_widgets_keep_button_promotes(forkd, comms):  # noqa: F811
+    from forkd_magics import LineageWidget
+
+    ctl = forkd.controller()
+    ctl.create_snapshot("kw")
+    source = ctl.spawn_sandboxes("kw", 1)[0]["id"]
+    tree = ctl.fork_sandbox(source, 3)
+    kids = [k["id"] for k in tree["sandboxes"]]
+    w = LineageWidget(ctl)
+    try:
+        wait_for(lambda: all(w.tree.get(k, {}).get("labels", {}).get("fork_tree_id") for k in kids),
+                 what="the tree's children, labelled, in the widget")
+        front_end_says(w, {"action": "keep", "id": kids[0], "req": 1})
+        assert replies(w)[1]["ok"] and w.message == (f"kept {kids[0]}: killed 2 siblings; released "
+                                                     f"{tree['snapshot']['tag']}")
+        assert {b["id"] for b in ctl.list_sandboxes()} == {source, kids[0]}
+        wait_for(lambda: "fork_tree_id" not in w.tree.get(kids[0], {}).get("labels", {"fork_tree_id": 1}),
+                 what="the winner's label gone from the widget's tree")
+        front_end_says(w, {"action": "keep", "id": source, "req": 2})
+        assert replies(w)[2]["ok"] is False and "in no open fork tree" in replies(w)[2]["message"]
+    finally:
+        w.close()
