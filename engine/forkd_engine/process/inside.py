@@ -52,6 +52,15 @@ def report(fd: int, message: dict) -> None:
         s.send(json.dumps(message).encode())
 
 
+def report_ready(fd: int, message: dict) -> None:
+    """Tell the engine we serve; if it is gone (the server died while we started), it never
+    learnt of us and nobody would collect our init: end as unrecorded (never returns then)."""
+    try:
+        report(fd, message)
+    except OSError:
+        end_unrecorded()
+
+
 MOVE_TIMEOUT = 30.0
 
 
@@ -180,7 +189,7 @@ class SandboxProcess:
                 self.fork_plan = inventory.fork_plan(self.agent_fds() | {listen_fd, report_fd})
                 prewarm_for_forks()
                 self.server = AgentServer(self.runtime, listener, actions, threaded=False)
-                report(report_fd, {"id": self.identity["id"], "ok": True, **({"warnings": warnings} if warnings else {})})
+                report_ready(report_fd, {"id": self.identity["id"], "ok": True, **({"warnings": warnings} if warnings else {})})
                 os.close(report_fd)
                 self.server.serve_forever()
             else:
@@ -192,7 +201,7 @@ class SandboxProcess:
                                           {"branch": self.branch, "retire": self.retire,
                                            "inventory": self.inventory}, threaded=True)
                 self.server.start()
-                report(report_fd, {"id": self.identity["id"], "ok": True})
+                report_ready(report_fd, {"id": self.identity["id"], "ok": True})
                 os.close(report_fd)
                 executor.run_forever()
         finally:
