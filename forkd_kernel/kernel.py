@@ -134,7 +134,6 @@ class ForkdKernel(Kernel):
                               log=lambda text: self.log.warning("%s", text))
         self.head.before_request = self.idle.awake  # a frozen or stored HEAD wakes before any request
         self.stack: list[str] = []     # where %forkd checkout - goes back to
-        self.cells_run = 0              # cells sent to HEAD (a fork of an unchanged HEAD reuses its branch)
         self.own: set[str] = set()      # sandboxes this kernel started (HEADs it moved through)
         self._parents: dict[str, dict] = {}  # request id -> the Jupyter message it serves
         self._last_parent: dict = {}
@@ -333,7 +332,6 @@ class ForkdKernel(Kernel):
             return self._error(parent, "SandboxGone", str(exc), exc.details)
 
     def _run_remote(self, code, silent, store_history, user_expressions, allow_stdin, parent) -> dict:
-        self.cells_run += 1
         rid, events = self.head.open_request("execute", code=code, silent=silent, store_history=store_history,
                                              user_expressions=user_expressions, allow_stdin=allow_stdin,
                                              execution_count=self.execution_count)

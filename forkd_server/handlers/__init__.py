@@ -10,9 +10,9 @@ from __future__ import annotations
 from .base import ApiError, ForkdHandler, NotFoundHandler
 from .meta import (OPENAPI_PATH, EventsHandler, HealthHandler, MetricsHandler, OpenAPIHandler, TreeHandler,
                    VersionHandler)
-from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, FreezeHandler, InterruptHandler,
-                        InventoryHandler, MemoryHandler, PingHandler, RunHandler, SandboxesHandler, SandboxHandler,
-                        StoreHandler, WakeHandler)
+from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, ForkHandler, FreezeHandler,
+                        InterruptHandler, InventoryHandler, MemoryHandler, PingHandler, PromoteHandler, RunHandler,
+                        SandboxesHandler, SandboxHandler, StoreHandler, WakeHandler)
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
                         SnapshotPushHandler, SnapshotsHandler, StoreSnapshotHandler)
 from .workspaces import WorkspaceHandler, WorkspaceResumeHandler, WorkspacesHandler, WorkspaceSuspendHandler
@@ -49,6 +49,8 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/sandboxes/{ID}/eval", EvalHandler),
         (rf"v1/sandboxes/{ID}/run", RunHandler),
         (rf"v1/sandboxes/{ID}/branch", BranchHandler),
+        (rf"v1/sandboxes/{ID}/fork", ForkHandler),
+        (rf"v1/sandboxes/{ID}/promote", PromoteHandler),
         (rf"v1/sandboxes/{ID}/interrupt", InterruptHandler),
         (rf"v1/sandboxes/{ID}/session", SessionHandler),
         (rf"v1/sandboxes/{ID}/inventory", InventoryHandler),
