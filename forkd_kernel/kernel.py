@@ -130,7 +130,13 @@ class ForkdKernel(Kernel):
         self.base = BaseSnapshot(self.controller, engine=self.engine, setup=self.setup, packages=self.packages,
                                  tag=self.base_snapshot)
         self.head = Head(self.controller, self._on_other)
-        self.idle = IdleTiers(self.controller, self.head, self.freeze_after, self.store_after,
+        self._idle_note: str | None = None  # a bad idle setting, said under the first cell
+        try:
+            freeze_after, store_after = self.freeze_after, self.store_after
+        except ValueError as exc:
+            freeze_after, store_after = 600.0, 3600.0
+            self._idle_note = f"forkd: {exc}; the notebook's sandbox is frozen after 600 s and stored after 3600 s\n"
+        self.idle = IdleTiers(self.controller, self.head, freeze_after, store_after,
                               log=lambda text: self.log.warning("%s", text))
         self.head.before_request = self.idle.awake  # a frozen or stored HEAD wakes before any request
         self.stack: list[str] = []     # where %forkd checkout - goes back to
@@ -310,9 +316,9 @@ class ForkdKernel(Kernel):
             await asyncio.get_running_loop().run_in_executor(None, self._started.wait)
         if self._start_error:
             return self._error(parent, "ForkdKernelError", str(self._start_error), self._start_error.details)
-        if self._notice:
-            self._send_iopub("stream", {"name": "stderr", "text": self._notice}, parent)
-            self._notice = None
+        if self._notice or self._idle_note:
+            self._send_iopub("stream", {"name": "stderr", "text": (self._notice or "") + (self._idle_note or "")}, parent)
+            self._notice = self._idle_note = None
         try:
             woke = self.idle.awake()  # HEAD frozen or stored while the notebook idled: the cell says so
         except (ControllerError, ServerUnreachable) as exc:
