@@ -81,11 +81,15 @@ class IdleTiers:
         """(the next move, seconds until it is due) from the current state, or None for none."""
         now = time.monotonic()
         idle, wait = now - self._last, self._retry_at - now
+        moves = []
         if self.tier == "running" and self.freeze_after > 0:
-            return "freeze", max(self.freeze_after - idle, wait)
+            moves.append(("freeze", self.freeze_after - idle))
         if self.tier in ("running", "frozen") and self.store_after > 0:
-            return "store", max(self.store_after - idle, wait)
-        return None
+            moves.append(("store", self.store_after - idle))  # straight from running if it comes first
+        if not moves:
+            return None
+        move, due = min(moves, key=lambda m: m[1])
+        return move, max(due, wait)
 
     def _run(self) -> None:
         while True:
