@@ -22,6 +22,7 @@ from forkd_engine import AgentUnreachable, EngineError, LimitReached, LossyFork,
 
 from .changes import ChangeFeed
 from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
+from .hub.ownership import inheritable
 from .registry import Registry
 from .wire import pause_fields
 
@@ -106,7 +107,7 @@ class BranchManager:
                     record_pause: bool = True, lossy: bool = False, labels: dict | None = None) -> dict:
         """Branch the running sandbox ``row`` into snapshot ``tag`` while holding the slot ``release``
         frees: the slot goes back when the snapshot is ready or failed, or at once on an error.
-        The snapshot keeps the sandbox's labels, updated by ``labels``; with ``lossy`` a fork that
+        The snapshot keeps the sandbox's labels (but the server's own), updated by ``labels``; with ``lossy`` a fork that
         loses running work goes ahead and the snapshot keeps what was lost as ``warnings``.
         Returns the snapshot's registry row (``writing`` with ``wait=False``)."""
         try:
@@ -117,7 +118,7 @@ class BranchManager:
                 "tag": tag, "engine": row["engine"], "status": "writing", "created_at": time.time(),
                 "branched_from": branched_from, "lineage": lineage,
                 "spec": spec or {"branched_from": row["id"], "mode": mode},
-                "labels": {**(row.get("labels") or {}), **(labels or {})}})
+                "labels": {**inheritable(row.get("labels")), **(labels or {})}})
             try:
                 result = engine.branch(row["handle"], tag, lineage, mode, lossy=lossy)
             except BaseException as exc:  # nothing was written: no row, and the slot goes back
