@@ -13,7 +13,7 @@ from .meta import (OPENAPI_PATH, EventsHandler, HealthHandler, MetricsHandler, O
 from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, InterruptHandler, InventoryHandler,
                         MemoryHandler, PingHandler, RunHandler, SandboxesHandler, SandboxHandler)
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
-                        SnapshotPushHandler, SnapshotsHandler)
+                        SnapshotPushHandler, SnapshotShareHandler, SnapshotsHandler)
 from .workspaces import WorkspaceHandler, WorkspaceResumeHandler, WorkspacesHandler, WorkspaceSuspendHandler
 
 __all__ = ["ApiError", "ForkdHandler", "NotFoundHandler", "OPENAPI_PATH", "route_table"]
@@ -40,6 +40,7 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/snapshots/{ID}/info", SnapshotInfoHandler),
         (rf"v1/snapshots/{ID}/compact", SnapshotCompactHandler),
         (rf"v1/snapshots/{ID}/push", SnapshotPushHandler),
+        (rf"v1/snapshots/{ID}/share", SnapshotShareHandler),
         (r"v1/sandboxes", SandboxesHandler),
         (rf"v1/sandboxes/{ID}", SandboxHandler),
         (rf"v1/sandboxes/{ID}/ping", PingHandler),

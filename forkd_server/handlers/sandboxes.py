@@ -14,6 +14,7 @@ from tornado import web
 
 from forkd_engine.agent.runtime import MAX_FILE_BYTES
 
+from ..hub.ownership import OWNER
 from .base import ApiError, ForkdHandler, dumps, query_bool, query_labels
 
 # What no machine has: more is refused on the wire (400), before it reaches a registry column.
@@ -45,6 +46,8 @@ class SandboxesHandler(ForkdHandler):
     @authorized
     async def get(self) -> None:
         labels = query_labels(self)
+        if self.viewer is not None:  # a Hub user's own: a label filter like any other
+            labels[OWNER] = self.viewer.name
         if labels:  # a filtered listing: small, not worth a cache
             self.send(await self.call(self.controller.list_sandboxes, labels))
             return
@@ -61,16 +64,19 @@ class SandboxesHandler(ForkdHandler):
     async def post(self) -> None:
         body = self.body(self.body_spec)
         options = {k: body[k] for k in ("per_child_netns", "prewarm", "live_fork", "hugepages") if k in body}
+        labels = self.stamped(body.get("labels"))
+        if isinstance(body["snapshot_tag"], str) and self.viewer is not None:
+            await self.own("snapshot", body["snapshot_tag"])
         t0 = time.perf_counter()
         out = await self.long_call("a spawn", self.controller.spawn, body["snapshot_tag"], body.get("n", 1),
-                                   memory_limit_mib=body.get("memory_limit_mib"), labels=body.get("labels"),
-                                   **options)
+                                   memory_limit_mib=body.get("memory_limit_mib"), labels=labels, **options)
         self.app.metrics.spawn_latency.observe(time.perf_counter() - t0)
         self.send(out, 201)
 
 
 class SandboxHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = UPDATE  # the JSON body of patch
 
     @web.authenticated
@@ -82,6 +88,7 @@ class SandboxHandler(ForkdHandler):
     @authorized(action="write")
     async def patch(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
+        self.check_new_labels(body.get("labels"))
         self.send(await self.call(self.controller.update_sandbox, sandbox_id, labels=body.get("labels"),
                                   memory_limit_mib=body.get("memory_limit_mib")))
 
@@ -101,6 +108,7 @@ class SandboxHandler(ForkdHandler):
 
 class PingHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
 
     @web.authenticated
     @authorized(action="read")
@@ -110,6 +118,7 @@ class PingHandler(ForkdHandler):
 
 class ExecHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = EXEC  # the JSON body of post
 
     @web.authenticated
@@ -123,6 +132,7 @@ class ExecHandler(ForkdHandler):
 
 class EvalHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = EVAL  # the JSON body of post
 
     @web.authenticated
@@ -135,6 +145,7 @@ class EvalHandler(ForkdHandler):
 
 class RunHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = RUN  # the JSON body of post
 
     @web.authenticated
@@ -148,6 +159,7 @@ class RunHandler(ForkdHandler):
 
 class BranchHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = BRANCH  # the JSON body of post
 
     @web.authenticated
@@ -159,7 +171,7 @@ class BranchHandler(ForkdHandler):
                                     mode=body.get("mode"), diff=body.get("diff", False), live=body.get("live", False),
                                     measure_diff=body.get("measure_diff", False), wait=wait,
                                     parent_tag=body.get("parent_tag"), lossy=body.get("lossy", False),
-                                    labels=body.get("labels"), sandbox=sandbox_id)
+                                    labels=self.stamped(body.get("labels")), sandbox=sandbox_id)
         if info.get("pause_us") is not None:  # the precise figure (pause_ms is rounded up)
             self.app.metrics.branch_pause.observe(info["pause_us"] / 1e6)
         self.send(info, 202 if not wait else 201)
@@ -169,6 +181,7 @@ class InterruptHandler(ForkdHandler):
     """No body: interrupt the cell the sandbox is running (a KeyboardInterrupt in it)."""
 
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
 
     @web.authenticated
     @authorized(action="execute")
@@ -180,6 +193,7 @@ class InventoryHandler(ForkdHandler):
     """What a branch of the sandbox now would not carry (threads, child processes, ...)."""
 
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
 
     @web.authenticated
     @authorized
@@ -189,6 +203,7 @@ class InventoryHandler(ForkdHandler):
 
 class MemoryHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
 
     @web.authenticated
     @authorized
@@ -200,6 +215,7 @@ class FilesHandler(ForkdHandler):
     """``GET`` reads a file (or lists a directory), ``PUT`` writes the raw body, ``DELETE`` removes."""
 
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     max_body_bytes = MAX_FILE_BYTES  # what the agent writes at once
 
     def _path(self) -> str:
