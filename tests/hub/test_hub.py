@@ -1,0 +1,229 @@
+"""forkd serve as a JupyterHub-managed service: a real Hub (DummyAuthenticator, SimpleLocalProcessSpawner,
+configurable-http-proxy), users alice and bob, the admin boss; every call goes through the Hub's proxy
+at /services/forkd/ with a Hub token, as a user's notebook makes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from forkd_server.client import Controller, ControllerError
+
+from .hubrun import PROXY, Hub
+
+# Ports only (free ones), no host-wide resource; slow: a Hub, its proxy, forkd and a user's server start
+# (~10 s), so with -n the module starts early rather than last.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.exists(PROXY), reason="configurable-http-proxy is not installed in "
+                                                                   "tests/hub (scripts/setup.sh test installs it)")]
+BASE = "hub-base"
+
+
+@pytest.fixture(scope="module")
+def hub():
+    pytest.importorskip("jupyterhub")
+    hub = Hub()
+    try:
+        hub.wait_ready()
+        status, body = hub.api("POST", "/users", {"usernames": ["alice", "bob"]})
+        assert status == 201, (status, body)
+        hub.tokens = {name: hub.user_token(name) for name in ("alice", "bob", "boss")}
+        boss = hub.ctl("boss")
+        boss.create_snapshot(BASE, setup="x = 41")
+        boss_request = raw(hub, "boss", "POST", f"/v1/snapshots/{BASE}/share")
+        assert boss_request[0] == 200 and boss_request[1]["labels"]["forkd.shared"] == "true", boss_request
+        yield hub
+    finally:
+        hub.stop()
+
+
+def _ctl(self, name: str) -> Controller:
+    return Controller(self.forkd_url, self.tokens[name])
+
+
+Hub.ctl = _ctl
+
+
+def raw(hub, who: str | None, method: str, path: str, body=None, token: str | None = None):
+    """One request through the proxy; (status, parsed body)."""
+    headers = {"Content-Type": "application/json"}
+    token = token or (hub.tokens[who] if who else None)
+    if token:
+        headers["Authorization"] = f"token {token}"
+    req = urllib.request.Request(hub.forkd_url + path, data=None if body is None else json.dumps(body).encode(),
+                                 method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            data = r.read()
+            return r.status, json.loads(data) if data else None
+    except urllib.error.HTTPError as exc:
+        data = exc.read()
+        return exc.code, json.loads(data) if data else None
+
+
+def spawn(hub, who: str, tag: str = BASE) -> str:
+    return hub.ctl(who).spawn_sandboxes(tag, 1)[0]["id"]
+
+
+def test_a_request_without_a_valid_hub_token_is_refused(hub):
+    status, body = raw(hub, None, "GET", "/v1/sandboxes")
+    assert status == 401 and "missing" in body["error"]
+    status, body = raw(hub, None, "GET", "/v1/sandboxes", token="not-a-token-of-this-hub-0123456789")
+    assert status == 401 and "invalid" in body["error"]
+    # a real token of alice's, without the service's scope
+    status, made = hub.api("POST", "/users/alice/tokens", {"scopes": ["read:users:name!user=alice"]})
+    assert status == 201, made
+    status, body = raw(hub, None, "GET", "/v1/sandboxes", token=made["token"])
+    assert status == 403 and "access:services!service=forkd" in body["error"], body
+
+
+def test_users_see_and_touch_only_their_own_sandboxes(hub):
+    mine, theirs = spawn(hub, "alice"), spawn(hub, "bob")
+    alice = hub.ctl("alice")
+    listed = {s["id"]: s for s in alice.list_sandboxes()}
+    assert mine in listed and theirs not in listed
+    assert listed[mine]["labels"]["forkd.owner"] == "alice"
+    assert "forkd.shared" not in listed[mine]["labels"]  # not inherited from the shared snapshot
+    assert alice.eval_code(mine, "x + 1")["result"] == "42"
+    # bob's sandbox answers alice as an unknown id would, on every route
+    for method, path, body in (("GET", f"/v1/sandboxes/{theirs}", None),
+                               ("POST", f"/v1/sandboxes/{theirs}/eval", {"code": "1"}),
+                               ("POST", f"/v1/sandboxes/{theirs}/branch", {"tag": "alice-steals"}),
+                               ("DELETE", f"/v1/sandboxes/{theirs}", None)):
+        status, answer = raw(hub, "alice", method, path, body)
+        assert status == 404 and answer["error"] == f"sandbox {theirs} not found", (method, path, status, answer)
+    assert raw(hub, "alice", "GET", "/v1/sandboxes/sb-00000000-0000")[0] == 404
+    nodes = {n["id"] for n in alice.tree()}
+    assert mine in nodes and BASE in nodes and theirs not in nodes
+    # the admin sees both; bob's sandbox is still there
+    everyone = {s["id"] for s in hub.ctl("boss").list_sandboxes()}
+    assert {mine, theirs} <= everyone
+    hub.ctl("bob").kill_sandbox(theirs)
+    alice.kill_sandbox(mine)
+
+
+def test_shared_snapshot_is_spawnable_by_all_and_writable_by_admins_only(hub):
+    for who in ("alice", "bob"):
+        assert BASE in {s["tag"] for s in hub.ctl(who).list_snapshots()}
+        kid = spawn(hub, who)
+        hub.ctl(who).kill_sandbox(kid)
+        status, body = raw(hub, who, "DELETE", f"/v1/snapshots/{BASE}")
+        assert status == 403 and "only admins" in body["error"], body
+        status, body = raw(hub, who, "DELETE", f"/v1/snapshots/{BASE}/share")
+        assert status == 403, body
+    assert hub.ctl("boss").snapshot_info(BASE)["labels"]["forkd.shared"] == "true"
+
+
+def test_branches_are_their_makers_and_private(hub):
+    alice, bob, boss = hub.ctl("alice"), hub.ctl("bob"), hub.ctl("boss")
+    kid = spawn(hub, "alice")
+    try:
+        snap = alice.branch_sandbox(kid, "alice-branch")
+        assert snap["labels"].get("forkd.owner") == "alice" and "forkd.shared" not in snap["labels"]
+        assert "alice-branch" in {s["tag"] for s in alice.list_snapshots()}
+        assert "alice-branch" not in {s["tag"] for s in bob.list_snapshots()}
+        assert "alice-branch" not in {n["id"] for n in bob.tree()}
+        for method, path, body in (("GET", "/v1/snapshots/alice-branch/info", None),
+                                   ("POST", "/v1/sandboxes", {"snapshot_tag": "alice-branch"}),
+                                   ("DELETE", "/v1/snapshots/alice-branch", None)):
+            status, answer = raw(hub, "bob", method, path, body)
+            assert status == 404 and answer["error"] == "snapshot alice-branch not found", (method, status, answer)
+        assert "alice-branch" in {s["tag"] for s in boss.list_snapshots()}
+        # an admin's own snapshot, not shared, is as private as anyone's
+        boss_kid = spawn(hub, "boss")
+        boss.branch_sandbox(boss_kid, "boss-private")
+        boss.kill_sandbox(boss_kid)
+        assert raw(hub, "alice", "POST", "/v1/sandboxes", {"snapshot_tag": "boss-private"})[0] == 404
+        boss.delete_snapshot("boss-private")
+    finally:
+        alice.kill_sandbox(kid)
+    alice.delete_snapshot("alice-branch")
+
+
+def test_the_owner_label_is_the_servers(hub):
+    status, body = raw(hub, "alice", "POST", "/v1/sandboxes",
+                       {"snapshot_tag": BASE, "labels": {"forkd.owner": "bob"}})
+    assert status == 403 and "forkd.owner" in body["error"], body
+    status, body = raw(hub, "alice", "POST", "/v1/sandboxes", {"snapshot_tag": BASE, "labels": {"forkd.shared": "true"}})
+    assert status == 403, body
+    kid = spawn(hub, "alice")
+    try:
+        status, body = raw(hub, "alice", "PATCH", f"/v1/sandboxes/{kid}", {"labels": {"forkd.owner": "bob"}})
+        assert status == 403, body
+        assert hub.ctl("alice").get_sandbox(kid)["labels"]["forkd.owner"] == "alice"
+    finally:
+        hub.ctl("alice").kill_sandbox(kid)
+
+
+def test_events_carry_only_the_users_own_changes(hub):
+    alice, bob = hub.ctl("alice"), hub.ctl("bob")
+    stream = alice.events(timeout=60)
+    try:
+        theirs = spawn(hub, "bob")  # created before alice's: the stream would carry it first
+        bob.kill_sandbox(theirs)
+        mine = spawn(hub, "alice")
+        seen = []
+        for event in stream:
+            seen.append(event)
+            if event.get("kind") == "sandbox" and event.get("id") == mine:
+                break
+    finally:
+        stream.close()
+    assert not [e for e in seen if e.get("id") == theirs], seen
+    alice.kill_sandbox(mine)
+
+
+def test_a_users_server_finds_forkd_with_no_setup(hub):
+    """The spawner gives alice's server FORKD_URL and FORKD_TOKEN (its own Hub token); the SDK run
+    with that environment alone sees alice's sandboxes and not bob's."""
+    mine, theirs = spawn(hub, "alice"), spawn(hub, "bob")
+    try:
+        hub.start_server("alice")
+        env = server_environment(hub, "alice")
+        assert env["FORKD_URL"] == hub.forkd_url
+        assert env["FORKD_TOKEN"] == env["JUPYTERHUB_API_TOKEN"]
+        script = ("import json; from forkd_server.client import Controller; "
+                  "print(json.dumps([s['id'] for s in Controller().list_sandboxes()]))")
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "JUPYTERHUB_"))}
+        out = subprocess.run([sys.executable, "-c", script], env={**clean, "FORKD_URL": env["FORKD_URL"],
+                                                                  "FORKD_TOKEN": env["FORKD_TOKEN"]},
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        ids = json.loads(out.stdout)
+        assert mine in ids and theirs not in ids
+    finally:
+        hub.api("DELETE", "/users/alice/server")
+        hub.ctl("alice").kill_sandbox(mine)
+        hub.ctl("bob").kill_sandbox(theirs)
+
+
+def test_the_operator_token_sees_everything(hub):
+    mine = spawn(hub, "alice")
+    try:
+        operator = Controller(hub.forkd_url, hub.operator_token)
+        assert mine in {s["id"] for s in operator.list_sandboxes()}
+        with pytest.raises(ControllerError) as refused:  # workspaces are for admins until they are owned
+            hub.ctl("alice").list_workspaces()
+        assert refused.value.status == 403
+    finally:
+        hub.ctl("alice").kill_sandbox(mine)
+
+
+def server_environment(hub, name: str) -> dict:
+    """The environment of ``name``'s single-user server, read from /proc (it runs on this host)."""
+    api = f"JUPYTERHUB_API_URL=http://127.0.0.1:{hub.ports['hub_port']}/hub/api".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                items = f.read().split(b"\0")
+        except OSError:
+            continue
+        if api in items and f"JUPYTERHUB_USER={name}".encode() in items:
+            return dict(i.decode().split("=", 1) for i in items if b"=" in i)
+    raise AssertionError(f"no single-user server of {name} found")
