@@ -252,7 +252,11 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
         except ApiError as exc:
             if exc.status_code != 404:
                 raise
-            info = None  # gone: how it ended is said to no one but admins (it may not be theirs)
+            # gone: how it ended is told to its owner, to others it is an unknown id
+            ended = await self.call(self.controller.registry.ended_sandbox, key) if kind == "sandbox" else None
+            if ended is not None and viewer.sees(ended.get("labels")):
+                raise
+            info = None
         if info is None or not viewer.sees(info.get("labels"), snapshot=kind == "snapshot"):
             raise ApiError(404, f"{kind} {key} not found")
         if change and not viewer.may_change(info["labels"]):

@@ -35,7 +35,6 @@ c.JupyterHub.db_url = "sqlite:///{workdir}/jupyterhub.sqlite"
 c.JupyterHub.cookie_secret_file = "{workdir}/cookie_secret"
 c.JupyterHub.authenticator_class = "dummy"
 c.Authenticator.allow_all = True
-c.Authenticator.admin_users = {{"boss"}}
 c.JupyterHub.spawner_class = "simple"
 c.SimpleLocalProcessSpawner.home_dir_template = "{workdir}/home/{{username}}"
 c.Spawner.cmd = [sys.executable, "-m", "jupyterhub.singleuser"]
@@ -53,21 +52,25 @@ c.JupyterHub.load_roles.append({{"name": "tester", "services": ["tester"],
     "scopes": ["admin:users", "admin:servers", "tokens", "access:services!service=forkd", "read:users"]}})
 """
 
-# What docs/deploy/jupyterhub.md gives, word for word but for the command and the addresses.
+DOC = os.path.join(ROOT, "docs", "deploy", "jupyterhub.md")
+
+
+def documented_config() -> str:
+    """The ``jupyterhub_config.py`` lines docs/deploy/jupyterhub.md gives for forkd as a service."""
+    with open(DOC) as f:
+        text = f.read()
+    section = text[text.index("## forkd as a JupyterHub service"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("```\n")]
+
+
+# The documented lines as they are, then only what a test must change: the addresses, the command
+# (this checkout's forkd, its own data dir and operator token), the environment it runs in.
 FORKD_LINES = """
-c.JupyterHub.services = [{{
-    "name": "forkd",
-    "url": "http://127.0.0.1:{forkd_port}",
-    "command": {command!r},
-    "environment": {environment!r},
-}}]
+{documented}
+c.JupyterHub.services[0].update({{"url": "http://127.0.0.1:{forkd_port}", "command": {command!r},
+                                  "environment": {environment!r}}})
+c.Spawner.environment["FORKD_URL"] = "http://127.0.0.1:{public_port}/services/forkd"
 c.JupyterHub.load_roles = []
-c.JupyterHub.extra_user_scopes = {{"access:services!service=forkd"}}
-c.Spawner.server_token_scopes = ["access:services!service=forkd", "users:activity!user", "access:servers!server"]
-c.Spawner.environment = {{
-    "FORKD_URL": "http://127.0.0.1:{public_port}/services/forkd",
-    "FORKD_TOKEN": lambda spawner: spawner.api_token,
-}}
 """
 
 
@@ -88,7 +91,8 @@ class Hub:
         for name in ("FORKD_TEST_RUN_DIR", "FORKD_CACHE_DIR", "FORKD_VM_CACHE"):
             if os.environ.get(name):
                 environment[name] = os.environ[name]
-        forkd_lines = FORKD_LINES.format(command=command, environment=environment, **self.ports)
+        forkd_lines = FORKD_LINES.format(documented=documented_config(), command=command, environment=environment,
+                                         **self.ports)
         self.config = os.path.join(self.workdir, "jupyterhub_config.py")
         with open(self.config, "w") as f:
             f.write(CONFIG.format(workdir=self.workdir, proxy=PROXY, tester_token=self.tester_token,

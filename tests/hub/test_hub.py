@@ -15,7 +15,7 @@ import pytest
 
 from forkd_server.client import Controller, ControllerError
 
-from .hubrun import PROXY, Hub
+from .hubrun import PROXY, Hub, documented_config
 
 # Ports only (free ones), no host-wide resource; slow: a Hub, its proxy, forkd and a user's server start
 # (~10 s), so with -n the module starts early rather than last.
@@ -71,6 +71,15 @@ def spawn(hub, who: str, tag: str = BASE) -> str:
     return hub.ctl(who).spawn_sandboxes(tag, 1)[0]["id"]
 
 
+def test_the_hub_runs_the_documented_config(hub):
+    """docs/deploy/jupyterhub.md's lines are what this Hub runs (hubrun.py only changes addresses)."""
+    text = documented_config()
+    assert 'c.JupyterHub.extra_user_scopes = {"access:services!service=forkd"}' in text
+    assert '"FORKD_TOKEN": lambda spawner: spawner.api_token' in text
+    with open(hub.config) as f:
+        assert text in f.read()
+
+
 def test_a_request_without_a_valid_hub_token_is_refused(hub):
     status, body = raw(hub, None, "GET", "/v1/sandboxes")
     assert status == 401 and "missing" in body["error"]
@@ -106,6 +115,10 @@ def test_users_see_and_touch_only_their_own_sandboxes(hub):
     assert {mine, theirs} <= everyone
     hub.ctl("bob").kill_sandbox(theirs)
     alice.kill_sandbox(mine)
+    # how it ended is told to its owner; to others it is an unknown id
+    status, answer = raw(hub, "alice", "GET", f"/v1/sandboxes/{mine}")
+    assert status == 404 and answer["error"] != f"sandbox {mine} not found", answer
+    assert raw(hub, "bob", "GET", f"/v1/sandboxes/{mine}") == (404, {"error": f"sandbox {mine} not found"})
 
 
 def test_shared_snapshot_is_spawnable_by_all_and_writable_by_admins_only(hub):
