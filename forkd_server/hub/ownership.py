@@ -61,11 +61,7 @@ class Caller:
         """The labels of something this caller makes: theirs, with the owner set by the server.
         A non-admin who sends a server label is refused; an admin may set ``forkd.shared``."""
         labels = dict(labels or {})
-        sent = sorted(k for k in labels if server_label(k))
-        if sent and not self.admin:
-            raise Refused(403, f"label {sent[0]} is set by the server (labels under {RESERVED_PREFIX} are the "
-                               f"server's: {OWNER} names who made an object, {SHARED} is set by an admin); "
-                               f"send the request without it")
+        self.check_labels(labels)
         if OWNER in labels and labels[OWNER] != self.name:
             raise Refused(403, f"label {OWNER} is set by the server to the caller ({self.name}); send the request "
                                f"without it")
@@ -73,11 +69,13 @@ class Caller:
         return labels
 
     def check_labels(self, labels: dict | None) -> None:
-        """Labels added to an existing object: never the server's, for a non-admin."""
-        sent = sorted(k for k in (labels or {}) if server_label(k))
+        """Labels a non-admin sends: none of the server's, but their own name as owner (what the
+        server sets anyway, so that a client copying an object's labels is not refused)."""
+        sent = sorted(k for k, v in (labels or {}).items() if server_label(k) and not (k == OWNER and v == self.name))
         if sent and not self.admin:
             raise Refused(403, f"label {sent[0]} is set by the server (labels under {RESERVED_PREFIX} are the "
-                               f"server's); send the request without it")
+                               f"server's: {OWNER} names who made an object, {SHARED} is set by an admin); "
+                               f"send the request without it")
 
     # --- whole listings --------------------------------------------------------------------------
 
