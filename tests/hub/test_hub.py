@@ -210,6 +210,14 @@ def test_a_users_server_finds_forkd_with_no_setup(hub):
         assert out.returncode == 0, out.stderr
         ids = json.loads(out.stdout)
         assert mine in ids and theirs not in ids
+        # the magics, in an IPython with that environment alone: --everyone is everyone alice sees
+        out = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--colors=NoColor", "-c",
+                              "%load_ext forkd_magics\n%forkd ls --everyone"],
+                             env={**clean, "FORKD_URL": env["FORKD_URL"], "FORKD_TOKEN": env["FORKD_TOKEN"],
+                                  "IPYTHONDIR": os.path.join(hub.workdir, "ipython")},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert mine in out.stdout and theirs not in out.stdout and BASE in out.stdout, out.stdout
     finally:
         hub.api("DELETE", "/users/alice/server")
         hub.ctl("alice").kill_sandbox(mine)
