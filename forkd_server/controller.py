@@ -419,10 +419,10 @@ class Controller:
         self.recovery.check_workspaces()
         return self.workspaces.get(name)
 
-    def create_workspace(self, name, snapshot_tag, *, memory_limit_mib=None, **_forkd_options) -> dict:
+    def create_workspace(self, name, snapshot_tag, *, memory_limit_mib=None, labels=None, **_forkd_options) -> dict:
         """forkd's ``per_child_netns`` is accepted and ignored."""
         self.recovery.check_workspaces()
-        return self.workspaces.create(name, snapshot_tag, memory_limit_mib=memory_limit_mib)
+        return self.workspaces.create(name, snapshot_tag, memory_limit_mib=memory_limit_mib, labels=labels)
 
     def suspend_workspace(self, name, *, diff: bool = False) -> dict:
         self.recovery.check_workspaces()

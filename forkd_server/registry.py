@@ -70,6 +70,7 @@ _ADDED_COLUMNS = {
                   "labels": "TEXT"},   # JSON object str -> str
     "sandboxes": {"labels": "TEXT",
                   "ending": "TEXT"},   # JSON: why it is being ended; the row goes once its process has
+    "workspaces": {"labels": "TEXT"},  # JSON object: its owner's (hub/), given to its sandboxes and state
     "ended_sandboxes": {"hint": "TEXT",      # what to do, one line (endings.py)
                         "details": "TEXT",   # JSON object: the facts behind the reason
                         "labels": "TEXT"},   # the sandbox's, so its end is told to its owner only (hub/)

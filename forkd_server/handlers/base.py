@@ -157,7 +157,7 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
     public = False  # only /healthz
     # Under JupyterHub (forkd_server/hub/): the object the route's first path argument names, which
     # the caller must see (else 404), and the methods that change it (else 403 when only seen).
-    owned: str | None = None  # "sandbox" or "snapshot"
+    owned: str | None = None  # "sandbox", "snapshot" or "workspace"
     changes: tuple[str, ...] = ()
     body_spec: dict | None = None  # the JSON body a POST takes (checked like forkd's extractor)
     max_body_bytes = 16 * MIB
@@ -240,13 +240,14 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
             await self.own(self.owned, self.path_args[0], change=self.request.method in self.changes)
 
     async def own(self, kind: str, key: str, *, change: bool = False) -> dict | None:
-        """Check that the caller sees the sandbox or snapshot ``key`` (404 as if there were none, so
+        """Check that the caller sees the sandbox, snapshot or workspace ``key`` (404 as if there were none, so
         ids do not leak) and, with ``change``, may change it (403); returns its info (None when the
         caller sees everything)."""
         viewer = self.viewer
         if viewer is None:
             return None
-        get = self.controller.get_sandbox if kind == "sandbox" else self.controller.get_snapshot
+        get = {"sandbox": self.controller.get_sandbox, "snapshot": self.controller.get_snapshot,
+               "workspace": self.controller.get_workspace}[kind]
         try:
             info = await self.call(get, key)
         except ApiError as exc:

@@ -3,8 +3,8 @@
 Every request needs a token holding the service's access scope, as JupyterHub defines it
 (``access:services!service=<name>``, or ``access:services``; ``HubAuth.access_scopes``, from
 ``JUPYTERHUB_SERVICE_NAME``). Routes that act for the whole server are for admins only: metrics (its
-counts are everyone's), the MCP server (its tools act with the server's own token) and workspaces
-(not yet owned per user). Which objects a user may touch is ownership.py's to say.
+counts are everyone's) and the MCP server (its tools act with the server's own token). Which objects
+a user may touch is ownership.py's to say.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from .identity import HubUser
 ADMIN_ONLY = {
     "forkd:metrics": "/metrics counts every user's sandboxes",
     "forkd:mcp": "the MCP server's tools act with the server's own token",
-    "forkd:workspaces": "workspaces are not owned per user yet",
 }
 
 

@@ -4,7 +4,7 @@ An event names its object (a sandbox's id, a snapshot's tag, a kernel's id), and
 object is gone from the registry by the time the stream sends it. So the labels of each object are
 read when a change happens (in the thread making it, before the stream sees the event), kept, and
 looked up when the event is sent: a sandbox's end reaches its owner. Objects of a previous run are
-read once at start. Workspace events go to admins only (workspaces are not owned per user yet).
+read once at start.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ KEPT = 100_000  # objects whose labels are remembered, the latest changed first
 
 def _key(event: dict) -> tuple[str, str] | None:
     kind = event.get("kind")
-    name = {"sandbox": "id", "snapshot": "tag", "kernel": "kernel_id"}.get(kind)
+    name = {"sandbox": "id", "snapshot": "tag", "kernel": "kernel_id", "workspace": "name"}.get(kind)
     return (kind, event[name]) if name and isinstance(event.get(name), str) else None
 
 
@@ -32,6 +32,8 @@ class EventOwners:
             self._keep(("snapshot", row["tag"]), row.get("labels") or {})
         for row in self.registry.list_sandboxes():
             self._keep(("sandbox", row["id"]), row.get("labels") or {})
+        for row in self.registry.list_workspaces():
+            self._keep(("workspace", row["name"]), row.get("labels") or {})
 
     def _keep(self, key, labels: dict) -> None:
         with self._lock:
@@ -53,7 +55,8 @@ class EventOwners:
             row = None if labels is not None else self.registry.get_sandbox(event.get("head") or "")
             labels = labels if labels is not None else (row or {}).get("labels")
         else:
-            row = self.registry.get_sandbox(name) if kind == "sandbox" else self.registry.get_snapshot(name)
+            row = {"sandbox": self.registry.get_sandbox, "snapshot": self.registry.get_snapshot,
+                   "workspace": self.registry.get_workspace}[kind](name)
             labels = None if row is None else row.get("labels") or {}
         if labels is not None:
             self._keep(key, labels)

@@ -229,11 +229,33 @@ def test_the_operator_token_sees_everything(hub):
     try:
         operator = Controller(hub.forkd_url, hub.operator_token)
         assert mine in {s["id"] for s in operator.list_sandboxes()}
-        with pytest.raises(ControllerError) as refused:  # workspaces are for admins until they are owned
-            hub.ctl("alice").list_workspaces()
-        assert refused.value.status == 403
+        for path in ("/metrics", "/mcp"):  # the server's whole, or acting with its own token: admins only
+            status, body = raw(hub, "alice", "POST" if path == "/mcp" else "GET", path, {} if path == "/mcp" else None)
+            assert status == 403 and "admins" in body["error"], (path, status, body)
     finally:
         hub.ctl("alice").kill_sandbox(mine)
+
+
+def test_workspaces_are_their_makers(hub):
+    alice, bob = hub.ctl("alice"), hub.ctl("bob")
+    made = alice.create_workspace("alice-ws", BASE)
+    try:
+        assert made["labels"]["forkd.owner"] == "alice"
+        assert alice.get_sandbox(made["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
+        assert "alice-ws" in {w["name"] for w in alice.list_workspaces()}
+        assert "alice-ws" not in {w["name"] for w in bob.list_workspaces()}
+        for method, path in (("GET", "/v1/workspaces/alice-ws"), ("POST", "/v1/workspaces/alice-ws/suspend"),
+                             ("DELETE", "/v1/workspaces/alice-ws")):
+            status, body = raw(hub, "bob", method, path, {} if method == "POST" else None)
+            assert status == 404 and body["error"] == "workspace alice-ws not found", (method, path, status, body)
+        suspended = alice.suspend_workspace("alice-ws")
+        state = alice.snapshot_info(suspended["current_state_tag"])
+        assert state["labels"]["forkd.owner"] == "alice"
+        assert raw(hub, "bob", "GET", f"/v1/snapshots/{state['tag']}/info")[0] == 404
+        resumed = alice.resume_workspace("alice-ws")
+        assert alice.get_sandbox(resumed["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
+    finally:
+        alice.delete_workspace("alice-ws")
 
 
 def server_environment(hub, name: str) -> dict:
