@@ -176,6 +176,11 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
     try:
         if hub and no_token:
             raise ServeError("--no-token and --hub do not go together: under JupyterHub the Hub checks every token")
+        if hub:
+            from .hub import missing_environment
+            if missing := missing_environment():
+                raise ServeError(f"--hub needs {' and '.join(missing)} in the environment, which JupyterHub gives the "
+                                 f"services it starts; for one started apart see docs/deploy/jupyterhub.md")
         argv, token, generated = build_argv(host, port, data_dir, token_file, tls_cert, tls_key, no_token,
                                             branch_concurrency, allow_host_network, store, store_endpoint,
                                             store_region, max_sandboxes, hub=hub, base_url=where.get("base_url"))

@@ -27,6 +27,12 @@ def managed_by_hub(environ=os.environ) -> bool:
     return bool(environ.get("JUPYTERHUB_SERVICE_NAME") and environ.get("JUPYTERHUB_API_TOKEN"))
 
 
+def missing_environment(environ=os.environ) -> list[str]:
+    """What ``forkd serve --hub`` cannot do without: the token to ask the Hub with, and the name whose
+    access scope callers need (``JUPYTERHUB_API_URL`` has HubAuth's default, the Hub's own)."""
+    return [name for name in ("JUPYTERHUB_API_TOKEN", "JUPYTERHUB_SERVICE_NAME") if not environ.get(name)]
+
+
 def hub_settings(environ=os.environ) -> dict:
     """What the Hub's environment says about where to listen: ``host``, ``port`` (from
     ``JUPYTERHUB_SERVICE_URL``) and ``base_url`` (``JUPYTERHUB_SERVICE_PREFIX``, where the Hub's

@@ -3,7 +3,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import urllib.error
+import urllib.request
+
 import pytest
+
+from tests.serving import FORKD, free_port, serving
 
 from forkd_server.hub import hub_settings, managed_by_hub
 from forkd_server.hub.ownership import OWNER, SHARED, Caller, Refused, inheritable
@@ -95,3 +103,35 @@ def test_each_hub_user_has_a_kernel_base_of_their_own(monkeypatch):
     monkeypatch.setenv("JUPYTERHUB_USER", "bob")
     assert len({alone, alice, tag()}) == 3
     assert alice.startswith("forkd-kernel-process-")
+
+
+def test_serve_hub_without_the_hubs_environment_says_what_is_missing(tmp_path):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
+    out = subprocess.run([*FORKD, "serve", "--hub", "--data-dir", str(tmp_path / "d"), "--port", str(free_port())],
+                         env=clean, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--hub needs JUPYTERHUB_API_TOKEN and JUPYTERHUB_SERVICE_NAME" in out.stderr
+
+
+def test_a_hub_that_does_not_answer_is_503_and_the_operator_token_still_works():
+    """The Hub is down (nothing listens at JUPYTERHUB_API_URL): a Hub token cannot be checked (503,
+    try again), no token is 401, and the operator's --token-file token works without the Hub."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")},
+           "JUPYTERHUB_API_TOKEN": "service-token-0123456789abcdef", "JUPYTERHUB_SERVICE_NAME": "forkd",
+           "JUPYTERHUB_API_URL": f"http://127.0.0.1:{free_port()}/hub/api"}
+    with serving(env=env) as srv:
+        assert "JupyterHub authenticates every request" in srv.output()
+        assert get(srv, "/v1/sandboxes", "a-hub-token-nobody-can-check-now")[0] == 503
+        status, body = get(srv, "/v1/sandboxes", "a-hub-token-nobody-can-check-now")
+        assert "cannot check the token with JupyterHub" in body["error"]
+        assert get(srv, "/v1/sandboxes", None) == (401, {"error": "missing bearer token"})
+        assert get(srv, "/v1/sandboxes", srv.token) == (200, [])
+
+
+def get(srv, path: str, token: str | None):
+    req = urllib.request.Request(srv.url + path, headers={"Authorization": f"token {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
