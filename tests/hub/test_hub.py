@@ -36,8 +36,7 @@ def hub():
         hub.tokens = {name: hub.user_token(name) for name in ("alice", "bob", "boss")}
         boss = hub.ctl("boss")
         boss.create_snapshot(BASE, setup="x = 41")
-        boss_request = raw(hub, "boss", "POST", f"/v1/snapshots/{BASE}/share")
-        assert boss_request[0] == 200 and boss_request[1]["labels"]["forkd.shared"] == "true", boss_request
+        assert boss.share_snapshot(BASE)["labels"]["forkd.shared"] == "true"
         yield hub
     finally:
         hub.stop()
@@ -131,6 +130,16 @@ def test_shared_snapshot_is_spawnable_by_all_and_writable_by_admins_only(hub):
         status, body = raw(hub, who, "DELETE", f"/v1/snapshots/{BASE}/share")
         assert status == 403, body
     assert hub.ctl("boss").snapshot_info(BASE)["labels"]["forkd.shared"] == "true"
+    # taken back with the CLI, by the admin: gone from the users' view; shared again
+    cli = [sys.executable, "-c", "import sys; from forkd_server.cli import main; sys.exit(main())"]
+    for who, undo, code in (("alice", ["--undo"], 1), ("boss", ["--undo"], 0)):
+        out = subprocess.run([*cli, "snapshot-share", BASE, *undo, "--url", hub.forkd_url, "--token", hub.tokens[who],
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == code, (who, out.stdout, out.stderr)
+    assert BASE not in {s["tag"] for s in hub.ctl("alice").list_snapshots()}
+    assert raw(hub, "alice", "POST", "/v1/sandboxes", {"snapshot_tag": BASE})[0] == 404
+    hub.ctl("boss").share_snapshot(BASE)
+    assert BASE in {s["tag"] for s in hub.ctl("alice").list_snapshots()}
 
 
 def test_branches_are_their_makers_and_private(hub):
