@@ -99,6 +99,11 @@ def test_users_see_and_touch_only_their_own_sandboxes(hub):
     assert listed[mine]["labels"]["forkd.owner"] == "alice"
     assert "forkd.shared" not in listed[mine]["labels"]  # not inherited from the shared snapshot
     assert alice.eval_code(mine, "x + 1")["result"] == "42"
+    with alice.session(mine) as session:  # the forkd kernel's WebSocket, through the proxy
+        assert session.request("execute", code="y = x + 1")["status"] == "ok"
+    with pytest.raises(ControllerError) as refused:
+        hub.ctl("bob").session(mine)
+    assert refused.value.status == 404 and refused.value.message == f"sandbox {mine} not found"
     # bob's sandbox answers alice as an unknown id would, on every route
     for method, path, body in (("GET", f"/v1/sandboxes/{theirs}", None),
                                ("POST", f"/v1/sandboxes/{theirs}/eval", {"code": "1"}),
