@@ -24,7 +24,7 @@ from .changes import ChangeFeed
 from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
 from .hub.ownership import inheritable
 from .registry import Registry
-from .wire import pause_fields
+from .wire import FORK_TREE_LABEL, pause_fields
 
 SETTLE_RETRY = 5.0  # s between writes of a snapshot's final record that the registry refused
 READY_TIMEOUT = 600.0  # a waiting branch gives up on the engine's completion after this long
@@ -41,6 +41,12 @@ def lossy_refusal(exc: LossyFork, what: str, magic: str | None = "%forkd branch 
                              **({"magic": magic} if magic else {}), "cli": "forkd snapshot --lossy",
                              "vm": 'engine "vm" copies the whole machine: threads, processes and sockets included'},
                     lost=items)
+
+
+def inherited_labels(row: dict) -> dict:
+    """The labels a branch of sandbox ``row`` keeps: all but its fork tree's, which names the members
+    of that tree only (forktrees.py), and the server's own (hub/ownership.py)."""
+    return {k: v for k, v in inheritable(row.get("labels")).items() if k != FORK_TREE_LABEL}
 
 
 class BranchManager:
@@ -107,7 +113,7 @@ class BranchManager:
                     record_pause: bool = True, lossy: bool = False, labels: dict | None = None) -> dict:
         """Branch the running sandbox ``row`` into snapshot ``tag`` while holding the slot ``release``
         frees: the slot goes back when the snapshot is ready or failed, or at once on an error.
-        The snapshot keeps the sandbox's labels (but the server's own), updated by ``labels``; with ``lossy`` a fork that
+        The snapshot keeps the sandbox's labels (but its fork tree's and the server's own), updated by ``labels``; with ``lossy`` a fork that
         loses running work goes ahead and the snapshot keeps what was lost as ``warnings``.
         Returns the snapshot's registry row (``writing`` with ``wait=False``)."""
         try:
@@ -118,7 +124,7 @@ class BranchManager:
                 "tag": tag, "engine": row["engine"], "status": "writing", "created_at": time.time(),
                 "branched_from": branched_from, "lineage": lineage,
                 "spec": spec or {"branched_from": row["id"], "mode": mode},
-                "labels": {**inheritable(row.get("labels")), **(labels or {})}})
+                "labels": {**inherited_labels(row), **(labels or {})}})
             try:
                 result = engine.branch(row["handle"], tag, lineage, mode, lossy=lossy)
             except BaseException as exc:  # nothing was written: no row, and the slot goes back
