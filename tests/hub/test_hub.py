@@ -168,6 +168,17 @@ def test_branches_are_their_makers_and_private(hub):
         boss.kill_sandbox(boss_kid)
         assert raw(hub, "alice", "POST", "/v1/sandboxes", {"snapshot_tag": "boss-private"})[0] == 404
         boss.delete_snapshot("boss-private")
+        # a fork tree: its branch and children are alice's; bob can neither fork nor promote hers
+        tree = alice.fork_sandbox(kid, 2)
+        kids = [k["id"] for k in tree["sandboxes"]]
+        assert all(alice.get_sandbox(k)["labels"]["forkd.owner"] == "alice" for k in kids)
+        assert tree["snapshot"]["labels"]["forkd.owner"] == "alice"
+        for path in (f"/v1/sandboxes/{kid}/fork", f"/v1/sandboxes/{kids[0]}/promote"):
+            status, answer = raw(hub, "bob", "POST", path, {"count": 1} if path.endswith("fork") else {})
+            assert status == 404, (path, status, answer)
+        promoted = alice.promote_sandbox(kids[0])
+        assert kids[1] in promoted["killed"]
+        alice.kill_sandbox(kids[0])
     finally:
         alice.kill_sandbox(kid)
     alice.delete_snapshot("alice-branch")
