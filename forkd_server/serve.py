@@ -145,7 +145,10 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         # No auth (loopback only, forkd's default without --token-file). Body routes insist on
         # Content-Type: application/json, which a cross-site form cannot send without CORS approval.
         argv.append("--ServerApp.disable_check_xsrf=True")
-    if not loopback:
+    if not loopback or hub:
+        # Under the Hub, requests come through its proxy with the Hub's public name as Host, and
+        # every one carries a token the Hub checks: the Host check (a guard for cookie logins
+        # against DNS rebinding) has nothing to guard.
         argv.append("--ServerApp.allow_remote_access=True")
     if tls_cert:
         argv += [f"--ServerApp.certfile={tls_cert}", f"--ServerApp.keyfile={tls_key}"]

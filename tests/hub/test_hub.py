@@ -49,9 +49,10 @@ def _ctl(self, name: str) -> Controller:
 Hub.ctl = _ctl
 
 
-def raw(hub, who: str | None, method: str, path: str, body=None, token: str | None = None):
-    """One request through the proxy; (status, parsed body)."""
-    headers = {"Content-Type": "application/json"}
+def raw(hub, who: str | None, method: str, path: str, body=None, token: str | None = None, host: str | None = None):
+    """One request through the proxy; (status, parsed body). ``host``: the Host header a browser or
+    client of the Hub's public name sends."""
+    headers = {"Content-Type": "application/json", **({"Host": host} if host else {})}
     token = token or (hub.tokens[who] if who else None)
     if token:
         headers["Authorization"] = f"token {token}"
@@ -112,6 +113,9 @@ def test_users_see_and_touch_only_their_own_sandboxes(hub):
         status, answer = raw(hub, "alice", method, path, body)
         assert status == 404 and answer["error"] == f"sandbox {theirs} not found", (method, path, status, answer)
     assert raw(hub, "alice", "GET", "/v1/sandboxes/sb-00000000-0000")[0] == 404
+    # the Hub's public name, not this host's: the Hub vouches for the caller, the Host header is no guard
+    status, answer = raw(hub, "alice", "GET", "/v1/sandboxes", host="hub.example.org")
+    assert status == 200 and mine in {s["id"] for s in answer}, (status, answer)
     nodes = {n["id"] for n in alice.tree()}
     assert mine in nodes and BASE in nodes and theirs not in nodes
     # the admin sees both; bob's sandbox is still there

@@ -84,6 +84,8 @@ def test_serve_under_the_hub_needs_no_token_and_takes_the_hubs_classes():
     assert "--ServerApp.authorizer_class=forkd_server.hub.authorizer.HubAuthorizer" in argv
     assert "--ServerApp.base_url=/services/forkd/" in argv
     assert "--ServerApp.disable_check_xsrf=True" not in argv
+    # behind the Hub's proxy, Host is the Hub's public name
+    assert "--ServerApp.allow_remote_access=True" in build_argv(hub=True)[0]
     with pytest.raises(ServeError):  # without the Hub, off loopback still needs a token
         build_argv(host="0.0.0.0")
 
