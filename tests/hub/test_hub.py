@@ -210,15 +210,16 @@ def test_events_carry_only_the_users_own_changes(hub):
         theirs = spawn(hub, "bob")  # created before alice's: the stream would carry it first
         bob.kill_sandbox(theirs)
         mine = spawn(hub, "alice")
+        alice.kill_sandbox(mine)  # its row is gone when the event is sent: the end still reaches alice
         seen = []
         for event in stream:
             seen.append(event)
-            if event.get("kind") == "sandbox" and event.get("id") == mine:
+            if event.get("kind") == "sandbox" and event.get("id") == mine and event.get("action") == "killed":
                 break
     finally:
         stream.close()
     assert not [e for e in seen if e.get("id") == theirs], seen
-    alice.kill_sandbox(mine)
+    assert [e["action"] for e in seen if e.get("id") == mine] == ["created", "killed"], seen
 
 
 def test_a_users_server_finds_forkd_with_no_setup(hub):
