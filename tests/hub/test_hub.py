@@ -254,6 +254,25 @@ def test_a_users_server_finds_forkd_with_no_setup(hub):
         hub.ctl("bob").kill_sandbox(theirs)
 
 
+def test_a_kernels_record_is_its_heads_owners(hub):
+    alice, bob = hub.ctl("alice"), hub.ctl("bob")
+    mine, theirs = spawn(hub, "alice"), spawn(hub, "bob")
+    try:
+        alice.set_kernel_head("k-alice", mine, notebook="alice.ipynb")
+        assert "k-alice" in {k["kernel_id"] for k in alice.list_kernels()}
+        assert "k-alice" not in {k["kernel_id"] for k in bob.list_kernels()}
+        assert raw(hub, "bob", "GET", "/v1/kernels/k-alice") == (404, {"error": "kernel k-alice not found"})
+        # bob can neither take alice's record over nor point his kernel at her sandbox
+        assert raw(hub, "bob", "PUT", "/v1/kernels/k-alice", {"head": theirs})[0] == 404
+        assert raw(hub, "bob", "PUT", "/v1/kernels/k-bob", {"head": mine})[0] == 404
+        assert raw(hub, "bob", "DELETE", "/v1/kernels/k-alice")[0] == 404
+        assert alice.get_kernel("k-alice")["head"] == mine
+        alice.forget_kernel("k-alice")
+    finally:
+        alice.kill_sandbox(mine)
+        bob.kill_sandbox(theirs)
+
+
 def test_the_operator_token_sees_everything(hub):
     mine = spawn(hub, "alice")
     try:
