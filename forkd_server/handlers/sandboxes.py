@@ -49,7 +49,9 @@ class SandboxesHandler(ForkdHandler):
     async def get(self) -> None:
         labels = query_labels(self)
         if self.viewer is not None:  # a Hub user's own: a label filter like any other
-            labels[OWNER] = self.viewer.name
+            if labels.setdefault(OWNER, self.viewer.name) != self.viewer.name:
+                self.send([])  # someone else's: none the caller may see
+                return
         if labels:  # a filtered listing: small, not worth a cache
             self.send(await self.call(self.controller.list_sandboxes, labels))
             return

@@ -97,6 +97,8 @@ def test_users_see_and_touch_only_their_own_sandboxes(hub):
     alice = hub.ctl("alice")
     listed = {s["id"]: s for s in alice.list_sandboxes()}
     assert mine in listed and theirs not in listed
+    assert alice.list_sandboxes(labels={"forkd.owner": "bob"}) == []
+    assert [s["id"] for s in alice.list_sandboxes(labels={"forkd.owner": "alice"})] == [mine]
     assert listed[mine]["labels"]["forkd.owner"] == "alice"
     assert "forkd.shared" not in listed[mine]["labels"]  # not inherited from the shared snapshot
     assert alice.eval_code(mine, "x + 1")["result"] == "42"
