@@ -24,9 +24,11 @@ class KernelsHandler(ForkdHandler):
     @authorized
     async def get(self) -> None:
         records = await self.call(self.app.kernels.list)
-        if self.viewer is not None:  # a kernel is seen by whoever sees its HEAD
+        if self.viewer is not None:  # a kernel is seen by whoever sees its HEAD, running or ended
             mine = {s["id"] for s in await self.call(self.controller.list_sandboxes, {OWNER: self.viewer.name})}
-            records = [r for r in records if r["head"] in mine]
+            ended = self.controller.registry.ended_sandbox
+            records = [r for r in records if r["head"] in mine
+                       or self.viewer.sees((await self.call(ended, r["head"]) or {}).get("labels"))]
         self.send(records)
 
 
@@ -36,7 +38,7 @@ async def own_kernel(handler: ForkdHandler, kernel_id: str) -> None:
         return
     try:
         record = await handler.call(handler.app.kernels.get, kernel_id)
-        await handler.own("sandbox", record["head"])
+        await handler.own("sandbox", record["head"], gone_ok=True)  # a restarted kernel finds where it was
     except ApiError as exc:
         if exc.status_code == 404:
             raise ApiError(404, f"kernel {kernel_id} not found") from None

@@ -239,10 +239,11 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
         if self.owned and self.path_args:
             await self.own(self.owned, self.path_args[0], change=self.request.method in self.changes)
 
-    async def own(self, kind: str, key: str, *, change: bool = False) -> dict | None:
-        """Check that the caller sees the sandbox, snapshot or workspace ``key`` (404 as if there were none, so
-        ids do not leak) and, with ``change``, may change it (403); returns its info (None when the
-        caller sees everything)."""
+    async def own(self, kind: str, key: str, *, change: bool = False, gone_ok: bool = False) -> dict | None:
+        """Check that the caller sees the sandbox, snapshot or workspace ``key`` (404 as if there were
+        none, so ids do not leak) and, with ``change``, may change it (403); returns its info (None
+        when the caller sees everything). ``gone_ok``: a sandbox of the caller's that ended is
+        returned (its end's record) rather than answered 404."""
         viewer = self.viewer
         if viewer is None:
             return None
@@ -256,6 +257,8 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
             # gone: how it ended is told to its owner, to others it is an unknown id
             ended = await self.call(self.controller.registry.ended_sandbox, key) if kind == "sandbox" else None
             if ended is not None and viewer.sees(ended.get("labels")):
+                if gone_ok:
+                    return ended
                 raise
             info = None
         if info is None or not viewer.sees(info.get("labels"), snapshot=kind == "snapshot"):

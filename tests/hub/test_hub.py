@@ -269,10 +269,15 @@ def test_a_kernels_record_is_its_heads_owners(hub):
         assert raw(hub, "bob", "PUT", "/v1/kernels/k-bob", {"head": mine})[0] == 404
         assert raw(hub, "bob", "DELETE", "/v1/kernels/k-alice")[0] == 404
         assert alice.get_kernel("k-alice")["head"] == mine
+        alice.kill_sandbox(mine)  # a restarted kernel still finds where it was; bob still does not
+        assert alice.get_kernel("k-alice")["head"] == mine
+        assert "k-alice" in {k["kernel_id"] for k in alice.list_kernels()}
+        assert raw(hub, "bob", "GET", "/v1/kernels/k-alice")[0] == 404
         alice.forget_kernel("k-alice")
     finally:
-        alice.kill_sandbox(mine)
-        bob.kill_sandbox(theirs)
+        for ctl, sid in ((alice, mine), (bob, theirs)):
+            if sid in {s["id"] for s in ctl.list_sandboxes()}:
+                ctl.kill_sandbox(sid)
 
 
 def test_the_operator_token_sees_everything(hub):
