@@ -181,6 +181,10 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
             raise ServeError("--no-token and --hub do not go together: under JupyterHub the Hub checks every token")
         if hub:
             from .hub import missing_environment
+            try:
+                import jupyterhub.services.auth  # noqa: F401 - HubAuth, used from the first request on
+            except ImportError:
+                raise ServeError("--hub needs the jupyterhub package: pip install 'forkd-jupyter[hub]'") from None
             if missing := missing_environment():
                 raise ServeError(f"--hub needs {' and '.join(missing)} in the environment, which JupyterHub gives the "
                                  f"services it starts; for one started apart see docs/deploy/jupyterhub.md")
