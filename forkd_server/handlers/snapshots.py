@@ -132,8 +132,8 @@ class SnapshotPullHandler(SnapshotHandler):
     @authorized(action="execute")
     async def post(self) -> None:
         if self.viewer is not None:
-            raise ApiError(403, "only JupyterHub admins may pull snapshots from the store here: a pulled "
-                                "snapshot is not owned by a user yet")
+            raise ApiError(403, "only JupyterHub admins may pull snapshots from the store here: the store is one "
+                                "for all users, so a pull would hand a user anyone's pushed snapshot")
         body = self.body(self.body_spec)
         self.send(await self.long_call("a pull", self.controller.pull_snapshot, tag=body.get("tag"),
                                        digest=body.get("digest")), 201)
