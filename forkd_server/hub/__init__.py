@@ -9,7 +9,10 @@
 - ``events.py``: which events a user's ``/v1/events`` stream carries.
 
 ``forkd serve --hub`` (or a Hub-managed service's environment) turns it on; ``hub_settings`` reads
-that environment. This package imports neither jupyter_server nor jupyterhub at import time.
+that environment. Any jupyter-server app plugs it in the same way: the two classes as its
+``identity_provider_class`` and ``authorizer_class``, and its handlers asking ``ownership.Caller``
+about the wire objects they pass on (``handlers/base.py`` shows how). This package imports neither
+jupyter_server nor jupyterhub at import time.
 """
 
 from __future__ import annotations
