@@ -79,6 +79,7 @@ class Hub:
         self.workdir = tempfile.mkdtemp(prefix="fkhub")
         self.ports = {name: free_port() for name in ("public_port", "hub_port", "proxy_api_port", "forkd_port")}
         self.tester_token = secrets.token_hex(24)
+        self.tokens: dict[str, str] = {}
         self.operator_token = secrets.token_hex(24)
         self.data_dir = os.path.join(self.workdir, "d")
         token_file = os.path.join(self.workdir, "operator-token")
@@ -154,6 +155,11 @@ class Hub:
             if time.monotonic() > deadline:
                 raise AssertionError(f"the Hub or forkd did not come up within {timeout} s:\n{self.output()}")
             time.sleep(0.1)
+
+    def ctl(self, name: str):
+        """The SDK as user ``name``, through the proxy (``tokens``: what the test made for each)."""
+        from forkd_server.client import Controller
+        return Controller(self.forkd_url, self.tokens[name])
 
     def user_token(self, name: str) -> str:
         status, body = self.api("POST", f"/users/{name}/tokens", {"note": "forkd tests", "expires_in": 3600})

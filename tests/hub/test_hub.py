@@ -42,13 +42,6 @@ def hub():
         hub.stop()
 
 
-def _ctl(self, name: str) -> Controller:
-    return Controller(self.forkd_url, self.tokens[name])
-
-
-Hub.ctl = _ctl
-
-
 def raw(hub, who: str | None, method: str, path: str, body=None, token: str | None = None, host: str | None = None):
     """One request through the proxy; (status, parsed body). ``host``: the Host header a browser or
     client of the Hub's public name sends."""
