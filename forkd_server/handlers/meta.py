@@ -36,11 +36,15 @@ class HealthHandler(ForkdHandler):
             self.send({"ok": True})
             return
         left = controller.recovery.pending
+        health = {"ok": True, **({"recovering": left} if left else {})}
+        if self.current_user is None:  # a probe without a token learns it is up, nothing about its load
+            self.send(health)
+            return
         # What a router places by (capacity.py): file reads and the registry's cached rows, on a
         # thread of its own (admission.py), so a registry write in progress never holds the event
         # loop and a health check never waits behind control calls.
         block = await self._answer(self.app.admission.health(controller.capacity), None)
-        self.send({"ok": True, **({"recovering": left} if left else {}), "capacity": block})
+        self.send({**health, "capacity": block})
 
 
 class VersionHandler(ForkdHandler):
