@@ -38,8 +38,13 @@ def snap(forkd_app):
 
 
 async def health(jp_fetch) -> dict:
-    r = await jp_fetch("forkd", "healthz", headers={"Authorization": ""})  # public: no token
+    r = await jp_fetch("forkd", "healthz")  # with the server's token: a probe without one gets no figures
     return json.loads(r.body)
+
+
+async def test_healthz_without_a_token_says_up_and_nothing_of_the_load(jp_fetch, forkd_app):
+    r = await jp_fetch("forkd", "healthz", headers={"Authorization": ""})
+    assert json.loads(r.body) == {"ok": True}
 
 
 async def spawn(jp_fetch, n):
