@@ -412,17 +412,22 @@ class SandboxesHandler(RouterHandler):
             await self.forward(router.place_new())  # a host says exactly what is wrong with it
             return
         tag = body["snapshot_tag"]
-        parts, holders = await router.plan_spawn(tag, n)
-        for part in parts:
-            if part.pull:
-                await router.ensure_pulled(router.hosts[part.host], tag, holders)
-        headers = {k: v for k, v in self.client_headers().items() if k.lower() != "content-type"}
-        answers = await asyncio.gather(*(router.spawn_part(p, body, headers) for p in parts))
-        failed = next(((s, r) for s, r in answers if s != 201), None)
-        if failed is not None:
+        for attempt in (1, 2):
+            parts, holders = await router.plan_spawn(tag, n)
+            for part in parts:
+                if part.pull:
+                    await router.ensure_pulled(router.hosts[part.host], tag, holders)
+            answers = await asyncio.gather(*(router.spawn_part(p, body, self.client_headers()) for p in parts))
+            failed = next(((p, s, r) for p, (s, r) in zip(parts, answers) if s != 201), None)
+            if failed is None:
+                break
             await asyncio.gather(*(router.kill(router.hosts[p.host], [k["id"] for k in r])
                                    for p, (s, r) in zip(parts, answers) if s == 201))
-            self.answer(*failed)
+            part, status, reply = failed
+            if status == 503 and attempt == 1 and router.hosts[part.host].capacity is not None:
+                router.hosts[part.host].full()  # its figure was stale: place again without it
+                continue
+            self.answer(status, reply)
             return
         self.send([kid for _, kids in answers for kid in kids], 201)
 

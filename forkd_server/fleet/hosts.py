@@ -61,6 +61,12 @@ class Capacity:
             return None
         return max(0, self.max_sandboxes - self.sandboxes)
 
+    def counted(self, more: int) -> Capacity:
+        """The same with ``more`` sandboxes (what the router placed since the host's last figure)."""
+        if self.sandboxes is None:
+            return self
+        return Capacity(self.memory_free, max(0, self.sandboxes + more), self.max_sandboxes, self.snapshots, self.load)
+
     def to_json(self) -> dict:
         return {"memory_free": self.memory_free, "sandboxes": self.sandboxes, "max_sandboxes": self.max_sandboxes,
                 "snapshots": self.snapshots, "load": self.load}
@@ -103,6 +109,12 @@ class Host:
         for session in (self.control, self.calls):
             if session is not None:
                 await session.close()
+
+    def full(self) -> None:
+        """The host refused a spawn over its cap: count it full until its next heartbeat."""
+        cap = self.capacity
+        if cap is not None and cap.max_sandboxes is not None:
+            self.capacity = Capacity(cap.memory_free, cap.max_sandboxes, cap.max_sandboxes, cap.snapshots, cap.load)
 
     def to_json(self) -> dict:
         return {"url": self.url, "state": self.state, "reason": self.reason, "last_ok": self.last_ok,

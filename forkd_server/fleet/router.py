@@ -269,10 +269,12 @@ class Router:
         want = part.n
         for _ in range(ID_RETRIES + 1):
             status, got = await host.request_json("POST", "/v1/sandboxes", {**body, "n": want}, timeout=None,
-                                                  session="calls")
+                                                  session="calls", headers=headers)
             if status != 201 or not isinstance(got, list):
                 await self.kill(host, [k["id"] for k in kids])
                 return status, got
+            if host.capacity is not None:  # until the next heartbeat says how many it holds
+                host.capacity = host.capacity.counted(len(got))
             clash = [k for k in got if self.state.host_of("sandbox", k["id"]) not in (None, host.url)
                      or any(k["id"] == mine["id"] for mine in kids)]
             good = [k for k in got if k not in clash]
@@ -297,6 +299,8 @@ class Router:
             if unpin:
                 self.state.unpin("sandbox", sid, host.url)
         await asyncio.gather(*(one(s) for s in ids))
+        if host.capacity is not None and ids:
+            host.capacity = host.capacity.counted(-len(ids))
 
     # --- merged views ---------------------------------------------------------------------------
 
