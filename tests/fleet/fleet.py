@@ -82,9 +82,11 @@ class Router:
 
 
 @contextlib.contextmanager
-def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None):
-    """``n_hosts`` hosts and a router, all up; yields (router, [hosts]). On exit every host's
-    objects are deleted and everything stops."""
+def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_hosts: tuple[str, ...] = (),
+          router_args: tuple[str, ...] = ()):
+    """``n_hosts`` hosts and a router, all up; yields (router, [hosts]). ``extra_hosts``: more URLs
+    the router is given (hosts that misbehave). On exit every host's objects are deleted and
+    everything stops."""
     workdir = tempfile.mkdtemp(prefix="fkfl")
     token = secrets.token_hex(20)
     with open(os.path.join(workdir, "token"), "w") as f:
@@ -101,7 +103,7 @@ def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None):
             hosts.append(srv)
         for srv in hosts:
             srv.wait_healthy()
-        router = Router([h.url for h in hosts], workdir)
+        router = Router([h.url for h in hosts] + list(extra_hosts), workdir, *router_args)
         router.wait(lambda h: h["hosts_up"] == n_hosts, "see every host up")
         yield router, hosts
     finally:
