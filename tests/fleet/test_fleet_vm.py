@@ -37,7 +37,7 @@ def test_a_vm_snapshot_spills_over_by_push_and_pull():
                 assert h1.snapshot_info("vmbase")["stored"]["remote"] is True  # pulled from the store
                 assert any(m == "PUT" for m, _ in log)  # host 0 pushed it on demand
                 on1 = [k["id"] for k in kids if k["host"] == hosts[1].url]
-                assert [api.eval_code(k, "x + 1")["result"] for k in kids] == ["42"] * 3
+                assert [api.eval_code(k["id"], "x + 1")["result"] for k in kids] == ["42"] * 3
                 api.run_code(on1[0], "x = 99")
                 snap = api.branch_sandbox(on1[0], "vmbase-99", mode="live")
                 assert snap["host"] == hosts[1].url
