@@ -278,6 +278,15 @@ def merge_snapshots(parts: list[tuple[Host, list]]) -> list[dict]:
     return list(out.values())
 
 
+def lost_snapshots(router: Router, held: set[str], query: str) -> list[dict]:
+    """Snapshots known only on hosts that are down (one entry per tag), unless an up host holds them."""
+    out: dict[str, dict] = {}
+    for rec in router.lost_records("snapshot"):
+        if rec["tag"] not in held and _labels_match(rec, query):
+            out.setdefault(rec["tag"], {**rec, "hosts": [rec["host"]]})
+    return list(out.values())
+
+
 class TreeHandler(RouterHandler):
     """Every host's tree as one: a ``host`` on every node; a snapshot several hosts hold is one node
     (``hosts`` lists them); sandboxes of a host that is down are nodes with status ``lost``."""
@@ -286,6 +295,11 @@ class TreeHandler(RouterHandler):
         parts, missing = await self.router.gather_lists("/v1/tree" + host_query(self))
         snapshots = merge_snapshots([(h, [n for n in nodes if isinstance(n, dict) and n.get("kind") == "snapshot"])
                                      for h, nodes in parts])
+        held = {n["id"] for n in snapshots}
+        snapshots += [{"id": r["tag"], "kind": "snapshot", "parent": None, "status": "lost", "pause_ms": None,
+                       "pause_us": None, "created_at": None, "engine": r.get("engine"), "lineage": [r["tag"]],
+                       "labels": r.get("labels") or {}, "host": r["host"], "hosts": [r["host"]], "lost": r["lost"]}
+                      for r in lost_snapshots(self.router, held, self.request.query)]
         sandboxes = [{**n, "host": h.url} for h, nodes in parts for n in nodes
                      if isinstance(n, dict) and n.get("kind") != "snapshot"]
         for rec in self.router.lost_records("sandbox"):
@@ -315,7 +329,8 @@ async def _holder(router: Router, tag: str, engine: str | None = None) -> Host:
 class SnapshotsHandler(RouterHandler):
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/snapshots" + host_query(self))
-        self.send(merge_snapshots(parts), missing=missing)
+        merged = merge_snapshots(parts)
+        self.send(merged + lost_snapshots(self.router, {s["tag"] for s in merged}, self.request.query), missing=missing)
 
     async def post(self) -> None:
         """Create: on the host that already has the tag (it answers 409), else best-of-K by free memory."""

@@ -66,6 +66,9 @@ def test_a_host_killed_with_9_is_down_its_sandboxes_lost_and_back_when_it_return
         assert err.value.status == 410 and "lost" in str(err.value) and hosts[1].url in str(err.value)
         tree = {n["id"]: n for n in api.tree()}
         assert all(tree[i]["status"] == "lost" for i in ids)
+        assert tree["one"]["status"] == "lost" and tree["one"]["host"] == hosts[1].url  # held only there
+        assert tree["twin"]["status"] == "ready" and tree["twin"]["host"] == hosts[0].url
+        assert {s["tag"]: s["status"] for s in api.list_snapshots()} == {"one": "lost", "twin": "ready"}
         # new work goes to the host that is up
         kids = api.spawn_sandboxes("twin", 3)
         assert {k["host"] for k in kids} == {hosts[0].url}
