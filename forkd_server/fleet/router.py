@@ -94,7 +94,7 @@ class Router:
             records = {i[key]: i for i in items if isinstance(i, dict) and isinstance(i.get(key), str)}
             if kind == "sandbox":  # an id another host holds is that host's (first pinned wins)
                 records = {k: v for k, v in records.items() if self.state.host_of("sandbox", k) in (None, host.url)}
-            added, dropped = self.state.replace_host_pins(host.url, kind, records)
+            _, dropped = self.state.replace_host_pins(host.url, kind, records)
             if kind == "sandbox" and was == "down":
                 for sid in dropped:
                     self.events.publish({"kind": "sandbox", "action": "deleted", "id": sid, "host": host.url,
@@ -123,13 +123,11 @@ class Router:
             return
         if action in ("killed", "deleted"):
             self.state.unpin(kind, key, host.url)
-        elif action == "created" and kind in ("sandbox", "workspace"):
-            if self.state.host_of(kind, key) is None:
-                self.state.pin(kind, [(key, {k: v for k, v in event.items() if k not in ("seq", "action")})],
-                               host.url)
-        elif kind == "snapshot" and action in ("created", "status") and event.get("status") in ("ready", "writing"):
-            if host.url not in self.state.hosts_of("snapshot", key):
-                self.state.pin("snapshot", [(key, None)], host.url, exclusive=False)
+        elif action == "created" and kind in ("sandbox", "workspace") and self.state.host_of(kind, key) is None:
+            self.state.pin(kind, [(key, {k: v for k, v in event.items() if k not in ("seq", "action")})], host.url)
+        elif kind == "snapshot" and action in ("created", "status") and event.get("status") in ("ready", "writing") \
+                and host.url not in self.state.hosts_of("snapshot", key):
+            self.state.pin("snapshot", [(key, None)], host.url, exclusive=False)
 
     # --- where an object is -----------------------------------------------------------------------
 

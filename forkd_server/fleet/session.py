@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from tornado import httpclient, web, websocket
+from tornado import httpclient, websocket
 
 from .handlers import check_token, host_query
 from .router import Refusal, Router

@@ -83,9 +83,10 @@ class Router:
 
 @contextlib.contextmanager
 def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_hosts: tuple[str, ...] = (),
-          router_args: tuple[str, ...] = ()):
+          router_args: tuple[str, ...] = (), server=Server):
     """``n_hosts`` hosts and a router, all up; yields (router, [hosts]). ``extra_hosts``: more URLs
-    the router is given (hosts that misbehave). On exit every host's objects are deleted and
+    the router is given (hosts that misbehave); ``server``: the host class (``netns.NamespacedServer``
+    puts each host in a network namespace of its own). On exit every host's objects are deleted and
     everything stops."""
     workdir = tempfile.mkdtemp(prefix="fkfl")
     token = secrets.token_hex(20)
@@ -97,7 +98,7 @@ def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_host
         for i in range(n_hosts):
             args = (host_args or [[]] * n_hosts)[i]
             runtime = os.path.join(workdir, f"rt{i}")
-            srv = Server("--token-file", os.path.join(workdir, "token"), *args, data_dir=os.path.join(workdir, f"h{i}"),
+            srv = server("--token-file", os.path.join(workdir, "token"), *args, data_dir=os.path.join(workdir, f"h{i}"),
                          env={**os.environ, "JUPYTER_RUNTIME_DIR": runtime})
             srv.token = token
             hosts.append(srv)
@@ -115,4 +116,6 @@ def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_host
                 srv.stop()
             else:
                 os.unlink(srv.log.name)
+            if hasattr(srv, "remove"):
+                srv.remove()
         shutil.rmtree(workdir, ignore_errors=True)

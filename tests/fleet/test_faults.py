@@ -111,7 +111,7 @@ def test_a_router_killed_with_9_loses_no_pin():
 
 
 class Garbage(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         self.send_response(200)
         self.send_header("Content-Type", "text/html")
         self.end_headers()
