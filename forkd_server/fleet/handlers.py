@@ -158,8 +158,11 @@ class RouterHandler(web.RequestHandler):
                 for name, value in resp.headers.items():
                     if name.lower() not in HOP_BY_HOP and name.lower() not in ("server", "date"):
                         self.set_header(name, value)
+                if resp.status in (204, 304):  # no body, whatever a host sends
+                    self.finish()
+                    return
                 length = resp.headers.get("Content-Length")
-                if length is not None and int(length) <= 1 << 20:  # small: one write
+                if length is not None and length.isdigit() and int(length) <= 1 << 20:  # small: one write
                     self.finish(await resp.read())
                     return
                 async for chunk in resp.content.iter_any():
