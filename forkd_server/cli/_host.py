@@ -27,7 +27,8 @@ def cmd_router(args) -> int:
     from ..fleet.app import run_router
     from ..fleet.router import Settings
 
-    settings = Settings(heartbeat=args.heartbeat, down_after=args.down_after, host_timeout=args.host_timeout)
+    settings = Settings(heartbeat=args.heartbeat, down_after=args.down_after, host_timeout=args.host_timeout,
+                        placement_wait=args.placement_wait)
     return run_router(args.hosts, args.hosts_token_file, host=args.host, port=args.port, token_file=args.token_file,
                       no_token=args.no_token, tls_cert=args.tls_cert, tls_key=args.tls_key, data_dir=args.data_dir,
                       settings=settings)
@@ -143,6 +144,9 @@ def add_router_command(sub) -> None:
                    help="seconds without a good /healthz before a host is down (its sandboxes lost) (default 10)")
     p.add_argument("--host-timeout", type=float, default=10.0,
                    help="seconds a host has to answer the router's own reads: heartbeat, lists, lookups (default 10)")
+    p.add_argument("--placement-wait", type=float, default=1.0,
+                   help="seconds a spawn waits for a host's snapshot listing before it places by the host's last "
+                        "one (default 1)")
     add_debug_option(p)
     p.set_defaults(func=cmd_router)
 

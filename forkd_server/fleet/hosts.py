@@ -90,6 +90,7 @@ class Host:
     last_ok: float | None = None
     last_error: str | None = None
     capacity: Capacity | None = None
+    listing: list | None = None  # its last snapshot listing (placement's stand-in when it is slow)
     since: float = field(default_factory=time.time)  # when the router started watching it
     control: aiohttp.ClientSession | None = None
     calls: aiohttp.ClientSession | None = None

@@ -35,6 +35,7 @@ class Settings:
     down_after: float = 10.0     # s without a good heartbeat before a host is down
     host_timeout: float = 10.0   # s a host has to answer one of the router's own reads
     connect_timeout: float = 5.0  # s to connect to a host for a call passed on
+    placement_wait: float = 1.0  # s a spawn waits for a host's snapshot listing before using its last one
     control_connections: int = 8
     call_connections: int = 100
 
@@ -88,6 +89,7 @@ class Router:
             host.last_error = f"answered /healthz but not its listings: {exc.reason}"
             return
         sandboxes, snapshots, workspaces = (x if isinstance(x, list) else [] for x in listed)
+        host.listing = snapshots
         was = host.state
         for kind, items, key in (("sandbox", sandboxes, "id"), ("snapshot", snapshots, "tag"),
                                  ("workspace", workspaces, "name")):
@@ -175,17 +177,27 @@ class Router:
         return found, answers
 
     async def holders(self, tag: str) -> tuple[dict[str, dict], list[Host]]:
-        """Which up hosts hold snapshot ``tag`` (url -> its listing entry), from their listings now,
-        and the up hosts that answered."""
+        """Which up hosts hold snapshot ``tag`` (url -> its listing entry), and the up hosts whose
+        listing is known. Each host's listing is read now; one that takes longer than
+        ``placement_wait`` is not waited for: its last listing stands in (a slow host delays no
+        placement by more than that), and without one it takes no part."""
         hosts = self.up_hosts()
-        got = await asyncio.gather(*(h.get_json("/v1/snapshots", self.settings.host_timeout) for h in hosts),
-                                   return_exceptions=True)
+        reads = {asyncio.ensure_future(h.get_json("/v1/snapshots", self.settings.host_timeout)): h for h in hosts}
+        if reads:
+            _, late = await asyncio.wait(reads, timeout=self.settings.placement_wait)
+            for task in late:
+                task.cancel()
         held, answered = {}, []
-        for host, listing in zip(hosts, got):
-            if isinstance(listing, BaseException) or not isinstance(listing, list):
+        for task, host in reads.items():
+            listing = task.result() if task.done() and not task.cancelled() and task.exception() is None else None
+            if isinstance(listing, list):
+                host.listing = listing
+            elif host.listing is None:
                 continue
+            else:
+                log.info("placement of %s: %s is slow, its last snapshot listing stands in", tag, host.url)
             answered.append(host)
-            for snap in listing:
+            for snap in host.listing:
                 if isinstance(snap, dict) and snap.get("tag") == tag:
                     held[host.url] = snap
         return held, answered

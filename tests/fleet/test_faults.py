@@ -5,7 +5,9 @@ never answer or answer garbage (nobody else waits for them)."""
 from __future__ import annotations
 
 import http.server
+import json
 import socket
+import urllib.request
 import threading
 import time
 
@@ -121,6 +123,58 @@ class Garbage(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class Slow(http.server.BaseHTTPRequestHandler):
+    """A host whose /healthz is fine and whose listings are empty, until ``slow`` is set: from then
+    on everything but /healthz waits (until ``released``, at most 60 s)."""
+
+    slow = threading.Event()
+    released = threading.Event()
+
+    def do_GET(self):
+        if self.path != "/healthz" and self.slow.is_set():
+            self.released.wait(60)
+        body = b'{"ok": true}' if self.path == "/healthz" else b"[]"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_slow_host_delays_no_spawn_and_lists_leave_it_out():
+    Slow.slow.clear()
+    Slow.released.clear()
+    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    slow.daemon_threads = True
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{slow.server_address[1]}"
+    try:
+        # the router's reads wait up to 12 s for a host; placement waits 1 s at most
+        with fleet(1, extra_hosts=(url,), router_args=("--host-timeout", "12")) as (router, hosts):
+            router.wait(lambda h: h["hosts_up"] == 2, "see the slow host up too")
+            Controller(hosts[0].url, hosts[0].token).create_snapshot("fast", setup="pass")
+            Slow.slow.set()
+            # the slow host holds up neither placement nor the call (the client gives up after 8 s)
+            api = Controller(router.url, router.token, timeout=8)
+            kids = api.spawn_sandboxes("fast", 2)
+            assert {k["host"] for k in kids} == {hosts[0].url}
+            assert api.eval_code(kids[0]["id"], "1 + 1")["result"] == "2"
+            req = urllib.request.Request(f"{router.url}/v1/sandboxes", headers={"Authorization": f"Bearer {router.token}"})
+            with urllib.request.urlopen(req, timeout=60) as r:  # a merged list waits --host-timeout
+                listed = {s["id"] for s in json.loads(r.read())}
+                missing = r.headers["X-Forkd-Hosts-Missing"]
+            assert listed == {k["id"] for k in kids} and url in missing and "within 12 s" in missing
+            for k in kids:
+                api.kill_sandbox(k["id"])
+    finally:
+        Slow.released.set()
+        slow.shutdown()
+        slow.server_close()
 
 
 def test_hosts_that_never_answer_or_answer_garbage_stall_nobody():
