@@ -58,7 +58,7 @@ def main() -> int:
     ap.add_argument("--pings", type=int, default=500)
     ap.add_argument("--spawns", type=int, default=15)
     args = ap.parse_args()
-    with fleet(2) as (router, hosts):
+    with fleet(2, router_args=("--heartbeat", "2")) as (router, hosts):
         Controller(hosts[0].url, hosts[0].token, timeout=300).create_snapshot("base", setup="x = 1")
         via, direct = Conn(router.url, router.token), Conn(hosts[0].url, hosts[0].token)
         sid = via.call("POST", "/v1/sandboxes", {"snapshot_tag": "base"})[0]["id"]
