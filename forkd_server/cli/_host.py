@@ -28,7 +28,7 @@ def cmd_router(args) -> int:
     from ..fleet.router import Settings
 
     settings = Settings(heartbeat=args.heartbeat, down_after=args.down_after, host_timeout=args.host_timeout,
-                        placement_wait=args.placement_wait)
+                        placement_wait=args.placement_wait, hosts_ca=args.hosts_ca)
     return run_router(args.hosts, args.hosts_token_file, host=args.host, port=args.port, token_file=args.token_file,
                       no_token=args.no_token, tls_cert=args.tls_cert, tls_key=args.tls_key, data_dir=args.data_dir,
                       settings=settings)
@@ -130,6 +130,8 @@ def add_router_command(sub) -> None:
                    help="the hosts' URLs, comma-separated: http://10.0.0.1:8889,http://10.0.0.2:8889")
     p.add_argument("--hosts-token-file", default=os.environ.get("FORKD_HOSTS_TOKEN_FILE"),
                    help="file holding the token the hosts were started with (--token-file of forkd serve)")
+    p.add_argument("--hosts-ca", default=None,
+                   help="CA certificate file to check https hosts with (default: the system's CAs)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8890, help="port to listen on (default 8890)")
     p.add_argument("--token-file", default=os.environ.get("FORKD_TOKEN_FILE"),

@@ -64,6 +64,9 @@ def run_router(hosts: str, hosts_token_file: str | None, host: str = "127.0.0.1"
         urls = parse_hosts(hosts)
         if bool(tls_cert) != bool(tls_key):
             raise RouterError("--tls-cert and --tls-key go together")
+        for path in (tls_cert, tls_key, settings and settings.hosts_ca):
+            if path and not os.path.isfile(path):
+                raise RouterError(f"TLS file not found: {path}")
         host_token = read_token_file(hosts_token_file) if hosts_token_file else None
         if token_file:
             token = read_token_file(token_file)

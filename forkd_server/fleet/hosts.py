@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,15 +95,18 @@ class Host:
     since: float = field(default_factory=time.time)  # when the router started watching it
     control: aiohttp.ClientSession | None = None
     calls: aiohttp.ClientSession | None = None
+    tls: ssl.SSLContext | None = None
 
     @property
     def up(self) -> bool:
         return self.state == "up"
 
-    def open(self, control_connections: int, call_connections: int) -> None:
+    def open(self, control_connections: int, call_connections: int, tls: ssl.SSLContext | None = None) -> None:
+        """Open its pools; ``tls``: how to check an https host's certificate (default: the system's CAs)."""
+        self.tls = tls
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         for name, limit in (("control", control_connections), ("calls", call_connections)):
-            connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=60)
+            connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=60, ssl=tls if tls is not None else True)
             setattr(self, name, aiohttp.ClientSession(connector=connector, headers=headers, auto_decompress=False,
                                                       skip_auto_headers=("Accept", "Content-Type")))
 

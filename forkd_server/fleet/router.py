@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ class Settings:
     placement_wait: float = 1.0  # s a spawn waits for a host's snapshot listing before using its last one
     control_connections: int = 8
     call_connections: int = 100
+    hosts_ca: str | None = None  # a CA file for https hosts (else the system's CAs)
 
 
 class Router:
@@ -62,8 +64,9 @@ class Router:
 
     async def start(self) -> None:
         s = self.settings
+        tls = ssl.create_default_context(cafile=s.hosts_ca) if s.hosts_ca else None
         for host in self.hosts.values():
-            host.open(s.control_connections, s.call_connections)
+            host.open(s.control_connections, s.call_connections, tls)
         await asyncio.gather(*(self.heartbeat.beat(h) for h in self.hosts.values()))
         self.heartbeat.start()
 

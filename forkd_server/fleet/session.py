@@ -49,7 +49,8 @@ class SessionProxy(websocket.WebSocketHandler):
         if host.token:
             headers["Authorization"] = f"Bearer {host.token}"
         request = httpclient.HTTPRequest(url, headers=headers, connect_timeout=self.router.settings.connect_timeout,
-                                         request_timeout=self.router.settings.connect_timeout + 120)
+                                         request_timeout=self.router.settings.connect_timeout + 120,
+                                         ssl_options=host.tls)
         try:
             self.upstream = await websocket.websocket_connect(request, on_message_callback=self._from_host,
                                                               max_message_size=256 << 20)
