@@ -20,6 +20,7 @@ from tornado import web
 from tornado.iostream import StreamClosedError
 
 from .. import __version__
+from ..checks import MAX_CHILDREN
 from ..identity import same_secret
 from .hosts import HOP_BY_HOP, Host, HostError
 from .router import Refusal, Router
@@ -406,11 +407,12 @@ class SnapshotPushHandler(RouterHandler):
 # --- sandboxes ------------------------------------------------------------------------------------
 
 def _count(value) -> int | None:
+    """``n`` of a spawn when it is one a host takes (1 to MAX_CHILDREN), else None (a host says why)."""
     if value is None:
         return 1
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
-    return int(value) if value == int(value) and value >= 1 else None
+    return int(value) if value == int(value) and 1 <= value <= MAX_CHILDREN else None
 
 
 class SandboxesHandler(RouterHandler):

@@ -10,6 +10,7 @@ import random
 import ssl
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from .events import EventHub
 from .hosts import Heartbeat, Host, HostError
@@ -151,7 +152,7 @@ class Router:
             if host.state == "down":
                 raise self.lost(kind, key, host)
             return host
-        found, answers = await self._ask_all(f"{KINDS[kind]}/{key}")
+        found, answers = await self._ask_all(f"{KINDS[kind]}/{quote(key, safe='')}")
         if found:
             host, record = found[0]
             self.state.pin(kind, [(key, record)], host.url)

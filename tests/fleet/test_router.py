@@ -193,6 +193,13 @@ def test_unknown_ids_and_bad_input(world, api):
         with pytest.raises(ControllerError) as err:
             call()
         assert err.value.status == 404, err.value
+    with pytest.raises(ControllerError) as err:
+        api.get_sandbox("sb-x?y=1#z")
+    assert err.value.status == 404
+    for n in (0, 1001):  # what a host refuses, the router refuses alike (a host says it)
+        with pytest.raises(ControllerError) as err:
+            api.spawn_sandboxes("no-such-snapshot", n)
+        assert err.value.status == 400 and "n must be" in str(err.value)
     req = urllib.request.Request(f"{router.url}/v1/sandboxes", data=b"{not json", method="POST",
                                  headers={"Authorization": f"Bearer {router.token}", "Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
