@@ -7,9 +7,9 @@ from __future__ import annotations
 import http.server
 import json
 import socket
-import urllib.request
 import threading
 import time
+import urllib.request
 
 import pytest
 

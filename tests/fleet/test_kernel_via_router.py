@@ -15,7 +15,7 @@ from .fleet import fleet
 
 
 def test_time_travel_through_the_router():
-    with fleet(2) as (router, hosts), mock.patch.dict(os.environ, FORKD_URL=router.url, FORKD_TOKEN=router.token):
+    with fleet(2) as (router, _), mock.patch.dict(os.environ, FORKD_URL=router.url, FORKD_TOKEN=router.token):
         km, kc = start_new_kernel(kernel_name="forkd-python")
         try:
             first = run(kc, "x = 21")
