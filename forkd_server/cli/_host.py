@@ -144,8 +144,8 @@ def add_router_command(sub) -> None:
     p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between two reads of a host's /healthz")
     p.add_argument("--down-after", type=float, default=10.0,
                    help="seconds without a good /healthz before a host is down (its sandboxes lost) (default 10)")
-    p.add_argument("--host-timeout", type=float, default=10.0,
-                   help="seconds a host has to answer the router's own reads: heartbeat, lists, lookups (default 10)")
+    p.add_argument("--host-timeout", type=float, default=5.0,
+                   help="seconds a host has to answer the router's own reads: heartbeat, lists, lookups (default 5)")
     p.add_argument("--placement-wait", type=float, default=1.0,
                    help="seconds a spawn waits for a host's snapshot listing before it places by the host's last "
                         "one (default 1)")

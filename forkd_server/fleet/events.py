@@ -3,7 +3,8 @@ numbered again (``seq``) by the router, plus the router's own: a host going ``do
 (``kind: host``) and each sandbox of a host that went down (``kind: sandbox, action: lost``).
 
 A reader per up host follows its stream and reconnects while the host is up; events also keep the
-pins current for objects made on a host directly (``on_event``).
+pins current for objects made on a host directly (``on_event``), and each time a stream opens the
+router reads the host's listings (``on_connect``) for what it may have missed.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ QUEUE_SIZE = 10_000  # events a slow subscriber may fall behind before it is cut
 
 
 class EventHub:
-    def __init__(self, on_event=None):
+    def __init__(self, on_event=None, on_connect=None):
         self.subscribers: set[asyncio.Queue] = set()
         self.seq = 0
-        self.on_event = on_event
+        self.on_event, self.on_connect = on_event, on_connect
         self.readers: dict[str, asyncio.Task] = {}
 
     def subscribe(self) -> asyncio.Queue:
@@ -69,6 +70,8 @@ class EventHub:
                 async with host.control.get(host.url + "/v1/events", timeout=timeout) as resp:
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    if self.on_connect is not None:  # what happened while it was not followed
+                        asyncio.ensure_future(self.on_connect(host))
                     data: list[str] = []
                     async for raw in resp.content:
                         line = raw.decode("utf-8", "replace").rstrip("\r\n")

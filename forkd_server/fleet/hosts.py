@@ -170,7 +170,9 @@ class Heartbeat:
     (awaited) whenever a host's state is about to change, and decides the new one (reconcile)."""
 
     def __init__(self, hosts: list[Host], *, interval: float, down_after: float, timeout: float, on_up, on_down):
-        self.hosts, self.interval, self.down_after, self.timeout = hosts, interval, down_after, timeout
+        # a beat never waits longer than --down-after, so a host whose link hangs is down on time
+        self.hosts, self.interval, self.down_after = hosts, interval, down_after
+        self.timeout = min(timeout, down_after)
         self.on_up, self.on_down = on_up, on_down
         self._tasks: list[asyncio.Task] = []
         self.beats = 0

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import random
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -35,7 +36,7 @@ class Refusal(Exception):
 class Settings:
     heartbeat: float = 2.0       # s between two heartbeats of a host
     down_after: float = 10.0     # s without a good heartbeat before a host is down
-    host_timeout: float = 10.0   # s a host has to answer one of the router's own reads
+    host_timeout: float = 5.0    # s a host has to answer one of the router's own reads
     connect_timeout: float = 5.0  # s to connect to a host for a call passed on
     placement_wait: float = 1.0  # s a spawn waits for a host's snapshot listing before using its last one
     control_connections: int = 8
@@ -56,7 +57,7 @@ class Router:
             if old and old["state"] == "down":  # still down until it answers: its sandboxes stay lost
                 host.state, host.reason = "down", old["reason"]
             self.hosts[host.url] = host
-        self.events = EventHub(on_event=self._learn)
+        self.events = EventHub(on_event=self._learn, on_connect=self._resubscribed)
         self.rng = rng or random.Random()
         self.heartbeat = Heartbeat(list(self.hosts.values()), interval=self.settings.heartbeat,
                                    down_after=self.settings.down_after, timeout=self.settings.host_timeout,
@@ -83,28 +84,46 @@ class Router:
 
     # --- host state changes ---------------------------------------------------------------------
 
-    async def _host_up(self, host: Host) -> None:
-        """Reconcile, then up: the pins of ``host`` become what it lists now (sandboxes it ended while
-        away go, ones made on it directly come), so no work lands on it before they are right."""
+    async def reconcile(self, host: Host) -> set[str] | None:
+        """Make the pins of ``host`` what it lists now (sandboxes it ended go, ones made on it
+        directly come); the ids of sandboxes that went, None if it did not answer its listings."""
+        listed_at = time.time()
         try:
             listed = await asyncio.gather(*(host.get_json(path, self.settings.host_timeout)
                                             for path in ("/v1/sandboxes", "/v1/snapshots", "/v1/workspaces")))
         except HostError as exc:
             host.last_error = f"answered /healthz but not its listings: {exc.reason}"
-            return
+            return None
         sandboxes, snapshots, workspaces = (x if isinstance(x, list) else [] for x in listed)
         host.listing = snapshots
-        was = host.state
+        gone: set[str] = set()
         for kind, items, key in (("sandbox", sandboxes, "id"), ("snapshot", snapshots, "tag"),
                                  ("workspace", workspaces, "name")):
             records = {i[key]: i for i in items if isinstance(i, dict) and isinstance(i.get(key), str)}
             if kind == "sandbox":  # an id another host holds is that host's (first pinned wins)
                 records = {k: v for k, v in records.items() if self.state.host_of("sandbox", k) in (None, host.url)}
-            _, dropped = self.state.replace_host_pins(host.url, kind, records)
-            if kind == "sandbox" and was == "down":
-                for sid in dropped:
-                    self.events.publish({"kind": "sandbox", "action": "deleted", "id": sid, "host": host.url,
-                                         "reason": "ended while its host was down"})
+            _, dropped = self.state.replace_host_pins(host.url, kind, records, listed_at)
+            if kind == "sandbox":
+                gone = dropped
+        return gone
+
+    async def _resubscribed(self, host: Host) -> None:
+        """The host's event stream (re)opened: what changed while it was not followed is read from
+        its listings, so no pin is left stale by a missed event."""
+        for sid in await self.reconcile(host) or ():
+            self.events.publish({"kind": "sandbox", "action": "deleted", "id": sid, "host": host.url,
+                                 "reason": "ended while the router did not follow its host's events"})
+
+    async def _host_up(self, host: Host) -> None:
+        """Reconcile, then up, so no work lands on a host before its pins are right."""
+        gone = await self.reconcile(host)
+        if gone is None:
+            return
+        was = host.state
+        if was == "down":
+            for sid in gone:
+                self.events.publish({"kind": "sandbox", "action": "deleted", "id": sid, "host": host.url,
+                                     "reason": "ended while its host was down"})
         host.state, host.reason = "up", None
         self.state.save_host(host.url, "up", None, host.last_ok, host.capacity and host.capacity.to_json())
         self.events.follow(host, self.settings.heartbeat)

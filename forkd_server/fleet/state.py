@@ -96,16 +96,19 @@ class State:
         rows = self.db.execute("SELECT key, record FROM pins WHERE host=? AND kind=?", (host, kind))
         return {key: json.loads(record) if record else None for key, record in rows}
 
-    def replace_host_pins(self, host: str, kind: str, items: dict[str, dict]) -> tuple[set[str], set[str]]:
-        """Make ``host``'s pins of ``kind`` exactly ``items`` (what the host listed); returns
-        (keys added, keys dropped). Used when a host comes back, to reconcile."""
-        before = set(self.pinned_on(host, kind))
-        added, dropped = set(items) - before, before - set(items)
+    def replace_host_pins(self, host: str, kind: str, items: dict[str, dict], listed_at: float) -> tuple[set[str], set[str]]:
+        """Make ``host``'s pins of ``kind`` what it listed at ``listed_at`` (``items``); returns (keys
+        added, keys dropped). A pin made since ``listed_at`` stays: the listing predates it."""
+        rows = self.db.execute("SELECT key, pinned_at FROM pins WHERE host=? AND kind=?", (host, kind)).fetchall()
+        before = {key for key, _ in rows}
+        added = set(items) - before
+        dropped = {key for key, at in rows if key not in items and at < listed_at}
         now = time.time()
         with self.db:
             self.db.execute("BEGIN IMMEDIATE")
             for key in dropped:
-                self.db.execute("DELETE FROM pins WHERE kind=? AND key=? AND host=?", (kind, key, host))
+                self.db.execute("DELETE FROM pins WHERE kind=? AND key=? AND host=? AND pinned_at<?",
+                                (kind, key, host, listed_at))
             for key in added:
                 self.db.execute("INSERT OR REPLACE INTO pins(kind, key, host, record, pinned_at) VALUES (?,?,?,?,?)",
                                 (kind, key, host, json.dumps(items[key]), now))

@@ -17,6 +17,7 @@ from tests.serving import FORKD, Server, cleanup, free_port
 
 HEARTBEAT = 0.3   # s: the test router's heartbeat
 DOWN_AFTER = 3.0  # s: and its --down-after
+HOST_TIMEOUT = 3.0  # s: and its --host-timeout (a merged list waits that long for a host whose link hangs)
 
 
 class Router:
@@ -30,7 +31,7 @@ class Router:
         self.args = ["router", "--hosts", ",".join(hosts), "--hosts-token-file", os.path.join(workdir, "token"),
                      "--token-file", self.token_file, "--port", str(self.port),
                      "--data-dir", os.path.join(workdir, "router"), "--heartbeat", str(HEARTBEAT),
-                     "--down-after", str(DOWN_AFTER), *extra]
+                     "--down-after", str(DOWN_AFTER), "--host-timeout", str(HOST_TIMEOUT), *extra]
         self.log_path = os.path.join(workdir, f"router-{self.port}.log")
         self.start()
 
