@@ -7,16 +7,23 @@ made on host 0, so every call below lands there either way.
 * ``ping``: ``POST /v1/sandboxes/{id}/ping`` of one sandbox on a kept-alive connection
   (http.client), router vs direct, the two interleaved in each round so the machine's load falls on
   both alike. Reported: each p50 and the median of the paired differences (router minus direct).
-* ``spawn(n=20)``: ``POST /v1/sandboxes {"n": 20}`` then the 20 killed, router vs direct,
-  alternating rounds; the ratio of the medians (router / direct) and each median. The router's
-  share is placement (every up host's snapshot listing, in parallel) plus passing the call on.
+* ``spawn(n=20)``: ``POST /v1/sandboxes {"n": 20}`` then the 20 killed, router vs direct, both in
+  each round in alternating order; each median, their ratio, and the median of the paired
+  differences over the direct median (``paired_ratio``: the steadier figure, as a spawn's own time
+  varies by 2x with the machine's load). The router's share is placement (every up host's snapshot
+  listing, in parallel) plus passing the call on.
+* ``--clients N --seconds S``: N clients (one AsyncController each, so N kept connections) ping
+  through the router for S seconds, spread over 20 sandboxes on both hosts; errors counted, and
+  afterwards every sandbox must still answer through the router at the host it was placed on
+  (``lost_pins``: those that do not).
 
-Usage: python3 bench/fleet.py [--json] [--pings 500] [--spawns 15]
+Usage: python3 bench/fleet.py [--json] [--pings 500] [--spawns 15] [--clients 200 --seconds 60]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -27,7 +34,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from forkd_server.client import Controller  # noqa: E402
+from forkd_server.client import AsyncController, Controller  # noqa: E402
 from tests.fleet.fleet import fleet  # noqa: E402
 
 
@@ -52,11 +59,48 @@ def ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1000, 3)
 
 
+def clients_load(router, hosts, clients: int, seconds: float) -> dict:
+    """``clients`` clients pinging 20 sandboxes (10 on each host) through the router."""
+    api = Controller(router.url, router.token, timeout=300)
+    Controller(hosts[1].url, hosts[1].token, timeout=300).create_snapshot("base", setup="x = 1")
+    kids = api.spawn_sandboxes("base", 20)  # both hosts hold `base`: placement splits or picks
+    placed = {k["id"]: k["host"] for k in kids}
+    samples: list[float] = []
+    errors: list[str] = []
+
+    async def client(n: int, stop: float) -> None:
+        sid = kids[n % len(kids)]["id"]
+        async with AsyncController(router.url, router.token, timeout=60) as ctl:
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                try:
+                    await ctl.ping_sandbox(sid)
+                    samples.append(time.perf_counter() - t0)
+                except Exception as exc:  # noqa: BLE001 - counted, and the first few shown
+                    errors.append(f"{type(exc).__name__}: {exc}")
+
+    async def run() -> None:
+        stop = time.monotonic() + seconds
+        await asyncio.gather(*(client(n, stop) for n in range(clients)))
+
+    asyncio.run(run())
+    lost = [sid for sid, host in placed.items() if api.get_sandbox(sid).get("host") != host]
+    for sid in placed:
+        api.kill_sandbox(sid)
+    ms_sorted = sorted(samples)
+    return {"clients": clients, "seconds": seconds, "calls": len(samples), "errors": len(errors),
+            "first_errors": errors[:3], "p50_ms": round(statistics.median(ms_sorted) * 1000, 2) if samples else None,
+            "p99_ms": round(ms_sorted[int(len(ms_sorted) * 0.99) - 1] * 1000, 2) if samples else None,
+            "lost_pins": len(lost), "hosts_used": len(set(placed.values()))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--pings", type=int, default=500)
     ap.add_argument("--spawns", type=int, default=15)
+    ap.add_argument("--clients", type=int, default=0, help="clients of the load run (0: none)")
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long the load run lasts")
     args = ap.parse_args()
     with fleet(2, router_args=("--heartbeat", "2")) as (router, hosts):
         Controller(hosts[0].url, hosts[0].token, timeout=300).create_snapshot("base", setup="x = 1")
@@ -93,12 +137,17 @@ def main() -> int:
         for i in range(args.spawns):
             for conn in ((via, direct) if i % 2 else (direct, via)):
                 (sr if conn is via else sd).append(spawn(conn))
+        load = clients_load(router, hosts, args.clients, args.seconds) if args.clients else None
+    paired = statistics.median(r - d for r, d in zip(sr, sd))
     figures = {
         "ping": {"router_p50_ms": ms(r_s), "direct_p50_ms": ms(d_s), "overhead_p50_ms": ms(diffs),
                  "n": args.pings, "target_overhead_ms": 2.0},
         "spawn20": {"router_median_ms": ms(sr), "direct_median_ms": ms(sd),
-                    "ratio": round(statistics.median(sr) / statistics.median(sd), 3), "n": args.spawns,
+                    "ratio": round(statistics.median(sr) / statistics.median(sd), 3),
+                    "paired_overhead_ms": round(paired * 1000, 3),
+                    "paired_ratio": round(1 + paired / statistics.median(sd), 3), "n": args.spawns,
                     "target_ratio": 1.10},
+        **({"clients": load} if load else {}),
         "load": os.getloadavg()[0],
     }
     if args.json:
@@ -108,7 +157,10 @@ def main() -> int:
         print(f"ping: router p50 {p['router_p50_ms']} ms, direct p50 {p['direct_p50_ms']} ms, "
               f"overhead (median of paired differences) {p['overhead_p50_ms']} ms (target <= 2 ms)")
         print(f"spawn(n=20): router {s['router_median_ms']} ms, direct {s['direct_median_ms']} ms, "
-              f"ratio {s['ratio']} (target <= 1.10)")
+              f"ratio {s['ratio']}, paired {s['paired_ratio']} (target <= 1.10)")
+        if load:
+            print(f"{load['clients']} clients x {load['seconds']} s: {load['calls']} pings, {load['errors']} errors, "
+                  f"p50 {load['p50_ms']} ms, p99 {load['p99_ms']} ms, lost pins {load['lost_pins']}")
     return 0
 
 
