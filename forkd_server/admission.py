@@ -22,6 +22,9 @@ pools keep long work from starving control:
      Files and branch stay outside the lane: reading a file a cell writes, or a lossy branch of a
      sandbox mid-cell, must work while the cell runs.
 
+``GET /healthz``'s capacity figures (file reads and the registry's cached rows) run on a thread of
+their own, so a health check answers even while every control thread is held.
+
 Pings of many sandboxes at once (``GET /v1/tree?busy=true``) run on a third pool, ``PROBE_WORKERS``
 threads, each ping bounded by its own short timeout and the whole by a deadline: a frozen agent
 costs one probe thread for a second, never a control thread, and shows as not answering.
@@ -68,6 +71,7 @@ class Admission:
         self.control_pool = ThreadPoolExecutor(control_workers, thread_name_prefix="forkd-control")
         self.long_pool = ThreadPoolExecutor(max_long_calls, thread_name_prefix="forkd-long")
         self.probe_pool = ThreadPoolExecutor(PROBE_WORKERS, thread_name_prefix="forkd-probe")
+        self.health_pool = ThreadPoolExecutor(1, thread_name_prefix="forkd-health")
         self.admitted = 0                 # long calls holding a slot (running or waiting in a lane)
         self.running = 0                  # long calls on a thread now
         self.control_running = 0
@@ -97,7 +101,7 @@ class Admission:
     def close(self) -> None:
         for sandbox, lane in list(self.lanes.items()):
             self._end_waiters(lane, "the server is shutting down", sandbox)
-        for pool in (self.control_pool, self.long_pool, self.probe_pool):
+        for pool in (self.control_pool, self.long_pool, self.probe_pool, self.health_pool):
             pool.shutdown(wait=False, cancel_futures=True)
 
     # --- control ---------------------------------------------------------------------------------
@@ -108,6 +112,10 @@ class Admission:
             return await asyncio.get_running_loop().run_in_executor(self.control_pool, fn)
         finally:
             self.control_running -= 1
+
+    async def health(self, fn: Callable):
+        """Run ``fn`` (a health check's cheap reads) on the health thread, never behind control calls."""
+        return await asyncio.get_running_loop().run_in_executor(self.health_pool, fn)
 
     async def probe(self, fns: list[Callable], deadline: float) -> list:
         """Run ``fns`` (each bounded by its own timeout) on the probe pool, at most ``PROBE_WORKERS``

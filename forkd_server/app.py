@@ -117,6 +117,9 @@ class ForkdApp(ExtensionApp):
                                                   "same sandbox; 409 busy past it.")
     sandbox_queue_timeout = Float(60.0, config=True, help="Seconds a call waits for its sandbox before it is "
                                                           "answered 409 busy.")
+    max_sandboxes = Int(None, allow_none=True, config=True,
+                        help="The most sandboxes this host holds at once (a fleet's router reads it from /healthz); a "
+                             "spawn, fork or workspace that would pass it is refused whole with 503. None: no cap.")
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
     store = Unicode("", config=True, help="Remote snapshot store for push and pull: s3://bucket/prefix, "
                                           "gs://bucket/prefix, az://container/prefix or file:///path ('' none). "
@@ -152,6 +155,12 @@ class ForkdApp(ExtensionApp):
             raise ValueError(f"{proposal['trait'].name} must be at least 1")
         return proposal["value"]
 
+    @validate("max_sandboxes")
+    def _valid_max_sandboxes(self, proposal):
+        if proposal["value"] is not None and proposal["value"] < 0:
+            raise ValueError("max_sandboxes must be at least 0")
+        return proposal["value"]
+
     @validate("sandbox_queue_size")
     def _valid_queue(self, proposal):
         if proposal["value"] < 0:
@@ -183,7 +192,8 @@ class ForkdApp(ExtensionApp):
             self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
                                          default_engine=self.default_engine, store=self.store or None,
                                          store_options=options, recover_in_background=True,
-                                         probe_timeout=self.recovery_probe_timeout)
+                                         probe_timeout=self.recovery_probe_timeout,
+                                         max_sandboxes=self.max_sandboxes)
         except ForkdError as exc:  # a store URL that cannot be used: said, and the server does not start
             self.log.critical("forkd: %s", exc)
             raise

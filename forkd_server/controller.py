@@ -21,6 +21,7 @@ from forkd_engine import EngineError
 
 from . import endings
 from .branching import BranchManager
+from .capacity import capacity
 from .changes import ChangeFeed
 from .creation import CreationManager
 from .checks import BRANCH_MODES, check_labels, check_tag
@@ -44,13 +45,19 @@ def default_data_dir() -> str:
 class Controller:
     def __init__(self, data_dir: str, engines: dict | None = None, *, branch_concurrency: int = 4,
                  default_engine: str = "auto", store: str | None = None, store_options: dict | None = None,
-                 recover_in_background: bool = False, probe_timeout: float | None = None):
+                 recover_in_background: bool = False, probe_timeout: float | None = None,
+                 max_sandboxes: int | None = None):
         """``recover_in_background``: return once the registry is read, and settle what outlived the
         previous server on threads meanwhile (calls about an object not settled yet answer 503);
         else return once all of it is settled (recovery.py). ``probe_timeout``: seconds each
-        recorded agent has to answer its ping then (default ``recovery.PROBE_TIMEOUT``)."""
+        recorded agent has to answer its ping then (default ``recovery.PROBE_TIMEOUT``).
+        ``max_sandboxes``: the most sandboxes this host holds at once; a spawn past it is refused
+        whole (503); None for no cap."""
         if branch_concurrency < 1:
             raise ValueError("branch_concurrency must be at least 1")
+        if max_sandboxes is not None and max_sandboxes < 0:
+            raise ValueError("max_sandboxes must be at least 0")
+        self.max_sandboxes = max_sandboxes
         self.data_dir = os.path.realpath(data_dir)
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.registry = Registry(os.path.join(self.data_dir, "registry.sqlite3"))
@@ -80,6 +87,10 @@ class Controller:
         """What the start-up found (counts and ``findings``), once it has settled everything."""
         self.recovery.wait()
         return self.recovery.result()
+
+    def capacity(self) -> dict:
+        """What this host can still take, as ``/healthz`` reports it (capacity.py): cheap reads only."""
+        return capacity(self)
 
     @property
     def branch_cap(self) -> int:
@@ -419,6 +430,10 @@ class Controller:
         ``labels``: the nodes carrying all of them and their ancestors, so the lineage stays whole."""
         nodes = tree_nodes([self.branches.overlay(r) for r in self.registry.list_snapshots()],
                            self.registry.list_sandboxes())
+        recovering = self.recovery.unsettled()
+        for node in nodes:  # shown, so the lineage stays whole, but not as what it may no longer be
+            if node["id"] in recovering:
+                node["status"] = "recovering"
         if not labels:
             return nodes
         keep = {a for n in nodes if has_labels(n["labels"], labels) for a in n["lineage"]}

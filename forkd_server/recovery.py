@@ -89,6 +89,11 @@ class Recovery:
             return 0
         return max(1, len(self.sandboxes) + len(self.snapshots))  # 1: the workspaces, settled last
 
+    def unsettled(self) -> set[str]:
+        """Ids and tags not settled yet (a copy: the settling threads change the sets)."""
+        with self._lock:
+            return self.sandboxes | self.snapshots
+
     def check_sandbox(self, sandbox_id: str) -> None:
         if sandbox_id in self.sandboxes:
             raise Recovering(f"sandbox {sandbox_id} is recovering: the server restarted and has not settled it yet",
@@ -224,7 +229,8 @@ class Recovery:
                 log.exception("forkd: %s %s could not be marked lost", kind, key)
                 self._found(f"{kind} {key}: could not be recovered ({why}) nor marked so ({again})")
         finally:
-            (self.snapshots if kind == "snapshot" else self.sandboxes).discard(key)
+            with self._lock:
+                (self.snapshots if kind == "snapshot" else self.sandboxes).discard(key)
 
     # --- one object each -------------------------------------------------------------------------
 

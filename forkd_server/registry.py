@@ -213,6 +213,10 @@ class Registry:
     def list_snapshots(self) -> list[dict]:
         return self._all("snapshots", "tag")
 
+    def count_snapshots(self, status: str) -> int:
+        """How many snapshots have ``status``, from the cached table (no query while it is unchanged)."""
+        return sum(1 for r in self._table("snapshots", "tag")[1] if r["status"] == status)
+
     def delete_snapshot(self, tag: str) -> None:
         with self.tx() as db:
             db.execute("DELETE FROM snapshots WHERE tag=?", (tag,))

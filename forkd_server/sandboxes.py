@@ -8,6 +8,7 @@ remembers each end, so a later call naming the id answers 404 saying when and wh
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ from forkd_engine import AgentUnreachable, ChildSpec, EngineError, LimitReached
 
 from . import endings
 from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag
-from .errors import BadRequest, Conflict, EngineFailure, Gone, NotFound
+from .errors import BadRequest, Busy, Conflict, EngineFailure, Gone, NotFound
 from .wire import sandbox_info
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class SandboxManager:
         self.feed = controller.feed
         self._listing: tuple | None = None    # (registry generation, running rows, their infos)
         self._killing: set[str] = set()       # ids a kill is ending: it records their end, no one else
+        self._admitting = threading.Lock()    # the cap's count and a spawn's rows, one spawn at a time
 
     def row(self, sandbox_id) -> dict:
         if isinstance(sandbox_id, str):
@@ -157,7 +159,7 @@ class SandboxManager:
 
         # Two transactions a spawn: its rows 'starting' before the engine acts (so a restart ends
         # what a crash left starting), and 'running' with their handles after.
-        rows = self.registry.insert_numbered_sandboxes(n, rows_from)
+        rows = self._admit(snapshot_tag, n, rows_from)
         ids = [r["id"] for r in rows]
         try:
             handles = engine.spawn(row["handle"], [ChildSpec(id=r["id"], lineage=r["lineage"],
@@ -172,6 +174,38 @@ class SandboxManager:
         for info in out:
             self.feed.emit("sandbox", "created", id=info["id"], snapshot_tag=snapshot_tag, status="running")
         return out
+
+    def held(self) -> int:
+        """Sandboxes this host holds: started or starting, with no end under way. Read from the
+        registry's rows, asking no engine: one whose process ended unseen counts until it is looked
+        at (a listing, a call about it, a spawn that meets the cap)."""
+        return sum(1 for r in self.registry.sandbox_table()[1] if not r.get("ending"))
+
+    def _admit(self, snapshot_tag: str, n: int, rows_from) -> list[dict]:
+        """Insert a spawn's ``starting`` rows if all ``n`` fit under the host's cap
+        (``max_sandboxes``), else refuse the whole spawn (503): never some of them. The count and the
+        insert are one step, so two spawns at once cannot both take the last room."""
+        cap = self.ctl.max_sandboxes
+        if cap is None:
+            return self.registry.insert_numbered_sandboxes(n, rows_from)
+        if self.held() + n > cap:
+            self.listing()  # drops sandboxes whose process ended unseen: they no longer count
+        with self._admitting:
+            held = self.held()
+            if held + n > cap:
+                raise self._full(snapshot_tag, n, held, cap)
+            return self.registry.insert_numbered_sandboxes(n, rows_from)
+
+    @staticmethod
+    def _full(snapshot_tag: str, n: int, held: int, cap: int) -> Busy:
+        room = max(0, cap - held)
+        fits = f"spawn at most {room} here, " if room else ""
+        return Busy(f"spawn of {n} from {snapshot_tag} refused: this host holds {held} sandboxes and its cap is "
+                    f"{cap} (--max-sandboxes); nothing was started",
+                    hint=f"kill sandboxes you no longer need, {fits}or spawn on another host",
+                    capacity={"sandboxes": held, "max_sandboxes": cap, "requested": n},
+                    details={"room": room, "setting": "forkd serve --max-sandboxes N (c.ForkdApp.max_sandboxes)",
+                             "rest": "DELETE /v1/sandboxes/{id}", "cli": "forkd kill ID", "magic": "%forkd kill ID"})
 
     def update(self, sandbox_id, *, labels=None, memory_limit_mib=None) -> dict:
         """Change a running sandbox: ``labels`` are added to its own (as a spawn adds them to its

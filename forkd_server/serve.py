@@ -102,10 +102,12 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
                token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                no_token: bool = False, branch_concurrency: int | None = None,
                allow_host_network: bool = False, store: str | None = None, store_endpoint: str | None = None,
-               store_region: str | None = None) -> tuple[list[str], str | None, bool]:
+               store_region: str | None = None, max_sandboxes: int | None = None) -> tuple[list[str], str | None, bool]:
     """Validate the options; returns (server argv, token or None, whether the token was generated)."""
     if bool(tls_cert) != bool(tls_key):
         raise ServeError("--tls-cert and --tls-key go together")
+    if max_sandboxes is not None and max_sandboxes < 0:
+        raise ServeError(f"--max-sandboxes must be 0 or more (0: this host takes no new sandboxes), got {max_sandboxes}")
     for path in (tls_cert, tls_key):
         if path and not os.path.isfile(path):
             raise ServeError(f"TLS file not found: {path}")
@@ -141,6 +143,8 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         argv.append(f"--ForkdApp.branch_concurrency={branch_concurrency}")
     if allow_host_network:
         argv.append("--ForkdApp.allow_host_network=True")
+    if max_sandboxes is not None:
+        argv.append(f"--ForkdApp.max_sandboxes={max_sandboxes}")
     for name, value in (("store", store), ("store_endpoint", store_endpoint), ("store_region", store_region)):
         if value:
             argv.append(f"--ForkdApp.{name}={value}")
@@ -150,12 +154,12 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
 def serve(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None = None, token_file: str | None = None,
           tls_cert: str | None = None, tls_key: str | None = None, no_token: bool = False,
           branch_concurrency: int | None = None, allow_host_network: bool = False, store: str | None = None,
-          store_endpoint: str | None = None, store_region: str | None = None,
+          store_endpoint: str | None = None, store_region: str | None = None, max_sandboxes: int | None = None,
           extra_args: list[str] | None = None) -> int:
     try:
         argv, token, generated = build_argv(host, port, data_dir, token_file, tls_cert, tls_key, no_token,
                                             branch_concurrency, allow_host_network, store, store_endpoint,
-                                            store_region)
+                                            store_region, max_sandboxes)
     except ServeError as exc:
         print(f"forkd serve: {exc}", file=sys.stderr)
         return 2

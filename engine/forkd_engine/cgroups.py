@@ -134,6 +134,34 @@ def subtree(prefix: str, data_dir: str) -> str:
     return f"{prefix}/{hashlib.sha1(os.path.realpath(data_dir).encode()).hexdigest()[:12]}"
 
 
+_MEMORY_USAGE = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+
+
+def memory_room(group: str, where: tuple[str, str] | None = None) -> int | None:
+    """Bytes the memory limits above ``group``'s leaves still allow: the smallest ``limit - usage``
+    over the group and each of its ancestors up to the hierarchy's root (a container's own group,
+    under a cgroup namespace), for those that have a limit; None where none has. ``where``: the
+    memory hierarchy (``locate("memory")``), when the caller knows it. A few small file reads:
+    cheap enough for a health check."""
+    where = where or locate("memory")
+    if where is None:
+        return None
+    version, base = where
+    limit_file, usage_file = _MEMORY_USAGE[version]
+    paths, path = [base], base
+    for part in group.split("/"):
+        path = os.path.join(path, part)
+        paths.append(path)
+    room = None
+    for path in paths:
+        limit = _limit(path, limit_file) if os.path.isdir(path) else -1
+        if limit < 0:
+            continue
+        left = max(0, limit - _counter(path, usage_file, None))
+        room = left if room is None else min(room, left)
+    return room
+
+
 class Cgroups:
     """Creates ``<hierarchy>/<group>/<name>`` leaves with limits and removes them when empty."""
 
@@ -142,9 +170,16 @@ class Cgroups:
         self._enabled: set[tuple[str, str]] = set()  # (v2 hierarchy, controller) enabled down to our group
         self.caps_huge_pages = False  # whether leaves cap huge pages: once hugetlb_status() found they hold
         self.janitor = Janitor()  # removes given-up leaves once their last process has exited
+        self._memory_where: tuple[str, str] | tuple[()] | None = None  # locate("memory"), once asked
 
     def status(self) -> dict:
         return {c: (locate(c) or ("none", ""))[0] for c in CONTROLLERS}
+
+    def memory_room(self) -> int | None:
+        """What the memory limits over this engine's leaves still allow (``memory_room``)."""
+        if self._memory_where is None:  # where the hierarchy is does not change while we run
+            self._memory_where = locate("memory") or ()
+        return memory_room(self.group, self._memory_where) if self._memory_where else None
 
     def _parent(self, version: str, base: str, controller: str) -> str:
         parent = os.path.join(base, self.group)

@@ -20,7 +20,7 @@ def cmd_serve(args) -> int:
                  tls_cert=args.tls_cert, tls_key=args.tls_key, no_token=args.no_token,
                  branch_concurrency=args.branch_concurrency, allow_host_network=args.allow_host_network,
                  store=args.store, store_endpoint=args.store_endpoint, store_region=args.store_region,
-                 extra_args=args.jupyter_args)
+                 max_sandboxes=args.max_sandboxes, extra_args=args.jupyter_args)
 
 
 def cmd_router(args) -> int:
@@ -108,6 +108,9 @@ def add_serve_command(sub) -> None:
     p.add_argument("--tls-key", default=os.environ.get("FORKD_TLS_KEY"))
     p.add_argument("--branch-concurrency", type=int, default=None,
                    help="branches in flight at once (default 4)")
+    p.add_argument("--max-sandboxes", type=int, default=os.environ.get("FORKD_MAX_SANDBOXES") or None, metavar="N",
+                   help="the most sandboxes this host holds at once (default: $FORKD_MAX_SANDBOXES, else no cap); "
+                        "a spawn past it is refused whole with 503, and /healthz reports it to a fleet's router")
     p.add_argument("--allow-host-network", action="store_true",
                    help="let callers create snapshots with host_network (their sandboxes reach every service on "
                         "this host's loopback, this server included); off by default: 403")

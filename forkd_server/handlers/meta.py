@@ -28,12 +28,19 @@ class HealthHandler(ForkdHandler):
     public = True
 
     @allow_unauthenticated
-    def get(self) -> None:
+    async def get(self) -> None:
         # After a restart, while recorded objects are still being settled, how many are left
         # (calls about them answer 503 until then); no figure once all are.
         controller = self.controller
-        left = controller.recovery.pending if controller is not None else 0
-        self.send({"ok": True, **({"recovering": left} if left else {})})
+        if controller is None:  # the server is stopping
+            self.send({"ok": True})
+            return
+        left = controller.recovery.pending
+        # What a router places by (capacity.py): file reads and the registry's cached rows, on a
+        # thread of its own (admission.py), so a registry write in progress never holds the event
+        # loop and a health check never waits behind control calls.
+        block = await self._answer(self.app.admission.health(controller.capacity), None)
+        self.send({"ok": True, **({"recovering": left} if left else {}), "capacity": block})
 
 
 class VersionHandler(ForkdHandler):

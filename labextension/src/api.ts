@@ -43,6 +43,9 @@ export class ForkdError extends Error {
 /** The server did not answer at all (restarting, gone, network). */
 export class ForkdUnreachable extends Error {}
 
+const RECOVERING_POLL_MS = 250; // between asks while a restarted server settles what it recorded
+const RECOVERING_WAIT_MS = 60000; // then its 503 is shown as any error is
+
 export class ForkdAPI {
   constructor(readonly settings: ServerConnection.ISettings) {}
 
@@ -51,19 +54,32 @@ export class ForkdAPI {
   }
 
   async request<T>(path: string, init: RequestInit = {}): Promise<T> {
-    let response: Response;
-    try {
-      response = await ServerConnection.makeRequest(this.url(path), init, this.settings);
-    } catch (err) {
-      throw new ForkdUnreachable(`the Jupyter server does not answer: ${(err as Error).message}`);
+    const started = Date.now();
+    for (;;) {
+      let response: Response;
+      try {
+        response = await ServerConnection.makeRequest(this.url(path), init, this.settings);
+      } catch (err) {
+        throw new ForkdUnreachable(`the Jupyter server does not answer: ${(err as Error).message}`);
+      }
+      const text = await response.text();
+      let body: any = null;
+      try {
+        body = text ? JSON.parse(text) : null;
+      } catch {
+        body = null;
+      }
+      // A restarted server answers 503 `recovering` (having done nothing) about what it has not
+      // settled yet: ask again shortly, as the SDK does, rather than show the user a refusal.
+      if (response.status === 503 && body?.recovering === true && Date.now() - started < RECOVERING_WAIT_MS) {
+        await new Promise(resolve => window.setTimeout(resolve, RECOVERING_POLL_MS));
+        continue;
+      }
+      return this.answer<T>(response, body);
     }
-    const text = await response.text();
-    let body: any = null;
-    try {
-      body = text ? JSON.parse(text) : null;
-    } catch {
-      body = null;
-    }
+  }
+
+  private answer<T>(response: Response, body: any): T {
     if (!response.ok) {
       const message = body && typeof body.error === 'string' ? body.error : `${response.status} ${response.statusText}`;
       throw new ForkdError(response.status, message);

@@ -188,6 +188,10 @@ export class LineageModel {
   // failed), so one seen before is old news from a slower reply, not a step back.
   private history(id: string, status: string): string[] {
     const seen = (this._history[id] = this._history[id] || []);
+    if (status === 'recovering') {
+      // a restarted server has not settled it yet: shown while it lasts, never kept as a step
+      return [...seen, status];
+    }
     if (!seen.includes(status)) {
       seen.push(status);
     }

@@ -77,6 +77,9 @@ def test_restart_with_100_stale_agents_listens_before_they_are_settled():
             status, body = answer(server, f"/v1/sandboxes/{stale[0]['id']}")
             assert status == 503 and "is recovering" in body["error"] and body["recovering"] is True, body
             assert stale[0]["id"] not in {s["id"] for s in answer(server, "/v1/sandboxes")[1]}
+            # The tree keeps the lineage whole, saying which nodes are not settled yet.
+            statuses = {n["id"]: n["status"] for n in answer(server, "/v1/tree")[1]}
+            assert statuses[stale[0]["id"]] == "recovering", statuses
             # One that answers is back at once, while the silent ones still wait for their pings.
             until(lambda: answer(server, f"/v1/sandboxes/{fine['id']}")[0] == 200)
             assert client.ping_sandbox(fine["id"])["pong"] is True

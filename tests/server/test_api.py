@@ -39,7 +39,8 @@ def sandbox(forkd_app, snap):
 # --- meta ---------------------------------------------------------------------------------------
 
 async def test_healthz_and_version(jp_fetch, forkd_app):
-    assert await call(jp_fetch, "GET", "healthz", prefix=("forkd",)) == (200, {"ok": True})
+    code, health = await call(jp_fetch, "GET", "healthz", prefix=("forkd",))
+    assert code == 200 and health["ok"] is True and set(health) == {"ok", "capacity"}  # tests/server/test_capacity.py
     code, body = await call(jp_fetch, "GET", "version", prefix=("forkd",))
     assert code == 200 and body["api"] == "v1" and body["version"]
 

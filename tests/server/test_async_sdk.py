@@ -19,6 +19,7 @@ from forkd_server.client import (AsyncController, AsyncSandbox, AsyncSnapshot, C
                                  ServerUnreachable, SessionClosed, Snapshot)
 from forkd_server.streaming import AsyncSession
 
+from ..signals import signal_report
 from .test_client_pool import tcp_to
 from .test_client_wire import CASES, Recorder, last, recorder  # noqa: F401 - the recorder fixture
 
@@ -178,7 +179,7 @@ async def test_cancelling_the_task_interrupts_the_cell(server, snap):
         with pytest.raises(asyncio.CancelledError):
             await task
         assert time.monotonic() - t0 < 10  # not the 60 s of the cell
-        assert (await sb.ping())["busy"] is None  # interrupted, not left running
+        assert (await sb.ping())["busy"] is None, signal_report(sb.info.get("pid"))  # interrupted, not left running
         assert await sb.eval("x") == "21"  # state kept
         with pytest.raises(asyncio.TimeoutError):  # wait_for cancels the task it gives up on
             await asyncio.wait_for(sb.run_code("time.sleep(60)"), 2)
@@ -318,7 +319,7 @@ def test_the_sync_sdk_interrupts_a_cell_its_caller_gave_up_on(snap):
     for event in sb.run_stream("print('going', flush=True)\ntime.sleep(60)"):
         if event.get("type") == "stream":
             break
-    assert sb.ping()["busy"] is None
+    assert sb.ping()["busy"] is None, signal_report(sb.info.get("pid"))
 
     def refuse(text: str) -> None:
         raise ValueError("seen enough")

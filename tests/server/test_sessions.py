@@ -10,6 +10,8 @@ import pytest
 from forkd_server.client import Controller, ControllerError, Snapshot
 from forkd_server.streaming import Session, SessionClosed
 
+from ..signals import signal_report
+
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +50,31 @@ def test_interrupt_stops_the_cell_and_keeps_the_state(ctl, snap):
         assert started.wait(30)
         session.interrupt()
         worker.join(30)
-        assert not worker.is_alive()
+        assert not worker.is_alive(), signal_report(sb.info.get("pid"))
         assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
         assert session.request("execute", code="x + 1", store_history=False)["status"] == "ok"
     assert sb.eval("x") == "21"
+
+
+def test_an_interrupt_that_arrives_while_sigint_is_ignored_still_lands(ctl, snap):
+    """Code that ignores SIGINT for a moment (a library's critical section) must not swallow the
+    user's interrupt: the agent sends it again until the cell takes it."""
+    sb = snap.fork(1)[0]
+    code = ("import signal\nkept = signal.getsignal(signal.SIGINT)\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('ignoring', flush=True)\n"
+            "time.sleep(1)\nsignal.signal(signal.SIGINT, kept)\ntime.sleep(60)")
+    with sb.session() as session:
+        started = threading.Event()
+        reply: dict = {}
+        worker = threading.Thread(target=lambda: reply.update(session.execute(
+            code, on_event=lambda e: e.get("type") == "stream" and started.set())))
+        worker.start()
+        assert started.wait(30)
+        session.interrupt()  # lands while SIGINT is ignored: the first signal is discarded
+        worker.join(30)
+        assert not worker.is_alive(), signal_report(sb.info.get("pid"))
+        assert reply["ename"] == "KeyboardInterrupt"
+    sb.kill()
 
 
 def test_timeout_interrupts_the_cell(ctl, snap):

@@ -37,6 +37,10 @@ def without_interrupt_frame(tb):
     return tb
 
 
+INSIST_EVERY = 0.2  # s between SIGINTs while an interrupt has not reached the cell
+INSIST_FOR = 10.0   # s after which the cell is left to its own devices (it ignores SIGINT)
+
+
 class Busy(Exception):
     """The main thread is running something else and the job could not start in time."""
 
@@ -112,7 +116,22 @@ class Executor:
             return False
         self._interrupting = True
         signal.pthread_kill(self.main_ident, signal.SIGINT)
+        try:
+            threading.Thread(target=self._insist, args=(job,), name="forkd-interrupt", daemon=True).start()
+        except RuntimeError:  # at the sandbox's pids limit: the one signal sent must do
+            pass
         return True
+
+    def _insist(self, job: Job) -> None:
+        """Send SIGINT again while ``job`` runs and no KeyboardInterrupt was raised for it yet: a
+        signal can reach the main thread where its handler cannot act (in C code that retries on
+        EINTR, or masked a moment), and the user's interrupt must not be lost to that. One
+        interrupt still raises one KeyboardInterrupt: the handler clears ``_interrupting``."""
+        deadline = time.monotonic() + INSIST_FOR
+        while not job.done.wait(INSIST_EVERY) and time.monotonic() < deadline:
+            if self.current is not job or not self._interrupting:
+                return
+            signal.pthread_kill(self.main_ident, signal.SIGINT)
 
     # --- the main thread -------------------------------------------------------------------------
 

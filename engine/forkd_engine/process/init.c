@@ -12,7 +12,8 @@
  * s9": killed by signal 9), where the engine reads it; kill every process left in our own pid
  * namespace (the user's commands; nested namespaces, the forks made for branches and children,
  * stay); reap until no child is left; exit once the engine has collected the status (SIGTERM from
- * outside the namespace, or from the agent itself when forkd retires it). Until then we linger,
+ * outside the namespace, or from the agent itself when forkd retires it; the first process blocks
+ * SIGTERM before it forks the agent, so one sent before we run waits for us). Until then we linger,
  * as a zombie does for its parent: a few pages of memory.
  *
  * Kept tiny on purpose: its private memory is paid once per sandbox.

@@ -52,6 +52,15 @@ def report(fd: int, message: dict) -> None:
         s.send(json.dumps(message).encode())
 
 
+def report_ready(fd: int, message: dict) -> None:
+    """Tell the engine we serve; if it is gone (the server died while we started), it never
+    learnt of us and nobody would collect our init: end as unrecorded (never returns then)."""
+    try:
+        report(fd, message)
+    except OSError:
+        end_unrecorded()
+
+
 MOVE_TIMEOUT = 30.0
 
 
@@ -73,12 +82,17 @@ def hand_pid1_to_init() -> None:
     /proc of its own) alongside, so the new sandbox waits only for this fork."""
     if not os.access(IN_SANDBOX, os.X_OK):
         raise OSError(f"{IN_SANDBOX} is missing from the sandbox root: the engine binds it there")
+    # What the child says to its init before the init runs must not be lost: PID 1 drops a signal
+    # from inside its namespace that it neither handles nor blocks, but a blocked one waits, and
+    # stays pending across exec (an agent ending before the engine recorded it asks at once).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD})
     pid = children.raw_fork()
     if pid:
         try:
             os.execv(IN_SANDBOX, [IN_SANDBOX, str(pid)])
         finally:
             os._exit(127)  # no init: our exit ends the namespace, and the fork with it, loudly
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def end_unrecorded() -> None:
@@ -175,7 +189,7 @@ class SandboxProcess:
                 self.fork_plan = inventory.fork_plan(self.agent_fds() | {listen_fd, report_fd})
                 prewarm_for_forks()
                 self.server = AgentServer(self.runtime, listener, actions, threaded=False)
-                report(report_fd, {"id": self.identity["id"], "ok": True, **({"warnings": warnings} if warnings else {})})
+                report_ready(report_fd, {"id": self.identity["id"], "ok": True, **({"warnings": warnings} if warnings else {})})
                 os.close(report_fd)
                 self.server.serve_forever()
             else:
@@ -187,7 +201,7 @@ class SandboxProcess:
                                           {"branch": self.branch, "retire": self.retire,
                                            "inventory": self.inventory}, threaded=True)
                 self.server.start()
-                report(report_fd, {"id": self.identity["id"], "ok": True})
+                report_ready(report_fd, {"id": self.identity["id"], "ok": True})
                 os.close(report_fd)
                 executor.run_forever()
         finally:
