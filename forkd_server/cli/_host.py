@@ -31,7 +31,7 @@ def cmd_router(args) -> int:
                         placement_wait=args.placement_wait, hosts_ca=args.hosts_ca)
     return run_router(args.hosts, args.hosts_token_file, host=args.host, port=args.port, token_file=args.token_file,
                       no_token=args.no_token, tls_cert=args.tls_cert, tls_key=args.tls_key, data_dir=args.data_dir,
-                      settings=settings)
+                      settings=settings, hosts_dns=args.hosts_dns)
 
 
 def cmd_doctor(args) -> int:
@@ -129,8 +129,12 @@ def add_serve_command(sub) -> None:
 def add_router_command(sub) -> None:
     p = sub.add_parser("router", help="one /v1 in front of many `forkd serve` hosts: placement by where snapshots "
                                       "are, calls pinned to their sandbox's host, merged lists, tree and events")
-    p.add_argument("--hosts", required="FORKD_HOSTS" not in os.environ, default=os.environ.get("FORKD_HOSTS"),
+    p.add_argument("--hosts", default=os.environ.get("FORKD_HOSTS"),
                    help="the hosts' URLs, comma-separated: http://10.0.0.1:8889,http://10.0.0.2:8889")
+    p.add_argument("--hosts-dns", default=os.environ.get("FORKD_HOSTS_DNS"),
+                   help="instead of --hosts: every address this URL's name resolves to, with its scheme and port, "
+                        "resolved again on every heartbeat (a Kubernetes headless Service: "
+                        "http://forkd-hosts.forkd.svc.cluster.local:8889)")
     p.add_argument("--hosts-token-file", default=os.environ.get("FORKD_HOSTS_TOKEN_FILE"),
                    help="file holding the token the hosts were started with (--token-file of forkd serve)")
     p.add_argument("--hosts-ca", default=None,

@@ -14,6 +14,7 @@ from tornado import web
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 
+from .discovery import DiscoveryError, parse_dns
 from .handlers import route_table
 from .router import Router, Settings
 
@@ -54,14 +55,20 @@ async def start(router: Router, token: str | None, host: str, port: int, ssl_opt
     return server
 
 
-def run_router(hosts: str, hosts_token_file: str | None, host: str = "127.0.0.1", port: int = 8890,
+def run_router(hosts: str | None, hosts_token_file: str | None, host: str = "127.0.0.1", port: int = 8890,
                token_file: str | None = None, no_token: bool = False, tls_cert: str | None = None,
-               tls_key: str | None = None, data_dir: str | None = None, settings: Settings | None = None) -> int:
+               tls_key: str | None = None, data_dir: str | None = None, settings: Settings | None = None,
+               hosts_dns: str | None = None) -> int:
     from ..controller import default_data_dir
     from ..serve import ServeError, is_loopback, read_token_file
 
     try:
-        urls = parse_hosts(hosts)
+        if bool(hosts) == bool(hosts_dns):
+            raise RouterError("give the hosts either as a list (--hosts URL,URL...) or as a name that resolves to "
+                              "them (--hosts-dns http://NAME:PORT), one of the two")
+        urls = parse_hosts(hosts) if hosts else []
+        if hosts_dns:
+            parse_dns(hosts_dns)
         if bool(tls_cert) != bool(tls_key):
             raise RouterError("--tls-cert and --tls-key go together")
         for path in (tls_cert, tls_key, settings and settings.hosts_ca):
@@ -78,7 +85,7 @@ def run_router(hosts: str, hosts_token_file: str | None, host: str = "127.0.0.1"
         else:
             raise RouterError("pass --token-file FILE (the token clients of the router send), or --no-token on a "
                               "loopback address")
-    except (RouterError, ServeError) as exc:
+    except (RouterError, ServeError, DiscoveryError) as exc:
         print(f"forkd router: {exc}", file=sys.stderr)
         return 2
     ssl_options = None
@@ -90,12 +97,13 @@ def run_router(hosts: str, hosts_token_file: str | None, host: str = "127.0.0.1"
     logging.getLogger("tornado.access").setLevel(logging.WARNING)
 
     async def main() -> None:
-        router = Router(urls, host_token, os.path.join(state_dir, "router.db"), settings)
+        router = Router(urls, host_token, os.path.join(state_dir, "router.db"), settings, dns=hosts_dns)
         server = await start(router, token, host, port, ssl_options)
         scheme = "https" if tls_cert else "http"
         shown = f"[{host}]" if ":" in host else host
         up = sum(h.up for h in router.hosts.values())
-        print(f"forkd router: listening on {scheme}://{shown}:{server.port} for {len(urls)} hosts ({up} up); "
+        print(f"forkd router: listening on {scheme}://{shown}:{server.port} for {len(router.hosts)} hosts ({up} up"
+              f"{', found through ' + hosts_dns if hosts_dns else ''}); "
               f"state in {state_dir}", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -166,19 +166,21 @@ def _snippet(body: Any) -> str:
 
 
 class Heartbeat:
-    """One task per host: ``/healthz`` every ``interval`` s; ``on_change(host, old_state)`` runs
-    (awaited) whenever a host's state is about to change, and decides the new one (reconcile)."""
+    """One task per host: ``/healthz`` every ``interval`` s; ``on_up(host)`` (which reconciles and
+    decides) when a host that is not up answers, ``on_down(host, reason)`` once it has not for
+    ``down_after`` s."""
 
-    def __init__(self, hosts: list[Host], *, interval: float, down_after: float, timeout: float, on_up, on_down):
+    def __init__(self, *, interval: float, down_after: float, timeout: float, on_up, on_down):
         # a beat never waits longer than --down-after, so a host whose link hangs is down on time
-        self.hosts, self.interval, self.down_after = hosts, interval, down_after
+        self.interval, self.down_after = interval, down_after
         self.timeout = min(timeout, down_after)
         self.on_up, self.on_down = on_up, on_down
         self._tasks: list[asyncio.Task] = []
         self.beats = 0
 
-    def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._watch(h)) for h in self.hosts]
+    def watch(self, host: Host) -> None:
+        """Beat ``host`` from now on (once per host; one discovered later is added so too)."""
+        self._tasks.append(asyncio.ensure_future(self._watch(host)))
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from .discovery import parse_dns, resolve
 from .events import EventHub
 from .hosts import Heartbeat, Host, HostError
 from .placement import Candidate, NoRoom, Part, pick_host, place
@@ -45,34 +46,74 @@ class Settings:
 
 
 class Router:
+    """``urls``: the hosts (``--hosts``); or ``dns``: a URL whose name resolves to them (``--hosts-dns``,
+    discovery.py), in which case the hosts recorded in the state file are kept too (one that is down
+    keeps its sandboxes listed lost across a router restart)."""
+
     def __init__(self, urls: list[str], token: str | None, state_path: str, settings: Settings | None = None,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, dns: str | None = None):
         self.settings = settings or Settings()
         self.state = State(state_path)
-        saved = self.state.hosts()
+        self.token = token
+        self.dns = parse_dns(dns) if dns else None
         self.hosts: dict[str, Host] = {}
-        for url in urls:
-            host = Host(url.rstrip("/"), token)
-            old = saved.get(host.url)
-            if old and old["state"] == "down":  # still down until it answers: its sandboxes stay lost
-                host.state, host.reason = "down", old["reason"]
-            self.hosts[host.url] = host
         self.events = EventHub(on_event=self._learn, on_connect=self._resubscribed)
         self.rng = rng or random.Random()
-        self.heartbeat = Heartbeat(list(self.hosts.values()), interval=self.settings.heartbeat,
-                                   down_after=self.settings.down_after, timeout=self.settings.host_timeout,
-                                   on_up=self._host_up, on_down=self._host_down)
+        self.heartbeat = Heartbeat(interval=self.settings.heartbeat, down_after=self.settings.down_after,
+                                   timeout=self.settings.host_timeout, on_up=self._host_up, on_down=self._host_down)
         self._pulls: dict[tuple[str, str], asyncio.Future] = {}
+        self._saved = self.state.hosts()
+        self._tls = None
+        self._started = False
+        self._discovery: asyncio.Task | None = None
+        for url in (list(self._saved) if self.dns else []) + list(urls):
+            self.add_host(url)
+
+    def add_host(self, url: str) -> Host:
+        url = url.rstrip("/")
+        if url in self.hosts:
+            return self.hosts[url]
+        host = self.hosts[url] = Host(url, self.token)
+        old = self._saved.get(url)
+        if old and old["state"] == "down":  # still down until it answers: its sandboxes stay lost
+            host.state, host.reason = "down", old["reason"]
+        if self._started:
+            s = self.settings
+            host.open(s.control_connections, s.call_connections, self._tls)
+            self.heartbeat.watch(host)
+            log.warning("host %s joined (%s resolves to it)", url, self.dns[1] if self.dns else "--hosts")
+        return host
+
+    async def discover(self) -> None:
+        """Add every host ``--hosts-dns`` resolves to now that the table does not have yet."""
+        if self.dns is not None:
+            for url in await resolve(*self.dns):
+                self.add_host(url)
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat)
+            try:
+                await self.discover()
+            except Exception:  # noqa: BLE001 - a failed lookup is tried again at the next beat
+                log.exception("resolving %s failed", self.dns[1])
 
     async def start(self) -> None:
         s = self.settings
-        tls = ssl.create_default_context(cafile=s.hosts_ca) if s.hosts_ca else None
+        self._tls = ssl.create_default_context(cafile=s.hosts_ca) if s.hosts_ca else None
+        await self.discover()
         for host in self.hosts.values():
-            host.open(s.control_connections, s.call_connections, tls)
+            host.open(s.control_connections, s.call_connections, self._tls)
         await asyncio.gather(*(self.heartbeat.beat(h) for h in self.hosts.values()))
-        self.heartbeat.start()
+        self._started = True
+        for host in list(self.hosts.values()):
+            self.heartbeat.watch(host)
+        if self.dns is not None:
+            self._discovery = asyncio.ensure_future(self._discover_forever())
 
     async def stop(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
         await self.heartbeat.stop()
         self.events.close()
         for host in self.hosts.values():

@@ -21,14 +21,19 @@ HOST_TIMEOUT = 3.0  # s: and its --host-timeout (a merged list waits that long f
 
 
 class Router:
-    def __init__(self, hosts: list[str], workdir: str, *extra: str):
+    """``forkd router`` for ``hosts`` (URLs, or ``["--hosts-dns", URL]``); ``wrap``: a command it runs
+    under (e.g. a mount namespace of its own)."""
+
+    def __init__(self, hosts: list[str], workdir: str, *extra: str, wrap: tuple[str, ...] = ()):
         self.workdir = workdir
         self.port = free_port()
         self.token = secrets.token_hex(20)
         self.token_file = os.path.join(workdir, "router-token")
         with open(self.token_file, "w") as f:
             f.write(self.token)
-        self.args = ["router", "--hosts", ",".join(hosts), "--hosts-token-file", os.path.join(workdir, "token"),
+        where = hosts if hosts[:1] == ["--hosts-dns"] else ["--hosts", ",".join(hosts)]
+        self.wrap = list(wrap)
+        self.args = ["router", *where, "--hosts-token-file", os.path.join(workdir, "token"),
                      "--token-file", self.token_file, "--port", str(self.port),
                      "--data-dir", os.path.join(workdir, "router"), "--heartbeat", str(HEARTBEAT),
                      "--down-after", str(DOWN_AFTER), "--host-timeout", str(HOST_TIMEOUT), *extra]
@@ -39,7 +44,7 @@ class Router:
 
     def start(self) -> None:
         self.log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([*FORKD, *self.args], stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([*self.wrap, *FORKD, *self.args], stdout=self.log, stderr=subprocess.STDOUT)
         self.wait(lambda h: h["ok"], "answer /healthz")
 
     def output(self) -> str:
@@ -84,17 +89,17 @@ class Router:
 
 @contextlib.contextmanager
 def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_hosts: tuple[str, ...] = (),
-          router_args: tuple[str, ...] = (), server=Server):
+          router_args: tuple[str, ...] = (), server=Server, router: bool = True):
     """``n_hosts`` hosts and a router, all up; yields (router, [hosts]). ``extra_hosts``: more URLs
     the router is given (hosts that misbehave); ``server``: the host class (``netns.NamespacedServer``
-    puts each host in a network namespace of its own). On exit every host's objects are deleted and
-    everything stops."""
+    puts each host in a network namespace of its own); ``router=False``: no router, and (workdir,
+    [hosts]) is yielded. On exit every host's objects are deleted and everything stops."""
     workdir = tempfile.mkdtemp(prefix="fkfl")
     token = secrets.token_hex(20)
     with open(os.path.join(workdir, "token"), "w") as f:
         f.write(token)
     hosts: list[Server] = []
-    router = None
+    with_router, router = router, None
     try:
         for i in range(n_hosts):
             args = (host_args or [[]] * n_hosts)[i]
@@ -105,6 +110,9 @@ def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_host
             hosts.append(srv)
         for srv in hosts:
             srv.wait_healthy()
+        if not with_router:
+            yield workdir, hosts
+            return
         router = Router([h.url for h in hosts] + list(extra_hosts), workdir, *router_args)
         router.wait(lambda h: h["hosts_up"] >= n_hosts, "see every host up")
         yield router, hosts
