@@ -21,6 +21,7 @@ from .hosts import Host
 log = logging.getLogger("forkd.router")
 
 QUEUE_SIZE = 10_000  # events a slow subscriber may fall behind before it is cut off
+SILENT = 60.0  # s a host's stream may say nothing (it says ": keep-alive" every 15 s) before it is opened again
 
 
 class EventHub:
@@ -49,6 +50,12 @@ class EventHub:
                 self.subscribers.discard(q)
                 _end(q)
 
+    def unfollow(self, host: Host) -> None:
+        """Stop reading ``host``'s events (it is down: its connection may hang rather than break)."""
+        task = self.readers.pop(host.url, None)
+        if task is not None:
+            task.cancel()
+
     def close(self) -> None:
         for q in list(self.subscribers):
             _end(q)
@@ -64,7 +71,7 @@ class EventHub:
             self.readers[host.url] = asyncio.ensure_future(self._read(host, retry))
 
     async def _read(self, host: Host, retry: float) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=SILENT)
         while host.up:
             try:
                 async with host.control.get(host.url + "/v1/events", timeout=timeout) as resp:

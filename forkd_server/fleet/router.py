@@ -174,6 +174,7 @@ class Router:
 
     async def _host_down(self, host: Host, reason: str) -> None:
         host.state, host.reason = "down", reason
+        self.events.unfollow(host)
         self.state.save_host(host.url, "down", reason, host.last_ok, None)
         log.warning("host %s is down: %s", host.url, reason)
         self.events.publish({"kind": "host", "action": "down", "host": host.url, "reason": reason})
