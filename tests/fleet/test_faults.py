@@ -203,3 +203,60 @@ def test_hosts_that_never_answer_or_answer_garbage_stall_nobody():
         garbage.shutdown()
         garbage.server_close()
         silent.close()
+
+
+class Streaming(http.server.BaseHTTPRequestHandler):
+    """A host that holds one sandbox, ``sb-stream``, whose file read answers in two chunks, the
+    second only once ``go_on`` is set: what reaches the client before that was not buffered."""
+
+    protocol_version = "HTTP/1.1"
+    go_on = threading.Event()
+
+    def _json(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/healthz":
+            self._json(b'{"ok": true}')
+        elif self.path == "/v1/sandboxes/sb-stream":
+            self._json(b'{"id": "sb-stream", "status": "running"}')
+        elif self.path.startswith("/v1/sandboxes/sb-stream/files"):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for part in (b"first part\n", b"second part\n"):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.flush()
+                self.go_on.wait(60)
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self._json(b"[]")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_streamed_answer_is_passed_on_as_it_arrives():
+    Streaming.go_on.clear()
+    fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Streaming)
+    fake.daemon_threads = True
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{fake.server_address[1]}"
+    try:
+        with fleet(0, extra_hosts=(url,)) as (router, _):
+            router.wait(lambda h: h["hosts_up"] == 1, "see the streaming host up")
+            req = urllib.request.Request(f"{router.url}/v1/sandboxes/sb-stream/files?path=/big",
+                                         headers={"Authorization": f"Bearer {router.token}"})
+            with urllib.request.urlopen(req, timeout=10) as r:  # a router that buffered would wait 60 s
+                assert r.readline() == b"first part\n"  # while the host holds the rest back
+                Streaming.go_on.set()
+                assert r.read() == b"second part\n"
+    finally:
+        Streaming.go_on.set()
+        fake.shutdown()
+        fake.server_close()
