@@ -252,3 +252,24 @@ def test_the_async_sdk_through_the_router(world, direct):
 
     kids, got = asyncio.run(go())
     assert [g["result"] for g in got] == ["10", "10"] and {k["host"] for k in kids} == {hosts[0].url}
+
+
+def test_ids_two_hosts_hand_out_alike_are_never_shared():
+    """Hosts number sandboxes per host (``sb-<second>-<n>``), so two fresh hosts spawning in the same
+    second hand out the same ids; through the router every id names one sandbox."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with fleet(2) as (router, hosts):
+        api = Controller(router.url, router.token, timeout=120)
+        for i, h in enumerate(hosts):
+            Controller(h.url, h.token).create_snapshot(f"n{i}", setup=f"me = {i}")
+        with ThreadPoolExecutor(2) as pool:
+            made = [kid for _ in range(3) for kids in pool.map(lambda i: api.spawn_sandboxes(f"n{i}", 3), (0, 1))
+                    for kid in kids]
+        assert len({k["id"] for k in made}) == len(made) == 18
+        for k in made:
+            assert api.eval_code(k["id"], "me")["result"] == str([h.url for h in hosts].index(k["host"]))
+        for k in made:
+            api.kill_sandbox(k["id"])
+        clashes = router.output().count("handed out ids in use elsewhere")
+        print(f"id clashes spawned again: {clashes}")
