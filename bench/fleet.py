@@ -17,7 +17,12 @@ made on host 0, so every call below lands there either way.
   afterwards every sandbox must still answer through the router at the host it was placed on
   (``lost_pins``: those that do not).
 
-Usage: python3 bench/fleet.py [--json] [--pings 500] [--spawns 15] [--clients 200 --seconds 60]
+* ``--split R``: spawn(n=40) through a router whose two hosts take 20 each (``--max-sandboxes
+  20``, both holding the snapshot), so it is split 20 + 20, against one uncapped host doing all 40
+  directly; R rounds, alternating; the ratio of the medians (split / one host). Both hosts share
+  this machine's CPUs, so the split can only gain where spawning waits on something else.
+
+Usage: python3 bench/fleet.py [--json] [--pings 500] [--spawns 15] [--clients 200 --seconds 60] [--split 10]
 """
 
 from __future__ import annotations
@@ -94,6 +99,42 @@ def clients_load(router, hosts, clients: int, seconds: float) -> dict:
             "lost_pins": len(lost), "hosts_used": len(set(placed.values()))}
 
 
+def split_run(rounds: int) -> dict:
+    """spawn(n=40) split over two hosts capped at 20 through the router, against a third, uncapped
+    host doing all 40 directly (its snapshot has a tag of its own, so the router never uses it)."""
+    caps = [["--ForkdApp.max_sandboxes=20"], ["--ForkdApp.max_sandboxes=20"], []]
+    with fleet(3, host_args=caps, router_args=("--heartbeat", "0.5")) as (router, hosts):
+        for h in hosts[:2]:
+            Controller(h.url, h.token, timeout=300).create_snapshot("split", setup="x = 1")
+        Controller(hosts[2].url, hosts[2].token, timeout=300).create_snapshot("alone", setup="x = 1")
+        via, alone = Conn(router.url, router.token), Conn(hosts[2].url, hosts[2].token)
+        capped = {h.url for h in hosts[:2]}
+
+        def room_again() -> None:  # the router's heartbeat has seen the kills on both capped hosts
+            deadline = time.monotonic() + 60
+            while any((router.hosts()[u]["capacity"] or {}).get("sandboxes") for u in capped):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the router never saw the capped hosts empty again")
+                time.sleep(0.05)
+
+        split, single, spread = [], [], []
+        for i in range(rounds):
+            for which in (("router", "alone") if i % 2 else ("alone", "router")):
+                conn, tag = (via, "split") if which == "router" else (alone, "alone")
+                t0 = time.perf_counter()
+                kids = conn.call("POST", "/v1/sandboxes", {"snapshot_tag": tag, "n": 40})
+                (split if which == "router" else single).append(time.perf_counter() - t0)
+                if which == "router":
+                    spread.append(sorted(sum(k["host"] == u for k in kids) for u in capped))
+                for k in kids:
+                    conn.call("DELETE", f"/v1/sandboxes/{k['id']}")
+                if which == "router":
+                    room_again()
+    return {"router_split_median_ms": ms(split), "one_host_median_ms": ms(single),
+            "ratio": round(statistics.median(split) / statistics.median(single), 3), "split": spread[:3],
+            "n": rounds, "target_ratio": 0.6}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
@@ -101,6 +142,7 @@ def main() -> int:
     ap.add_argument("--spawns", type=int, default=15)
     ap.add_argument("--clients", type=int, default=0, help="clients of the load run (0: none)")
     ap.add_argument("--seconds", type=float, default=60.0, help="how long the load run lasts")
+    ap.add_argument("--split", type=int, default=0, help="rounds of spawn(n=40) split over two hosts (0: none)")
     args = ap.parse_args()
     with fleet(2, router_args=("--heartbeat", "2")) as (router, hosts):
         Controller(hosts[0].url, hosts[0].token, timeout=300).create_snapshot("base", setup="x = 1")
@@ -148,6 +190,7 @@ def main() -> int:
                     "paired_ratio": round(1 + paired / statistics.median(sd), 3), "n": args.spawns,
                     "target_ratio": 1.10},
         **({"clients": load} if load else {}),
+        **({"spawn40_split": split_run(args.split)} if args.split else {}),
         "load": os.getloadavg()[0],
     }
     if args.json:
@@ -158,6 +201,10 @@ def main() -> int:
               f"overhead (median of paired differences) {p['overhead_p50_ms']} ms (target <= 2 ms)")
         print(f"spawn(n=20): router {s['router_median_ms']} ms, direct {s['direct_median_ms']} ms, "
               f"ratio {s['ratio']}, paired {s['paired_ratio']} (target <= 1.10)")
+        if "spawn40_split" in figures:
+            f = figures["spawn40_split"]
+            print(f"spawn(n=40) split over two hosts via the router {f['router_split_median_ms']} ms, one host "
+                  f"alone {f['one_host_median_ms']} ms, ratio {f['ratio']} (target <= 0.6)")
         if load:
             print(f"{load['clients']} clients x {load['seconds']} s: {load['calls']} pings, {load['errors']} errors, "
                   f"p50 {load['p50_ms']} ms, p99 {load['p99_ms']} ms, lost pins {load['lost_pins']}")
