@@ -4,6 +4,7 @@ lists, tree and events, and a spawn over a host's cap (host 0 takes at most ``CA
 
 from __future__ import annotations
 
+import os
 import threading
 import urllib.request
 
@@ -139,7 +140,7 @@ def test_branch_on_a_host_pins_the_new_snapshot_there(world, api, direct):
 
 
 def test_merged_lists_and_tree_name_each_host(world, api, direct):
-    _, hosts = world
+    router, hosts = world
     for i in (0, 1):
         direct[i].create_snapshot(f"t{i}", setup="pass")
     kids = {i: api.spawn_sandboxes(f"t{i}")[0]["id"] for i in (0, 1)}
@@ -150,6 +151,13 @@ def test_merged_lists_and_tree_name_each_host(world, api, direct):
     nodes = {n["id"]: n for n in api.tree()}
     assert nodes["t0"]["host"] == hosts[0].url and nodes["t1"]["host"] == hosts[1].url
     assert nodes[kids[1]]["host"] == hosts[1].url and nodes[kids[1]]["parent"] == "t1"
+    # the CLI shows them
+    import subprocess
+
+    from ..serving import FORKD
+    shown = subprocess.run([*FORKD, "ls", "--url", router.url, "--token", router.token], capture_output=True,
+                           text=True, timeout=60, check=True, env={**os.environ, "COLUMNS": "250"}).stdout
+    assert f"{kids[1]}" in shown and hosts[1].url in shown and "host" in shown
     # a tag both hosts hold is one node naming both
     direct[0].create_snapshot("both", setup="pass")
     direct[1].create_snapshot("both", setup="pass")
