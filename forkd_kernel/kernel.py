@@ -101,7 +101,6 @@ class ForkdKernel(Kernel):
                                  tag=self.base_snapshot)
         self.head = Head(self.controller, self._on_other)
         self.stack: list[str] = []     # where %forkd checkout - goes back to
-        self.cells_run = 0              # cells sent to HEAD (a fork of an unchanged HEAD reuses its branch)
         self.own: set[str] = set()      # sandboxes this kernel started (HEADs it moved through)
         self._parents: dict[str, dict] = {}  # request id -> the Jupyter message it serves
         self._last_parent: dict = {}
@@ -282,7 +281,6 @@ class ForkdKernel(Kernel):
             return self._error(parent, "SandboxGone", str(exc), exc.details)
 
     def _run_remote(self, code, silent, store_history, user_expressions, allow_stdin, parent) -> dict:
-        self.cells_run += 1
         rid, events = self.head.open_request("execute", code=code, silent=silent, store_history=store_history,
                                              user_expressions=user_expressions, allow_stdin=allow_stdin,
                                              execution_count=self.execution_count)

@@ -3,8 +3,8 @@
 A line like ``kids = %forkd fork -n 5`` acts *on* the notebook's sandbox, so it cannot run inside
 it: it runs in a small IPython shell in the kernel process, whose namespace holds what those lines
 bind (``kids``). ``KernelMagics`` are the ``%forkd`` magics with the notebook's HEAD filled in:
-``branch`` and ``fork`` with no target act on HEAD, ``checkout`` moves it, ``head`` and ``log`` tell
-where it is and how it got there.
+``branch`` and ``fork`` with no target act on HEAD, ``checkout`` moves it (so does ``keep``, into
+the winner), ``head`` and ``log`` tell where it is and how it got there.
 """
 
 from __future__ import annotations
@@ -251,16 +251,18 @@ class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherite
         import pickle
         payload = base64.b64encode(pickle.dumps(value)).decode()
         code = f"{name} = __import__('pickle').loads(__import__('base64').b64decode({payload!r}))"
-        self.kernel.cells_run += 1  # HEAD's state changed: a later fork -n branches it again
         reply = self.kernel.head.request("execute", code=code, silent=True, store_history=False, timeout=300)
         if reply.get("status") != "ok":
             raise UsageError(f"forkd: could not bind {name} in the notebook's sandbox: {reply.get('evalue')}")
 
-    def head_state(self) -> object:
-        return (self.kernel.head.sandbox_id, self.kernel.cells_run)
-
     def head_memory_limit_mib(self) -> int | None:
         return self.kernel.memory_limit_mib
+
+    def before_keep(self, winner: str) -> None:
+        """``%forkd keep``: the notebook moves into the winner before its siblings go (one of them
+        may be HEAD now), as ``%forkd checkout`` moves it."""
+        if winner != self.kernel.head_id():
+            self.kernel.checkout(winner)
 
     def _checkout(self, args, cell):
         target = args.target

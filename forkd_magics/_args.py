@@ -70,12 +70,15 @@ SUBCOMMANDS = {
         A("--package", action="append", default=None, metavar="DEB",
           help="a Debian package for the guest, e.g. python3-numpy (VM engine; repeatable)")),
     "fork": _parser(
-        "fork", "Fork sandboxes (copy-on-write children) from a snapshot. Returns a list of Sandbox. In the "
-                "forkd kernel, with no --tag, forks the notebook itself: n sandboxes of its current state.",
+        "fork", "Fork sandboxes (copy-on-write children). From a snapshot (--tag): n children of it. From a "
+                "running sandbox (SB): a fork tree, n copies of its current state (%forkd keep picks the "
+                "winner). In the forkd kernel, with neither, a fork tree of the notebook itself. Returns a "
+                "list of Sandbox.",
+        A("sandbox", nargs="?", default=None, help="a running sandbox to fork (its id or a variable holding it)"),
         A("--tag", "-t", default=None, help="the snapshot to fork from (a tag or a Snapshot variable)"),
         A("-n", type=int, default=1, help="how many sandboxes (default 1)"),
         A("--memory-limit-mib", type=int, default=None, help="memory limit of each sandbox"),
-        A("--lossy", action="store_true", help="forking the notebook: go ahead even if running work "
+        A("--lossy", action="store_true", help="forking a sandbox or the notebook: go ahead even if running work "
                                                "(threads, child processes) stays behind, with a warning")),
     "branch": _parser(
         "branch", "Turn a running sandbox into a new snapshot (it keeps running). Returns a Snapshot; "
@@ -88,6 +91,13 @@ SUBCOMMANDS = {
         A("--no-wait", action="store_true", help="return as soon as the source has resumed"),
         A("--lossy", action="store_true", help="branch even if running work (threads, child processes) "
                                                "stays behind; a warning lists it")),
+    "keep": _parser(
+        "keep", "Keep the winner of a fork tree (kids = %forkd fork -n 5; %forkd keep kids[2]): its siblings "
+                "are killed and the tree's snapshot released if nothing needs it; what another notebook holds "
+                "stays. In the forkd kernel the notebook moves into the winner first (as checkout). Returns "
+                "the winner's Sandbox.",
+        A("sandbox", help="the winner: a child of %%forkd fork (its id or a variable holding it)"),
+        A("--keep-siblings", action="store_true", help="leave the siblings running; only close the tree")),
     "ls": _parser("ls", "List this notebook's snapshots and sandboxes (--everyone: all of them). Returns a "
                         "Listing (.snapshots, .sandboxes).", EVERYONE),
     "kill": _parser(
@@ -157,6 +167,7 @@ HELP = """Fork-on-write Python sandboxes from a notebook.
   %forkd branch SB [-t TAG] [--diff|--live] [--no-wait]   -> Snapshot
   In the "Python 3 (forkd)" kernel, the notebook itself:
   %forkd branch --live | fork -n 5 | checkout SB|TAG|- | head | log
+  kids = %forkd fork [SB] -n 5; %forkd keep kids[2]      -> a fork tree; keep one, drop the rest
   %forkd ls | kill (SB ... | -t TAG | --all | --everyone) | delete (TAG ... | --all | --everyone)
   %forkd exec SB -- cmd | tree | connect URL
   %forkd push TAG | pull (TAG | --digest D)               -> a remote store (forkd serve --store URL)

@@ -1,4 +1,4 @@
-"""``%forkd`` / ``%%forkd``: snapshot, fork, branch, list, kill, exec, tree and run-in-parallel.
+"""``%forkd`` / ``%%forkd``: snapshot, fork, keep, branch, list, kill, exec, tree and run-in-parallel.
 
 Every subcommand talks to the server through the client SDK and returns SDK objects
 (``Snapshot``, ``[Sandbox]``, ``CommandResult``...), so ``kids = %forkd fork -t py -n 4`` works.
@@ -201,10 +201,6 @@ class ForkdMagics(Magics):
         """The sandbox this notebook runs in: only the forkd kernel has one."""
         return None
 
-    def head_state(self) -> object:
-        """A token that changes whenever the notebook's state may have (a cell ran, HEAD moved)."""
-        return None
-
     def head_memory_limit_mib(self) -> int | None:
         """The memory limit of copies of the notebook (``fork -n`` of HEAD); None: the server's default."""
         return None
@@ -250,21 +246,41 @@ class ForkdMagics(Magics):
         if args.n < 1:
             raise UsageError("forkd fork: -n must be at least 1")
         labels, limit = self.scope.labels, args.memory_limit_mib
-        if args.tag is None:
-            head = self.head()
-            if head is None:
+        if args.tag is not None:
+            if args.sandbox is not None:
+                raise UsageError("forkd fork: give a sandbox (a fork tree of it) or --tag (children of a snapshot), "
+                                 "not both")
+            infos = self.controller.spawn_sandboxes(self._tag(args.tag, "fork"), args.n, memory_limit_mib=limit,
+                                                    labels=labels)
+            return [Sandbox(i, self.controller) for i in infos]
+        if args.sandbox is not None:
+            source = self._one_sandbox(args.sandbox, "fork")
+        else:  # n copies of the notebook's state
+            source = self.head()
+            if source is None:
                 raise self._needs_kernel("fork")
-            # n copies of the notebook's state: its last branch if nothing ran since, else a new one
-            state, tag = getattr(self, "_head_branch", (None, None))
-            if tag is None or state != self.head_state() or not self._snapshot_ready(tag):
-                tag = self.controller.branch_sandbox(head, lossy=args.lossy, labels=labels)["tag"]
-                self._head_branch = (self.head_state(), tag)
-            if limit is None:  # copies of the notebook, which may be checked out: the notebook's limit
-                limit = self.head_memory_limit_mib()
-        else:
-            tag = self._tag(args.tag, "fork")
-        infos = self.controller.spawn_sandboxes(tag, args.n, memory_limit_mib=limit, labels=labels)
-        return [Sandbox(i, self.controller) for i in infos]
+        if limit is None and source == self.head():  # copies of the notebook, which may be checked out
+            limit = self.head_memory_limit_mib()
+        tree = self.controller.fork_sandbox(source, args.n, memory_limit_mib=limit, labels=labels, lossy=args.lossy)
+        return [Sandbox(i, self.controller) for i in tree["sandboxes"]]
+
+    def _keep(self, args, cell):
+        winner = self._one_sandbox(args.sandbox, "keep")
+        self.before_keep(winner)
+        result = self.controller.promote_sandbox(winner, cleanup_siblings=not args.keep_siblings)
+        killed, released = result["killed"], result["released"]
+        print(f"kept {winner} (fork tree {result['fork_tree_id']}): killed {len(killed)} "
+              f"sibling{'' if len(killed) == 1 else 's'}" + (f", released snapshot {', '.join(released)}" if released else ""))
+        for kept in result["kept"]:
+            print(f"  kept {kept['kind']} {kept['id']}: {kept['reason']}")
+        sys.stdout.flush()  # said before the winner is shown as the cell's result
+        if result["failed"]:
+            lines = "".join(f"\n  {f['id']}: {f['error']}" for f in result["failed"])
+            raise UsageError(f"forkd keep: could not kill {len(result['failed'])} sibling(s) (%forkd kill them):{lines}")
+        return Sandbox(result["winner"], self.controller)
+
+    def before_keep(self, winner: str) -> None:
+        """What happens before a winner is kept (the forkd kernel moves the notebook into it)."""
 
     def _branch(self, args, cell):
         if args.diff and args.live:
@@ -278,8 +294,6 @@ class ForkdMagics(Magics):
         mode = "diff" if args.diff else "live" if (args.live or args.no_wait) else None
         info = self.controller.branch_sandbox(sandbox, args.tag, mode=mode, wait=not args.no_wait, lossy=args.lossy,
                                               labels=self.scope.labels)
-        if args.sandbox is None:
-            self._head_branch = (self.head_state(), info["tag"])  # fork -n reuses it while nothing changed
         return Snapshot(info, self.controller)
 
     def _ls(self, args, cell):
@@ -426,12 +440,6 @@ class ForkdMagics(Magics):
     def bind_in_notebook(self, name: str, value) -> None:
         """Bind a value where the notebook's code runs (here: this kernel's namespace)."""
         self.shell.user_ns[name] = value
-
-    def _snapshot_ready(self, tag: str) -> bool:
-        try:
-            return self.controller.snapshot_info(tag).get("status") == "ready"
-        except ControllerError:
-            return False
 
     def _each(self, specs: list[str], n: int) -> list[str]:
         """``--each NAME=EXPR``: one line of code per sandbox binding NAME to its own value."""

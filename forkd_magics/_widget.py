@@ -336,6 +336,13 @@ class LineageWidget(anywidget.AnyWidget):
             elif action == "kill":
                 ctl.kill_sandbox(node_id)
                 msg = f"killed {node_id}"
+            elif action == "keep":  # the winner of its fork tree: its siblings go
+                done = ctl.promote_sandbox(node_id)
+                msg = "; ".join([f"kept {node_id}: killed {len(done['killed'])} sibling"
+                                 f"{'' if len(done['killed']) == 1 else 's'}",
+                                 *([f"released {', '.join(done['released'])}"] if done["released"] else []),
+                                 *(f"kept {k['id']} ({k['reason']})" for k in done["kept"]),
+                                 *(f"could not kill {f['id']}: {f['error']}" for f in done["failed"])])
             elif action == "delete":
                 ctl.delete_snapshot(node_id, cascade=cascade)
                 msg = f"deleted {node_id}" + (" and the snapshots branched from it" if cascade else "")

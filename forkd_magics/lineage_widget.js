@@ -34,6 +34,29 @@ function render({ model, el: host }) {
       if (!r.ok) throw new Error(r.message);
       return r.message;
     },
+    // "Keep this one" on a child of an open fork tree: asks first (its siblings go), then promotes
+    extraActions: (id, node) => {
+      const treeId = (node.labels || {}).fork_tree_id;
+      if (node.kind !== "sandbox" || !treeId || node.ghost || node.tomb || node.status !== "running") return [];
+      return [{
+        action: "keep", label: "Keep this one", needsLive: true,
+        title: `Keep ${id}, the winner of fork tree ${treeId}: its siblings are killed`,
+        run: async () => {
+          const tree = model.get("tree") || {};
+          const siblings = Object.keys(tree).filter((k) => k !== id && (tree[k].labels || {}).fork_tree_id === treeId);
+          const c = await view._confirm({
+            title: `Keep ${id}?`,
+            body: [`It wins fork tree ${treeId}: ${siblings.length} sibling(s) killed${siblings.length ? ` (${siblings.join(", ")})` : ""}, and the tree's snapshot released if nothing needs it.`,
+                   "A sibling another notebook runs in or has checked out stays."],
+            ok: "Keep this one",
+          });
+          if (!c.ok) return null;
+          const r = await ask({ action: "keep", id });
+          if (!r.ok) throw new Error(r.message);
+          return r.message;
+        },
+      }];
+    },
     // the kernel keeps killed and deleted nodes in `tree` (so a view drawn after they went, as
     // under Run All, shows them too): "clear gone" asks it to forget them
     clearGone: () => { if (commOpen) ask({ action: "clear" }).catch(() => {}); },

@@ -204,6 +204,7 @@ class ForkdApp(ExtensionApp):
         from .sessions import SessionManager
         self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)
         self.kernels = KernelHeads(self.controller.registry, self.controller.publish)
+        self.controller.trees.kernels = self.kernels  # a promote never kills a notebook's HEAD
         self.metrics = Metrics(self)
         from .admission import Admission
         self.admission = Admission(max_long_calls=self.max_long_calls,

@@ -23,7 +23,7 @@ from forkd_engine import AgentUnreachable, EngineError, LimitReached, LossyFork,
 from .changes import ChangeFeed
 from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
 from .registry import Registry
-from .wire import pause_fields
+from .wire import FORK_TREE_LABEL, pause_fields
 
 SETTLE_RETRY = 5.0  # s between writes of a snapshot's final record that the registry refused
 READY_TIMEOUT = 600.0  # a waiting branch gives up on the engine's completion after this long
@@ -40,6 +40,12 @@ def lossy_refusal(exc: LossyFork, what: str, magic: str | None = "%forkd branch 
                              **({"magic": magic} if magic else {}), "cli": "forkd snapshot --lossy",
                              "vm": 'engine "vm" copies the whole machine: threads, processes and sockets included'},
                     lost=items)
+
+
+def inherited_labels(row: dict) -> dict:
+    """The labels a branch of sandbox ``row`` keeps: all but its fork tree's, which names the members
+    of that tree only (forktrees.py)."""
+    return {k: v for k, v in (row.get("labels") or {}).items() if k != FORK_TREE_LABEL}
 
 
 class BranchManager:
@@ -106,7 +112,7 @@ class BranchManager:
                     record_pause: bool = True, lossy: bool = False, labels: dict | None = None) -> dict:
         """Branch the running sandbox ``row`` into snapshot ``tag`` while holding the slot ``release``
         frees: the slot goes back when the snapshot is ready or failed, or at once on an error.
-        The snapshot keeps the sandbox's labels, updated by ``labels``; with ``lossy`` a fork that
+        The snapshot keeps the sandbox's labels (but its fork tree's), updated by ``labels``; with ``lossy`` a fork that
         loses running work goes ahead and the snapshot keeps what was lost as ``warnings``.
         Returns the snapshot's registry row (``writing`` with ``wait=False``)."""
         try:
@@ -117,7 +123,7 @@ class BranchManager:
                 "tag": tag, "engine": row["engine"], "status": "writing", "created_at": time.time(),
                 "branched_from": branched_from, "lineage": lineage,
                 "spec": spec or {"branched_from": row["id"], "mode": mode},
-                "labels": {**(row.get("labels") or {}), **(labels or {})}})
+                "labels": {**inherited_labels(row), **(labels or {})}})
             try:
                 result = engine.branch(row["handle"], tag, lineage, mode, lossy=lossy)
             except BaseException as exc:  # nothing was written: no row, and the slot goes back

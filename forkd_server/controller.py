@@ -5,7 +5,8 @@ change in the registry before and after the engine acts, and re-attaches to live
 sandboxes when it starts. Handlers and front ends call it; it calls an engine; neither knows of the
 other. It is the facade over one manager per concern, as jupyter_server keeps one per service:
 ``sandboxes`` (spawn, list, kill, the agent calls: sandboxes.py), ``branches`` (branch concurrency
-slots and a written snapshot's writing -> ready life: branching.py), ``workspaces``
+slots and a written snapshot's writing -> ready life: branching.py), ``trees`` (fork trees: fork a
+sandbox into N children, promote the winner: forktrees.py), ``workspaces``
 (workspaces.py), ``creation`` (snapshots from setup code within limits, and cancelling them:
 creation.py) and the start-up recovery (recovery.py). Snapshots and the branch and compact check
 orders are its own; the wire shapes of its answers are in wire.py.
@@ -26,6 +27,7 @@ from .changes import ChangeFeed
 from .creation import CreationManager
 from .checks import BRANCH_MODES, check_labels, check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound
+from .forktrees import ForkTreeManager
 from .recovery import Recovery
 from .registry import Registry
 from .sandboxes import SandboxManager
@@ -69,6 +71,7 @@ class Controller:
         self.sandboxes = SandboxManager(self)
         self.workspaces = WorkspaceManager(self)
         self.creation = CreationManager(self)
+        self.trees = ForkTreeManager(self)
         self.stores = StoreManager(self, store, store_options)  # local durability, push and pull
         self.branches.on_ready = self.stores.store_later
         self.recovery = Recovery(self, probe_timeout)  # ends with self.stores.resume()
@@ -342,6 +345,19 @@ class Controller:
         mode = "live" if live else "diff" if diff else "full"
         return self.snapshot_info(self.branches.branch_into(row, tag, mode, release, wait=wait, lossy=lossy,
                                                             labels=labels))
+
+    # --- fork trees (forktrees.py) ----------------------------------------------------------------
+
+    def fork(self, sandbox_id, count, *, tag=None, labels=None, memory_limit_mib=None, lossy=False) -> dict:
+        """Branch a running sandbox once and spawn ``count`` children of it, labelled with one
+        ``fork_tree_id``: ``{"fork_tree_id", "snapshot", "sandboxes"}``."""
+        return self.trees.fork(sandbox_id, count, tag=tag, labels=labels, memory_limit_mib=memory_limit_mib,
+                               lossy=lossy)
+
+    def promote(self, sandbox_id, tree_id=None, cleanup_siblings=True) -> dict:
+        """The winner of its fork tree survives; its siblings are killed and the tree's snapshot is
+        released when nothing needs it (never what another notebook, a workspace or a tag holds)."""
+        return self.trees.promote(sandbox_id, tree_id, cleanup_siblings)
 
     def compact_snapshot(self, tag, to) -> dict:
         """An independent copy of snapshot ``tag`` under ``to`` (forkd's compact), in forkd's order:

@@ -272,9 +272,10 @@ class SandboxManager:
     def get(self, sandbox_id) -> dict:
         return sandbox_info(self.row(sandbox_id))
 
-    def kill(self, sandbox_id) -> None:
+    def kill(self, sandbox_id, ended: dict | None = None) -> None:
         """Kill a sandbox; answered once its process is gone (a kill that did not finish, here or
-        before a crash, is finished by the next kill of the id, or by the next start-up)."""
+        before a crash, is finished by the next kill of the id, or by the next start-up). ``ended``:
+        why, as its 404 will say it (default: killed by DELETE)."""
         if isinstance(sandbox_id, str):
             self.ctl.recovery.check_sandbox(sandbox_id)
         row = self.registry.get_sandbox(sandbox_id) if isinstance(sandbox_id, str) else None
@@ -282,7 +283,7 @@ class SandboxManager:
             row = self.row(sandbox_id)
         self._killing.add(row["id"])
         try:
-            self.end(row, row.get("ending") or endings.killed(row["id"]))
+            self.end(row, row.get("ending") or ended or endings.killed(row["id"]))
         except EngineError as exc:
             raise EngineFailure(f"sandbox {row['id']} was killed but its process has not exited: {exc}",
                                 hint="DELETE it again; a restart of the server also finishes the kill") from exc

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from .errors import BadRequest
 
+# The label of each child of a fork tree while the tree is open (forktrees.py): the tree's id.
+FORK_TREE_LABEL = "fork_tree_id"
+
 
 def pause_fields(pause_ms: float | None) -> dict:
     """A branch's pause as the wire carries it: ``pause_ms`` an integer, as forkd types it (u64),

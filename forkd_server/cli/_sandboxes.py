@@ -1,4 +1,7 @@
-"""``forkd spawn``/``fork``, ``ls``, ``kill``, ``exec``, ``eval``, ``run``, ``ping``: sandboxes."""
+"""``forkd spawn``/``fork``, ``promote``, ``ls``, ``kill``, ``exec``, ``eval``, ``run``, ``ping``: sandboxes.
+
+``forkd fork --tag T`` is forkd's (the same as spawn); ``forkd fork SANDBOX -n N`` makes a fork tree of
+a running sandbox, and ``forkd promote`` keeps its winner."""
 
 from __future__ import annotations
 
@@ -27,6 +30,50 @@ def cmd_spawn(args) -> int:
     out.print(f"spawn: {total_ms:.1f} ms for {len(kids)} ({total_ms / max(1, len(kids)):.2f} ms each, "
               f"round trip included)")
     return 0
+
+
+def cmd_fork(args) -> int:
+    if (args.sandbox is None) == (args.tag is None):
+        raise SystemExit("forkd fork: give a SANDBOX to fork (a fork tree), or --tag SNAPSHOT to spawn from (one of them)")
+    if args.tag is not None:
+        if args.branch_tag is not None or args.lossy:
+            raise SystemExit("forkd fork: --branch-tag and --lossy are for forking a SANDBOX, not a snapshot")
+        return cmd_spawn(args)
+    for flag in ("per_child_netns", "prewarm", "live_fork", "hugepages"):
+        if getattr(args, flag):
+            raise SystemExit(f"forkd fork: --{flag.replace('_', '-')} is for spawning from a snapshot (--tag)")
+    ctl = client(args)
+    with busy(args, f"forking {args.sandbox} into {args.n}"):
+        tree = ctl.fork_sandbox(args.sandbox, args.n, tag=args.branch_tag, labels=labels_arg(args.label, "fork"),
+                                memory_limit_mib=args.memory_limit_mib, lossy=args.lossy)
+    if args.json:
+        emit_json(tree)
+        return 0
+    kids, snap = tree["sandboxes"], tree["snapshot"]
+    out = console()
+    out.print(table(f"fork tree {tree['fork_tree_id']}: {len(kids)} sandbox(es) of {args.sandbox} (branch "
+                    f"{snap['tag']}, paused it {snap.get('pause_ms', '?')} ms)", ["id", "pid", "engine"],
+                    [[k["id"], k.get("pid"), k.get("engine")] for k in kids]))
+    out.print(f"keep one and drop the rest: forkd promote {kids[0]['id']}")
+    return 0
+
+
+def cmd_promote(args) -> int:
+    ctl = client(args)
+    with busy(args, f"promoting {args.sandbox}"):
+        result = ctl.promote_sandbox(args.sandbox, args.tree, cleanup_siblings=not args.keep_siblings)
+    if args.json:
+        emit_json(result)
+        return 1 if result["failed"] else 0
+    out = console()
+    killed, released = result["killed"], result["released"]
+    out.print(f"{args.sandbox} won fork tree {result['fork_tree_id']}: killed {len(killed)} sibling(s)"
+              + (f", released snapshot {', '.join(released)}" if released else ""))
+    for kept in result["kept"]:
+        out.print(f"kept {kept['kind']} {kept['id']}: {kept['reason']}")
+    for failed in result["failed"]:
+        out.print(f"[red]could not kill {failed['id']}: {failed['error']}; forkd kill {failed['id']}[/]")
+    return 1 if result["failed"] else 0
 
 
 def cmd_ls(args) -> int:
@@ -142,15 +189,31 @@ def cmd_ping(args) -> int:
 
 
 def add_commands(sub, options) -> None:
-    for name, helptext in (("spawn", "fork N sandboxes from a snapshot"), ("fork", "same as spawn")):
-        p = sub.add_parser(name, parents=[options], help=helptext)
-        p.add_argument("--tag", "-t", required=True, help="the snapshot to fork from")
+    for name, helptext in (("spawn", "fork N sandboxes from a snapshot"),
+                           ("fork", "fork a running SANDBOX into N copies (a fork tree; forkd promote keeps one), "
+                                    "or, with --tag, the same as spawn")):
+        p = sub.add_parser(name, parents=[options], help=helptext, description=helptext)
+        if name == "fork":
+            p.add_argument("sandbox", nargs="?", help="the running sandbox to fork (branched once, N children)")
+        p.add_argument("--tag", "-t", required=name == "spawn", help="the snapshot to fork from")
         p.add_argument("-n", type=int, default=1, help="how many sandboxes (1-1000)")
         p.add_argument("--memory-limit-mib", type=int)
         add_label_option(p, "each sandbox carries, besides the snapshot's")
         for flag in ("--per-child-netns", "--prewarm", "--live-fork", "--hugepages"):
             p.add_argument(flag, action="store_true", help="forkd VM option (accepted; the process engine ignores it)")
-        p.set_defaults(func=cmd_spawn)
+        if name == "fork":
+            p.add_argument("--branch-tag", help="the tag of the tree's branch (default: the tree's id); a tag you "
+                                                "give is never released by promote")
+            p.add_argument("--lossy", action="store_true", help="fork even if running work (threads, child "
+                                                                "processes) stays behind; the branch lists it")
+        p.set_defaults(func=cmd_fork if name == "fork" else cmd_spawn)
+
+    p = sub.add_parser("promote", parents=[options], help="keep the winner of a fork tree: its siblings are killed, "
+                                                          "the tree's snapshot released if nothing needs it")
+    p.add_argument("sandbox", help="the winner (a child of forkd fork SANDBOX -n N)")
+    p.add_argument("--tree", default=None, help="the fork tree (default: the one the sandbox is in)")
+    p.add_argument("--keep-siblings", action="store_true", help="leave the siblings running; only close the tree")
+    p.set_defaults(func=cmd_promote)
 
     p = sub.add_parser("ls", parents=[options], help="list sandboxes (or snapshots with --snapshots)")
     p.add_argument("--snapshots", "-s", action="store_true", help="list snapshots instead")

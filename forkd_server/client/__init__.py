@@ -11,6 +11,8 @@ surface on top::
         sb.run_code("total = data.sum()")
         child_snap = sb.branch(mode="live", wait=False).wait()
         grandkids = child_snap.fork(3)
+        tries = sb.fork(count=3)          # a fork tree: three copies of sb as it is now
+        tries[1].promote()                # keep one; the other two are killed
 
 ``AsyncController``, ``AsyncSandbox`` and ``AsyncSnapshot`` are the same for asyncio: the same
 methods, arguments, answers and errors, awaited::

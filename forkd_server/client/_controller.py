@@ -103,6 +103,39 @@ class Calls:
         return self._do(self.request("POST", f"/v1/sandboxes/{sandbox_id}/branch", body),
                         then=lambda info: warn_lossy(info, f"branch {info.get('tag')} of {sandbox_id} did not carry"))
 
+    def fork_sandbox(self, sandbox_id: str, count: int = 1, *, tag: str | None = None,
+                     labels: dict[str, str] | None = None, memory_limit_mib: int | None = None, lossy: bool = False,
+                     timeout: float = 900) -> dict:
+        """A fork tree: the sandbox branched once, ``count`` children spawned from that branch, each
+        labelled ``fork_tree_id``. Returns ``{"fork_tree_id", "snapshot", "sandboxes"}``. ``tag``
+        names the branch (a snapshot with a tag of yours is never released by a promote)."""
+        body: dict = {"count": count}
+        for name, value in (("tag", tag), ("memory_limit_mib", memory_limit_mib)):
+            if value is not None:
+                body[name] = value
+        if labels:
+            body["labels"] = dict(labels)
+        if lossy:
+            body["lossy"] = True
+
+        def warned(tree: dict) -> dict:
+            warn_lossy(tree["snapshot"], f"fork tree {tree['fork_tree_id']} of {sandbox_id} did not carry")
+            return tree
+
+        return self._do(self.request("POST", f"/v1/sandboxes/{sandbox_id}/fork", body, timeout=timeout), then=warned)
+
+    def promote_sandbox(self, sandbox_id: str, tree_id: str | None = None, *, cleanup_siblings: bool = True,
+                        timeout: float = 300) -> dict:
+        """``sandbox_id`` wins its fork tree (``tree_id``: default, the one its label names): its
+        siblings are killed (unless ``cleanup_siblings=False``) and the tree's snapshot is released
+        if nothing needs it. Returns ``{"fork_tree_id", "winner", "killed", "released", "kept",
+        "failed"}``; nothing another notebook, a workspace or a tag of yours holds is touched (``kept``
+        says what stayed and why)."""
+        body: dict = {"cleanup_siblings": bool(cleanup_siblings)}
+        if tree_id is not None:
+            body["tree_id"] = tree_id
+        return self._request("POST", f"/v1/sandboxes/{sandbox_id}/promote", body, timeout=timeout)
+
     def inventory(self, sandbox_id: str) -> dict:
         """What a branch of the sandbox now would not carry: ``{"id", "engine", "lost": [...]}``."""
         return self._request("GET", f"/v1/sandboxes/{sandbox_id}/inventory")

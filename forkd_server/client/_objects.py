@@ -140,8 +140,14 @@ class _SandboxCalls:
     def labels(self) -> dict[str, str]:
         return dict(self.info.get("labels") or {})
 
+    @property
+    def fork_tree_id(self) -> str | None:
+        """The open fork tree this sandbox is a child of (``fork``), else None (a promote closes it)."""
+        return self.labels.get("fork_tree_id")
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.id!r}, snapshot_tag={self.snapshot_tag!r})"
+        tree = f", fork_tree_id={self.fork_tree_id!r}" if self.fork_tree_id else ""
+        return f"{type(self).__name__}({self.id!r}, snapshot_tag={self.snapshot_tag!r}{tree})"
 
     def ping(self) -> dict:
         return self.controller.ping_sandbox(self.id)
@@ -221,6 +227,28 @@ class _SandboxCalls:
         ctl = self.controller
         return ctl._do(ctl.plan.branch_sandbox(self.id, tag, mode=mode, wait=wait, lossy=lossy, labels=labels),
                        then=lambda info: self._Snapshot(info, ctl))
+
+    def fork(self, count: int = 1, *, tag: str | None = None, labels: dict[str, str] | None = None,
+             memory_limit_mib: int | None = None, lossy: bool = False):
+        """``count`` copies of this sandbox as it is now, one fork tree: it is branched once and the
+        children spawned from that branch, each with the tree's ``fork_tree_id``. Run something in
+        each, then ``winner.promote()`` keeps one and kills the rest."""
+        ctl = self.controller
+        return ctl._do(ctl.plan.fork_sandbox(self.id, count, tag=tag, labels=labels,
+                                             memory_limit_mib=memory_limit_mib, lossy=lossy),
+                       then=lambda tree: [type(self)(i, ctl) for i in tree["sandboxes"]])
+
+    def promote(self, cleanup_siblings: bool = True, *, tree_id: str | None = None) -> dict:
+        """This sandbox wins its fork tree: its siblings are killed (``cleanup_siblings``) and the
+        tree's snapshot is released if nothing needs it; what another notebook, a workspace or a tag
+        holds stays (``kept`` says why). Returns ``{"fork_tree_id", "winner", "killed", "released",
+        "kept", "failed"}``; this object's ``info`` becomes the winner's."""
+        return self.controller._do(self._promote(cleanup_siblings, tree_id or self.fork_tree_id))
+
+    def _promote(self, cleanup_siblings: bool, tree_id: str | None):
+        result = yield from self.controller.plan.promote_sandbox(self.id, tree_id, cleanup_siblings=cleanup_siblings)
+        self.info = dict(result["winner"])
+        return result
 
     def inventory(self) -> list[str]:
         """What a branch now would not carry (always [] on the VM engine)."""

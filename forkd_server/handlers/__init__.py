@@ -10,8 +10,9 @@ from __future__ import annotations
 from .base import ApiError, ForkdHandler, NotFoundHandler
 from .meta import (OPENAPI_PATH, EventsHandler, HealthHandler, MetricsHandler, OpenAPIHandler, TreeHandler,
                    VersionHandler)
-from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, InterruptHandler, InventoryHandler,
-                        MemoryHandler, PingHandler, RunHandler, SandboxesHandler, SandboxHandler)
+from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, ForkHandler, InterruptHandler,
+                        InventoryHandler, MemoryHandler, PingHandler, PromoteHandler, RunHandler, SandboxesHandler,
+                        SandboxHandler)
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
                         SnapshotPushHandler, SnapshotsHandler)
 from .workspaces import WorkspaceHandler, WorkspaceResumeHandler, WorkspacesHandler, WorkspaceSuspendHandler
@@ -47,6 +48,8 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/sandboxes/{ID}/eval", EvalHandler),
         (rf"v1/sandboxes/{ID}/run", RunHandler),
         (rf"v1/sandboxes/{ID}/branch", BranchHandler),
+        (rf"v1/sandboxes/{ID}/fork", ForkHandler),
+        (rf"v1/sandboxes/{ID}/promote", PromoteHandler),
         (rf"v1/sandboxes/{ID}/interrupt", InterruptHandler),
         (rf"v1/sandboxes/{ID}/session", SessionHandler),
         (rf"v1/sandboxes/{ID}/inventory", InventoryHandler),

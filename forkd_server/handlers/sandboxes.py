@@ -1,5 +1,6 @@
 """Sandbox routes: spawn and list, get, change (labels, a higher memory limit) and kill, the agent
-calls (ping, exec, eval, run, files, interrupt), branch, inventory and memory.
+calls (ping, exec, eval, run, files, interrupt), branch, fork (a fork tree) and promote, inventory
+and memory.
 
 Control calls (list, get, change, kill, ping, interrupt, inventory, memory) use ``self.call``; long ones
 ``self.long_call``, and exec, eval and run in the sandbox's lane (admission.py)."""
@@ -14,6 +15,7 @@ from tornado import web
 
 from forkd_engine.agent.runtime import MAX_FILE_BYTES
 
+from ..checks import MAX_CHILDREN
 from .base import ApiError, ForkdHandler, dumps, query_bool, query_labels
 
 # What no machine has: more is refused on the wire (400), before it reaches a registry column.
@@ -163,6 +165,39 @@ class BranchHandler(ForkdHandler):
         if info.get("pause_us") is not None:  # the precise figure (pause_ms is rounded up)
             self.app.metrics.branch_pause.observe(info["pause_us"] / 1e6)
         self.send(info, 202 if not wait else 201)
+
+FORK = {"count": ("integer", True, {"minimum": 1, "maximum": MAX_CHILDREN}), "tag": ("string", False), "labels": ("labels", False),
+        "memory_limit_mib": ("integer", False, MEMORY_LIMIT), "lossy": ("boolean", False)}
+PROMOTE = {"tree_id": ("string", False), "cleanup_siblings": ("boolean", False)}
+
+
+class ForkHandler(ForkdHandler):
+    """``POST {"count": N}``: branch the sandbox once, spawn N children of it (one fork tree)."""
+
+    auth_resource = "forkd:sandboxes"
+    body_spec = FORK  # the JSON body of post
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, sandbox_id: str) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.long_call("a fork", self.controller.fork, sandbox_id, body["count"], tag=body.get("tag"),
+                                       labels=body.get("labels"), memory_limit_mib=body.get("memory_limit_mib"),
+                                       lossy=body.get("lossy", False), sandbox=sandbox_id), 201)
+
+
+class PromoteHandler(ForkdHandler):
+    """``POST {"tree_id", "cleanup_siblings": true}``: the sandbox wins its fork tree."""
+
+    auth_resource = "forkd:sandboxes"
+    body_spec = PROMOTE  # the JSON body of post
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, sandbox_id: str) -> None:
+        body = self.body(self.body_spec)
+        self.send(await self.long_call("a promote", self.controller.promote, sandbox_id, body.get("tree_id"),
+                                       body.get("cleanup_siblings", True), sandbox=sandbox_id))
 
 
 class InterruptHandler(ForkdHandler):

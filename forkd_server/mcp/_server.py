@@ -9,15 +9,18 @@ from mcp.server.mcpserver import MCPServer
 
 from .. import __version__
 from ..client import Controller
-from . import _forkd_tools, _notebook_tools, _resources
+from . import _fork_tree_tools, _forkd_tools, _notebook_tools, _resources
 
 INSTRUCTIONS = """\
 forkd: fork-on-write Python sandboxes, and notebooks that run in them. A snapshot is a warmed-up
 interpreter frozen in time; spawn_sandboxes forks copy-on-write sandboxes from it in milliseconds;
 branch_sandbox turns a running sandbox into a new snapshot (a pause of a few ms).
-To try several changes on a user's live notebook: list_notebooks, notebook_fork (n copies of its
-state), run_cell in each copy, then notebook_checkout the copy to keep (the user's notebook moves
-there) and kill_sandbox the others."""
+fork_sandbox makes n copies of a running sandbox (one fork tree); promote_sandbox keeps the one that
+worked and kills the others.
+To try several changes on a user's live notebook: list_notebooks, fork_sandbox its HEAD (n copies of
+its state), run_cell in each copy, then notebook_checkout the copy to keep (the user's notebook moves
+there) and promote_sandbox it (its siblings go). notebook_fork makes copies too (kill_sandbox the
+ones you do not keep)."""
 
 
 def build_server(controller: Controller | None = None) -> MCPServer:
@@ -32,6 +35,7 @@ def build_server(controller: Controller | None = None) -> MCPServer:
         root.setLevel(kept[0])
         root.handlers[:] = kept[1]
     _forkd_tools.register(server, ctl)
+    _fork_tree_tools.register(server, ctl)
     _notebook_tools.register(server, ctl)
     _resources.register(server, ctl)
     return server

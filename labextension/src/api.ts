@@ -30,6 +30,15 @@ export interface IKernelHead {
   updated_at?: number;
 }
 
+/** What a promote did: the siblings killed, the snapshots released, and what stayed and why. */
+export interface IPromoted {
+  fork_tree_id: string;
+  killed: string[];
+  released: string[];
+  kept: { id: string; kind: string; reason: string }[];
+  failed: { id: string; error: string }[];
+}
+
 /** A reply with an error status: `message` is the server's `error`. */
 export class ForkdError extends Error {
   constructor(
@@ -132,6 +141,14 @@ export class ForkdAPI {
       body.lossy = true;
     }
     return this.send('POST', `v1/sandboxes/${encodeURIComponent(id)}/branch`, body);
+  }
+
+  /** Keep ``id``, the winner of its fork tree: its siblings are killed (what another notebook holds stays). */
+  promote(id: string, treeId: string): Promise<IPromoted> {
+    return this.send('POST', `v1/sandboxes/${encodeURIComponent(id)}/promote`, {
+      tree_id: treeId,
+      cleanup_siblings: true
+    });
   }
 
   deleteSnapshot(tag: string, cascade: boolean): Promise<void> {

@@ -189,6 +189,38 @@ export class LineagePanel extends Widget {
     }
   }
 
+  // "Keep this one" on a child of a fork tree: asks first (its siblings are killed), then promotes.
+  private async keep(id: string, treeId: string): Promise<string | null> {
+    const siblings = Object.entries(this.model.tree)
+      .filter(([other, n]) => other !== id && n.kind === 'sandbox' && n.labels?.['fork_tree_id'] === treeId)
+      .map(([other]) => other);
+    const answer = await confirmDialog({
+      title: `Keep ${id}?`,
+      body: [
+        `It wins fork tree ${treeId}: ${siblings.length} sibling${siblings.length === 1 ? '' : 's'} ` +
+          `${siblings.length === 1 ? 'is' : 'are'} killed${siblings.length ? ` (${siblings.join(', ')})` : ''}, ` +
+          "and the tree's snapshot is released if nothing needs it.",
+        'A sibling another notebook runs in or has checked out stays, and so does a snapshot with your tag.'
+      ],
+      ok: 'Keep this one'
+    });
+    if (!answer.ok) {
+      return null;
+    }
+    const done = await this.model.api.promote(id, treeId);
+    const parts = [`kept ${id}: killed ${done.killed.length} sibling${done.killed.length === 1 ? '' : 's'}`];
+    if (done.released.length) {
+      parts.push(`released ${done.released.join(', ')}`);
+    }
+    for (const k of done.kept) {
+      parts.push(`kept ${k.id} (${k.reason})`);
+    }
+    for (const f of done.failed) {
+      parts.push(`could not kill ${f.id}: ${f.error}`);
+    }
+    return parts.join('; ');
+  }
+
   private extraActions(id: string, node: ILineageNode) {
     const gone = node.ghost || node.status === 'killed' || node.status === 'deleted';
     const out = [];
@@ -207,6 +239,16 @@ export class LineagePanel extends Widget {
           await this.checkout(id);
           return null;
         }
+      });
+    }
+    const treeId = node.labels?.['fork_tree_id'];
+    if (node.kind === 'sandbox' && !gone && treeId) {
+      out.push({
+        action: 'keep',
+        label: 'Keep this one',
+        title: `Keep ${id}, the winner of fork tree ${treeId}: its siblings are killed`,
+        needsLive: true,
+        run: () => this.keep(id, treeId)
       });
     }
     if (!gone) {

@@ -123,6 +123,7 @@ c.ServerApp.jpserver_extensions = {"forkd_server": True}
 c.LabApp.workspaces_dir = os.path.join(root, ".ws")
 c.LabApp.user_settings_dir = os.path.join(root, ".settings")
 c.ForkdApp.data_dir = os.environ["FORKD_LAB_DATA"]
+c.ForkdApp.recovery_probe_timeout = float(os.environ.get("FORKD_LAB_PROBE_TIMEOUT", "5"))
 '''
 
 
@@ -145,9 +146,11 @@ class Lab:
     def controller(self) -> Controller:
         return Controller(f"{self.url}/forkd", None)
 
-    def start(self) -> None:
+    def start(self, settle: bool = True, probe_timeout: float = 5.0) -> None:
+        """Start it; with ``settle``, return once the server settled what the last one recorded."""
         self.log = open(os.path.join(self.root, "lab.log"), "a")
         env = venv_env(self.venv, FORKD_LAB_ROOT=self.root, FORKD_LAB_PORT=str(self.port), FORKD_LAB_DATA=self.data_dir,
+                       FORKD_LAB_PROBE_TIMEOUT=str(probe_timeout),
                        JUPYTER_RUNTIME_DIR=os.path.join(self.root, ".rt"),
                        JUPYTER_CONFIG_DIR=os.path.join(self.root, ".cfg"),
                        JUPYTER_DATA_DIR=os.path.join(self.root, ".data"),
@@ -167,14 +170,18 @@ class Lab:
                 self.log.flush()
                 pytest.fail("jupyter lab did not start:\n" + Path(self.root, "lab.log").read_text()[-4000:])
             time.sleep(0.1)
+        self.starts.append(time.time())
+        if settle:
+            self.wait_settled()
+
+    def wait_settled(self) -> None:
+        """A restart settles what the last server recorded in the background (503 "recovering"
+        for those objects meanwhile): wait until it has."""
         ctl = self.controller()
         ctl.wait_ready(30)
-        # a restart settles what the last server recorded in the background (503 "recovering" for
-        # those objects meanwhile): the next test starts on a settled server
         deadline = time.monotonic() + 120
         while ctl.healthz().get("recovering") and time.monotonic() < deadline:
             time.sleep(0.1)
-        self.starts.append(time.time())
 
     def stop(self) -> None:
         if self.proc is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 from forkd_server.checks import host_memory_mib
 
@@ -320,6 +321,38 @@ def test_panel_recovers_after_a_server_restart(page, lab):
     assert row(page, kid).get_attribute("data-status") == "running"  # re-attached across the restart
     kid2 = lab.controller().spawn_sandboxes("rs", 1)[0]["id"]  # and live again
     row(page, kid2).wait_for(timeout=LIVE_WITHIN)
+
+
+def test_panel_rides_through_a_restart_that_is_still_settling(page, lab):
+    """Right after a restart the server has not settled every sandbox (503 "recovering" about it):
+    the panel shows such a sandbox as recovering, and a branch asked of it meanwhile waits and is
+    done once it is settled, never refused to the user."""
+    ctl = lab.controller()
+    ctl.create_snapshot("settling", setup="x = 1")
+    kid = ctl.spawn_sandboxes("settling", 1)[0]
+    row(page, kid["id"]).wait_for(timeout=5_000)
+    lab.stop()
+    os.kill(kid["pid"], signal.SIGSTOP)  # alive and silent: its start-up ping waits
+    try:
+        lab.start(settle=False, probe_timeout=60)
+        page.locator(f"{PANEL} .forkd-row[data-id='{kid['id']}'][data-status='recovering']").wait_for(timeout=30_000)
+        shot(page, "panel-recovering.png")
+        row(page, kid["id"]).click()
+        page.locator(f"{PANEL} button.forkd-branch").click()  # a 503 now: the panel asks again
+        refused = f"503 POST /forkd/v1/sandboxes/{kid['id']}/branch"
+        log = Path(lab.root, "lab.log")
+        deadline = time.monotonic() + 30
+        while refused not in log.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert refused in log.read_text(errors="replace")  # the server said recovering...
+        assert "recovering" not in (page.locator(f"{PANEL} .forkd-message").text_content() or "")  # ...unseen
+    finally:
+        os.kill(kid["pid"], signal.SIGCONT)  # it answers its ping: settled, taken back as it was
+    message = page.locator(f"{PANEL} .forkd-message")
+    message.filter(has_text=f"branched {kid['id']} into ").wait_for(timeout=60_000)
+    page.locator(f"{PANEL} .forkd-row[data-id='{kid['id']}'][data-status='running']").wait_for(timeout=LIVE_WITHIN)
+    assert ctl.eval_code(kid["id"], "x")["result"] == "1"
+    lab.wait_settled()
 
 
 def test_panel_actions_branch_fork_kill_zoom_and_the_status_bar(page, lab):

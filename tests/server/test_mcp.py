@@ -114,7 +114,7 @@ def test_tools_keep_forkd_mcp_names_parameters_and_say_what_destroys(ctl):
     assert {"list_notebooks", "notebook_branch", "notebook_fork", "run_cell", "notebook_checkout", "tree",
             "delete_snapshot"} <= set(tools)
     destructive = {n for n, t in tools.items() if t.annotations.destructive_hint}
-    assert destructive == {"kill_sandbox", "delete_snapshot"}
+    assert destructive == {"kill_sandbox", "delete_snapshot", "promote_sandbox"}
     assert all(tools[n].annotations.read_only_hint for n in ("list_snapshots", "list_sandboxes", "get_sandbox",
                                                              "ping_sandbox", "list_notebooks", "tree"))
 
