@@ -499,6 +499,26 @@ class BranchHandler(PinnedHandler):
         self.answer(status, reply)
 
 
+class ForkHandler(PinnedHandler):
+    """A fork tree (branch once, spawn N children of it) on the sandbox's host: the snapshot and the
+    children are pinned there."""
+
+    async def post(self, sandbox_id: str) -> None:
+        host = await self.locate(sandbox_id)
+        status, reply = await self.call(host)
+        if status == 201 and isinstance(reply, dict):
+            snap, kids = reply.get("snapshot"), reply.get("sandboxes")
+            if isinstance(snap, dict) and isinstance(snap.get("tag"), str):
+                self.router.state.pin("snapshot", [(snap["tag"], None)], host.url, exclusive=False)
+                snap["host"] = host.url
+            if isinstance(kids, list):
+                self.router.pin_children(host, [k for k in kids if isinstance(k, dict) and isinstance(k.get("id"), str)])
+                for k in kids:
+                    if isinstance(k, dict):
+                        k["host"] = host.url
+        self.answer(status, reply)
+
+
 # --- workspaces and kernels -------------------------------------------------------------------------
 
 class WorkspacesHandler(RouterHandler):
@@ -589,8 +609,9 @@ def route_table() -> list[tuple[str, type]]:
         (r"/v1/sandboxes", SandboxesHandler),
         (rf"/v1/sandboxes/{ID}", SandboxHandler),
         (rf"/v1/sandboxes/{ID}/branch", BranchHandler),
+        (rf"/v1/sandboxes/{ID}/fork", ForkHandler),
         (rf"/v1/sandboxes/{ID}/session", SessionProxy),
-        (rf"/v1/sandboxes/{ID}/(ping|exec|eval|run|interrupt|inventory|memory|files)", PinnedHandler),
+        (rf"/v1/sandboxes/{ID}/(ping|exec|eval|run|interrupt|inventory|memory|files|promote)", PinnedHandler),
         (r"/v1/kernels", KernelsHandler),
         (rf"/v1/kernels/{ID}", KernelHandler),
         (rf"/v1/kernels/{ID}/checkout", KernelHandler),

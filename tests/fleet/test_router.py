@@ -139,6 +139,20 @@ def test_branch_on_a_host_pins_the_new_snapshot_there(world, api, direct):
     assert api.eval_code(grandkids[0]["id"], "depth")["result"] == "1"
 
 
+def test_a_fork_tree_stays_on_its_host(world, api, direct):
+    _, hosts = world
+    direct[1].create_snapshot("tree", setup="v = 1")
+    source = api.spawn_sandboxes("tree")[0]["id"]
+    api.run_code(source, "v = 2")
+    made = api._request("POST", f"/v1/sandboxes/{source}/fork", {"count": 3})
+    assert made["snapshot"]["host"] == hosts[1].url and {k["host"] for k in made["sandboxes"]} == {hosts[1].url}
+    kids = [k["id"] for k in made["sandboxes"]]
+    assert [api.eval_code(k, "v")["result"] for k in kids] == ["2"] * 3
+    kept = api._request("POST", f"/v1/sandboxes/{kids[0]}/promote", {"tree_id": made["fork_tree_id"]})
+    assert kept["winner"]["id"] == kids[0] and set(kept["killed"]) == set(kids[1:]), kept
+    assert {s["id"] for s in api.list_sandboxes()} == {source, kids[0]}
+
+
 def test_merged_lists_and_tree_name_each_host(world, api, direct):
     router, hosts = world
     for i in (0, 1):
