@@ -105,6 +105,10 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str = "127
         print(f"forkd router: listening on {scheme}://{shown}:{server.port} for {len(router.hosts)} hosts ({up} up"
               f"{', found through ' + hosts_dns if hosts_dns else ''}); "
               f"state in {state_dir}", file=sys.stderr, flush=True)
+        print(f"forkd router: clients use it as one host: export FORKD_URL={scheme}://{shown}:{server.port} "
+              f"FORKD_TOKEN=<the token in {token_file}>" if token else
+              f"forkd router: no token: anyone on this host can use it (loopback only); "
+              f"export FORKD_URL={scheme}://{shown}:{server.port}", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
