@@ -1,7 +1,9 @@
 """The base snapshot a forkd notebook starts from, and the memory limit of the notebook's sandboxes.
 
 The base is made once per settings (engine, setup, packages, this package's version) and shared by
-every kernel with the same ones: its tag is ``forkd-kernel-<engine>-<hash of the settings>``. With
+every kernel with the same ones: its tag is ``forkd-kernel-<engine>-<hash of the settings>``. In a
+JupyterHub user's server (``$JUPYTERHUB_USER``) the user is one of the settings: forkd as a Hub
+service shows each user only what they made, so each has a base of their own. With
 engine ``auto`` it is made on the process engine, unless its setup leaves running work a process
 fork cannot carry; then on the VM engine, which carries it, and the first cell says why.
 """
@@ -9,6 +11,7 @@ fork cannot carry; then on the VM engine, which carries it, and the first cell s
 from __future__ import annotations
 
 import hashlib
+import os
 
 from forkd_server.client import ControllerError
 
@@ -42,6 +45,9 @@ class BaseSnapshot:
             return self.named
         engine = self.resolved_engine
         recipe = "\n".join([engine, self.setup, ",".join(sorted(self.packages_for(engine))), __version__])
+        user = os.environ.get("JUPYTERHUB_USER")
+        if user:  # under JupyterHub each user owns what they make, and sees no one else's base
+            recipe += "\nuser:" + user
         return f"forkd-kernel-{engine}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
 
     def ensure(self, memory_limit_mib: int | None = None) -> str:

@@ -174,6 +174,7 @@ class ForkdApp(ExtensionApp):
 
     controller = None
     listing_json: tuple | None = None  # (registry generation, each sandbox's encoded JSON)
+    event_owners = None  # under JupyterHub: the labels behind each event (hub/events.py)
 
     def initialize_settings(self) -> None:
         from .controller import Controller
@@ -214,6 +215,13 @@ class ForkdApp(ExtensionApp):
         self.events = EventHub(self)
         io_loop = getattr(self.serverapp, "io_loop", None)  # the loop the server will run
         self.events.loop = getattr(io_loop, "asyncio_loop", None)
+        self.event_owners = None
+        from .hub.identity import HubIdentityProvider
+        if isinstance(getattr(self.serverapp, "identity_provider", None), HubIdentityProvider):
+            # before the event hub: an object's labels are noted before any stream sends its event
+            from .hub.events import EventOwners
+            self.event_owners = EventOwners(self.controller)
+            self._unsubscribe_owners = self.controller.subscribe(self.event_owners.record)
         self._unsubscribe = self.controller.subscribe(self.events.from_thread)
         self.started = time.time()
         logger = getattr(self.serverapp, "event_logger", None)
@@ -268,6 +276,8 @@ class ForkdApp(ExtensionApp):
         self.events.close()
         self.sessions.close_all()
         self._unsubscribe()
+        if self.event_owners is not None:
+            self._unsubscribe_owners()
         self.admission.close()
         self.controller.close()
         self.controller = None

@@ -22,6 +22,7 @@ from forkd_engine import AgentUnreachable, EngineError, LimitReached, LossyFork,
 
 from .changes import ChangeFeed
 from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
+from .hub.ownership import inheritable
 from .registry import Registry
 from .wire import FORK_TREE_LABEL, pause_fields
 
@@ -44,8 +45,8 @@ def lossy_refusal(exc: LossyFork, what: str, magic: str | None = "%forkd branch 
 
 def inherited_labels(row: dict) -> dict:
     """The labels a branch of sandbox ``row`` keeps: all but its fork tree's, which names the members
-    of that tree only (forktrees.py)."""
-    return {k: v for k, v in (row.get("labels") or {}).items() if k != FORK_TREE_LABEL}
+    of that tree only (forktrees.py), and the server's own (hub/ownership.py)."""
+    return {k: v for k, v in inheritable(row.get("labels")).items() if k != FORK_TREE_LABEL}
 
 
 class BranchManager:
@@ -112,7 +113,7 @@ class BranchManager:
                     record_pause: bool = True, lossy: bool = False, labels: dict | None = None) -> dict:
         """Branch the running sandbox ``row`` into snapshot ``tag`` while holding the slot ``release``
         frees: the slot goes back when the snapshot is ready or failed, or at once on an error.
-        The snapshot keeps the sandbox's labels (but its fork tree's), updated by ``labels``; with ``lossy`` a fork that
+        The snapshot keeps the sandbox's labels (but its fork tree's and the server's own), updated by ``labels``; with ``lossy`` a fork that
         loses running work goes ahead and the snapshot keeps what was lost as ``warnings``.
         Returns the snapshot's registry row (``writing`` with ``wait=False``)."""
         try:

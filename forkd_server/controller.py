@@ -359,7 +359,7 @@ class Controller:
         released when nothing needs it (never what another notebook, a workspace or a tag holds)."""
         return self.trees.promote(sandbox_id, tree_id, cleanup_siblings)
 
-    def compact_snapshot(self, tag, to) -> dict:
+    def compact_snapshot(self, tag, to, *, labels=None) -> dict:
         """An independent copy of snapshot ``tag`` under ``to`` (forkd's compact), in forkd's order:
         unsafe tag 400, unsafe ``to`` 400, ``to == tag`` 400, the branch slot (409 in flight, 503 at
         the cap), ``to`` exists 409, unknown ``tag`` 404, engine failure 500.
@@ -370,6 +370,7 @@ class Controller:
         """
         check_tag(tag)
         check_tag(to, "to")
+        labels = check_labels(labels)
         if to == tag:
             raise BadRequest(f"to must differ from the snapshot being compacted ({tag!r})")
         release = self.branches.take_slot(to)
@@ -389,10 +390,22 @@ class Controller:
                 raise
             return self.snapshot_info(self.branches.branch_into(
                 row, to, "full", release, lineage=[to], branched_from=f"compact:{tag}",
-                spec={"compacted_from": tag, "mode": "full"}, record_pause=False))
+                spec={"compacted_from": tag, "mode": "full"}, record_pause=False, labels=labels))
         finally:
             if helper is not None:
                 self.sandboxes.kill_quietly(helper)
+
+    def label_snapshot(self, tag, labels: dict[str, str], remove: tuple[str, ...] = ()) -> dict:
+        """Add ``labels`` to a snapshot and take the keys ``remove`` off (an admin's share and unshare)."""
+        check_tag(tag)
+        labels = check_labels(labels)
+        row = self.registry.get_snapshot(tag)
+        if row is None:
+            raise NotFound(f"snapshot {tag} not found")
+        merged = {k: v for k, v in {**(row.get("labels") or {}), **labels}.items() if k not in remove}
+        self.registry.update_snapshot(tag, labels=check_labels(merged, f"the labels of {tag} with these"))
+        self.feed.emit("snapshot", "updated", tag=tag)
+        return self.get_snapshot(tag)
 
     # --- stores (stores.py) ----------------------------------------------------------------------
 
@@ -422,10 +435,10 @@ class Controller:
         self.recovery.check_workspaces()
         return self.workspaces.get(name)
 
-    def create_workspace(self, name, snapshot_tag, *, memory_limit_mib=None, **_forkd_options) -> dict:
+    def create_workspace(self, name, snapshot_tag, *, memory_limit_mib=None, labels=None, **_forkd_options) -> dict:
         """forkd's ``per_child_netns`` is accepted and ignored."""
         self.recovery.check_workspaces()
-        return self.workspaces.create(name, snapshot_tag, memory_limit_mib=memory_limit_mib)
+        return self.workspaces.create(name, snapshot_tag, memory_limit_mib=memory_limit_mib, labels=labels)
 
     def suspend_workspace(self, name, *, diff: bool = False) -> dict:
         self.recovery.check_workspaces()

@@ -28,6 +28,7 @@ GROUPS = {
         ("chromium", "/usr/bin/chromium", "the browser tests (Playwright drives Debian's Chromium)"),
         ("openssl", "openssl", "the TLS test's certificate"),
         ("git", "git", "the newcomer test's clone"),
+        ("npm", "npm", "installs JupyterHub's proxy (configurable-http-proxy) for tests/hub"),
     ],
 }
 

@@ -11,6 +11,7 @@ from jupyter_server.auth.decorator import authorized
 from tornado import web
 
 from .handlers import ApiError, ForkdHandler
+from .hub.ownership import OWNER
 
 KERNEL_HEAD = {"head": ("string", True), "notebook": ("string", False), "base_snapshot": ("string", False),
                "engine": ("string", False)}
@@ -22,7 +23,26 @@ class KernelsHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.send(await self.call(self.app.kernels.list))
+        records = await self.call(self.app.kernels.list)
+        if self.viewer is not None:  # a kernel is seen by whoever sees its HEAD, running or ended
+            mine = {s["id"] for s in await self.call(self.controller.list_sandboxes, {OWNER: self.viewer.name})}
+            ended = self.controller.registry.ended_sandbox
+            records = [r for r in records if r["head"] in mine
+                       or self.viewer.sees((await self.call(ended, r["head"]) or {}).get("labels"))]
+        self.send(records)
+
+
+async def own_kernel(handler: ForkdHandler, kernel_id: str) -> None:
+    """Under JupyterHub, a kernel's record is its HEAD's owner's: 404 for anyone else."""
+    if handler.viewer is None:
+        return
+    try:
+        record = await handler.call(handler.app.kernels.get, kernel_id)
+        await handler.own("sandbox", record["head"], gone_ok=True)  # a restarted kernel finds where it was
+    except ApiError as exc:
+        if exc.status_code == 404:
+            raise ApiError(404, f"kernel {kernel_id} not found") from None
+        raise
 
 
 class KernelHandler(ForkdHandler):
@@ -32,18 +52,24 @@ class KernelHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
+        await own_kernel(self, kernel_id)
         self.send(await self.call(self.app.kernels.get, kernel_id))
 
     @web.authenticated
     @authorized(action="write")
     async def put(self, kernel_id: str) -> None:
         body = self.body(self.body_spec)
+        if self.viewer is not None:
+            if kernel_id in {r["kernel_id"] for r in await self.call(self.app.kernels.list)}:
+                await own_kernel(self, kernel_id)
+            await self.own("sandbox", body["head"])
         self.send(await self.call(self.app.kernels.set_head, kernel_id, body["head"], notebook=body.get("notebook"),
                                   base_snapshot=body.get("base_snapshot"), engine=body.get("engine")))
 
     @web.authenticated
     @authorized(action="write")
     async def delete(self, kernel_id: str) -> None:
+        await own_kernel(self, kernel_id)
         await self.call(self.app.kernels.forget, kernel_id)
         self.no_content()
 
@@ -67,7 +93,9 @@ class KernelCheckoutHandler(ForkdHandler):
         target = self.body(self.body_spec)["sandbox"]
         if not SAFE_ID.match(target):
             raise ApiError(400, f"{target!r} is not a sandbox id\nlist_sandboxes (GET /v1/sandboxes) names them")
+        await own_kernel(self, kernel_id)
         record = await self.call(self.app.kernels.get, kernel_id)
+        await self.own("sandbox", target)
         await self.call(self.controller.get_sandbox, target)  # 404 saying how it ended, before the kernel
         manager = self.serverapp.kernel_manager
         if kernel_id not in manager.list_kernel_ids():

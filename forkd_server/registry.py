@@ -70,8 +70,10 @@ _ADDED_COLUMNS = {
                   "labels": "TEXT"},   # JSON object str -> str
     "sandboxes": {"labels": "TEXT",
                   "ending": "TEXT"},   # JSON: why it is being ended; the row goes once its process has
+    "workspaces": {"labels": "TEXT"},  # JSON object: its owner's (hub/), given to its sandboxes and state
     "ended_sandboxes": {"hint": "TEXT",      # what to do, one line (endings.py)
-                        "details": "TEXT"},  # JSON object: the facts behind the reason
+                        "details": "TEXT",   # JSON object: the facts behind the reason
+                        "labels": "TEXT"},   # the sandbox's, so its end is told to its owner only (hub/)
 }
 ENDED_KEPT = 1000  # sandboxes whose end (when, why) is remembered, the latest first
 _JSON = {"lineage", "spec", "handle", "retiring", "warnings", "labels", "details", "ending"}
@@ -261,19 +263,19 @@ class Registry:
             if ended is not None:
                 now = time.time()
                 for i in ids:
-                    row = db.execute("SELECT snapshot_tag FROM sandboxes WHERE id=?", (i,)).fetchone()
+                    row = db.execute("SELECT snapshot_tag, labels FROM sandboxes WHERE id=?", (i,)).fetchone()
                     if row is not None:
                         db.execute("INSERT OR REPLACE INTO ended_sandboxes (id, snapshot_tag, ended_at, reason, "
-                                   "limit_hit, hint, details) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                   "limit_hit, hint, details, labels) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                                    (i, row[0], now, ended["reason"], ended.get("limit_hit"), ended.get("hint"),
-                                    json.dumps(ended["details"]) if ended.get("details") else None))
+                                    json.dumps(ended["details"]) if ended.get("details") else None, row[1]))
                 db.execute("DELETE FROM ended_sandboxes WHERE id IN (SELECT id FROM ended_sandboxes "
                            "ORDER BY ended_at DESC LIMIT -1 OFFSET ?)", (ENDED_KEPT,))
             db.executemany("DELETE FROM sandboxes WHERE id=?", [(i,) for i in ids])
 
     def ended_sandbox(self, sandbox_id: str) -> dict | None:
         """Why a sandbox that is no more ended: ``{"id", "snapshot_tag", "ended_at", "reason",
-        "limit_hit", "hint", "details"}``, or None (never known, or forgotten)."""
+        "limit_hit", "hint", "details", "labels"}``, or None (never known, or forgotten)."""
         return self._get("ended_sandboxes", "id", sandbox_id)
 
     def bump_branch_count(self, sandbox_id: str) -> int:

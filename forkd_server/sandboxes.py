@@ -16,6 +16,7 @@ from forkd_engine import AgentUnreachable, ChildSpec, EngineError, LimitReached
 
 from . import endings
 from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag
+from .hub.ownership import inheritable
 from .errors import BadRequest, Busy, Conflict, EngineFailure, Gone, NotFound
 from .wire import sandbox_info
 
@@ -126,7 +127,7 @@ class SandboxManager:
 
     def spawn(self, snapshot_tag, n=1, *, memory_limit_mib=None, labels=None) -> list[dict]:
         """Fork ``n`` sandboxes from a snapshot, in forkd's check order. Each starts with the
-        snapshot's labels, updated by ``labels``."""
+        snapshot's labels (but the server's own, hub/ownership.py), updated by ``labels``."""
         if isinstance(n, bool) or not isinstance(n, int):
             raise BadRequest(f"n must be an integer, got {n!r}")
         if n == 0:
@@ -154,7 +155,7 @@ class SandboxManager:
             ids = [f"sb-{int(now):08x}-{(first + i) % 0x10000:04x}" for i in range(n)]
             return [{"id": sid, "snapshot_tag": snapshot_tag, "engine": row["engine"], "status": "starting",
                      "created_at": now, "lineage": row["lineage"] + [sid], "memory_limit_mib": memory_limit_mib,
-                     "labels": {**(row.get("labels") or {}), **labels}}
+                     "labels": {**inheritable(row.get("labels")), **labels}}
                     for sid in ids]
 
         # Two transactions a spawn: its rows 'starting' before the engine acts (so a restart ends

@@ -102,8 +102,11 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
                token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                no_token: bool = False, branch_concurrency: int | None = None,
                allow_host_network: bool = False, store: str | None = None, store_endpoint: str | None = None,
-               store_region: str | None = None, max_sandboxes: int | None = None) -> tuple[list[str], str | None, bool]:
-    """Validate the options; returns (server argv, token or None, whether the token was generated)."""
+               store_region: str | None = None, max_sandboxes: int | None = None, hub: bool = False,
+               base_url: str | None = None) -> tuple[list[str], str | None, bool]:
+    """Validate the options; returns (server argv, token or None, whether the token was generated).
+    ``hub``: JupyterHub authenticates every request (forkd_server/hub/); the token, if any, is an
+    operator's."""
     if bool(tls_cert) != bool(tls_key):
         raise ServeError("--tls-cert and --tls-key go together")
     if max_sandboxes is not None and max_sandboxes < 0:
@@ -115,6 +118,8 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
     generated = False
     if token_file:
         token = read_token_file(token_file)
+    elif hub:
+        token = None  # the Hub vouches for every caller; no operator token unless one is given
     elif not loopback:
         raise ServeError(f"refusing to listen on {host} (not a loopback address) without a token: "
                          f"pass --token-file FILE (a secret of 16+ bytes)")
@@ -131,11 +136,19 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         f"--ServerApp.root_dir={data_dir}", "--ForkdApp.route_prefix=", f"--ForkdApp.data_dir={data_dir}",
         f"--IdentityProvider.token={token or ''}",
     ]
-    if token is None:
+    if hub:
+        from .hub import AUTHORIZER, IDENTITY
+        argv += [f"--ServerApp.identity_provider_class={IDENTITY}", f"--ServerApp.authorizer_class={AUTHORIZER}"]
+    if base_url:
+        argv.append(f"--ServerApp.base_url={base_url}")
+    if token is None and not hub:
         # No auth (loopback only, forkd's default without --token-file). Body routes insist on
         # Content-Type: application/json, which a cross-site form cannot send without CORS approval.
         argv.append("--ServerApp.disable_check_xsrf=True")
-    if not loopback:
+    if not loopback or hub:
+        # Under the Hub, requests come through its proxy with the Hub's public name as Host, and
+        # every one carries a token the Hub checks: the Host check (a guard for cookie logins
+        # against DNS rebinding) has nothing to guard.
         argv.append("--ServerApp.allow_remote_access=True")
     if tls_cert:
         argv += [f"--ServerApp.certfile={tls_cert}", f"--ServerApp.keyfile={tls_key}"]
@@ -151,15 +164,33 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
     return argv, token, generated
 
 
-def serve(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None = None, token_file: str | None = None,
-          tls_cert: str | None = None, tls_key: str | None = None, no_token: bool = False,
-          branch_concurrency: int | None = None, allow_host_network: bool = False, store: str | None = None,
-          store_endpoint: str | None = None, store_region: str | None = None, max_sandboxes: int | None = None,
-          extra_args: list[str] | None = None) -> int:
+def serve(host: str | None = None, port: int | None = None, data_dir: str | None = None,
+          token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+          no_token: bool = False, branch_concurrency: int | None = None, allow_host_network: bool = False,
+          store: str | None = None, store_endpoint: str | None = None, store_region: str | None = None,
+          max_sandboxes: int | None = None, hub: bool | None = None, extra_args: list[str] | None = None) -> int:
+    """``hub``: None turns it on when JupyterHub started this process as a service (hub/__init__.py);
+    the Hub's environment then also gives the address and the URL prefix, unless given here."""
+    from .hub import hub_settings, managed_by_hub
+    hub = managed_by_hub() if hub is None else hub
+    where = hub_settings() if hub else {}
+    host = host or where.get("host") or "127.0.0.1"
+    port = port if port is not None else where.get("port", 8889)
     try:
+        if hub and no_token:
+            raise ServeError("--no-token and --hub do not go together: under JupyterHub the Hub checks every token")
+        if hub:
+            from .hub import missing_environment
+            try:
+                import jupyterhub.services.auth  # noqa: F401 - HubAuth, used from the first request on
+            except ImportError:
+                raise ServeError("--hub needs the jupyterhub package: pip install 'forkd-jupyter[hub]'") from None
+            if missing := missing_environment():
+                raise ServeError(f"--hub needs {' and '.join(missing)} in the environment, which JupyterHub gives the "
+                                 f"services it starts; for one started apart see docs/deploy/jupyterhub.md")
         argv, token, generated = build_argv(host, port, data_dir, token_file, tls_cert, tls_key, no_token,
                                             branch_concurrency, allow_host_network, store, store_endpoint,
-                                            store_region, max_sandboxes)
+                                            store_region, max_sandboxes, hub=hub, base_url=where.get("base_url"))
     except ServeError as exc:
         print(f"forkd serve: {exc}", file=sys.stderr)
         return 2
@@ -171,9 +202,13 @@ def serve(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None = None
     serverapp.start_app()
     scheme = "https" if tls_cert else "http"
     shown = f"[{host}]" if ":" in host else host
-    url = f"{scheme}://{shown}:{serverapp.port}"
+    url = f"{scheme}://{shown}:{serverapp.port}{serverapp.base_url.rstrip('/')}"
     lines = [f"forkd serve: listening on {url} (GET {url}/healthz; the API is under {url}/v1/)"]
-    if generated:
+    if hub:
+        lines.append(f"forkd serve: JupyterHub authenticates every request (a Hub token with "
+                     f"{' or '.join(sorted(serverapp.authorizer.access_scopes()))}); each user sees only what they made"
+                     + ("; the --token-file token acts as an operator" if token else ""))
+    elif generated:
         lines += ["forkd serve: generated a token; it is shown only this once (use --token-file to choose one):",
                   f"    export FORKD_URL={url} FORKD_TOKEN={token}"]
     elif token is None:

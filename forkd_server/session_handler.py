@@ -22,6 +22,8 @@ from tornado import web, websocket
 
 from .errors import ForkdError
 from .handlers.base import ScrubbedLog, caller_of
+from .hub.identity import HubUser
+from .hub.ownership import Caller
 
 
 class SessionHandler(ScrubbedLog, WebSocketMixin, websocket.WebSocketHandler, ExtensionHandlerMixin, JupyterHandler):
@@ -58,7 +60,8 @@ class SessionHandler(ScrubbedLog, WebSocketMixin, websocket.WebSocketHandler, Ex
     @ws_authenticated
     async def get(self, sandbox_id: str) -> None:
         if not await self._authorized("execute"):
-            raise web.HTTPError(403, "not allowed to run code in sandboxes")
+            raise web.HTTPError(403, "%s", getattr(self, "forkd_refusal", None) or "not allowed to run code in sandboxes")
+        await self._own(sandbox_id)
         shell = self.get_query_argument("shell", "plain")
         if shell not in ("plain", "ipython"):
             raise web.HTTPError(400, f"shell must be plain or ipython, got {shell!r}")
@@ -72,6 +75,20 @@ class SessionHandler(ScrubbedLog, WebSocketMixin, websocket.WebSocketHandler, Ex
             raise web.HTTPError(exc.status, "%s", exc.message) from None
         self.sandbox_id = sandbox_id
         await super().get(sandbox_id)
+
+    async def _own(self, sandbox_id: str) -> None:
+        """Under JupyterHub, only the sandbox's owner (or an admin) opens a session: 404 for others."""
+        user = self.current_user
+        if not isinstance(user, HubUser) or user.operator or user.admin:
+            return
+        try:
+            info = await self.app.admission.control(lambda: self.app.controller.get_sandbox(sandbox_id))
+        except ForkdError as exc:
+            if exc.status != 404:
+                raise web.HTTPError(exc.status, "%s", exc.message) from None
+            info = None
+        if info is None or not Caller(user.username).sees(info.get("labels")):
+            raise web.HTTPError(404, "%s", f"sandbox {sandbox_id} not found")
 
     async def _authorized(self, action: str) -> bool:
         result = self.authorizer.is_authorized(self, self.current_user, action, self.auth_resource)

@@ -79,7 +79,7 @@ def workspace_info(row: dict) -> dict:
         "last_active_unix": int(row["last_active"]),
         "memory_limit_mib": row["memory_limit_mib"],
     }
-    for key in ("current_state_tag", "live_sandbox_id", "last_branch_memory_path"):
+    for key in ("current_state_tag", "live_sandbox_id", "last_branch_memory_path", "labels"):  # forkd has none
         if row[key]:
             info[key] = row[key]
     return info

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .checks import check_memory_mib, check_tag
+from .checks import check_labels, check_memory_mib, check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound
 from .wire import workspace_info
 
@@ -103,10 +103,11 @@ class WorkspaceManager:
 
     # --- create, suspend, resume, delete ---------------------------------------------------------
 
-    def create(self, name, snapshot_tag, *, memory_limit_mib=None) -> dict:
+    def create(self, name, snapshot_tag, *, memory_limit_mib=None, labels=None) -> dict:
         """A workspace running one sandbox of ``snapshot_tag``, in forkd's order: unsafe name 400,
         unsafe snapshot_tag 400, the name exists 409, then the spawn's own answers (404 unknown
-        snapshot, 409 not bootable, 500)."""
+        snapshot, 409 not bootable, 500). ``labels`` (its owner's, under JupyterHub) go to every
+        sandbox it runs and to its state snapshot."""
         check_tag(name, "name")
         if len(name) > WORKSPACE_NAME_MAX:
             raise BadRequest(f"invalid name {name!r}: a workspace name has at most {WORKSPACE_NAME_MAX} "
@@ -123,13 +124,14 @@ class WorkspaceManager:
                 raise Conflict(f"snapshot {tag} already exists and is not this workspace's (the workspace would "
                                f"keep its state under that tag)",
                                hint="delete the snapshot or choose another name")
-            kid = self.ctl.spawn(snapshot_tag, 1, memory_limit_mib=memory_limit_mib)[0]
+            labels = check_labels(labels)
+            kid = self.ctl.spawn(snapshot_tag, 1, memory_limit_mib=memory_limit_mib, labels=labels)[0]
             now = time.time()
             try:
                 self.registry.insert_workspace({
                     "name": name, "id": "ws-" + kid["id"][:16], "source_snapshot_tag": snapshot_tag,
                     "status": "running", "live_sandbox_id": kid["id"], "memory_limit_mib": memory_limit_mib,
-                    "created_at": now, "last_active": now})
+                    "created_at": now, "last_active": now, "labels": labels})
             except BaseException:
                 self.ctl.sandboxes.kill_quietly(kid["id"])
                 raise
@@ -183,7 +185,8 @@ class WorkspaceManager:
         spec = {"branched_from": sb["id"], "mode": mode, "workspace": name}
         try:
             self.ctl.branches.branch_into(sb, pending, mode, release, lineage=lineage + [pending],
-                                          spec=dict(spec, workspace_pending=True, engine_tag=pending))
+                                          spec=dict(spec, workspace_pending=True, engine_tag=pending),
+                                          labels=row.get("labels"))
             # The new state is safe under `pending`; the sandbox still runs. Swap, then retire.
             self._commit_state(row, self.registry.get_snapshot(pending), previous, lineage + [tag], spec)
         except Exception:
@@ -254,7 +257,7 @@ class WorkspaceManager:
             if row["status"] == "running":
                 raise BadRequest(f"workspace {name} is already running")
             kid = self.ctl.spawn(row["current_state_tag"] or row["source_snapshot_tag"], 1,
-                                 memory_limit_mib=row["memory_limit_mib"])[0]
+                                 memory_limit_mib=row["memory_limit_mib"], labels=row.get("labels"))[0]
             try:
                 self.registry.update_workspace(name, status="running", live_sandbox_id=kid["id"],
                                                last_active=time.time())

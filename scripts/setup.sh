@@ -70,6 +70,13 @@ if ! pip install -e ".[${extras}]" >"$log" 2>&1; then
   fail "pip install -e \".[${extras}]\" failed (its last lines are above)"
 fi
 
+# The tests' JupyterHub needs its proxy, configurable-http-proxy, from npm: into tests/hub (its
+# package-lock.json pins it), never globally.
+if [ "$what" = test ]; then
+  npm ci --prefix tests/hub --no-audit --no-fund --loglevel=error >"$log" 2>&1 \
+    || { tail -n 20 "$log" >&2; fail "npm ci --prefix tests/hub failed (its last lines are above)"; }
+fi
+
 # Checks, each with the tools this step installed into the environment.
 bin="$(python3 -c 'import sys, os; print(os.path.dirname(sys.executable))')"
 check() {  # check WHAT COMMAND...: run it and print what it printed (colours removed), or fail with that

@@ -20,7 +20,7 @@ def cmd_serve(args) -> int:
                  tls_cert=args.tls_cert, tls_key=args.tls_key, no_token=args.no_token,
                  branch_concurrency=args.branch_concurrency, allow_host_network=args.allow_host_network,
                  store=args.store, store_endpoint=args.store_endpoint, store_region=args.store_region,
-                 max_sandboxes=args.max_sandboxes, extra_args=args.jupyter_args)
+                 max_sandboxes=args.max_sandboxes, hub=args.hub, extra_args=args.jupyter_args)
 
 
 def cmd_router(args) -> int:
@@ -97,8 +97,11 @@ def cmd_image_build(args) -> int:
 
 def add_serve_command(sub) -> None:
     p = sub.add_parser("serve", help="run the API server (a standalone jupyter-server) on 127.0.0.1:8889")
-    p.add_argument("--host", default=os.environ.get("FORKD_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("FORKD_PORT", "8889")))
+    p.add_argument("--host", default=os.environ.get("FORKD_HOST"),
+                   help="address to listen on (default: $FORKD_HOST, under JupyterHub the service's URL, else "
+                        "127.0.0.1)")
+    p.add_argument("--port", type=int, default=int(os.environ["FORKD_PORT"]) if os.environ.get("FORKD_PORT") else None,
+                   help="port (default: $FORKD_PORT, under JupyterHub the service's URL, else 8889)")
     p.add_argument("--data-dir", default=os.environ.get("FORKD_DATA_DIR"),
                    help="state directory (default: $FORKD_DATA_DIR or ~/.local/share/forkd)")
     p.add_argument("--token-file", default=os.environ.get("FORKD_TOKEN_FILE"),
@@ -121,6 +124,12 @@ def add_serve_command(sub) -> None:
     p.add_argument("--store-endpoint", default=None,
                    help="S3-compatible endpoint URL (default: $AWS_ENDPOINT_URL)")
     p.add_argument("--store-region", default=None, help="S3 region (default: $AWS_REGION)")
+    hub = p.add_mutually_exclusive_group()
+    hub.add_argument("--hub", dest="hub", action="store_true", default=None,
+                     help="run as a JupyterHub service: the Hub checks every token, each user sees only what they "
+                          "made (docs/deploy/jupyterhub.md); the default when JupyterHub started this command")
+    hub.add_argument("--no-hub", dest="hub", action="store_false", default=None, help="not as a JupyterHub service, even when "
+                                                                        "JupyterHub started this command")
     add_debug_option(p)
     p.set_defaults(func=cmd_serve, jupyter_args=[])
     p.epilog = "Other jupyter-server options pass through, e.g. --ServerApp.log_level=DEBUG."

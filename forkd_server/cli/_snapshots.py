@@ -115,6 +115,12 @@ def cmd_snapshot_compact(args) -> int:
     return _print_snapshot(args, info)
 
 
+def cmd_snapshot_share(args) -> int:
+    ctl = client(args)
+    info = ctl.unshare_snapshot(args.tag) if args.undo else ctl.share_snapshot(args.tag)
+    return _print_snapshot(args, info)
+
+
 def add_commands(sub, options) -> None:
     p = sub.add_parser("snapshot", parents=[options], help="create a snapshot, or branch a sandbox with --from-sandbox")
     p.add_argument("--tag", help="the snapshot's tag (optional with --from-sandbox)")
@@ -160,3 +166,9 @@ def add_commands(sub, options) -> None:
     p.add_argument("--from", dest="source", required=True, metavar="TAG", help="the snapshot to copy")
     p.add_argument("--to", required=True, metavar="TAG", help="the new snapshot's tag")
     p.set_defaults(func=cmd_snapshot_compact)
+
+    p = sub.add_parser("snapshot-share", parents=[options],
+                       help="share a snapshot with every user of a JupyterHub (admins only): all may spawn from it")
+    p.add_argument("tag")
+    p.add_argument("--undo", action="store_true", help="take the share back")
+    p.set_defaults(func=cmd_snapshot_share)

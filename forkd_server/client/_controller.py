@@ -201,6 +201,15 @@ class Calls:
         """An independent copy of snapshot ``tag`` under ``to`` (``branched_from: "compact:<tag>"``)."""
         return self._request("POST", f"/v1/snapshots/{tag}/compact", {"to": to}, timeout=timeout)
 
+    def share_snapshot(self, tag: str) -> dict:
+        """Share snapshot ``tag`` with every user (label ``forkd.shared=true``): under JupyterHub all
+        list it and spawn from it, only admins change it; admins only. Returns its SnapshotInfo."""
+        return self._request("POST", f"/v1/snapshots/{tag}/share")
+
+    def unshare_snapshot(self, tag: str) -> dict:
+        """Take back ``share_snapshot``: the snapshot is its owner's alone again (admins only)."""
+        return self._request("DELETE", f"/v1/snapshots/{tag}/share")
+
     # -- a remote store (forkd serve --store URL): snapshots that travel between hosts --
 
     def push_snapshot(self, tag: str, *, timeout: float = 3600) -> dict:

@@ -14,7 +14,7 @@ from .sandboxes import (BranchHandler, EvalHandler, ExecHandler, FilesHandler, F
                         InventoryHandler, MemoryHandler, PingHandler, PromoteHandler, RunHandler, SandboxesHandler,
                         SandboxHandler)
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
-                        SnapshotPushHandler, SnapshotsHandler)
+                        SnapshotPushHandler, SnapshotShareHandler, SnapshotsHandler)
 from .workspaces import WorkspaceHandler, WorkspaceResumeHandler, WorkspacesHandler, WorkspaceSuspendHandler
 
 __all__ = ["ApiError", "ForkdHandler", "NotFoundHandler", "OPENAPI_PATH", "route_table"]
@@ -41,6 +41,7 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/snapshots/{ID}/info", SnapshotInfoHandler),
         (rf"v1/snapshots/{ID}/compact", SnapshotCompactHandler),
         (rf"v1/snapshots/{ID}/push", SnapshotPushHandler),
+        (rf"v1/snapshots/{ID}/share", SnapshotShareHandler),
         (r"v1/sandboxes", SandboxesHandler),
         (rf"v1/sandboxes/{ID}", SandboxHandler),
         (rf"v1/sandboxes/{ID}/ping", PingHandler),

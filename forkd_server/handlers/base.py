@@ -25,6 +25,8 @@ from tornado import web
 from tornado.log import app_log, gen_log
 
 from ..errors import ForkdError, Gone, NotFound
+from ..hub.identity import HubUser
+from ..hub.ownership import Caller, Refused
 from ..storage import full_disk_error, is_disk_full
 from ..wire import label_filter
 
@@ -153,6 +155,10 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
 
     auth_resource = "forkd:server"
     public = False  # only /healthz
+    # Under JupyterHub (forkd_server/hub/): the object the route's first path argument names, which
+    # the caller must see (else 404), and the methods that change it (else 403 when only seen).
+    owned: str | None = None  # "sandbox", "snapshot" or "workspace"
+    changes: tuple[str, ...] = ()
     body_spec: dict | None = None  # the JSON body a POST takes (checked like forkd's extractor)
     max_body_bytes = 16 * MIB
     _received = 0
@@ -187,6 +193,80 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
             raise
         if not self.public and self.current_user is None:
             raise self._unauthorized()
+        if not self.public and isinstance(self.current_user, HubUser):
+            await self._hub_checks()
+
+    # --- under JupyterHub: who the caller is and what they may touch (forkd_server/hub/) -------------
+
+    @property
+    def hub_caller(self) -> Caller | None:
+        """The Hub user a request acts for (None: the server's own token, or no Hub): what they make
+        is theirs (``Caller.stamp``)."""
+        user = self.current_user
+        if isinstance(user, HubUser) and not user.operator:
+            return Caller(user.username, admin=user.admin)
+        return None
+
+    @property
+    def viewer(self) -> Caller | None:
+        """The caller whose view is limited to their own objects (None: one who sees everything)."""
+        caller = self.hub_caller
+        return caller if caller is not None and not caller.admin else None
+
+    def stamped(self, labels: dict | None) -> dict | None:
+        """The labels of what this request makes: the Hub caller's owner label set by the server."""
+        caller = self.hub_caller
+        if caller is None:
+            return labels
+        try:
+            return caller.stamp(labels)
+        except Refused as exc:
+            raise ApiError(exc.status, exc.message) from None
+
+    def check_new_labels(self, labels: dict | None) -> None:
+        """Labels added to an object: never the server's, from a user."""
+        caller = self.hub_caller
+        if caller is not None:
+            try:
+                caller.check_labels(labels)
+            except Refused as exc:
+                raise ApiError(exc.status, exc.message) from None
+
+    async def _hub_checks(self) -> None:
+        why = getattr(self.authorizer, "refusal", lambda *a: None)(self.current_user, self.auth_resource)
+        if why:
+            raise ApiError(403, why)
+        if self.owned and self.path_args:
+            await self.own(self.owned, self.path_args[0], change=self.request.method in self.changes)
+
+    async def own(self, kind: str, key: str, *, change: bool = False, gone_ok: bool = False) -> dict | None:
+        """Check that the caller sees the sandbox, snapshot or workspace ``key`` (404 as if there were
+        none, so ids do not leak) and, with ``change``, may change it (403); returns its info (None
+        when the caller sees everything). ``gone_ok``: a sandbox of the caller's that ended is
+        returned (its end's record) rather than answered 404."""
+        viewer = self.viewer
+        if viewer is None:
+            return None
+        get = {"sandbox": self.controller.get_sandbox, "snapshot": self.controller.get_snapshot,
+               "workspace": self.controller.get_workspace}[kind]
+        try:
+            info = await self.call(get, key)
+        except ApiError as exc:
+            if exc.status_code != 404:
+                raise
+            # gone: how it ended is told to its owner, to others it is an unknown id
+            ended = await self.call(self.controller.registry.ended_sandbox, key) if kind == "sandbox" else None
+            if ended is not None and viewer.sees(ended.get("labels")):
+                if gone_ok:
+                    return ended
+                raise
+            info = None
+        if info is None or not viewer.sees(info.get("labels"), snapshot=kind == "snapshot"):
+            raise ApiError(404, f"{kind} {key} not found")
+        if change and not viewer.may_change(info["labels"]):
+            raise ApiError(403, f"snapshot {key} is shared by an admin: every user may spawn from it, only admins "
+                                f"may change or delete it")
+        return info
 
     def data_received(self, chunk: bytes) -> None:
         self._received += len(chunk)
@@ -206,7 +286,9 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
         if status_code == 403 and getattr(self, "_jupyter_current_user", None) is None and not self.public:
             status_code, exc = 401, self._unauthorized()
             self.set_status(401)
-        if isinstance(exc, ApiError):
+        if status_code == 403 and getattr(self, "forkd_refusal", None):  # the authorizer's reason
+            message = self.forkd_refusal
+        elif isinstance(exc, ApiError):
             message = exc.message
         elif isinstance(exc, web.HTTPError):
             message = (exc.log_message % exc.args) if exc.log_message else (exc.reason or self._reason)

@@ -51,6 +51,7 @@ class VersionHandler(ForkdHandler):
 
 
 class MetricsHandler(ForkdHandler):
+    auth_resource = "forkd:metrics"
     @web.authenticated
     @authorized
     async def get(self) -> None:
@@ -81,6 +82,7 @@ class EventsHandler(ForkdHandler):
         self.set_header("Cache-Control", "no-cache")
         self.set_header("X-Accel-Buffering", "no")
         hub = self.app.events
+        viewer, owners = self.viewer, self.app.event_owners
         self._queue = queue = hub.subscribe()
         try:
             self.write(": forkd events\n\n")
@@ -94,6 +96,8 @@ class EventsHandler(ForkdHandler):
                     continue
                 if event is None:  # the server or the client is going away
                     break
+                if viewer is not None and (owners is None or not owners.visible(viewer, event)):
+                    continue  # another user's (forkd_server/hub/events.py)
                 self.write(f"id: {event['seq']}\nevent: {event['kind']}\ndata: {dumps(event).decode()}\n\n")
                 await self.flush()
         except StreamClosedError:
@@ -116,6 +120,8 @@ class TreeHandler(ForkdHandler):
     async def get(self) -> None:
         with_memory, with_busy = query_bool(self, "memory"), query_bool(self, "busy")
         nodes = await self.call(self.controller.tree, query_labels(self))
+        if self.viewer is not None:
+            nodes = self.viewer.tree(nodes)
         sandboxes = [n for n in nodes if n["kind"] == "sandbox"]
         # one request for the whole tree instead of one per sandbox (the lab panel shows all of them)
         if with_memory:

@@ -16,6 +16,7 @@ from tornado import web
 from forkd_engine.agent.runtime import MAX_FILE_BYTES
 
 from ..checks import MAX_CHILDREN
+from ..hub.ownership import OWNER
 from .base import ApiError, ForkdHandler, dumps, query_bool, query_labels
 
 # What no machine has: more is refused on the wire (400), before it reaches a registry column.
@@ -47,6 +48,10 @@ class SandboxesHandler(ForkdHandler):
     @authorized
     async def get(self) -> None:
         labels = query_labels(self)
+        if self.viewer is not None:  # a Hub user's own: a label filter like any other
+            if labels.setdefault(OWNER, self.viewer.name) != self.viewer.name:
+                self.send([])  # someone else's: none the caller may see
+                return
         if labels:  # a filtered listing: small, not worth a cache
             self.send(await self.call(self.controller.list_sandboxes, labels))
             return
@@ -63,16 +68,19 @@ class SandboxesHandler(ForkdHandler):
     async def post(self) -> None:
         body = self.body(self.body_spec)
         options = {k: body[k] for k in ("per_child_netns", "prewarm", "live_fork", "hugepages") if k in body}
+        labels = self.stamped(body.get("labels"))
+        if isinstance(body["snapshot_tag"], str) and self.viewer is not None:
+            await self.own("snapshot", body["snapshot_tag"])
         t0 = time.perf_counter()
         out = await self.long_call("a spawn", self.controller.spawn, body["snapshot_tag"], body.get("n", 1),
-                                   memory_limit_mib=body.get("memory_limit_mib"), labels=body.get("labels"),
-                                   **options)
+                                   memory_limit_mib=body.get("memory_limit_mib"), labels=labels, **options)
         self.app.metrics.spawn_latency.observe(time.perf_counter() - t0)
         self.send(out, 201)
 
 
 class SandboxHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = UPDATE  # the JSON body of patch
 
     @web.authenticated
@@ -84,6 +92,7 @@ class SandboxHandler(ForkdHandler):
     @authorized(action="write")
     async def patch(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
+        self.check_new_labels(body.get("labels"))
         self.send(await self.call(self.controller.update_sandbox, sandbox_id, labels=body.get("labels"),
                                   memory_limit_mib=body.get("memory_limit_mib")))
 
@@ -103,6 +112,7 @@ class SandboxHandler(ForkdHandler):
 
 class PingHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
 
     @web.authenticated
     @authorized(action="read")
@@ -112,6 +122,7 @@ class PingHandler(ForkdHandler):
 
 class ExecHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = EXEC  # the JSON body of post
 
     @web.authenticated
@@ -125,6 +136,7 @@ class ExecHandler(ForkdHandler):
 
 class EvalHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = EVAL  # the JSON body of post
 
     @web.authenticated
@@ -137,6 +149,7 @@ class EvalHandler(ForkdHandler):
 
 class RunHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = RUN  # the JSON body of post
 
     @web.authenticated
@@ -150,6 +163,7 @@ class RunHandler(ForkdHandler):
 
 class BranchHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = BRANCH  # the JSON body of post
 
     @web.authenticated
@@ -161,7 +175,7 @@ class BranchHandler(ForkdHandler):
                                     mode=body.get("mode"), diff=body.get("diff", False), live=body.get("live", False),
                                     measure_diff=body.get("measure_diff", False), wait=wait,
                                     parent_tag=body.get("parent_tag"), lossy=body.get("lossy", False),
-                                    labels=body.get("labels"), sandbox=sandbox_id)
+                                    labels=self.stamped(body.get("labels")), sandbox=sandbox_id)
         if info.get("pause_us") is not None:  # the precise figure (pause_ms is rounded up)
             self.app.metrics.branch_pause.observe(info["pause_us"] / 1e6)
         self.send(info, 202 if not wait else 201)
@@ -175,6 +189,7 @@ class ForkHandler(ForkdHandler):
     """``POST {"count": N}``: branch the sandbox once, spawn N children of it (one fork tree)."""
 
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = FORK  # the JSON body of post
 
     @web.authenticated
@@ -182,7 +197,7 @@ class ForkHandler(ForkdHandler):
     async def post(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
         self.send(await self.long_call("a fork", self.controller.fork, sandbox_id, body["count"], tag=body.get("tag"),
-                                       labels=body.get("labels"), memory_limit_mib=body.get("memory_limit_mib"),
+                                       labels=self.stamped(body.get("labels")), memory_limit_mib=body.get("memory_limit_mib"),
                                        lossy=body.get("lossy", False), sandbox=sandbox_id), 201)
 
 
@@ -190,6 +205,7 @@ class PromoteHandler(ForkdHandler):
     """``POST {"tree_id", "cleanup_siblings": true}``: the sandbox wins its fork tree."""
 
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     body_spec = PROMOTE  # the JSON body of post
 
     @web.authenticated
@@ -204,6 +220,7 @@ class InterruptHandler(ForkdHandler):
     """No body: interrupt the cell the sandbox is running (a KeyboardInterrupt in it)."""
 
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
 
     @web.authenticated
     @authorized(action="execute")
@@ -215,6 +232,7 @@ class InventoryHandler(ForkdHandler):
     """What a branch of the sandbox now would not carry (threads, child processes, ...)."""
 
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
 
     @web.authenticated
     @authorized
@@ -224,6 +242,7 @@ class InventoryHandler(ForkdHandler):
 
 class MemoryHandler(ForkdHandler):
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
 
     @web.authenticated
     @authorized
@@ -235,6 +254,7 @@ class FilesHandler(ForkdHandler):
     """``GET`` reads a file (or lists a directory), ``PUT`` writes the raw body, ``DELETE`` removes."""
 
     auth_resource = "forkd:sandboxes"
+    owned = "sandbox"
     max_body_bytes = MAX_FILE_BYTES  # what the agent writes at once
 
     def _path(self) -> str:

@@ -9,6 +9,7 @@ from tornado import web
 
 from ..checks import check_tag
 from ..errors import BadRequest
+from ..hub.ownership import OWNER, SHARED
 from .base import ApiError, ForkdHandler, query_bool, query_labels
 
 SNAPSHOT_CREATE = {
@@ -36,7 +37,8 @@ class SnapshotsHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.send(await self.call(self.controller.list_snapshots, query_labels(self)))
+        infos = await self.call(self.controller.list_snapshots, query_labels(self))
+        self.send(infos if self.viewer is None else self.viewer.snapshots(infos))
 
     @web.authenticated
     @authorized(action="execute")
@@ -60,7 +62,7 @@ class SnapshotsHandler(ForkdHandler):
             "a snapshot", self.controller.create_snapshot, body["tag"], engine=engine, setup=body.get("setup"),
             setup_commands=body.get("setup_commands"), mem_size_mib=body.get("mem_size_mib"),
             host_network=body.get("host_network", False), disk_mib=body.get("disk_mib"), packages=body.get("packages"),
-            shell=body.get("shell", "plain"), lossy=body.get("lossy", False), labels=body.get("labels"),
+            shell=body.get("shell", "plain"), lossy=body.get("lossy", False), labels=self.stamped(body.get("labels")),
             setup_timeout_secs=body.get("setup_timeout_secs"), memory_limit_mib=body.get("memory_limit_mib"))
         if "kernel" in body or "rootfs" in body:
             # Say so rather than pretend: the VM runs forkd's own guest (its agent speaks our protocol).
@@ -71,6 +73,7 @@ class SnapshotsHandler(ForkdHandler):
 
 class SnapshotHandler(ForkdHandler):
     auth_resource = "forkd:snapshots"
+    owned, changes = "snapshot", ("DELETE",)
 
     @web.authenticated
     @authorized
@@ -82,26 +85,36 @@ class SnapshotHandler(ForkdHandler):
 
 class SnapshotInfoHandler(ForkdHandler):
     auth_resource = "forkd:snapshots"
+    owned = "snapshot"
 
     @web.authenticated
     @authorized
     async def get(self, tag: str) -> None:
-        self.send(await self.call(self.controller.snapshot_detail, tag))
+        info = await self.call(self.controller.snapshot_detail, tag)
+        if self.viewer is not None:  # what came of it is the caller's to see only where it is theirs
+            mine = {s["id"] for s in await self.call(self.controller.list_sandboxes, {OWNER: self.viewer.name})}
+            seen = {s["tag"] for s in self.viewer.snapshots(await self.call(self.controller.list_snapshots))}
+            info["sandboxes"] = [i for i in info["sandboxes"] if i in mine]
+            info["descendants"] = [t for t in info["descendants"] if t in seen]
+        self.send(info)
 
 
 class SnapshotCompactHandler(ForkdHandler):
     auth_resource = "forkd:snapshots"
+    owned = "snapshot"  # a copy of what the caller sees (a shared snapshot too) is the caller's
     body_spec = COMPACT  # the JSON body of post
 
     @web.authenticated
     @authorized(action="execute")
     async def post(self, tag: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.long_call("a compaction", self.controller.compact_snapshot, tag, body["to"]))  # 200
+        self.send(await self.long_call("a compaction", self.controller.compact_snapshot, tag, body["to"],
+                                       labels=self.stamped(None)))  # 200
 
 
 class SnapshotPushHandler(ForkdHandler):
     auth_resource = "forkd:snapshots"
+    owned, changes = "snapshot", ("POST",)
 
     @web.authenticated
     @authorized(action="execute")
@@ -118,6 +131,9 @@ class SnapshotPullHandler(SnapshotHandler):
     @web.authenticated
     @authorized(action="execute")
     async def post(self) -> None:
+        if self.viewer is not None:
+            raise ApiError(403, "only JupyterHub admins may pull snapshots from the store here: the store is one "
+                                "for all users, so a pull would hand a user anyone's pushed snapshot")
         body = self.body(self.body_spec)
         self.send(await self.long_call("a pull", self.controller.pull_snapshot, tag=body.get("tag"),
                                        digest=body.get("digest")), 201)
@@ -125,6 +141,32 @@ class SnapshotPullHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def delete(self) -> None:
+        await self.own("snapshot", "pull", change=True)  # the path names no snapshot argument
         cascade, force = query_bool(self, "cascade"), query_bool(self, "force")
         await self.call(self.controller.delete_snapshot, "pull", cascade=cascade, force=force)
         self.no_content()
+
+
+class SnapshotShareHandler(ForkdHandler):
+    """``POST`` shares a snapshot with every user (``forkd.shared=true``: listed to all, spawnable by
+    all, changed by admins only); ``DELETE`` takes the share back. Admins only under JupyterHub; with
+    the server's own token, whoever holds it."""
+
+    auth_resource = "forkd:snapshots"
+
+    def _admin(self) -> None:
+        caller = self.hub_caller
+        if caller is not None and not caller.admin:
+            raise ApiError(403, "only JupyterHub admins may share snapshots or take a share back")
+
+    @web.authenticated
+    @authorized(action="write")
+    async def post(self, tag: str) -> None:
+        self._admin()
+        self.send(await self.call(self.controller.label_snapshot, tag, {SHARED: "true"}))
+
+    @web.authenticated
+    @authorized(action="write")
+    async def delete(self, tag: str) -> None:
+        self._admin()
+        self.send(await self.call(self.controller.label_snapshot, tag, {}, remove=(SHARED,)))

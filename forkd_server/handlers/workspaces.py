@@ -20,18 +20,23 @@ class WorkspacesHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.send(await self.call(self.controller.list_workspaces))
+        infos = await self.call(self.controller.list_workspaces)
+        self.send(infos if self.viewer is None else [i for i in infos if self.viewer.sees(i["labels"])])
 
     @web.authenticated
     @authorized(action="execute")
     async def post(self) -> None:
         body = self.body(self.body_spec)
+        if self.viewer is not None:
+            await self.own("snapshot", body["snapshot_tag"])
         self.send(await self.long_call("a workspace", self.controller.create_workspace, body["name"],
-                                       body["snapshot_tag"], memory_limit_mib=body.get("memory_limit_mib")), 201)
+                                       body["snapshot_tag"], memory_limit_mib=body.get("memory_limit_mib"),
+                                       labels=self.stamped(None)), 201)
 
 
 class WorkspaceHandler(ForkdHandler):
     auth_resource = "forkd:workspaces"
+    owned = "workspace"
 
     @web.authenticated
     @authorized
@@ -47,6 +52,7 @@ class WorkspaceHandler(ForkdHandler):
 
 class WorkspaceSuspendHandler(ForkdHandler):
     auth_resource = "forkd:workspaces"
+    owned = "workspace"
     body_spec = SUSPEND  # the JSON body of post
 
     @web.authenticated
@@ -61,6 +67,7 @@ class WorkspaceResumeHandler(ForkdHandler):
     """No body, like ping: whatever is sent is ignored."""
 
     auth_resource = "forkd:workspaces"
+    owned = "workspace"
 
     @web.authenticated
     @authorized(action="execute")

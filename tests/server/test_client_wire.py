@@ -131,6 +131,8 @@ def test_errors(ctl):
 
 WORKSPACE_CASES = [
     (lambda c: c.compact_snapshot("py", "py2"), "POST", "/v1/snapshots/py/compact", b'{"to": "py2"}'),
+    (lambda c: c.share_snapshot("py"), "POST", "/v1/snapshots/py/share", None),
+    (lambda c: c.unshare_snapshot("py"), "DELETE", "/v1/snapshots/py/share", None),
     (lambda c: c.list_workspaces(), "GET", "/v1/workspaces", None),
     (lambda c: c.create_workspace("w1", "py"), "POST", "/v1/workspaces", b'{"name": "w1", "snapshot_tag": "py"}'),
     (lambda c: c.create_workspace("w1", "py", memory_limit_mib=256), "POST", "/v1/workspaces",
