@@ -49,11 +49,6 @@ def clean(world, direct):
                 pass
 
 
-def capped(world) -> bool:
-    """Whether host 0 states its capacity (``forkd serve --max-sandboxes``) in /healthz."""
-    return "capacity" in world[1][0].health()
-
-
 def test_spawn_lands_where_the_snapshot_is(world, api, direct):
     _, hosts = world
     direct[1].create_snapshot("only-on-1", setup="where = 'host 1'")
@@ -233,8 +228,6 @@ def test_unknown_ids_and_bad_input(world, api):
 
 
 def test_process_snapshot_over_its_host_cap_is_refused_and_never_moves(world, api, direct):
-    if not capped(world):
-        pytest.skip("the hosts state no capacity (forkd serve --max-sandboxes and /healthz's capacity block)")
     _, hosts = world
     direct[0].create_snapshot("local", setup="pass")
     with pytest.raises(ControllerError) as err:
@@ -246,8 +239,6 @@ def test_process_snapshot_over_its_host_cap_is_refused_and_never_moves(world, ap
 
 
 def test_spawn_over_a_host_cap_spills_to_another_holder(world, api, direct):
-    if not capped(world):
-        pytest.skip("the hosts state no capacity (forkd serve --max-sandboxes and /healthz's capacity block)")
     _, hosts = world
     for ctl in direct:  # the same tag on both hosts (each its own template)
         ctl.create_snapshot("twin", setup="pass")
