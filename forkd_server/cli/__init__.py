@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_debug_option(options)
 
     _host.add_serve_command(sub)
+    _host.add_router_command(sub)
     _snapshots.add_commands(sub, options)
     _store.add_commands(sub, options)
     _sandboxes.add_commands(sub, options)

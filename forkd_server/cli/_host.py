@@ -23,6 +23,17 @@ def cmd_serve(args) -> int:
                  max_sandboxes=args.max_sandboxes, hub=args.hub, extra_args=args.jupyter_args)
 
 
+def cmd_router(args) -> int:
+    from ..fleet.app import run_router
+    from ..fleet.router import Settings
+
+    settings = Settings(heartbeat=args.heartbeat, down_after=args.down_after, host_timeout=args.host_timeout,
+                        placement_wait=args.placement_wait, hosts_ca=args.hosts_ca)
+    return run_router(args.hosts, args.hosts_token_file, host=args.host, port=args.port, token_file=args.token_file,
+                      no_token=args.no_token, tls_cert=args.tls_cert, tls_key=args.tls_key, data_dir=args.data_dir,
+                      settings=settings, hosts_dns=args.hosts_dns)
+
+
 def cmd_doctor(args) -> int:
     from rich.table import Table
 
@@ -122,6 +133,40 @@ def add_serve_command(sub) -> None:
     add_debug_option(p)
     p.set_defaults(func=cmd_serve, jupyter_args=[])
     p.epilog = "Other jupyter-server options pass through, e.g. --ServerApp.log_level=DEBUG."
+
+
+def add_router_command(sub) -> None:
+    p = sub.add_parser("router", help="one /v1 in front of many `forkd serve` hosts: placement by where snapshots "
+                                      "are, calls pinned to their sandbox's host, merged lists, tree and events")
+    p.add_argument("--hosts", default=os.environ.get("FORKD_HOSTS"),
+                   help="the hosts' URLs, comma-separated: http://10.0.0.1:8889,http://10.0.0.2:8889")
+    p.add_argument("--hosts-dns", default=os.environ.get("FORKD_HOSTS_DNS"),
+                   help="instead of --hosts: every address this URL's name resolves to, with its scheme and port, "
+                        "resolved again on every heartbeat (a Kubernetes headless Service: "
+                        "http://forkd-hosts.forkd.svc.cluster.local:8889)")
+    p.add_argument("--hosts-token-file", default=os.environ.get("FORKD_HOSTS_TOKEN_FILE"),
+                   help="file holding the token the hosts were started with (--token-file of forkd serve)")
+    p.add_argument("--hosts-ca", default=None,
+                   help="CA certificate file to check https hosts with (default: the system's CAs)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8890, help="port to listen on (default 8890)")
+    p.add_argument("--token-file", default=os.environ.get("FORKD_TOKEN_FILE"),
+                   help="file holding the bearer token clients of the router send (16+ bytes)")
+    p.add_argument("--no-token", action="store_true", help="no authentication (loopback addresses only)")
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    p.add_argument("--data-dir", default=os.environ.get("FORKD_DATA_DIR"),
+                   help="where the router keeps its host table and pins (router/router.db under it)")
+    p.add_argument("--heartbeat", type=float, default=2.0, help="seconds between two reads of a host's /healthz")
+    p.add_argument("--down-after", type=float, default=10.0,
+                   help="seconds without a good /healthz before a host is down (its sandboxes lost) (default 10)")
+    p.add_argument("--host-timeout", type=float, default=5.0,
+                   help="seconds a host has to answer the router's own reads: heartbeat, lists, lookups (default 5)")
+    p.add_argument("--placement-wait", type=float, default=1.0,
+                   help="seconds a spawn waits for a host's snapshot listing before it places by the host's last "
+                        "one (default 1)")
+    add_debug_option(p)
+    p.set_defaults(func=cmd_router)
 
 
 def add_commands(sub, options) -> None:

@@ -84,17 +84,22 @@ def cmd_ls(args) -> int:
         if args.json:
             emit_json(snaps)
         else:
-            console().print(table(f"{len(snaps)} snapshot(s)", SNAPSHOT_COLUMNS, snapshot_rows(snaps)))
+            rows = snapshot_rows(snaps)
+            fleet = any("host" in s for s in snaps)  # a router's listing: which hosts hold each
+            if fleet:
+                rows = [row + [", ".join(s.get("hosts") or [s.get("host") or "-"])] for row, s in zip(rows, snaps)]
+            console().print(table(f"{len(snaps)} snapshot(s)", SNAPSHOT_COLUMNS + ["host"] * fleet, rows))
         return 0
     boxes = ctl.list_sandboxes(labels=labels)
     if args.json:
         emit_json(boxes)
     else:
+        fleet = any("host" in b for b in boxes)  # a router's listing: each sandbox's host
         console().print(table(f"{len(boxes)} sandbox(es)", ["id", "snapshot", "engine", "tier", "pid", "branches",
-                                                            "memory limit", "created"],
+                                                            "memory limit", "created"] + ["status", "host"] * fleet,
                               [[b["id"], b["snapshot_tag"], b.get("engine"), b.get("tier", "running"), b.get("pid"),
                                 b.get("branch_count"), b.get("memory_limit_mib"), ago(b.get("created_at_unix"))]
-                               for b in boxes]))
+                               + [b.get("status"), b.get("host")] * fleet for b in boxes]))
     return 0
 
 

@@ -216,27 +216,17 @@ def test_the_router_finds_the_hosts_through_the_headless_service():
 
 
 def test_the_router_arguments_are_forkd_routers(capsys):
-    """The Deployment's command line, parsed by forkd's own CLI, where it has the router. Where the
-    router has no ``--hosts-dns`` yet, the rest is checked with a static ``--hosts`` in its place,
-    and the test says (xfail) that this Deployment cannot start."""
+    """The Deployment's command line, parsed by forkd's own CLI."""
     from forkd_server.cli import build_parser
 
     parser = build_parser()
-    commands = next(a for a in parser._actions if a.dest == "command").choices
-    if "router" not in commands:
-        pytest.skip("this tree has no `forkd router` command")
     args = container(objects()[("Deployment", "forkd-router")])["args"]
-    options = {o for a in commands["router"]._actions for o in a.option_strings}
-    dns = "--hosts-dns" in options
-    if not dns:
-        args = [a.replace("--hosts-dns=", "--hosts=") for a in args]
     try:
         parsed = parser.parse_args(args)
     except SystemExit:
         raise AssertionError(capsys.readouterr().err) from None
-    assert parsed.port == 8890 and parsed.data_dir == "/var/lib/forkd-router"
-    if not dns:
-        pytest.xfail("forkd router has no --hosts-dns yet: this Deployment cannot start until it has")
+    assert parsed.command == "router" and parsed.port == 8890 and parsed.data_dir == "/var/lib/forkd-router"
+    assert parsed.hosts_dns == flag(args, "--hosts-dns") and parsed.hosts is None
 
 
 # --- zero-to-jupyterhub's values ---------------------------------------------------------------

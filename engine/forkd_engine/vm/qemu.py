@@ -171,30 +171,38 @@ class Qemu:
         """CPU time (schedstat, ns) of a QEMU's vCPU threads, named "CPU n/ACCEL" (debug-threads);
         with ``waiting``, plus the time they spent runnable, waiting for a CPU (a busy guest on a
         busy host)."""
-        total = 0
+        return Qemu._vcpus(pid, waiting)[0]
+
+    @staticmethod
+    def _vcpus(pid: int, waiting: bool) -> tuple[int, bool]:
+        """(``vcpu_ns``, whether a vCPU thread is running or runnable right now)."""
+        total, runnable = 0, False
         for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
                 with open(f"/proc/{pid}/task/{tid}/comm") as f:
                     if not f.read().startswith("CPU "):
                         continue
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                     ran, waited = (int(x) for x in f.read().split()[:2])
                     total += ran + (waited if waiting else 0)
-        return total
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    runnable |= f.read().rpartition(")")[2].split()[0] == "R"
+        return total, runnable
 
     def wait_idle(self, handle: Handle, quiet: float = 0.03, limit: float = 1.0) -> bool:
         """Wait until the guest is idle: its vCPUs ran no guest code for ``quiet`` seconds (a halted
         vCPU thread sleeps). A snapshot saved mid-work (a thread still exiting, the agent still on
         its way back to read) makes every child finish that work again, translated afresh: ~10 % of
-        a restore's CPU. A vCPU that waits for a CPU of a loaded host is busy, not quiet. Bounded
-        by ``limit``; returns whether the guest went quiet."""
+        a restore's CPU. A vCPU that waits for a CPU of a loaded host is busy, not quiet: it is
+        runnable, though its counters move only once it runs. Bounded by ``limit``; returns
+        whether the guest went quiet."""
         pid = handle["pid"]
         start = quiet_since = time.monotonic()
-        last = self.vcpu_ns(pid, waiting=True)
+        last, _ = self._vcpus(pid, True)
         while time.monotonic() - start < limit:
             time.sleep(0.002)  # the sampling interval of the CPU counter, not a guess at readiness
-            now, used = time.monotonic(), self.vcpu_ns(pid, waiting=True)
-            if used != last:
+            now, (used, runnable) = time.monotonic(), self._vcpus(pid, True)
+            if used != last or runnable:
                 last, quiet_since = used, now
             elif now - quiet_since >= quiet:
                 return True

@@ -1,0 +1,121 @@
+"""``forkd router``: the tornado application and its start-up (options checked like forkd serve's)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import ssl
+import sys
+from urllib.parse import urlsplit
+
+from tornado import web
+from tornado.httpserver import HTTPServer
+from tornado.netutil import bind_sockets
+
+from .discovery import DiscoveryError, parse_dns
+from .handlers import route_table
+from .router import Router, Settings
+
+MAX_BODY = 64 * (1 << 20) + (1 << 20)  # a file write (64 MiB) and then some: the host says 413 past its limit
+
+
+class RouterError(Exception):
+    """A configuration ``forkd router`` refuses; the message says what to do."""
+
+
+def parse_hosts(value: str) -> list[str]:
+    urls = [u.strip().rstrip("/") for u in (value or "").split(",") if u.strip()]
+    if not urls:
+        raise RouterError("--hosts is empty: give the hosts' URLs, e.g. --hosts http://10.0.0.1:8889,http://10.0.0.2:8889")
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            raise RouterError(f"--hosts: {url!r} is not a host's URL: use http(s)://HOST:PORT (forkd serve's "
+                              f"address, its API at /v1)")
+    if len(set(urls)) != len(urls):
+        raise RouterError("--hosts names a host twice")
+    return urls
+
+
+def make_app(router: Router, token: str | None, **settings) -> web.Application:
+    return web.Application(route_table(), forkd_router=router, forkd_token=token, websocket_max_message_size=256 << 20,
+                           **settings)
+
+
+async def start(router: Router, token: str | None, host: str, port: int, ssl_options=None, **settings) -> HTTPServer:
+    """Start the router's heartbeat and listen; returns the server (its port in ``.port``)."""
+    await router.start()
+    server = HTTPServer(make_app(router, token, **settings), ssl_options=ssl_options, max_body_size=MAX_BODY,
+                        xheaders=False)
+    sockets = bind_sockets(port, host)
+    server.add_sockets(sockets)
+    server.port = sockets[0].getsockname()[1]
+    return server
+
+
+def run_router(hosts: str | None, hosts_token_file: str | None, host: str = "127.0.0.1", port: int = 8890,
+               token_file: str | None = None, no_token: bool = False, tls_cert: str | None = None,
+               tls_key: str | None = None, data_dir: str | None = None, settings: Settings | None = None,
+               hosts_dns: str | None = None) -> int:
+    from ..controller import default_data_dir
+    from ..serve import ServeError, is_loopback, read_token_file
+
+    try:
+        if bool(hosts) == bool(hosts_dns):
+            raise RouterError("give the hosts either as a list (--hosts URL,URL...) or as a name that resolves to "
+                              "them (--hosts-dns http://NAME:PORT), one of the two")
+        urls = parse_hosts(hosts) if hosts else []
+        if hosts_dns:
+            parse_dns(hosts_dns)
+        if bool(tls_cert) != bool(tls_key):
+            raise RouterError("--tls-cert and --tls-key go together")
+        for path in (tls_cert, tls_key, settings and settings.hosts_ca):
+            if path and not os.path.isfile(path):
+                raise RouterError(f"TLS file not found: {path}")
+        host_token = read_token_file(hosts_token_file) if hosts_token_file else None
+        if token_file:
+            token = read_token_file(token_file)
+        elif not is_loopback(host):
+            raise RouterError(f"refusing to listen on {host} (not a loopback address) without a token: pass "
+                              f"--token-file FILE (a secret of 16+ bytes)")
+        elif no_token:
+            token = None
+        else:
+            raise RouterError("pass --token-file FILE (the token clients of the router send), or --no-token on a "
+                              "loopback address")
+    except (RouterError, ServeError, DiscoveryError) as exc:
+        print(f"forkd router: {exc}", file=sys.stderr)
+        return 2
+    ssl_options = None
+    if tls_cert:
+        ssl_options = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_options.load_cert_chain(tls_cert, tls_key)
+    state_dir = os.path.join(os.path.abspath(os.path.expanduser(data_dir or default_data_dir())), "router")
+    logging.basicConfig(level=logging.INFO, format="[forkd router %(asctime)s] %(message)s")
+    logging.getLogger("tornado.access").setLevel(logging.WARNING)
+
+    async def main() -> None:
+        router = Router(urls, host_token, os.path.join(state_dir, "router.db"), settings, dns=hosts_dns)
+        server = await start(router, token, host, port, ssl_options)
+        scheme = "https" if tls_cert else "http"
+        shown = f"[{host}]" if ":" in host else host
+        up = sum(h.up for h in router.hosts.values())
+        print(f"forkd router: listening on {scheme}://{shown}:{server.port} for {len(router.hosts)} hosts ({up} up"
+              f"{', found through ' + hosts_dns if hosts_dns else ''}); "
+              f"state in {state_dir}", file=sys.stderr, flush=True)
+        print(f"forkd router: clients use it as one host: export FORKD_URL={scheme}://{shown}:{server.port} "
+              f"FORKD_TOKEN=<the token in {token_file}>" if token else
+              f"forkd router: no token: anyone on this host can use it (loopback only); "
+              f"export FORKD_URL={scheme}://{shown}:{server.port}", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        server.stop()
+        await router.stop()
+
+    asyncio.run(main())
+    return 0

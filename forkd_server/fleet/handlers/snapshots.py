@@ -1,0 +1,94 @@
+"""Snapshot routes: merged listing, create and pull by placement, the rest on a host that holds the tag."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..hosts import Host
+from ..router import Refusal, Router
+from .base import RouterHandler, host_query
+from .meta import lost_snapshots, merge_snapshots
+
+
+async def _holder(router: Router, tag: str, engine: str | None = None) -> Host:
+    held, _ = await router.holders(tag)
+    if engine:
+        held = {u: s for u, s in held.items() if s.get("engine") == engine} or held
+    if not held:
+        raise Refusal(404, f"snapshot {tag} not found on any host of the fleet")
+    pinned = [u for u in router.state.hosts_of("snapshot", tag) if u in held]
+    return router.hosts[(pinned or list(held))[0]]
+
+
+class SnapshotsHandler(RouterHandler):
+    async def get(self) -> None:
+        parts, missing = await self.router.gather_lists("/v1/snapshots" + host_query(self))
+        merged = merge_snapshots(parts)
+        self.send(merged + lost_snapshots(self.router, {s["tag"] for s in merged}, self.request.query), missing=missing)
+
+    async def post(self) -> None:
+        """Create: on the host that already has the tag (it answers 409), else best-of-K by free memory."""
+        body = self.json_body()
+        tag = body.get("tag") if body else None
+        held = (await self.router.holders(tag))[0] if isinstance(tag, str) else {}
+        host = self.router.hosts[next(iter(held))] if held else self.router.place_new()
+        status, reply = await self.call(host)
+        if status in (201, 202) and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
+            self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
+            reply["host"] = host.url
+        self.answer(status, reply)
+
+
+class SnapshotPullHandler(RouterHandler):
+    async def post(self) -> None:
+        """Pull from the store onto the best host that does not hold the tag yet."""
+        body = self.json_body() or {}
+        held = (await self.router.holders(body["tag"]))[0] if isinstance(body.get("tag"), str) else {}
+        host = self.router.place_new(exclude=set(held)) if len(held) < len(self.router.up_hosts()) \
+            else self.router.place_new()
+        status, reply = await self.call(host)
+        if status == 201 and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
+            self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
+            reply["host"] = host.url
+        self.answer(status, reply)
+
+    async def delete(self) -> None:  # the snapshot tagged "pull"
+        await SnapshotHandler.delete(self, "pull")
+
+
+class SnapshotHandler(RouterHandler):
+    async def delete(self, tag: str) -> None:
+        """Delete on every host that holds it."""
+        held, _ = await self.router.holders(tag)
+        if not held:
+            raise Refusal(404, f"snapshot {tag} not found on any host of the fleet")
+        answers = await asyncio.gather(*(self.call(self.router.hosts[u]) for u in held))
+        for url, (status, _) in zip(held, answers):
+            if status in (204, 404):
+                self.router.state.unpin("snapshot", tag, url)
+        status, reply = next(((s, r) for s, r in answers if s != 204), answers[0])
+        self.answer(status, reply)
+
+
+class SnapshotInfoHandler(RouterHandler):
+    async def get(self, tag: str) -> None:
+        host = await _holder(self.router, tag)
+        status, reply = await self.call(host)
+        if isinstance(reply, dict) and status == 200:
+            reply["host"] = host.url
+        self.answer(status, reply)
+
+
+class SnapshotCompactHandler(RouterHandler):
+    async def post(self, tag: str) -> None:
+        host = await _holder(self.router, tag)
+        status, reply = await self.call(host)
+        if status in (200, 201) and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
+            self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
+            reply["host"] = host.url
+        self.answer(status, reply)
+
+
+class SnapshotPushHandler(RouterHandler):
+    async def post(self, tag: str) -> None:
+        await self.forward(await _holder(self.router, tag, engine="vm"))

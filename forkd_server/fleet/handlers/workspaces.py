@@ -1,0 +1,65 @@
+"""Workspace and forkd kernel routes: merged listings, the rest on the host each is pinned to."""
+
+from __future__ import annotations
+
+from .base import RouterHandler
+from .sandboxes import PinnedHandler
+from .snapshots import _holder
+
+
+class WorkspacesHandler(RouterHandler):
+    async def get(self) -> None:
+        parts, missing = await self.router.gather_lists("/v1/workspaces")
+        self.send([{**i, "host": h.url} for h, items in parts for i in items if isinstance(i, dict)], missing=missing)
+
+    async def post(self) -> None:
+        body = self.json_body() or {}
+        tag = body.get("snapshot_tag")
+        host = await _holder(self.router, tag) if isinstance(tag, str) else self.router.place_new()
+        status, reply = await self.call(host)
+        if status == 201 and isinstance(reply, dict) and isinstance(reply.get("name"), str):
+            self.router.state.pin("workspace", [(reply["name"], reply)], host.url)
+            reply["host"] = host.url
+        self.answer(status, reply)
+
+
+class WorkspaceHandler(PinnedHandler):
+    kind = "workspace"
+
+    async def delete(self, name: str) -> None:
+        host = await self.locate(name)
+        status, reply = await self.call(host)
+        if status in (204, 404):
+            self.router.state.unpin("workspace", name, host.url)
+        self.answer(status, reply)
+
+
+class KernelsHandler(RouterHandler):
+    async def get(self) -> None:
+        parts, missing = await self.router.gather_lists("/v1/kernels")
+        self.send([{**i, "host": h.url} for h, items in parts for i in items if isinstance(i, dict)], missing=missing)
+
+
+class KernelHandler(PinnedHandler):
+    """A forkd kernel's record lives on the host of its HEAD sandbox: PUT (and checkout) go there."""
+
+    kind = "kernel"
+
+    async def put(self, kernel_id: str, *_) -> None:
+        body = self.json_body() or {}
+        sandbox = body.get("head") if self.request.method == "PUT" else body.get("sandbox")
+        if not isinstance(sandbox, str):
+            await self.forward(await self.locate(kernel_id))
+            return
+        host = await self.router.locate("sandbox", sandbox)
+        self.router.state.pin("kernel", [(kernel_id, None)], host.url)
+        await self.forward(host)
+
+    post = put
+
+    async def delete(self, kernel_id: str) -> None:
+        host = await self.locate(kernel_id)
+        status, reply = await self.call(host)
+        if status in (204, 404):
+            self.router.state.unpin("kernel", kernel_id, host.url)
+        self.answer(status, reply)

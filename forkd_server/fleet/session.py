@@ -1,0 +1,97 @@
+"""``GET /v1/sandboxes/{id}/session`` through the router: a WebSocket to the sandbox's host, joined
+to the client's message by message (no buffering beyond one message).
+
+The host's WebSocket is opened before the client's is accepted, so a refusal before the upgrade
+(401, 404, 410, 429, 503) reaches the client as the host said it, status and ``{"error"}`` body.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tornado import httpclient, websocket
+
+from .handlers import check_token, host_query
+from .router import Refusal, Router
+
+PASSED_HEADERS = ("X-Forkd-Client", "User-Agent")
+
+
+class SessionProxy(websocket.WebSocketHandler):
+    upstream: websocket.WebSocketClientConnection | None = None
+    _early: list | None = None  # what the host said before the client's side was open
+
+    def initialize(self) -> None:
+        self._early = []
+
+    @property
+    def router(self) -> Router:
+        return self.settings["forkd_router"]
+
+    def check_origin(self, origin: str) -> bool:
+        return True  # the token, never a cookie, carries authority: another origin gains nothing
+
+    def _refuse(self, status: int, body) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(body if isinstance(body, bytes) else json.dumps(body))
+
+    async def get(self, sandbox_id: str) -> None:
+        try:
+            check_token(self, self.settings["forkd_token"])
+            host = await self.router.locate("sandbox", sandbox_id)
+        except Refusal as exc:
+            self._refuse(exc.status, {"error": exc.message, **exc.fields})
+            return
+        scheme = "wss" if host.url.startswith("https:") else "ws"
+        url = scheme + host.url[host.url.index(":"):] + self.request.path + host_query(self)
+        headers = {k: v for k, v in self.request.headers.get_all() if k in PASSED_HEADERS}
+        if host.token:
+            headers["Authorization"] = f"Bearer {host.token}"
+        request = httpclient.HTTPRequest(url, headers=headers, connect_timeout=self.router.settings.connect_timeout,
+                                         request_timeout=self.router.settings.connect_timeout + 120,
+                                         ssl_options=host.tls)
+        try:
+            self.upstream = await websocket.websocket_connect(request, on_message_callback=self._from_host,
+                                                              max_message_size=256 << 20)
+        except httpclient.HTTPClientError as exc:
+            body = exc.response.body if exc.response is not None and exc.response.body else \
+                {"error": f"host {host.url} refused the session: {exc}"}
+            self._refuse(exc.code, body)
+            return
+        except OSError as exc:
+            self._refuse(502, {"error": f"host {host.url} did not answer: {exc}", "host": host.url})
+            return
+        await super().get(sandbox_id)
+        if self.ws_connection is None:  # the client's side was no WebSocket after all
+            self.upstream.close()
+
+    def open(self, *args) -> None:
+        early, self._early = self._early, None
+        for message in early:
+            self._from_host(message)
+
+    def _from_host(self, message) -> None:
+        if self._early is not None:
+            self._early.append(message)
+            return
+        if message is None:  # the host closed it
+            self.close(self.upstream.close_code, self.upstream.close_reason)
+            return
+        try:
+            self.write_message(message, binary=isinstance(message, bytes))
+        except websocket.WebSocketClosedError:
+            if self.upstream is not None:
+                self.upstream.close()
+
+    async def on_message(self, message) -> None:
+        if self.upstream is not None:
+            try:
+                await self.upstream.write_message(message, binary=isinstance(message, bytes))
+            except websocket.WebSocketClosedError:
+                self.close()
+
+    def on_close(self) -> None:
+        if self.upstream is not None:
+            self.upstream.close()
+

@@ -1,0 +1,130 @@
+"""A fleet for tests and bench/fleet.py: ``forkd serve`` hosts sharing one host token, each with a
+data dir of its own, and a real ``forkd router`` (a subprocess) in front of them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+from tests.serving import FORKD, Server, cleanup, free_port
+
+HEARTBEAT = 0.3   # s: the test router's heartbeat
+DOWN_AFTER = 3.0  # s: and its --down-after
+HOST_TIMEOUT = 3.0  # s: and its --host-timeout (a merged list waits that long for a host whose link hangs)
+
+
+class Router:
+    """``forkd router`` for ``hosts`` (URLs, or ``["--hosts-dns", URL]``); ``wrap``: a command it runs
+    under (e.g. a mount namespace of its own)."""
+
+    def __init__(self, hosts: list[str], workdir: str, *extra: str, wrap: tuple[str, ...] = ()):
+        self.workdir = workdir
+        self.port = free_port()
+        self.token = secrets.token_hex(20)
+        self.token_file = os.path.join(workdir, "router-token")
+        with open(self.token_file, "w") as f:
+            f.write(self.token)
+        where = hosts if hosts[:1] == ["--hosts-dns"] else ["--hosts", ",".join(hosts)]
+        self.wrap = list(wrap)
+        self.args = ["router", *where, "--hosts-token-file", os.path.join(workdir, "token"),
+                     "--token-file", self.token_file, "--port", str(self.port),
+                     "--data-dir", os.path.join(workdir, "router"), "--heartbeat", str(HEARTBEAT),
+                     "--down-after", str(DOWN_AFTER), "--host-timeout", str(HOST_TIMEOUT), *extra]
+        self.log_path = os.path.join(workdir, f"router-{self.port}.log")
+        self.start()
+
+    url = property(lambda self: f"http://127.0.0.1:{self.port}")
+
+    def start(self) -> None:
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([*self.wrap, *FORKD, *self.args], stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait(lambda h: h["ok"], "answer /healthz")
+
+    def output(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(f"{self.url}/healthz", timeout=10) as r:
+            return json.loads(r.read())
+
+    def hosts(self) -> dict[str, dict]:
+        req = urllib.request.Request(f"{self.url}/v1/fleet/hosts", headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return {h["url"]: h for h in json.loads(r.read())}
+
+    def wait(self, condition, what: str, timeout: float = 60) -> dict:
+        """Bounded polling of /healthz until ``condition(health)`` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"forkd router exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                health = self.health()
+                if condition(health):
+                    return health
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"forkd router did not {what} within {timeout} s:\n{self.output()}")
+            time.sleep(0.05)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc.poll() is None:
+            (self.proc.kill if kill else self.proc.terminate)()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@contextlib.contextmanager
+def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_hosts: tuple[str, ...] = (),
+          router_args: tuple[str, ...] = (), server=Server, router: bool = True):
+    """``n_hosts`` hosts and a router, all up; yields (router, [hosts]). ``extra_hosts``: more URLs
+    the router is given (hosts that misbehave); ``server``: the host class (``netns.NamespacedServer``
+    puts each host in a network namespace of its own); ``router=False``: no router, and (workdir,
+    [hosts]) is yielded. On exit every host's objects are deleted and everything stops."""
+    workdir = tempfile.mkdtemp(prefix="fkfl")
+    token = secrets.token_hex(20)
+    with open(os.path.join(workdir, "token"), "w") as f:
+        f.write(token)
+    hosts: list[Server] = []
+    with_router, router = router, None
+    try:
+        for i in range(n_hosts):
+            args = (host_args or [[]] * n_hosts)[i]
+            runtime = os.path.join(workdir, f"rt{i}")
+            srv = server("--token-file", os.path.join(workdir, "token"), *args, data_dir=os.path.join(workdir, f"h{i}"),
+                         env={**os.environ, "JUPYTER_RUNTIME_DIR": runtime})
+            srv.token = token
+            hosts.append(srv)
+        for srv in hosts:
+            srv.wait_healthy()
+        if not with_router:
+            yield workdir, hosts
+            return
+        router = Router([h.url for h in hosts] + list(extra_hosts), workdir, *router_args)
+        router.wait(lambda h: h["hosts_up"] >= n_hosts, "see every host up")
+        yield router, hosts
+    finally:
+        if router is not None:
+            router.stop()
+        for srv in hosts:
+            if srv.proc.poll() is None:
+                cleanup(srv.url, token)
+                srv.stop()
+            else:
+                os.unlink(srv.log.name)
+            if hasattr(srv, "remove"):
+                srv.remove()
+        shutil.rmtree(workdir, ignore_errors=True)

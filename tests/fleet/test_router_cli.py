@@ -1,0 +1,98 @@
+"""``forkd router``'s options: what it refuses (exit 2, one line saying why), and TLS both ways (the
+router serving https, and https hosts checked against --hosts-ca)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import ssl
+import subprocess
+import tempfile
+import urllib.request
+
+import pytest
+
+from ..serving import FORKD, Server, free_port
+
+
+@pytest.fixture
+def workdir():
+    path = tempfile.mkdtemp(prefix="fkrc")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def token_file(workdir: str, name: str) -> str:
+    path = os.path.join(workdir, name)
+    with open(path, "w") as f:
+        f.write(secrets.token_hex(20))
+    return path
+
+
+def call(url: str, token_path: str, ctx, method: str, path: str, body=None):
+    with open(token_path) as f:
+        token = f.read()
+    req = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, context=ctx, timeout=120) as r:
+        data = r.read()
+    return json.loads(data) if data else None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--hosts", ""], "one of the two"),
+    (["--hosts", "http://a:1", "--hosts-dns", "http://b:1"], "one of the two"),
+    (["--hosts-dns", "forkd-hosts:8889"], "is not a URL of the hosts' name"),
+    (["--hosts", " , "], "--hosts is empty"),
+    (["--hosts", "10.0.0.1:8889"], "is not a host's URL"),
+    (["--hosts", "http://a:1,http://a:1"], "names a host twice"),
+    (["--hosts", "http://a:1"], "pass --token-file FILE"),
+    (["--hosts", "http://a:1", "--host", "0.0.0.0", "--no-token"], "refusing to listen on 0.0.0.0"),
+    (["--hosts", "http://a:1", "--no-token", "--tls-cert", "/nope.pem"], "--tls-cert and --tls-key go together"),
+])
+def test_router_refuses(workdir, args, message):
+    done = subprocess.run([*FORKD, "router", "--port", str(free_port()), "--data-dir", workdir, *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_tls_to_the_router_and_to_its_hosts(workdir):
+    cert, key = os.path.join(workdir, "cert.pem"), os.path.join(workdir, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    hosts_token, router_token = token_file(workdir, "h"), token_file(workdir, "r")
+    host = Server("--token-file", hosts_token, "--tls-cert", cert, "--tls-key", key,
+                  data_dir=os.path.join(workdir, "host"))
+    port = free_port()
+    router = None
+    try:
+        host.wait_healthy(scheme="https")
+        router = subprocess.Popen([*FORKD, "router", "--hosts", f"https://127.0.0.1:{host.port}", "--hosts-token-file",
+                                   hosts_token, "--hosts-ca", cert, "--token-file", router_token, "--port", str(port),
+                                   "--tls-cert", cert, "--tls-key", key, "--data-dir", workdir],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        ctx = ssl.create_default_context(cafile=cert)
+        lines = []
+        while not any("listening on" in x for x in lines) and router.poll() is None:
+            lines.append(router.stdout.readline())  # what it prints up to the line saying it listens
+        assert "listening on https://" in lines[-1] and "(1 up)" in lines[-1], lines
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=ctx, timeout=30) as r:
+            assert json.loads(r.read())["hosts_up"] == 1
+        at_host = f"https://127.0.0.1:{host.port}"
+        call(at_host, hosts_token, ctx, "POST", "/v1/snapshots", {"tag": "tls", "setup": "x = 1"})
+        kid = call(f"https://127.0.0.1:{port}", router_token, ctx, "POST", "/v1/sandboxes", {"snapshot_tag": "tls"})[0]
+        assert kid["host"] == at_host
+        got = call(f"https://127.0.0.1:{port}", router_token, ctx, "POST", f"/v1/sandboxes/{kid['id']}/eval",
+                   {"code": "x + 1"})
+        assert got["result"] == "2"
+        call(at_host, hosts_token, ctx, "DELETE", f"/v1/sandboxes/{kid['id']}")
+        call(at_host, hosts_token, ctx, "DELETE", "/v1/snapshots/tls")
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        host.stop()
