@@ -90,6 +90,11 @@ def test_pinned_calls_reach_the_sandbox_host(world, api, direct):
     assert api.get_sandbox(sid)["host"] == hosts[1].url
     api.update_sandbox(sid, labels={"team": "blue"})
     assert direct[1].get_sandbox(sid)["labels"]["team"] == "blue"
+    assert api.freeze_sandbox(sid)["tier"] == "frozen" == direct[1].get_sandbox(sid)["tier"]
+    assert api.wake_sandbox(sid)["wake"]["from"] == "frozen"
+    with pytest.raises(ControllerError) as err:  # the host's own answer: a process cannot be stored
+        api.store_sandbox(sid)
+    assert err.value.status == 409
     api.kill_sandbox(sid)
     assert sid not in {s["id"] for s in direct[1].list_sandboxes()}
     with pytest.raises(ControllerError) as err:
