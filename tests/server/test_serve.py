@@ -125,7 +125,9 @@ def test_sdk_wrong_token(server):
     with pytest.raises(ControllerError) as info:
         Controller(server.url, "").list_sandboxes()
     assert (info.value.status, info.value.body) == (401, {"error": "missing bearer token"})
-    health = Controller(server.url, "").healthz()  # public: no token
+    assert Controller(server.url, "").healthz() == {"ok": True}  # public: up, and nothing of its load
+    assert Controller(server.url, "wrong-token-wrong-token").healthz() == {"ok": True}
+    health = Controller(server.url, server.token).healthz()  # a router's heartbeat, with a token
     assert health["ok"] is True and set(health["capacity"]) == {"memory_free", "sandboxes", "max_sandboxes",
                                                                 "snapshots", "load"}
 
