@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 from .discovery import parse_dns, resolve
 from .events import EventHub
-from .hosts import Heartbeat, Host, HostError
+from .hosts import Capacity, Heartbeat, Host, HostError
 from .placement import Candidate, NoRoom, Part, pick_host, place
 from .state import State
 
@@ -294,8 +294,22 @@ class Router:
             raise Refusal(409, f"snapshot `{tag}` is not bootable: status={status}")
         try:
             return place(tag, n, self.candidates(answered, held), self.rng), list(held)
+        except NoRoom:
+            pass
+        # The figures are the last heartbeat's: sandboxes may have ended since. Read them afresh
+        # before a refusal stands (each host still refuses what it cannot take, with its own 503).
+        await asyncio.gather(*(self.refresh_capacity(h) for h in answered))
+        try:
+            return place(tag, n, self.candidates(answered, held), self.rng), list(held)
         except NoRoom as exc:
             raise Refusal(exc.status, exc.message, room=exc.room) from None
+
+    async def refresh_capacity(self, host: Host) -> None:
+        """The host's capacity block as it is now (its last one stands if it does not answer)."""
+        try:
+            host.capacity = Capacity.parse(await host.get_json("/healthz", self.settings.host_timeout)) or host.capacity
+        except HostError:
+            pass
 
     def place_new(self, exclude: set[str] = frozenset()) -> Host:
         """The host for a new snapshot (create, pull): best-of-K by free memory among the up hosts."""

@@ -13,7 +13,7 @@ import pytest
 from forkd_server.client import AsyncController, Controller, ControllerError
 from forkd_server.streaming import Session
 
-from .fleet import fleet
+from .fleet import Router, fleet
 
 CAP = 3
 
@@ -291,3 +291,22 @@ def test_ids_two_hosts_hand_out_alike_are_never_shared():
             api.kill_sandbox(k["id"])
         clashes = router.output().count("handed out ids in use elsewhere")
         print(f"id clashes spawned again: {clashes}")
+
+
+def test_a_host_emptied_since_the_last_heartbeat_takes_the_spawn():
+    """The router's figures are its last heartbeat's: a spawn they say does not fit is placed
+    again on the hosts' figures read afresh (sandboxes may have ended since) before it is refused."""
+    with fleet(1, host_args=[[f"--ForkdApp.max_sandboxes={CAP}"]], router=False) as (workdir, hosts):
+        direct = Controller(hosts[0].url, hosts[0].token, timeout=120)
+        direct.create_snapshot("fresh", setup="pass")
+        full = direct.spawn_sandboxes("fresh", CAP)
+        router = Router([hosts[0].url], workdir, "--heartbeat", "600", "--down-after", "1200")
+        try:  # its first heartbeat saw the host full, and it sees nothing more for ten minutes
+            router.wait(lambda h: h["hosts_up"] >= 1, "see the host up")
+            for kid in full:
+                direct.kill_sandbox(kid["id"])
+            api = Controller(router.url, router.token, timeout=120)
+            kids = api.spawn_sandboxes("fresh", CAP)
+            assert len(kids) == CAP and {k["host"] for k in kids} == {hosts[0].url}
+        finally:
+            router.stop()
