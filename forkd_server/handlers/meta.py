@@ -3,7 +3,6 @@ the lineage tree."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import os
@@ -12,10 +11,10 @@ from jupyter_server.auth.decorator import allow_unauthenticated, authorized
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from tornado import web
-from tornado.iostream import StreamClosedError
 
 from .. import __version__
 from ..errors import ForkdError
+from ..sse import EventStream
 from .base import ForkdHandler, dumps, query_bool, query_labels
 
 BUSY_PING_TIMEOUT = 1.0  # s a sandbox has to answer the tree's ping
@@ -73,47 +72,19 @@ class OpenAPIHandler(ForkdHandler):
         self.send(doc)
 
 
-class EventsHandler(ForkdHandler):
+class EventsHandler(EventStream, ForkdHandler):
     """Server-sent events: one ``data:`` line of JSON per change (created, status, killed, deleted)."""
 
     auth_resource = "forkd:events"
-    _queue = None
 
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.set_header("Content-Type", "text/event-stream")
-        self.set_header("Cache-Control", "no-cache")
-        self.set_header("X-Accel-Buffering", "no")
-        hub = self.app.events
         viewer, owners = self.viewer, self.app.event_owners
-        self._queue = queue = hub.subscribe()
-        try:
-            self.write(": forkd events\n\n")
-            await self.flush()
-            while True:
-                try:
-                    event = await asyncio.wait_for(queue.get(), self.app.sse_keepalive)
-                except asyncio.TimeoutError:
-                    self.write(": keep-alive\n\n")
-                    await self.flush()
-                    continue
-                if event is None:  # the server or the client is going away
-                    break
-                if viewer is not None and (owners is None or not owners.visible(viewer, event)):
-                    continue  # another user's (forkd_server/hub/events.py)
-                self.write(f"id: {event['seq']}\nevent: {event['kind']}\ndata: {dumps(event).decode()}\n\n")
-                await self.flush()
-        except StreamClosedError:
-            pass
-        finally:
-            hub.unsubscribe(queue)
-        if not self.request.connection.stream.closed():
-            self.finish()
-
-    def on_connection_close(self) -> None:
-        if self._queue is not None:
-            self._queue.put_nowait(None)
+        visible = None if viewer is None else (  # another user's are not (forkd_server/hub/events.py)
+            lambda event: owners is not None and owners.visible(viewer, event))
+        await self.stream_events(self.app.events, "forkd events", self.app.sse_keepalive, visible,
+                                 lambda event: dumps(event).decode())
 
 
 class TreeHandler(ForkdHandler):

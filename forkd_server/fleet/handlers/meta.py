@@ -3,15 +3,14 @@ events and the tree."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from urllib.parse import parse_qsl
 
-from tornado.iostream import StreamClosedError
 
 from ... import __version__
 from ..hosts import Host
+from ...sse import EventStream
 from ..router import Router
 from .base import RouterHandler, host_query
 
@@ -58,42 +57,11 @@ class OpenAPIHandler(RouterHandler):
         self.send(doc)
 
 
-class EventsHandler(RouterHandler):
+class EventsHandler(EventStream, RouterHandler):
     """Every host's events in one stream, each with its ``host``, and the router's own."""
 
-    _queue = None
-
     async def get(self) -> None:
-        self.set_header("Content-Type", "text/event-stream")
-        self.set_header("Cache-Control", "no-cache")
-        self.set_header("X-Accel-Buffering", "no")
-        hub = self.router.events
-        self._queue = queue = hub.subscribe()
-        keepalive = self.settings.get("sse_keepalive", 15.0)
-        try:
-            self.write(": forkd fleet events\n\n")
-            await self.flush()
-            while True:
-                try:
-                    event = await asyncio.wait_for(queue.get(), keepalive)
-                except asyncio.TimeoutError:
-                    self.write(": keep-alive\n\n")
-                    await self.flush()
-                    continue
-                if event is None:
-                    break
-                self.write(f"id: {event['seq']}\nevent: {event.get('kind')}\ndata: {json.dumps(event)}\n\n")
-                await self.flush()
-        except StreamClosedError:
-            pass
-        finally:
-            hub.unsubscribe(queue)
-        if not self.request.connection.stream.closed():
-            self.finish()
-
-    def on_connection_close(self) -> None:
-        if self._queue is not None:
-            self._queue.put_nowait(None)
+        await self.stream_events(self.router.events, "forkd fleet events", self.settings.get("sse_keepalive", 15.0))
 
 
 def labels_match(record: dict, query: str) -> bool:
