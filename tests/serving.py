@@ -87,7 +87,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise AssertionError(f"forkd serve exited {self.proc.returncode}:\n{self.output()}")
             try:
-                with urllib.request.urlopen(f"{scheme}://127.0.0.1:{self.port}/healthz", timeout=1,
+                with urllib.request.urlopen(f"{scheme}://{self.url.split('://', 1)[1]}/healthz", timeout=1,
                                             context=ctx) as r:
                     assert json.loads(r.read())["ok"] is True
                     return

@@ -71,24 +71,6 @@ class NamespacedServer(Server):
                                       "--host", self.addr, "--port", str(self.port), "--data-dir", self.data_dir,
                                       *self.args], stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
 
-    def wait_healthy(self, scheme: str = "http", timeout: float = 30) -> None:
-        import json
-        import time
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"forkd serve exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
-                    assert json.loads(r.read())["ok"] is True
-                    return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"forkd serve did not answer /healthz:\n{self.output()}") from None
-                time.sleep(0.05)
-
     def partition(self) -> None:
         """Cut the link: the host runs on, unreachable."""
         _ip("link", "set", self.veth, "down")

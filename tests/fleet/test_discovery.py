@@ -4,12 +4,9 @@ made for it), resolving to loopback addresses the hosts listen on (127.0.0.2, .3
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import time
-import urllib.request
 
 import pytest
 
@@ -42,20 +39,6 @@ class AtAddress(Server):
         self.proc = subprocess.Popen([*FORKD, "serve", "--host", self.address, "--port", str(self.port),
                                       "--data-dir", self.data_dir, *self.args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
-
-    def wait_healthy(self, scheme: str = "http", timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"forkd serve exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
-                    assert json.loads(r.read())["ok"] is True
-                    return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"forkd serve did not answer /healthz:\n{self.output()}") from None
-                time.sleep(0.05)
 
 
 def test_hosts_found_through_a_name_and_one_that_joins():

@@ -13,6 +13,7 @@ import pytest
 from forkd_server.client import AsyncController, Controller, ControllerError
 from forkd_server.streaming import Session
 
+from ..serving import cleanup
 from .fleet import Router, fleet
 
 CAP = 3
@@ -37,16 +38,10 @@ def direct(world):
 
 
 @pytest.fixture(autouse=True)
-def clean(world, direct):
+def clean(world):
     yield
-    for ctl in direct:
-        for sb in ctl.list_sandboxes():
-            ctl.kill_sandbox(sb["id"])
-        for snap in ctl.list_snapshots():
-            try:
-                ctl.delete_snapshot(snap["tag"], cascade=True)
-            except ControllerError:
-                pass
+    for host in world[1]:
+        cleanup(host.url, host.token)
 
 
 def test_spawn_lands_where_the_snapshot_is(world, api, direct):
