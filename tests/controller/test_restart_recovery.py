@@ -20,8 +20,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -31,6 +29,7 @@ from forkd_server.controller import Controller
 from forkd_server.errors import NotFound
 
 from ..conftest import engine_processes, requires_root, wait_gone
+from ..rest import exchange
 from ..serving import serving
 from .conftest import cleanup, ev
 
@@ -51,12 +50,7 @@ def until(check, timeout: float = 60):
 
 def answer(server, path: str) -> tuple[int, dict]:
     """(status, body) of one GET, as is (the SDK would ask again while it says recovering)."""
-    request = urllib.request.Request(server.url + path, headers={"Authorization": f"Bearer {server.token}"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return exchange(server.url + path, headers={"Authorization": f"Bearer {server.token}"}, timeout=30)
 
 
 @pytest.mark.slow

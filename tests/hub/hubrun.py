@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
+from tests.rest import exchange
 from tests.serving import cleanup, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -125,20 +126,8 @@ class Hub:
     # --- the Hub's REST API, as the tester service -----------------------------------------------
 
     def api(self, method: str, path: str, body=None, token: str | None = None):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.ports['hub_port']}/hub/api{path}", data=data,
-                                     method=method, headers={"Authorization": f"token {token or self.tester_token}",
-                                                             "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                raw = r.read()
-                return r.status, json.loads(raw) if raw else None
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                return exc.code, json.loads(raw)
-            except ValueError:
-                return exc.code, raw.decode(errors="replace")
+        return exchange(f"http://127.0.0.1:{self.ports['hub_port']}/hub/api{path}", method, body,
+                        {"Authorization": f"token {token or self.tester_token}"})
 
     def wait_ready(self, timeout: float = 120) -> None:
         """Bounded polling until the Hub's API answers and forkd answers through the proxy."""

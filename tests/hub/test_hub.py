@@ -8,13 +8,12 @@ import json
 import os
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 
 from forkd_server.client import Controller, ControllerError
 
+from ..rest import exchange
 from .hubrun import PROXY, Hub, documented_config
 
 # Ports only (free ones), no host-wide resource; slow: a Hub, its proxy, forkd and a user's server start
@@ -45,19 +44,11 @@ def hub():
 def raw(hub, who: str | None, method: str, path: str, body=None, token: str | None = None, host: str | None = None):
     """One request through the proxy; (status, parsed body). ``host``: the Host header a browser or
     client of the Hub's public name sends."""
-    headers = {"Content-Type": "application/json", **({"Host": host} if host else {})}
+    headers = {"Host": host} if host else {}
     token = token or (hub.tokens[who] if who else None)
     if token:
         headers["Authorization"] = f"token {token}"
-    req = urllib.request.Request(hub.forkd_url + path, data=None if body is None else json.dumps(body).encode(),
-                                 method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            data = r.read()
-            return r.status, json.loads(data) if data else None
-    except urllib.error.HTTPError as exc:
-        data = exc.read()
-        return exc.code, json.loads(data) if data else None
+    return exchange(hub.forkd_url + path, method, body, headers)
 
 
 def spawn(hub, who: str, tag: str = BASE) -> str:

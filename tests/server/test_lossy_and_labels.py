@@ -8,16 +8,14 @@ listings and the tree, and survive a restart.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import urllib.error
-import urllib.request
 
 import pytest
 
 from forkd_server.client import ForkWarning, Snapshot
 
+from ..rest import exchange
 from ..serving import FORKD
 
 THREAD = ("import threading, time\n"
@@ -34,13 +32,7 @@ def snap(server, ctl):
 
 
 def raw(server, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(server.url + path, method=method, data=json.dumps(body).encode() if body else None,
-                                 headers={"Authorization": f"Bearer {server.token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null")
+    return exchange(server.url + path, method, body, {"Authorization": f"Bearer {server.token}"})
 
 
 def test_a_branch_that_would_lose_a_thread_is_refused_then_warned_and_kept(server, ctl, snap):

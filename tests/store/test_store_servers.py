@@ -12,12 +12,12 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.request
 
 import pytest
 
-from forkd_server.client import Controller, ControllerError
+from forkd_server.client import Controller
 
+from ..rest import exchange
 from ..serving import FORKD, serving
 from ..vm.conftest import requires_qemu
 from .s3 import S3_ENV, moto_s3
@@ -46,13 +46,7 @@ def restart(srv) -> None:
 
 
 def call(srv, method: str, path: str, body=None) -> tuple[int, dict]:
-    req = urllib.request.Request(srv.url + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Authorization": f"token {srv.token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=600) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
+    return exchange(srv.url + path, method, body, {"Authorization": f"token {srv.token}"}, timeout=600)
 
 
 @pytest.fixture(scope="module")
