@@ -16,20 +16,14 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from jupyter_client.manager import start_new_kernel  # noqa: E402
 
+from bench.kernel import execute, fork_five  # noqa: E402 - the kernel bench's cell and fork of five
 from tests.kernel.conftest import ServerForKernels  # noqa: E402 - a forkd serve the kernels find
-
-
-def _cell(kc, code: str) -> None:
-    reply = kc.execute_interactive(code, timeout=300)
-    if reply["content"]["status"] != "ok":
-        raise RuntimeError(f"{code!r} failed: {reply['content'].get('ename')}: {reply['content'].get('evalue')}")
 
 
 def _raw() -> dict:
@@ -45,19 +39,12 @@ def notebook_fork5(rounds: int) -> dict:
     try:
         km, kc = start_new_kernel(kernel_name="forkd-python")
         try:
-            _cell(kc, "import numpy as np\ndata = np.ones(64 * 2**20 // 8)\nstep = 0")
+            execute(kc, "import numpy as np\ndata = np.ones(64 * 2**20 // 8)\nstep = 0")
             ours, limit = [], []
 
             def fork() -> float:
-                _cell(kc, "step += 1")
-                before = {s["id"] for s in ctl.list_sandboxes()}
-                t0 = time.perf_counter()
-                _cell(kc, "kids = %forkd fork -n 5")
-                kids = [s["id"] for s in ctl.list_sandboxes() if s["id"] not in before]
-                for sb in kids:
-                    ctl.ping_sandbox(sb)
-                ms = (time.perf_counter() - t0) * 1000
-                assert len(kids) == 5, kids
+                execute(kc, "step += 1")
+                ms, kids = fork_five(kc, ctl)
                 for sb in kids:
                     ctl.kill_sandbox(sb)
                 return ms
