@@ -379,16 +379,6 @@ class Router:
         return 409, {"error": f"host {host.url} kept handing out sandbox ids other hosts use; give its data dir "
                               f"a fresh registry"}
 
-    def pin_children(self, host: Host, kids: list[dict]) -> None:
-        """Pin sandboxes a host made outside a spawn (a fork tree's children). An id another host
-        already uses keeps its pin (the older sandbox stays reachable) and is said in the log: unlike a
-        spawn's, such a child cannot be made again under a new id."""
-        clash = [k["id"] for k in kids if self.state.host_of("sandbox", k["id"]) not in (None, host.url)]
-        self.state.pin("sandbox", [(k["id"], k) for k in kids if k["id"] not in clash], host.url)
-        if clash:
-            log.warning("host %s made sandboxes whose ids another host uses (%s): calls by those ids reach the "
-                        "other host's", host.url, ", ".join(clash))
-
     async def kill(self, host: Host, ids: list[str], unpin: bool = True) -> None:
         async def one(sid: str) -> None:
             try:
