@@ -69,7 +69,8 @@ class Router:
         for url in (list(self._saved) if self.dns else []) + list(urls):
             self.add_host(url)
 
-    def add_host(self, url: str) -> Host:
+    def add_host(self, url: str, why: str | None = None) -> Host:
+        """``why``: how it was found, for the log (default: ``--hosts-dns``'s name or ``--hosts``)."""
         url = url.rstrip("/")
         if url in self.hosts:
             return self.hosts[url]
@@ -81,7 +82,7 @@ class Router:
             s = self.settings
             host.open(s.control_connections, s.call_connections, self._tls)
             self.heartbeat.watch(host)
-            log.warning("host %s joined (%s resolves to it)", url, self.dns[1] if self.dns else "--hosts")
+            log.warning("host %s joined (%s)", url, why or (f"{self.dns[1]} resolves to it" if self.dns else "--hosts"))
         return host
 
     async def discover(self) -> None:

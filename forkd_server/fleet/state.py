@@ -1,4 +1,5 @@
-"""What the router must not forget across a restart, in SQLite: the host table and the pins.
+"""What the router must not forget across a restart, in SQLite: the host table (with the hosts that
+registered themselves) and the pins.
 
 A *pin* says which host holds an object the router answers for: a sandbox (``sandbox``, by id), a
 snapshot (``snapshot``, by tag: a VM snapshot may be held by several hosts, so a tag has a pin per
@@ -32,6 +33,10 @@ CREATE TABLE IF NOT EXISTS pins (
     PRIMARY KEY (kind, key, host)
 );
 CREATE INDEX IF NOT EXISTS pins_by_host ON pins(host, kind);
+CREATE TABLE IF NOT EXISTS registered (
+    url TEXT PRIMARY KEY,         -- a host that registered itself (forkd serve --register)
+    announced_at REAL NOT NULL    -- unix time of its last announcement
+);
 """
 
 
@@ -62,6 +67,14 @@ class State:
                   capacity: dict | None) -> None:
         self.db.execute("INSERT OR REPLACE INTO hosts(url, state, reason, last_ok, capacity) VALUES (?,?,?,?,?)",
                         (url, state, reason, last_ok, json.dumps(capacity) if capacity is not None else None))
+
+    def registered(self) -> dict[str, float]:
+        """url -> last announcement of every host that registered itself."""
+        return dict(self.db.execute("SELECT url, announced_at FROM registered").fetchall())
+
+    def save_registration(self, url: str, announced_at: float) -> None:
+        self.db.execute("INSERT INTO registered(url, announced_at) VALUES (?,?) ON CONFLICT(url) DO UPDATE SET "
+                        "announced_at=max(announced_at, excluded.announced_at)", (url, announced_at))
 
     # --- pins -------------------------------------------------------------------------------------
 
