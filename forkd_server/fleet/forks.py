@@ -20,18 +20,14 @@ from .router import Router
 log = logging.getLogger("forkd.router")
 
 
-def _clashes(router: Router, host: Host, kids: list[dict]) -> list[dict]:
-    return [k for k in kids if router.state.host_of("sandbox", k["id"]) not in (None, host.url)]
-
-
 async def settle_children(router: Router, host: Host, reply: dict, headers: dict) -> tuple[int, Any]:
     """Pin the fork's children to ``host``, each under an id no other host uses; (201, the reply
     with its children as made) or, if a child could not be made again, that spawn's error with the
     fork's other children killed (a fork is all or nothing, as a spawn is)."""
     kids = [k for k in reply.get("sandboxes") or [] if isinstance(k, dict) and isinstance(k.get("id"), str)]
-    clash = _clashes(router, host, kids)
+    taken = set(router.state.claim("sandbox", [(k["id"], k) for k in kids], host.url))
+    clash = [k for k in kids if k["id"] in taken]
     good = [k for k in kids if k not in clash]
-    router.state.pin("sandbox", [(k["id"], k) for k in good], host.url)
     if clash:
         snapshot = reply.get("snapshot") or {}
         log.warning("host %s forked children whose ids another host uses (%s): made again under new ids",

@@ -365,10 +365,10 @@ class Router:
                 return status, got
             if host.capacity is not None:  # until the next heartbeat says how many it holds
                 host.capacity = host.capacity.counted(len(got))
-            clash = [k for k in got if self.state.host_of("sandbox", k["id"]) not in (None, host.url)
-                     or any(k["id"] == mine["id"] for mine in kids)]
+            again = [k for k in got if any(k["id"] == mine["id"] for mine in kids)]
+            taken = set(self.state.claim("sandbox", [(k["id"], k) for k in got if k not in again], host.url))
+            clash = again + [k for k in got if k["id"] in taken]
             good = [k for k in got if k not in clash]
-            self.state.pin("sandbox", [(k["id"], k) for k in good], host.url)
             kids += good
             if not clash:
                 return 201, [{**k, "host": host.url} for k in kids]

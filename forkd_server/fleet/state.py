@@ -90,6 +90,21 @@ class State:
                 self.db.execute("INSERT OR REPLACE INTO pins(kind, key, host, record, pinned_at) VALUES (?,?,?,?,?)",
                                 (kind, key, host, json.dumps(record) if record is not None else None, now))
 
+    def claim(self, kind: str, items: list[tuple[str, dict | None]], host: str) -> list[str]:
+        """Pin each (key, record) to ``host`` unless another host holds a pin of the key; returns the
+        keys another host holds (not pinned). One transaction: two routers on this file that both
+        see an id free cannot both take it (the second sees the first's pin)."""
+        now, taken = time.time(), []
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            for key, record in items:
+                if self.db.execute("SELECT 1 FROM pins WHERE kind=? AND key=? AND host<>?", (kind, key, host)).fetchone():
+                    taken.append(key)
+                    continue
+                self.db.execute("INSERT OR REPLACE INTO pins(kind, key, host, record, pinned_at) VALUES (?,?,?,?,?)",
+                                (kind, key, host, json.dumps(record) if record is not None else None, now))
+        return taken
+
     def unpin(self, kind: str, key: str, host: str | None = None) -> None:
         if host is None:
             self.db.execute("DELETE FROM pins WHERE kind=? AND key=?", (kind, key))

@@ -28,7 +28,7 @@ class Router:
         self.workdir = workdir
         self.port = free_port()
         self.token = secrets.token_hex(20)
-        self.token_file = os.path.join(workdir, "router-token")
+        self.token_file = os.path.join(workdir, f"router-token-{self.port}")  # one each: routers may share workdir
         with open(self.token_file, "w") as f:
             f.write(self.token)
         where = hosts if hosts[:1] == ["--hosts-dns"] or not hosts else ["--hosts", ",".join(hosts)]
