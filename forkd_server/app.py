@@ -5,6 +5,9 @@ runs a standalone server with only this extension and ``route_prefix = ""``, so 
 the root like forkd's daemon. The app owns the controller, the admission of its (blocking) calls
 (admission.py: a pool for control calls, another for long ones, and their limits), the Prometheus
 registry and the event fan-out (SSE subscribers and jupyter_server's event bus).
+
+With ``remote_url`` (by default ``$FORKD_URL``) it runs no controller: its routes pass every call on
+to that server, and that server's events reach the event bus (remote.py).
 """
 
 from __future__ import annotations
@@ -141,8 +144,32 @@ class ForkdApp(ExtensionApp):
                                                        "sandboxes share the host's network, so they reach every "
                                                        "service on its loopback, this server's own port included. "
                                                        "Off: such a request is answered 403.")
+    remote_url = Unicode(config=True, help="Another forkd this extension passes every call on to instead of running "
+                                           "sandboxes here (a fleet's router, a remote `forkd serve`, the "
+                                           "JupyterHub service), so the Lab panel shows what the kernels and magics "
+                                           "use (remote.py). Default: $FORKD_URL where the server starts; '' runs "
+                                           "forkd here. `forkd serve` never forwards.")
+    remote_token = Unicode(config=True, help="The token calls to remote_url carry (never sent to the browser). "
+                                             "Default: $FORKD_TOKEN, else $JUPYTERHUB_API_TOKEN (a JupyterHub user "
+                                             "server's own).")
     mcp = Bool(True, config=True, help="Serve the MCP server (streamable HTTP) at {base_url}{route_prefix}mcp; "
                                        "needs the mcp package (pip install 'forkd-jupyter[mcp]').")
+
+    @default("remote_url")
+    def _default_remote_url(self) -> str:
+        return os.environ.get("FORKD_URL", "")
+
+    @default("remote_token")
+    def _default_remote_token(self) -> str:
+        from .remote import default_token
+        return default_token()
+
+    @validate("remote_url")
+    def _valid_remote_url(self, proposal):
+        value = proposal["value"].strip()
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError(f"remote_url must be an http:// or https:// URL, not {value!r}")
+        return value
 
     @default("data_dir")
     def _default_data_dir(self) -> str:
@@ -181,7 +208,13 @@ class ForkdApp(ExtensionApp):
     listing_json: tuple | None = None  # (registry generation, each sandbox's encoded JSON)
     event_owners = None  # under JupyterHub: the labels behind each event (hub/events.py)
 
+    remote = None  # remote mode: the server every call is passed on to (remote.py)
+    relay = None   # and the reader of its change events
+
     def initialize_settings(self) -> None:
+        if self.remote_url:
+            self._initialize_remote()
+            return
         from .controller import Controller
         from .datadir_lock import DataDirBusy, DataDirLock
 
@@ -235,6 +268,24 @@ class ForkdApp(ExtensionApp):
         self.log.info("forkd: data in %s, routes under %s%s", self.controller.data_dir,
                       self.serverapp.base_url, self.route_prefix)
 
+    def _initialize_remote(self) -> None:
+        """Remote mode: no controller, data dir or sandboxes here; calls and events come from the remote."""
+        from .remote import EventRelay, Remote
+        self.remote = Remote(self.remote_url, self.remote_token)
+        self.events = EventHub(self)  # the relay's changes go to jupyter_server's event bus through it
+        io_loop = getattr(self.serverapp, "io_loop", None)
+        self.events.loop = getattr(io_loop, "asyncio_loop", None)
+        self.relay = EventRelay(self.remote, self.events.publish, self.log)
+        logger = getattr(self.serverapp, "event_logger", None)
+        if logger is not None and EVENT_SCHEMA_ID not in logger.schemas.schema_ids:
+            logger.register_event_schema(EVENT_SCHEMA)
+        if self.register:
+            self.log.warning("forkd: c.ForkdApp.register is ignored: this server passes its calls on to %s",
+                             self.remote.url)
+        self.log.info("forkd: routes under %s%s pass every call on to %s (c.ForkdApp.remote_url%s); no sandboxes "
+                      "run here", self.serverapp.base_url, self.route_prefix, self.remote.url,
+                      ", from $FORKD_URL" if self.remote_url == os.environ.get("FORKD_URL", "").strip() else "")
+
     def _recovered(self, result: dict) -> None:
         """Called on the recovery thread once every object it found is settled."""
         settled = self.controller.recovery.settled_s if self.controller else None
@@ -246,12 +297,22 @@ class ForkdApp(ExtensionApp):
     def initialize_handlers(self) -> None:
         from .handlers import route_table
 
-        self.handlers.extend(route_table(self.route_prefix))
+        if self.remote is not None:
+            from .handlers.meta import VersionHandler
+            from .remote import routes
+            # /version stays this extension's own: the Lab extension checks it matches its build
+            self.handlers.append((f"/{self.route_prefix}version", VersionHandler))
+            self.handlers.extend(routes(self.route_prefix))
+        else:
+            self.handlers.extend(route_table(self.route_prefix))
         from .mcp.http import routes as mcp_routes
         self.handlers.extend(mcp_routes(self.route_prefix))
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         self.events.loop = asyncio.get_running_loop()
+        if self.remote is not None:
+            self.relay.start()
+            return
         prefix = self.route_prefix.rstrip("/")
         self.data_dir_lock.announce(serverapp.connection_url.rstrip("/") + (f"/{prefix}" if prefix else ""))
         if self.register:
@@ -287,6 +348,11 @@ class ForkdApp(ExtensionApp):
         if self.mcp_mount is not None:
             await self.mcp_mount.stop()
             self.mcp_mount = None
+        if self.remote is not None:
+            await self.relay.stop()
+            self.events.close()
+            await self.remote.close()
+            return
         if self.controller is None:
             return
         self.events.close()

@@ -136,6 +136,7 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         "--ServerApp.allow_unauthenticated_access=False", "--ServerApp.answer_yes=True",
         "--ServerApp.default_url=/healthz", "--ForkdApp.default_url=/healthz",
         f"--ServerApp.root_dir={data_dir}", "--ForkdApp.route_prefix=", f"--ForkdApp.data_dir={data_dir}",
+        "--ForkdApp.remote_url=",  # a host never forwards, whatever FORKD_URL its shell has
         f"--IdentityProvider.token={token or ''}",
     ]
     if hub:

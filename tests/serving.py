@@ -151,13 +151,16 @@ def serving(*args: str, env: dict | None = None):
 class JupyterServer:
     """``jupyter server`` with forkd (as ``jupyter lab`` serves it: routes under ``/forkd/``), a token, a
     root and data dir of its own, no FORKD_URL (its kernels find it through its runtime dir).
-    ``stop()`` deletes what it holds, stops it and removes its directory."""
+    ``stop()`` deletes what it holds, stops it and removes its directory. ``env``: more of its
+    environment (``FORKD_URL`` and ``FORKD_TOKEN`` put it in remote mode; ``stop()`` then leaves the
+    remote's objects to whoever runs it)."""
 
-    def __init__(self):
+    def __init__(self, env: dict | None = None):
         self.workdir = tempfile.mkdtemp(prefix="fkmcp")
         self.token = secrets.token_hex(20)
         self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}
+        self.remote = bool((env or {}).get("FORKD_URL"))
+        env = {**{k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}, **(env or {})}
         env["JUPYTER_RUNTIME_DIR"] = os.path.join(self.workdir, "rt")  # its kernels find it there
         self.log = open(os.path.join(self.workdir, "server.log"), "w")
         self.proc = subprocess.Popen(
@@ -194,7 +197,8 @@ class JupyterServer:
         return json.loads(text) if text else None
 
     def stop(self) -> None:
-        cleanup(self.forkd_url, self.token)
+        if not self.remote:
+            cleanup(self.forkd_url, self.token)
         self.proc.terminate()
         try:
             self.proc.wait(30)

@@ -183,6 +183,12 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
     async def prepare(self) -> None:
         if self.app.events.loop is None:
             self.app.events.loop = asyncio.get_running_loop()
+        await self.authenticate()
+        if not self.public and isinstance(self.current_user, HubUser):
+            await self._hub_checks()
+
+    async def authenticate(self) -> None:
+        """jupyter_server's own check of the caller, answered in forkd's words (401, not 403)."""
         try:
             await super().prepare()
         except web.HTTPError as exc:
@@ -193,8 +199,6 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
             raise
         if not self.public and self.current_user is None:
             raise self._unauthorized()
-        if not self.public and isinstance(self.current_user, HubUser):
-            await self._hub_checks()
 
     # --- under JupyterHub: who the caller is and what they may touch (forkd_server/hub/) -------------
 
