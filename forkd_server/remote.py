@@ -193,6 +193,11 @@ class RemoteHandler(ForkdHandler):
                 if resp.status in (204, 304):
                     self.finish()
                     return
+                length = resp.headers.get("Content-Length", "")
+                if length.isdigit() and int(length) <= MIB:  # a small answer: one write
+                    self.finish(await resp.read())
+                    return
+                await self.flush()  # the headers now: a stream's first event may be long in coming
                 async for chunk in resp.content.iter_any():  # the event stream included: no buffering
                     self.write(chunk)
                     await self.flush()

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
@@ -155,10 +156,10 @@ class JupyterServer:
     environment (``FORKD_URL`` and ``FORKD_TOKEN`` put it in remote mode; ``stop()`` then leaves the
     remote's objects to whoever runs it)."""
 
-    def __init__(self, env: dict | None = None):
+    def __init__(self, env: dict | None = None, port: int | None = None):
         self.workdir = tempfile.mkdtemp(prefix="fkmcp")
         self.token = secrets.token_hex(20)
-        self.port = free_port()
+        self.port = port or free_port()
         self.remote = bool((env or {}).get("FORKD_URL"))
         env = {**{k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}, **(env or {})}
         env["JUPYTER_RUNTIME_DIR"] = os.path.join(self.workdir, "rt")  # its kernels find it there
@@ -175,6 +176,12 @@ class JupyterServer:
             try:
                 with urllib.request.urlopen(f"{self.forkd_url}/healthz", timeout=1):
                     break
+            except urllib.error.HTTPError:
+                if self.remote:  # up: its remote's answer (a 502 for one that does not answer) is the test's
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"jupyter server did not start:\n{self.output()}") from None
+                time.sleep(0.05)
             except OSError:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"jupyter server did not start:\n{self.output()}") from None

@@ -139,6 +139,7 @@ class Lab:
     proc: subprocess.Popen | None = None
     log: object = None
     starts: list = field(default_factory=list)
+    env: dict = field(default_factory=dict)  # more of its environment (FORKD_URL: remote mode)
 
     @property
     def url(self) -> str:
@@ -155,7 +156,7 @@ class Lab:
                        JUPYTER_RUNTIME_DIR=os.path.join(self.root, ".rt"),
                        JUPYTER_CONFIG_DIR=os.path.join(self.root, ".cfg"),
                        JUPYTER_DATA_DIR=os.path.join(self.root, ".data"),
-                       JUPYTER_PATH=os.path.join(self.root, ".jupyter-path"))
+                       JUPYTER_PATH=os.path.join(self.root, ".jupyter-path"), **self.env)
         self.proc = subprocess.Popen(
             [str(self.venv / "bin" / "python"), "-m", "jupyterlab", f"--config={self.root}/lab_config.py"],
             env=env, cwd=self.root, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -216,10 +217,8 @@ class Lab:
                     raise
 
 
-@pytest.fixture(scope="session")
-def lab_server(lab_venv):
-    if os.geteuid() != 0:
-        pytest.skip("the process engine needs root")
+def new_lab(venv: Path, **env: str) -> Lab:
+    """A Lab (not started) with a root and a data dir of its own; ``env``: more of its environment."""
     root = tempfile.mkdtemp(prefix="fklab")
     data = tempfile.mkdtemp(prefix="fk")
     Path(root, "lab_config.py").write_text(CONFIG)
@@ -227,7 +226,15 @@ def lab_server(lab_venv):
     settings = Path(root, ".settings", "@jupyterlab", "apputils-extension")
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
-    lab = Lab(lab_venv, root, free_port(), data)
+    return Lab(venv, root, free_port(), data, env=env)
+
+
+@pytest.fixture(scope="session")
+def lab_server(lab_venv):
+    if os.geteuid() != 0:
+        pytest.skip("the process engine needs root")
+    lab = new_lab(lab_venv)
+    root, data = lab.root, lab.data_dir
     lab.start()
     try:
         yield lab
