@@ -4,9 +4,9 @@ In a JupyterLab whose kernels and magics use ``FORKD_URL`` (a fleet's router, a 
 serve``, the JupyterHub service), the panel must see that same server, not a forkd of its own
 Jupyter server. With ``c.ForkdApp.remote_url`` set (by default from ``$FORKD_URL``), no controller
 runs here: ``/healthz``, ``/metrics`` and every ``/v1/...`` route (the ``/v1/events`` stream as it
-arrives) are passed on to the remote with its token (``c.ForkdApp.remote_token``, by default
-``$FORKD_TOKEN``, else under JupyterHub ``$JUPYTERHUB_API_TOKEN``), after jupyter_server's own check
-of the caller. The token never reaches the browser. ``/version`` stays this extension's own: the
+arrives; the session WebSocket in remote_session.py) are passed on to the remote with its token
+(``c.ForkdApp.remote_token``, by default ``$FORKD_TOKEN``, else under JupyterHub
+``$JUPYTERHUB_API_TOKEN``), after jupyter_server's own check of the caller. The token never reaches the browser. ``/version`` stays this extension's own: the
 Lab extension checks that it matches its own build.
 
 The remote's change events are re-emitted on this server's event bus (``EventRelay``), which is
@@ -233,21 +233,11 @@ class RemoteHealthHandler(RemoteHandler):
         await self.forward(path, with_token=self.current_user is not None)
 
 
-class RemoteSessionHandler(RemoteHandler):
-    """The session WebSocket is not passed on: said, with what to use instead."""
-
-    @web.authenticated
-    @authorized
-    async def get(self, path: str) -> None:
-        raise ApiError(501, f"this Jupyter server passes calls on to {self.remote.url} but not the session "
-                            f"WebSocket: open it there ({self.remote.url}/{path}), as the forkd kernel and the "
-                            f"magics do through $FORKD_URL", {"remote": self.remote.url})
-
-
 def routes(prefix: str) -> list[tuple[str, type]]:
     """The forwarding routes, relative to base_url (``prefix``: the extension's route prefix)."""
+    from .remote_session import RemoteSessionHandler  # a WebSocket, joined to the remote's
     return [(f"/{prefix}(healthz/?)", RemoteHealthHandler),
-            (f"/{prefix}(v1/sandboxes/[^/]+/session)", RemoteSessionHandler),
+            (f"/{prefix}v1/sandboxes/([^/]+)/session", RemoteSessionHandler),
             (f"/{prefix}{FORWARDED}", RemoteHandler)]
 
 

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from tornado import httpclient, websocket
 
-from forkd_server.client import Controller
+from forkd_server.client import Controller, ControllerError
 from tests.serving import JupyterServer, free_port
 
 from .fleet import fleet
@@ -91,8 +91,6 @@ def test_errors_pass_through_and_the_jupyter_login_still_applies(remote):
         assert status == 200 and body["ok"] is True and body["router"] is True and body["hosts_up"] == 2
     status, body = call(js, "GET", "/forkd/version")
     assert status == 200 and body["api"] == "v1"
-    status, body = call(js, "GET", "/forkd/v1/sandboxes/sb-x/session")
-    assert status == 501 and router.url in body["error"] and "FORKD_URL" in body["error"]
 
 
 def read_events(js: JupyterServer, into: queue.Queue, opened: threading.Event, stop: threading.Event) -> None:
@@ -126,6 +124,24 @@ def test_the_event_stream_passes_through_as_it_comes(remote):
     finally:
         stop.set()
         api.kill_sandbox(kid)  # an event, so the reader sees stop
+
+
+def test_a_session_streams_through_to_the_sandbox_host(remote):
+    js, _, _ = remote
+    api = Controller(js.forkd_url, js.token, timeout=120)
+    kid = api.spawn_sandboxes("right", 1)[0]["id"]
+    try:
+        printed = []
+        with api.session(kid) as session:
+            reply = session.execute("print('on', me)", on_event=lambda e: e.get("type") == "stream" and printed.append(
+                e["text"]))
+            assert reply["status"] == "ok" and "".join(printed) == "on 1\n"
+        # a refusal before the upgrade keeps the remote's status and words
+        with pytest.raises(ControllerError) as refused:
+            api.session("sb-nope").__enter__()
+        assert refused.value.status == 404 and "sb-nope" in refused.value.message
+    finally:
+        api.kill_sandbox(kid)
 
 
 async def bus_events(js: JupyterServer, act, want) -> dict:
