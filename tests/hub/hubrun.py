@@ -39,8 +39,8 @@ c.Authenticator.allow_all = True
 c.JupyterHub.spawner_class = "simple"
 c.SimpleLocalProcessSpawner.home_dir_template = "{workdir}/home/{{username}}"
 c.Spawner.cmd = [sys.executable, "-m", "jupyterhub.singleuser"]
-# the singleuser server of a test needs none of the extensions installed here (the panel, forkd's own)
-c.Spawner.args = ["--allow-root", "--ServerApp.jpserver_extensions={{'forkd_server': False, 'jupyterlab': False}}"]
+# the singleuser server of a test needs no JupyterLab; its forkd extension passes on to FORKD_URL (remote mode)
+c.Spawner.args = ["--allow-root", "--ServerApp.jpserver_extensions={{'jupyterlab': False}}"]
 c.Spawner.default_url = "/api"
 c.Spawner.start_timeout = 120
 c.Spawner.http_timeout = 120

@@ -242,6 +242,32 @@ def test_a_users_server_finds_forkd_with_no_setup(hub):
         hub.ctl("bob").kill_sandbox(theirs)
 
 
+def test_a_users_jupyter_server_passes_her_panel_on_to_the_service(hub):
+    """The forkd extension of alice's server (remote mode, from the spawner's FORKD_URL and its own
+    token) shows through its own routes what the service shows her: her sandboxes, never bob's."""
+    mine, theirs = spawn(hub, "alice"), spawn(hub, "bob")
+    try:
+        hub.start_server("alice")
+        own = f"{hub.public}/user/alice/forkd"
+        alice = {"Authorization": f"token {hub.tokens['alice']}"}
+        status, listed = exchange(f"{own}/v1/sandboxes", "GET", None, alice)
+        assert status == 200, listed
+        assert mine in [s["id"] for s in listed] and theirs not in [s["id"] for s in listed]
+        status, tree = exchange(f"{own}/v1/tree?memory=true", "GET", None, alice)
+        assert status == 200 and mine in [n["id"] for n in tree] and theirs not in [n["id"] for n in tree]
+        assert BASE in [n["id"] for n in tree]  # boss's shared snapshot, which she may spawn from
+        # bob's id is an unknown one to her, through her server as through the service
+        status, body = exchange(f"{own}/v1/sandboxes/{theirs}", "GET", None, alice)
+        assert status == 404 and body == {"error": f"sandbox {theirs} not found"}
+        # who may use alice's server is the Hub's business: bob's token is no key to it (401, in forkd's words)
+        status, body = exchange(f"{own}/v1/sandboxes", "GET", None, {"Authorization": f"token {hub.tokens['bob']}"})
+        assert status == 401 and body == {"error": "invalid bearer token"}
+    finally:
+        hub.api("DELETE", "/users/alice/server")
+        hub.ctl("alice").kill_sandbox(mine)
+        hub.ctl("bob").kill_sandbox(theirs)
+
+
 def test_a_kernels_record_is_its_heads_owners(hub):
     alice, bob = hub.ctl("alice"), hub.ctl("bob")
     mine, theirs = spawn(hub, "alice"), spawn(hub, "bob")
