@@ -235,7 +235,9 @@ class RemoteHealthHandler(RemoteHandler):
 
 def routes(prefix: str) -> list[tuple[str, type]]:
     """The forwarding routes, relative to base_url (``prefix``: the extension's route prefix)."""
-    from .remote_session import RemoteSessionHandler  # a WebSocket, joined to the remote's
+    # the session is a WebSocket joined to the remote's (imported here: remote_session imports this module)
+    from .remote_session import RemoteSessionHandler
+
     return [(f"/{prefix}(healthz/?)", RemoteHealthHandler),
             (f"/{prefix}v1/sandboxes/([^/]+)/session", RemoteSessionHandler),
             (f"/{prefix}{FORWARDED}", RemoteHandler)]

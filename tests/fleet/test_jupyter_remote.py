@@ -50,7 +50,7 @@ def remote():
 
 
 def test_lists_tree_and_calls_reach_the_fleet(remote):
-    js, router, hosts = remote
+    js, _, hosts = remote
     api = Controller(js.forkd_url, js.token, timeout=120)
     snaps = {s["tag"]: s for s in api.list_snapshots()}
     assert snaps["left"]["host"] == hosts[0].url and snaps["right"]["host"] == hosts[1].url
