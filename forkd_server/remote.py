@@ -246,14 +246,14 @@ def routes(prefix: str) -> list[tuple[str, type]]:
 class EventRelay:
     """Reads the remote's ``/v1/events`` for as long as the server runs and hands each change to
     ``publish`` (the extension's event hub, which puts it on jupyter_server's event bus). A stream
-    that ends or cannot open is opened again, after 1 s, then twice as long each time up to 30 s
-    (said in the log once per outage); changes made meanwhile are not replayed, and the panel's
-    periodic re-read catches up with them."""
+    that ends or cannot open is opened again after 1 s, then twice as long each time up to 30 s
+    (afresh once a stream was read for longer than that); each outage is said once in the log; changes
+    made meanwhile are not replayed, and the panel's periodic re-read catches up with them."""
 
     def __init__(self, remote: Remote, publish, log):
         self.remote, self.publish, self.log = remote, publish, log
         self.task: asyncio.Task | None = None
-        self.connected = asyncio.Event()  # set while a stream is open (tests wait on it)
+        self.was_open = False  # the last read of the stream got as far as its first line
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
@@ -269,15 +269,19 @@ class EventRelay:
 
     async def _run(self) -> None:
         wait, failing = 1.0, False
+        loop = asyncio.get_running_loop()
         while True:
+            opened, self.was_open = loop.time(), False
             try:
                 why = await self._stream()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 why = f"did not answer ({exc or type(exc).__name__})"
-            self.connected.clear()
-            if why is None:  # a stream that was open ended: open it again at once
-                wait, failing = 1.0, False
-                continue
+            except Exception as exc:  # noqa: BLE001 - garbage on the stream must not end the relay for good
+                why = f"sent what is not an event stream ({type(exc).__name__}: {exc})"
+            if self.was_open:  # an outage begins now: said, once
+                failing = False
+            if loop.time() - opened > RETRY_MAX:  # it was read a good while: start the waits afresh
+                wait = 1.0
             if not failing:
                 self.log.warning("forkd: the change events of %s %s; the panel is not kept live until they are "
                                  "read again (retrying, at most every %g s)", self.remote.url, why, RETRY_MAX)
@@ -285,14 +289,15 @@ class EventRelay:
             await asyncio.sleep(wait)
             wait = min(wait * 2, RETRY_MAX)
 
-    async def _stream(self) -> str | None:
+    async def _stream(self) -> str:
+        """One read of the stream until it ends; says why it did."""
         headers = {**self.remote.headers(), "Accept": "text/event-stream"}
         async with self.remote.session().get(f"{self.remote.url}/v1/events", headers=headers,
                                              timeout=self.remote.timeout()) as resp:
             if resp.status != 200:
                 body = await resp.read()
                 return f"could not be read ({resp.status}: {error_text(body, resp.headers.get('Content-Type', ''))})"
-            self.connected.set()
+            self.was_open = True
             self.log.info("forkd: relaying the change events of %s", self.remote.url)
             data: list[str] = []
             async for raw in resp.content:  # one line at a time; an event ends with a blank line
@@ -302,7 +307,7 @@ class EventRelay:
                 elif not line and data:
                     self._emit("\n".join(data))
                     data = []
-        return None
+        return "ended"
 
     def _emit(self, text: str) -> None:
         try:

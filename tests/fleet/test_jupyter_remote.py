@@ -10,6 +10,7 @@ import json
 import os
 import queue
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -204,3 +205,27 @@ def test_a_remote_url_leading_back_to_itself_is_refused():
         assert status == 508 and "leads back to this Jupyter server" in body["error"], body
     finally:
         js.stop()
+
+
+def test_the_event_relay_comes_back_after_the_router_restarts(remote):
+    """Last in the module: it restarts the router. The Jupyter server reads the router's events again
+    by itself (said in its log), and the next change reaches its event bus."""
+    js, router, hosts = remote
+    relaying = "relaying the change events of"
+    assert js.output().count(relaying) == 1
+    router.stop()
+    router.start()
+    router.wait(lambda h: h["hosts_up"] == 2, "see both hosts up again")
+    deadline = time.monotonic() + 60  # the relay retries after 1, 2, 4... s
+    while js.output().count(relaying) < 2:
+        assert time.monotonic() < deadline, js.output()[-3000:]
+        time.sleep(0.1)
+    assert js.output().count("the panel is not kept live until") == 1  # the outage, said once
+    api = Controller(js.forkd_url, js.token, timeout=120)
+    made = []
+    event = asyncio.run(bus_events(js, lambda: made.extend(api.spawn_sandboxes("right", 1)),
+                                   lambda e: e.get("action") == "created" and e.get("kind") == "sandbox"))
+    try:
+        assert event["id"] == made[0]["id"] and event["host"] == hosts[1].url
+    finally:
+        api.kill_sandbox(made[0]["id"])
