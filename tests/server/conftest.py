@@ -32,7 +32,8 @@ def jp_server_config(forkd_data_dir):
             "jpserver_extensions": {"forkd_server": True, "jupyter_server_terminals": False},
             "allow_unauthenticated_access": False,
         },
-        "ForkdApp": {"data_dir": forkd_data_dir, "branch_concurrency": 4},
+        # remote_url: a forkd of its own, whatever FORKD_URL the shell running the tests has
+        "ForkdApp": {"data_dir": forkd_data_dir, "branch_concurrency": 4, "remote_url": ""},
     }
 
 
