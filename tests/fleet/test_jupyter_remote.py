@@ -145,6 +145,31 @@ def test_a_session_streams_through_to_the_sandbox_host(remote):
         api.kill_sandbox(kid)
 
 
+def test_the_mcp_route_acts_on_the_fleet(remote):
+    """The MCP server stays in the Jupyter server; its tools call {base}forkd/v1, so they reach the fleet."""
+    pytest.importorskip("mcp.server.mcpserver")
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    js, _, hosts = remote
+    api = Controller(js.forkd_url, js.token, timeout=120)
+    kid = api.spawn_sandboxes("right", 1)[0]["id"]
+
+    async def listed():
+        http = httpx2.AsyncClient(headers={"Authorization": f"token {js.token}"}, timeout=60)
+        async with Client(streamable_http_client(js.mcp_url, http_client=http)) as client:
+            result = await client.call_tool("list_sandboxes", {})
+            assert not result.is_error, result.content[0].text
+            value = result.structured_content
+            return value["result"] if isinstance(value, dict) and set(value) == {"result"} else value
+
+    try:
+        assert {s["id"]: s.get("host") for s in asyncio.run(listed())}[kid] == hosts[1].url
+    finally:
+        api.kill_sandbox(kid)
+
+
 async def bus_events(js: JupyterServer, act, want) -> dict:
     """The first forkd change on jupyter_server's event bus (what the Lab panel listens to) for which
     ``want`` holds, after ``act()``."""
