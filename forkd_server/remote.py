@@ -6,8 +6,9 @@ Jupyter server. With ``c.ForkdApp.remote_url`` set (by default from ``$FORKD_URL
 runs here: ``/healthz``, ``/metrics`` and every ``/v1/...`` route (the ``/v1/events`` stream as it
 arrives; the session WebSocket in remote_session.py) are passed on to the remote with its token
 (``c.ForkdApp.remote_token``, by default ``$FORKD_TOKEN``, else under JupyterHub
-``$JUPYTERHUB_API_TOKEN``), after jupyter_server's own check of the caller. The token never reaches the browser. ``/version`` stays this extension's own: the
-Lab extension checks that it matches its own build.
+``$JUPYTERHUB_API_TOKEN``), after jupyter_server's own check of the caller. The token never reaches
+the browser. ``/version`` stays this extension's own: the Lab extension checks that it matches its
+own build.
 
 The remote's change events are re-emitted on this server's event bus (``EventRelay``), which is
 what keeps the panel live.
@@ -126,7 +127,7 @@ class RemoteHandler(ForkdHandler):
         via = self.request.headers.get(VIA_HEADER, "")
         if self.remote.hop in (h.strip() for h in via.split(",")):
             raise ApiError(508, f"c.ForkdApp.remote_url ({self.remote.url}) leads back to this Jupyter server: set it "
-                                f"(or $FORKD_URL) to a forkd server or router, not to a Jupyter server that forwards")
+                                f"(or $FORKD_URL) to a forkd server or router, not to this server's own forkd routes")
         await self.authenticate()
 
     @web.authenticated
