@@ -57,6 +57,16 @@ class Caller:
         labels = labels or {}
         return self.admin or (labels.get(OWNER) == self.name and labels.get(SHARED) != "true")
 
+    def check(self, kind: str, key: str, labels: dict | None, *, change: bool = False) -> None:
+        """Refused unless this caller sees the ``kind`` ``key`` whose labels are ``labels`` (None:
+        there is none): 404 as for an unknown one, so ids do not leak; with ``change``, 403 when they
+        see it but may not change it (a shared snapshot)."""
+        if labels is None or not self.sees(labels, snapshot=kind == "snapshot"):
+            raise Refused(404, f"{kind} {key} not found")
+        if change and not self.may_change(labels):
+            raise Refused(403, f"{kind} {key} is shared by an admin: every user may spawn from it, only admins "
+                               f"may change or delete it")
+
     def stamp(self, labels: dict | None) -> dict:
         """The labels of something this caller makes: theirs, with the owner set by the server.
         A non-admin who sends a server label is refused; an admin may set ``forkd.shared``."""
