@@ -18,6 +18,9 @@ PASSED_HEADERS = ("X-Forkd-Client", "User-Agent")
 
 
 class SessionProxy(websocket.WebSocketHandler):
+    # under JupyterHub (hub.py): any user's, about a sandbox they see
+    auth_resource, for_users, admin_only, owned, changes, stamps, checks_labels = \
+        "forkd:server", True, None, "sandbox", (), (), ()
     upstream: websocket.WebSocketClientConnection | None = None
     _early: list | None = None  # what the host said before the client's side was open
 
@@ -38,7 +41,11 @@ class SessionProxy(websocket.WebSocketHandler):
 
     async def get(self, sandbox_id: str) -> None:
         try:
-            check_token(self, self.settings["forkd_token"])
+            hub = self.settings.get("forkd_hub")
+            if hub is None:
+                check_token(self, self.settings["forkd_token"])
+            else:
+                await hub.admit(self)
             host = await self.router.locate("sandbox", sandbox_id)
         except Refusal as exc:
             self._refuse(exc.status, {"error": exc.message, **exc.fields})

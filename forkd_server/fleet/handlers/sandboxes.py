@@ -21,11 +21,13 @@ def _count(value) -> int | None:
 
 
 class SandboxesHandler(RouterHandler):
+    for_users, stamps = True, ("POST",)
+
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/sandboxes" + host_query(self))
         items = [{**i, "host": h.url} for h, items in parts for i in items if isinstance(i, dict)]
         items += [r for r in self.router.lost_records("sandbox") if labels_match(r, self.request.query)]
-        self.send(items, missing=missing)
+        self.send(self.seen("sandbox", items), missing=missing)
 
     async def post(self) -> None:
         """Spawn: placement (placement.py), a pull first where a VM snapshot must move, the parts
@@ -37,6 +39,8 @@ class SandboxesHandler(RouterHandler):
             await self.forward(router.place_new())  # a host says exactly what is wrong with it
             return
         tag = body["snapshot_tag"]
+        if self.viewer is not None:  # a snapshot of theirs, or a shared one
+            await self.hub.own(self.viewer, "snapshot", tag)
         for attempt in (1, 2):
             parts, holders = await router.plan_spawn(tag, n)
             for part in parts:
@@ -54,13 +58,14 @@ class SandboxesHandler(RouterHandler):
                 continue
             self.answer(status, reply)
             return
-        self.send([kid for _, kids in answers for kid in kids], 201)
+        self.send(self.seen("sandbox", [kid for _, kids in answers for kid in kids]), 201)
 
 
 class PinnedHandler(RouterHandler):
     """A call about one sandbox (workspace, kernel): to the host it is pinned to, as it streams."""
 
     kind = "sandbox"
+    for_users, owned = True, "sandbox"
 
     async def locate(self, key: str) -> Host:
         return await self.router.locate(self.kind, key)
@@ -75,6 +80,8 @@ class PinnedHandler(RouterHandler):
 
 
 class SandboxHandler(PinnedHandler):
+    checks_labels = ("PATCH",)
+
     async def get(self, sandbox_id: str) -> None:
         host = await self.locate(sandbox_id)
         status, reply = await self.call(host)
@@ -95,18 +102,23 @@ class SandboxHandler(PinnedHandler):
 class BranchHandler(PinnedHandler):
     """Branch on the sandbox's host; the new snapshot is pinned there."""
 
+    stamps = ("POST",)
+
     async def post(self, sandbox_id: str) -> None:
         host = await self.locate(sandbox_id)
         status, reply = await self.call(host)
         if status in (201, 202) and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
             self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
             reply["host"] = host.url
+            self.seen("snapshot", [reply])
         self.answer(status, reply)
 
 
 class ForkHandler(PinnedHandler):
     """A fork tree (branch once, spawn N children of it) on the sandbox's host: the snapshot and the
     children are pinned there."""
+
+    stamps = ("POST",)
 
     async def post(self, sandbox_id: str) -> None:
         host = await self.locate(sandbox_id)
@@ -121,4 +133,7 @@ class ForkHandler(PinnedHandler):
                 for k in kids:
                     if isinstance(k, dict):
                         k["host"] = host.url
+                self.seen("sandbox", kids)
+            if isinstance(snap, dict):
+                self.seen("snapshot", [snap])
         self.answer(status, reply)

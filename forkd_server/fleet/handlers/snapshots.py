@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..hosts import Host
+from ..hosts import Host, HostError
 from ..router import Refusal, Router
 from .base import RouterHandler, host_query
 from .meta import lost_snapshots, merge_snapshots
@@ -21,10 +21,13 @@ async def _holder(router: Router, tag: str, engine: str | None = None) -> Host:
 
 
 class SnapshotsHandler(RouterHandler):
+    for_users, stamps = True, ("POST",)
+
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/snapshots" + host_query(self))
         merged = merge_snapshots(parts)
-        self.send(merged + lost_snapshots(self.router, {s["tag"] for s in merged}, self.request.query), missing=missing)
+        merged += lost_snapshots(self.router, {s["tag"] for s in merged}, self.request.query)
+        self.send(self.seen("snapshot", merged), missing=missing)
 
     async def post(self) -> None:
         """Create: on the host that already has the tag (it answers 409), else best-of-K by free memory."""
@@ -36,10 +39,13 @@ class SnapshotsHandler(RouterHandler):
         if status in (201, 202) and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
             self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
             reply["host"] = host.url
+            self.seen("snapshot", [reply])
         self.answer(status, reply)
 
 
 class SnapshotPullHandler(RouterHandler):
+    admin_only = "the store is one for all users: a pull would hand a user anyone's pushed snapshot"
+
     async def post(self) -> None:
         """Pull from the store onto the best host that does not hold the tag yet."""
         body = self.json_body() or {}
@@ -57,6 +63,8 @@ class SnapshotPullHandler(RouterHandler):
 
 
 class SnapshotHandler(RouterHandler):
+    for_users, owned, changes = True, "snapshot", ("DELETE",)
+
     async def delete(self, tag: str) -> None:
         """Delete on every host that holds it."""
         held, _ = await self.router.holders(tag)
@@ -71,15 +79,32 @@ class SnapshotHandler(RouterHandler):
 
 
 class SnapshotInfoHandler(RouterHandler):
+    for_users, owned = True, "snapshot"
+
     async def get(self, tag: str) -> None:
         host = await _holder(self.router, tag)
         status, reply = await self.call(host)
         if isinstance(reply, dict) and status == 200:
             reply["host"] = host.url
+            if self.viewer is not None:  # what came of it is the caller's to see only where it is theirs
+                await self._keep_to_caller(reply, host)
         self.answer(status, reply)
+
+    async def _keep_to_caller(self, info: dict, host: Host) -> None:
+        try:
+            sandboxes, snapshots = await asyncio.gather(
+                *(host.get_json(path, self.router.settings.host_timeout) for path in ("/v1/sandboxes", "/v1/snapshots")))
+        except HostError as exc:
+            raise Refusal(502, str(exc), host=host.url) from None
+        mine = {s["id"] for s in self.seen("sandbox", sandboxes)}
+        seen = {s["tag"] for s in self.seen("snapshot", snapshots)}
+        info["sandboxes"] = [i for i in info.get("sandboxes") or () if i in mine]
+        info["descendants"] = [t for t in info.get("descendants") or () if t in seen]
 
 
 class SnapshotCompactHandler(RouterHandler):
+    admin_only = "a host gives the copy no owner through the router yet"
+
     async def post(self, tag: str) -> None:
         host = await _holder(self.router, tag)
         status, reply = await self.call(host)
@@ -90,5 +115,27 @@ class SnapshotCompactHandler(RouterHandler):
 
 
 class SnapshotPushHandler(RouterHandler):
+    for_users, owned, changes = True, "snapshot", ("POST",)
+
     async def post(self, tag: str) -> None:
         await self.forward(await _holder(self.router, tag, engine="vm"))
+
+
+class SnapshotShareHandler(RouterHandler):
+    """``POST`` shares a snapshot with every user (``forkd.shared=true``), ``DELETE`` takes the share
+    back: on every host that holds it. Admins only under JupyterHub."""
+
+    admin_only = "only admins share snapshots or take a share back"
+
+    async def post(self, tag: str) -> None:
+        held, _ = await self.router.holders(tag)
+        if not held:
+            raise self.router.unknown("snapshot", tag)
+        answers = await asyncio.gather(*(self.call(self.router.hosts[u]) for u in held))
+        status, reply = next(((s, r) for s, r in answers if s != 200), answers[0])
+        if status == 200 and isinstance(reply, dict):
+            reply.update(host=next(iter(held)), hosts=list(held))
+            self.seen("snapshot", [reply])
+        self.answer(status, reply)
+
+    delete = post

@@ -25,6 +25,7 @@ class WorkspacesHandler(RouterHandler):
 
 class WorkspaceHandler(PinnedHandler):
     kind = "workspace"
+    for_users = False  # admins only under JupyterHub: a workspace made through the router has no owner yet
 
     async def delete(self, name: str) -> None:
         host = await self.locate(name)
@@ -44,6 +45,7 @@ class KernelHandler(PinnedHandler):
     """A forkd kernel's record lives on the host of its HEAD sandbox: PUT (and checkout) go there."""
 
     kind = "kernel"
+    for_users = False  # admins only under JupyterHub, as every route about kernels
 
     async def put(self, kernel_id: str, *_) -> None:
         body = self.json_body() or {}
