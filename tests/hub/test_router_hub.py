@@ -1,0 +1,260 @@
+"""The fleet's router as a JupyterHub-managed service: a real Hub (DummyAuthenticator,
+configurable-http-proxy) runs ``forkd router --hub`` from docs/deploy/jupyterhub.md's lines, in front
+of two real ``forkd serve`` hosts (process engine, the hosts' token only the router holds); users
+alice and bob and the admin boss call it through the Hub's proxy at /services/forkd/ with Hub tokens.
+
+Each host holds one of boss's snapshots (``base-0`` on host 0, ``base-1`` on host 1), made on the
+host itself and shared through the router, so users' sandboxes land on both hosts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from forkd_server.client import Controller, ControllerError
+
+from ..fleet.fleet import fleet
+from ..rest import exchange
+from .hubrun import PROXY, ROUTER_SECTION, Hub, documented_config
+
+# Ports only (free ones), no host-wide resource; slow: two hosts, a Hub, its proxy and the router start.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.exists(PROXY), reason="configurable-http-proxy is not installed in "
+                                                                   "tests/hub (scripts/setup.sh test installs it)")]
+BASES = ("base-0", "base-1")  # boss's, one on each host, shared
+SHARED = "boss-shared"        # boss's, made through the router, shared
+
+
+@pytest.fixture(scope="module")
+def world():
+    pytest.importorskip("jupyterhub")
+    with fleet(2, router=False) as (workdir, hosts):
+        for i, host in enumerate(hosts):  # made on each host, as an operator would: boss's by its label
+            Controller(host.url, host.token).create_snapshot(BASES[i], setup=f"x = 41; where = {i}",
+                                                             labels={"forkd.owner": "boss"})
+        hub = Hub(["router", "--hub", "--hosts", ",".join(h.url for h in hosts),
+                   "--hosts-token-file", os.path.join(workdir, "token"), "--data-dir", os.path.join(workdir, "r"),
+                   "--heartbeat", "0.3", "--down-after", "5"], heading=ROUTER_SECTION)
+        try:
+            hub.wait_ready()
+            wait_hosts_up(hub, 2)
+            status, body = hub.api("POST", "/users", {"usernames": ["alice", "bob"]})
+            assert status == 201, (status, body)
+            hub.tokens = {name: hub.user_token(name) for name in ("alice", "bob", "boss")}
+            boss = hub.ctl("boss")
+            for tag in BASES:
+                assert boss.share_snapshot(tag)["labels"]["forkd.shared"] == "true"
+            made = boss.create_snapshot(SHARED, setup="x = 41")
+            assert made["labels"]["forkd.owner"] == "boss"
+            boss.share_snapshot(SHARED)
+            yield hub, hosts
+        finally:
+            hub.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean(world):
+    yield
+    hub, _ = world
+    operator = Controller(hub.forkd_url, hub.operator_token)
+    for sb in operator.list_sandboxes():
+        operator.kill_sandbox(sb["id"])
+
+
+def wait_hosts_up(hub, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        status, health = exchange(f"{hub.forkd_url}/healthz")
+        if status == 200 and health.get("hosts_up") == n:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the router did not see {n} hosts up within {timeout} s: {health}\n{hub.output()}")
+        time.sleep(0.1)
+
+
+def raw(hub, who: str | None, method: str, path: str, body=None, token: str | None = None):
+    token = token or (hub.tokens[who] if who else None)
+    return exchange(hub.forkd_url + path, method, body, {"Authorization": f"token {token}"} if token else {})
+
+
+def spawn(hub, who: str, tag: str) -> dict:
+    return hub.ctl(who).spawn_sandboxes(tag, 1)[0]
+
+
+def test_the_hub_runs_the_documented_router_config(world):
+    hub, _ = world
+    text = documented_config(ROUTER_SECTION)
+    assert '"forkd", "router", "--hub"' in text and 'extra_user_scopes = {"access:services!service=forkd"}' in text
+    with open(hub.config) as f:
+        assert text in f.read()
+
+
+def test_a_request_without_a_valid_hub_token_is_refused(world):
+    hub, _ = world
+    status, body = raw(hub, None, "GET", "/v1/sandboxes")
+    assert status == 401 and body == {"error": "missing bearer token"}
+    status, body = raw(hub, None, "GET", "/v1/sandboxes", token="not-a-token-of-this-hub-0123456789")
+    assert status == 401 and body == {"error": "invalid bearer token"}
+    status, made = hub.api("POST", "/users/alice/tokens", {"scopes": ["read:users:name!user=alice"]})
+    assert status == 201, made
+    status, body = raw(hub, None, "GET", "/v1/sandboxes", token=made["token"])
+    assert status == 403 and "access:services!service=forkd" in body["error"], body
+    assert exchange(f"{hub.forkd_url}/healthz")[1]["router"] is True  # health needs no token
+
+
+def test_alices_list_never_shows_bobs_sandboxes_on_any_host(world):
+    hub, hosts = world
+    mine = [spawn(hub, "alice", "base-0"), spawn(hub, "alice", "base-1")]
+    theirs = [spawn(hub, "bob", "base-0"), spawn(hub, "bob", "base-1")]
+    assert {k["host"] for k in mine} == {h.url for h in hosts}  # one on each host
+    alice = hub.ctl("alice")
+    listed = {s["id"]: s for s in alice.list_sandboxes()}
+    assert set(listed) == {k["id"] for k in mine}
+    assert all(s["labels"]["forkd.owner"] == "alice" and "forkd.shared" not in s["labels"] for s in listed.values())
+    assert alice.list_sandboxes(labels={"forkd.owner": "bob"}) == []
+    nodes = {n["id"] for n in alice.tree()}
+    assert {k["id"] for k in mine} <= nodes and set(BASES) <= nodes and not nodes & {k["id"] for k in theirs}
+    bob = {s["id"] for s in hub.ctl("bob").list_sandboxes()}
+    assert bob == {k["id"] for k in theirs}
+    # an admin sees every user's, on every host
+    assert {k["id"] for k in mine + theirs} <= {s["id"] for s in hub.ctl("boss").list_sandboxes()}
+    # the magics, with a user server's environment alone (FORKD_URL, FORKD_TOKEN)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "JUPYTERHUB_"))}
+    out = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--colors=NoColor", "-c",
+                          "%load_ext forkd_magics\n%forkd ls --everyone"],
+                         env={**clean, "FORKD_URL": hub.forkd_url, "FORKD_TOKEN": hub.tokens["alice"],
+                              "IPYTHONDIR": os.path.join(hub.workdir, "ipython")},
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert all(k["id"] in out.stdout for k in mine) and not any(k["id"] in out.stdout for k in theirs), out.stdout
+
+
+def test_bobs_token_gets_404_for_alices_sandbox(world):
+    hub, _ = world
+    mine = spawn(hub, "alice", "base-1")["id"]
+    unknown = raw(hub, "bob", "GET", "/v1/sandboxes/sb-00000000-0000")
+    assert unknown == (404, {"error": "sandbox sb-00000000-0000 not found on any host of the fleet"})
+    for method, path, body in (("GET", f"/v1/sandboxes/{mine}", None),
+                               ("POST", f"/v1/sandboxes/{mine}/eval", {"code": "1"}),
+                               ("POST", f"/v1/sandboxes/{mine}/exec", {"command": ["true"]}),
+                               ("GET", f"/v1/sandboxes/{mine}/files?path=/tmp", None),
+                               ("POST", f"/v1/sandboxes/{mine}/branch", {"tag": "bob-steals"}),
+                               ("POST", f"/v1/sandboxes/{mine}/fork", {"count": 1}),
+                               ("PATCH", f"/v1/sandboxes/{mine}", {"labels": {"team": "bob"}}),
+                               ("DELETE", f"/v1/sandboxes/{mine}", None)):
+        status, answer = raw(hub, "bob", method, path, body)
+        assert (status, answer) == (404, {"error": f"sandbox {mine} not found on any host of the fleet"}), \
+            (method, path, status, answer)
+    with pytest.raises(ControllerError) as refused:  # the session WebSocket, through the proxy
+        hub.ctl("bob").session(mine)
+    assert refused.value.status == 404
+    alice = hub.ctl("alice")
+    assert alice.eval_code(mine, "x + 1")["result"] == "42"  # still there, and hers
+    with alice.session(mine) as session:
+        assert session.request("execute", code="y = x + 1")["status"] == "ok"
+    alice.kill_sandbox(mine)
+    status, answer = raw(hub, "alice", "GET", f"/v1/sandboxes/{mine}")  # its owner hears how it ended
+    assert status == 404 and answer.get("ended"), answer
+    assert raw(hub, "bob", "GET", f"/v1/sandboxes/{mine}") == \
+        (404, {"error": f"sandbox {mine} not found on any host of the fleet"})
+
+
+def test_both_spawn_from_an_admins_shared_snapshot_and_neither_may_change_it(world):
+    hub, _ = world
+    for who in ("alice", "bob"):
+        ctl = hub.ctl(who)
+        assert {SHARED, *BASES} <= {s["tag"] for s in ctl.list_snapshots()}
+        kid = spawn(hub, who, SHARED)
+        assert kid["labels"]["forkd.owner"] == who and "forkd.shared" not in kid["labels"]
+        assert ctl.eval_code(kid["id"], "x + 1")["result"] == "42"
+        for method, path in (("DELETE", f"/v1/snapshots/{SHARED}"), ("POST", f"/v1/snapshots/{SHARED}/push")):
+            status, body = raw(hub, who, method, path)
+            assert status == 403 and "only admins" in body["error"], (method, path, status, body)
+        for method in ("POST", "DELETE"):
+            status, body = raw(hub, who, method, f"/v1/snapshots/{SHARED}/share")
+            assert status == 403 and "only admins" in body["error"], body
+    # boss's snapshot that is not shared is as private as anyone's
+    kid = spawn(hub, "boss", "base-0")["id"]
+    hub.ctl("boss").branch_sandbox(kid, "boss-private")
+    for method, path, body in (("POST", "/v1/sandboxes", {"snapshot_tag": "boss-private"}),
+                               ("GET", "/v1/snapshots/boss-private/info", None),
+                               ("DELETE", "/v1/snapshots/boss-private", None)):
+        assert raw(hub, "alice", method, path, body) == \
+            (404, {"error": "snapshot boss-private not found on any host of the fleet"}), (method, path)
+    assert "boss-private" not in {s["tag"] for s in hub.ctl("alice").list_snapshots()}
+    hub.ctl("boss").unshare_snapshot(SHARED)  # taken back: gone from the users' view
+    assert SHARED not in {s["tag"] for s in hub.ctl("alice").list_snapshots()}
+    assert raw(hub, "alice", "POST", "/v1/sandboxes", {"snapshot_tag": SHARED})[0] == 404
+    hub.ctl("boss").share_snapshot(SHARED)
+    hub.ctl("boss").delete_snapshot("boss-private")
+
+
+def test_the_owner_label_cannot_be_overridden(world):
+    hub, _ = world
+    for labels in ({"forkd.owner": "bob"}, {"forkd.shared": "true"}):
+        status, body = raw(hub, "alice", "POST", "/v1/sandboxes", {"snapshot_tag": "base-0", "labels": labels})
+        assert status == 403 and next(iter(labels)) in body["error"], body
+        status, body = raw(hub, "alice", "POST", "/v1/snapshots", {"tag": "alice-fake", "labels": labels})
+        assert status == 403, body
+    assert raw(hub, "boss", "GET", "/v1/snapshots/alice-fake/info")[0] == 404  # nothing was made
+    kid = hub.ctl("alice").spawn_sandboxes("base-0", 1, labels={"team": "red"})[0]["id"]
+    alice = hub.ctl("alice")
+    assert alice.get_sandbox(kid)["labels"] == {"team": "red", "forkd.owner": "alice"}
+    for path, body in ((f"/v1/sandboxes/{kid}", {"labels": {"forkd.owner": "bob"}}),):
+        assert raw(hub, "alice", "PATCH", path, body)[0] == 403
+    status, body = raw(hub, "alice", "POST", f"/v1/sandboxes/{kid}/branch",
+                       {"tag": "alice-b", "labels": {"forkd.owner": "bob"}})
+    assert status == 403, body
+    # what alice makes from her sandbox is hers, on its host: a branch, a fork tree's snapshot and children
+    snap = alice.branch_sandbox(kid, "alice-b")
+    assert snap["labels"]["forkd.owner"] == "alice"
+    tree = alice.fork_sandbox(kid, 2)
+    assert tree["snapshot"]["labels"]["forkd.owner"] == "alice"
+    assert all(alice.get_sandbox(k["id"])["labels"]["forkd.owner"] == "alice" for k in tree["sandboxes"])
+    assert "alice-b" not in {s["tag"] for s in hub.ctl("bob").list_snapshots()}
+    assert raw(hub, "bob", "GET", "/v1/snapshots/alice-b/info")[0] == 404
+    for sb in tree["sandboxes"]:
+        alice.kill_sandbox(sb["id"])
+    alice.kill_sandbox(kid)
+    for tag in ("alice-b", tree["snapshot"]["tag"]):
+        alice.delete_snapshot(tag)
+
+
+def test_events_carry_only_the_users_own_changes(world):
+    hub, _ = world
+    alice, bob = hub.ctl("alice"), hub.ctl("bob")
+    stream = alice.events(timeout=60)
+    try:
+        theirs = spawn(hub, "bob", "base-1")["id"]  # before alice's: the stream would carry it first
+        bob.kill_sandbox(theirs)
+        mine = spawn(hub, "alice", "base-1")["id"]
+        alice.kill_sandbox(mine)
+        seen = []
+        for event in stream:
+            seen.append(event)
+            if event.get("kind") == "sandbox" and event.get("id") == mine and event.get("action") == "killed":
+                break
+    finally:
+        stream.close()
+    assert not [e for e in seen if e.get("id") == theirs or e.get("kind") == "host"], seen
+    assert [e["action"] for e in seen if e.get("id") == mine] == ["created", "killed"], seen
+
+
+def test_admin_routes_and_the_operator(world):
+    hub, _ = world
+    for method, path, body in (("GET", "/v1/fleet/hosts", None), ("GET", "/metrics", None),
+                               ("POST", "/v1/snapshots/pull", {"tag": "base-0"}),
+                               ("POST", "/v1/snapshots/base-0/compact", {"to": "mine"}),
+                               ("GET", "/v1/workspaces", None), ("GET", "/v1/kernels", None)):
+        status, answer = raw(hub, "alice", method, path, body)
+        assert status == 403 and "admins" in answer["error"], (path, status, answer)
+    assert raw(hub, "boss", "GET", "/v1/fleet/hosts")[0] == 200
+    mine = spawn(hub, "alice", "base-0")["id"]
+    operator = Controller(hub.forkd_url, hub.operator_token)
+    assert mine in {s["id"] for s in operator.list_sandboxes()}
+    assert raw(hub, "alice", "GET", "/v1/nothing-here")[0] == 404
+    assert raw(hub, "alice", "GET", "/version")[1]["router"] is True
