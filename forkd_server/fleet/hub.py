@@ -31,7 +31,8 @@ from ..hub.ownership import Caller, Refused
 from .hosts import HostError
 from .router import Refusal, Router
 
-PATHS = {"sandbox": "/v1/sandboxes/{}", "workspace": "/v1/workspaces/{}", "snapshot": "/v1/snapshots/{}/info"}
+PATHS = {"sandbox": "/v1/sandboxes/{}", "workspace": "/v1/workspaces/{}", "snapshot": "/v1/snapshots/{}/info",
+         "kernel": "/v1/kernels/{}"}
 KEYS = {"sandbox": "id", "snapshot": "tag", "workspace": "name"}
 
 
@@ -70,7 +71,13 @@ class RouterHub:
                                  " (it is not kept to each user's own objects yet)"))
             method = handler.request.method
             if handler.owned and handler.path_args:
-                await self.own(caller, handler.owned, handler.path_args[0], change=method in handler.changes)
+                await self.own(caller, handler.owned, handler.path_args[0], change=method in handler.changes,
+                               creating=method in handler.creates)
+            if method in handler.body_owns:  # what the body names: a spawn's snapshot, a kernel's HEAD
+                kind, field = handler.body_owns[method]
+                body = handler.json_body()
+                if body is not None and isinstance(body.get(field), str):
+                    await self.own(caller, kind, body[field])
         if handler.request.method in handler.stamps:
             self.stamp(handler, caller)
         elif handler.request.method in handler.checks_labels:
@@ -95,11 +102,15 @@ class RouterHub:
 
     # --- what the caller may touch --------------------------------------------------------------------
 
-    async def own(self, caller: Caller, kind: str, key: str, *, change: bool = False) -> None:
+    async def own(self, caller: Caller, kind: str, key: str, *, change: bool = False, creating: bool = False) -> None:
         """Refusal 404 (the words an unknown one gets) unless ``caller`` sees ``kind`` ``key``; 403 when
         ``change`` and it is a shared snapshot. A host that is down or an object that ended answers
-        its owner as the router would anyone without Hub (410, the 404 saying how it ended)."""
+        its owner as the router would anyone without Hub (410, the 404 saying how it ended). A
+        kernel's record is its HEAD's owner's; ``creating``: a kernel no host has yet is anyone's to make."""
         if caller.admin:
+            return
+        if kind == "kernel":
+            await self.own_kernel(caller, key, creating)
             return
         labels, why = await self.labels_now(kind, key)
         try:
@@ -110,6 +121,23 @@ class RouterHub:
             raise Refusal(exc.status, exc.message) from None
         if why is not None:  # theirs, but lost or ended: say so as the router does
             raise why
+
+    async def own_kernel(self, caller: Caller, kernel_id: str, creating: bool) -> None:
+        """A kernel's record is seen by whoever sees its HEAD, running or ended (its labels as last
+        known); anyone else gets the 404 of an unknown kernel."""
+        try:
+            host = await self.router.locate("kernel", kernel_id)
+        except Refusal as refusal:
+            if refusal.status == 404 and creating:
+                return
+            raise self.router.unknown("kernel", kernel_id) if refusal.status == 404 else refusal from None
+        status, record = await self.ask(host, "kernel", kernel_id)
+        if status == 404 and creating:
+            return
+        head = record.get("head") if status == 200 and isinstance(record, dict) else None
+        labels = (await self.labels_now("sandbox", head))[0] if isinstance(head, str) else None
+        if not caller.sees(labels):
+            raise self.router.unknown("kernel", kernel_id)
 
     async def labels_now(self, kind: str, key: str) -> tuple[dict | None, Refusal | None]:
         """The labels of ``kind`` ``key`` as its host has them now (None: there is no such object),
@@ -163,6 +191,16 @@ class RouterHub:
             key = item.get(KEYS.get(k, "id")) if kind != "node" else item.get("id")
             if isinstance(key, str) and k in KEYS:
                 self.kept.keep((k, key), item.get("labels") or {})
+
+    async def kernels_visible(self, caller: Caller | None, records: list) -> list:
+        """The kernel records ``caller`` sees: those whose HEAD they see (running, or ended with its
+        labels known to the router)."""
+        if caller is None or caller.admin:
+            return records
+        parts, _ = await self.router.gather_lists("/v1/sandboxes")
+        self.learn("sandbox", [i for _, items in parts for i in items])
+        return [r for r in records if isinstance(r, dict) and isinstance(r.get("head"), str)
+                and caller.sees(self.kept.get(("sandbox", r["head"])))]
 
     def visible(self, caller: Caller | None, kind: str, items: list) -> list:
         """What of ``items`` (sandboxes, snapshots, workspaces or tree ``node``s) ``caller`` sees."""

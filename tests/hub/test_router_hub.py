@@ -247,9 +247,7 @@ def test_events_carry_only_the_users_own_changes(world):
 def test_admin_routes_and_the_operator(world):
     hub, _ = world
     for method, path, body in (("GET", "/v1/fleet/hosts", None), ("GET", "/metrics", None),
-                               ("POST", "/v1/snapshots/pull", {"tag": "base-0"}),
-                               ("POST", "/v1/snapshots/base-0/compact", {"to": "mine"}),
-                               ("GET", "/v1/workspaces", None), ("GET", "/v1/kernels", None)):
+                               ("POST", "/v1/snapshots/pull", {"tag": "base-0"})):
         status, answer = raw(hub, "alice", method, path, body)
         assert status == 403 and "admins" in answer["error"], (path, status, answer)
     assert raw(hub, "boss", "GET", "/v1/fleet/hosts")[0] == 200
@@ -258,3 +256,60 @@ def test_admin_routes_and_the_operator(world):
     assert mine in {s["id"] for s in operator.list_sandboxes()}
     assert raw(hub, "alice", "GET", "/v1/nothing-here")[0] == 404
     assert raw(hub, "alice", "GET", "/version")[1]["router"] is True
+
+
+def test_workspaces_and_copies_are_their_makers(world):
+    hub, _ = world
+    alice, bob = hub.ctl("alice"), hub.ctl("bob")
+    status, body = raw(hub, "alice", "POST", "/v1/workspaces",
+                       {"name": "alice-ws", "snapshot_tag": "base-1", "labels": {"forkd.owner": "bob"}})
+    assert status == 403 and "forkd.owner" in body["error"], body
+    made = alice.create_workspace("alice-ws", "base-1")
+    try:
+        assert made["labels"]["forkd.owner"] == "alice"
+        assert alice.get_sandbox(made["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
+        assert "alice-ws" in {w["name"] for w in alice.list_workspaces()}
+        assert "alice-ws" not in {w["name"] for w in bob.list_workspaces()}
+        for method, path in (("GET", "/v1/workspaces/alice-ws"), ("POST", "/v1/workspaces/alice-ws/suspend"),
+                             ("DELETE", "/v1/workspaces/alice-ws")):
+            status, body = raw(hub, "bob", method, path, {} if method == "POST" else None)
+            assert (status, body) == (404, {"error": "workspace alice-ws not found on any host of the fleet"}), \
+                (method, path, status, body)
+        suspended = alice.suspend_workspace("alice-ws")
+        state = alice.snapshot_info(suspended["current_state_tag"])
+        assert state["labels"]["forkd.owner"] == "alice"
+        assert raw(hub, "bob", "GET", f"/v1/snapshots/{state['tag']}/info")[0] == 404
+        resumed = alice.resume_workspace("alice-ws")
+        assert alice.get_sandbox(resumed["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
+    finally:
+        alice.delete_workspace("alice-ws")
+    # a copy of a shared snapshot is its maker's, and not shared
+    copy = alice.compact_snapshot(SHARED, "alice-copy")
+    try:
+        assert copy["labels"]["forkd.owner"] == "alice" and "forkd.shared" not in copy["labels"]
+        assert "alice-copy" not in {s["tag"] for s in bob.list_snapshots()}
+        assert raw(hub, "bob", "POST", "/v1/snapshots/alice-copy/compact", {"to": "bob-copy"})[0] == 404
+    finally:
+        alice.delete_snapshot("alice-copy")
+
+
+def test_a_kernels_record_is_its_heads_owners(world):
+    hub, _ = world
+    alice, bob = hub.ctl("alice"), hub.ctl("bob")
+    mine, theirs = spawn(hub, "alice", "base-0")["id"], spawn(hub, "bob", "base-1")["id"]
+    unknown = (404, {"error": "kernel k-alice not found on any host of the fleet"})
+    alice.set_kernel_head("k-alice", mine, notebook="alice.ipynb")
+    assert "k-alice" in {k["kernel_id"] for k in alice.list_kernels()}
+    assert "k-alice" not in {k["kernel_id"] for k in bob.list_kernels()}
+    assert raw(hub, "bob", "GET", "/v1/kernels/k-alice") == unknown
+    # bob can neither take alice's record over nor point his kernel at her sandbox
+    assert raw(hub, "bob", "PUT", "/v1/kernels/k-alice", {"head": theirs}) == unknown
+    assert raw(hub, "bob", "PUT", "/v1/kernels/k-bob", {"head": mine})[0] == 404
+    assert raw(hub, "bob", "POST", "/v1/kernels/k-alice/checkout", {"sandbox": theirs}) == unknown
+    assert raw(hub, "bob", "DELETE", "/v1/kernels/k-alice") == unknown
+    assert alice.get_kernel("k-alice")["head"] == mine
+    alice.kill_sandbox(mine)  # a restarted kernel still finds where it was; bob still does not
+    assert alice.get_kernel("k-alice")["head"] == mine
+    assert "k-alice" in {k["kernel_id"] for k in alice.list_kernels()}
+    assert raw(hub, "bob", "GET", "/v1/kernels/k-alice") == unknown
+    alice.forget_kernel("k-alice")

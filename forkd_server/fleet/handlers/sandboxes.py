@@ -22,6 +22,7 @@ def _count(value) -> int | None:
 
 class SandboxesHandler(RouterHandler):
     for_users, stamps = True, ("POST",)
+    body_owns = {"POST": ("snapshot", "snapshot_tag")}  # a snapshot of the caller's, or a shared one
 
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/sandboxes" + host_query(self))
@@ -39,8 +40,6 @@ class SandboxesHandler(RouterHandler):
             await self.forward(router.place_new())  # a host says exactly what is wrong with it
             return
         tag = body["snapshot_tag"]
-        if self.viewer is not None:  # a snapshot of theirs, or a shared one
-            await self.hub.own(self.viewer, "snapshot", tag)
         for attempt in (1, 2):
             parts, holders = await router.plan_spawn(tag, n)
             for part in parts:

@@ -103,7 +103,7 @@ class SnapshotInfoHandler(RouterHandler):
 
 
 class SnapshotCompactHandler(RouterHandler):
-    admin_only = "a host gives the copy no owner through the router yet"
+    for_users, owned, stamps = True, "snapshot", ("POST",)  # a copy of what the caller sees is theirs
 
     async def post(self, tag: str) -> None:
         host = await _holder(self.router, tag)
@@ -111,6 +111,7 @@ class SnapshotCompactHandler(RouterHandler):
         if status in (200, 201) and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
             self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
             reply["host"] = host.url
+            self.seen("snapshot", [reply])
         self.answer(status, reply)
 
 
