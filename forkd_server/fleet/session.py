@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from tornado import httpclient, websocket
+from tornado import httpclient, web, websocket
 
 from .handlers import check_token, host_query
 from .router import Refusal, Router
@@ -49,6 +49,9 @@ class SessionProxy(websocket.WebSocketHandler):
             host = await self.router.locate("sandbox", sandbox_id)
         except Refusal as exc:
             self._refuse(exc.status, {"error": exc.message, **exc.fields})
+            return
+        except web.HTTPError as exc:  # the Hub did not answer whose the token is (503)
+            self._refuse(exc.status_code, {"error": (exc.log_message % exc.args) if exc.log_message else exc.reason})
             return
         scheme = "wss" if host.url.startswith("https:") else "ws"
         url = scheme + host.url[host.url.index(":"):] + self.request.path + host_query(self)

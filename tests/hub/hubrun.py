@@ -210,6 +210,20 @@ def _pid_file(path: str) -> int | None:
         return None
 
 
+def server_environment(hub: Hub, name: str) -> dict:
+    """The environment of ``name``'s single-user server, read from /proc (it runs on this host)."""
+    api = f"JUPYTERHUB_API_URL=http://127.0.0.1:{hub.ports['hub_port']}/hub/api".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                items = f.read().split(b"\0")
+        except OSError:
+            continue
+        if api in items and f"JUPYTERHUB_USER={name}".encode() in items:
+            return dict(i.decode().split("=", 1) for i in items if b"=" in i)
+    raise AssertionError(f"no single-user server of {name} found")
+
+
 def _started_in(workdir: str) -> list[int]:
     """Processes whose command line names ``workdir`` (the service the Hub ran, if it outlived it)."""
     found = []

@@ -19,7 +19,7 @@ from forkd_server.client import Controller, ControllerError
 
 from ..fleet.fleet import fleet
 from ..rest import exchange
-from .hubrun import PROXY, ROUTER_SECTION, Hub, documented_config
+from .hubrun import PROXY, ROUTER_SECTION, Hub, documented_config, server_environment
 
 # Ports only (free ones), no host-wide resource; slow: two hosts, a Hub, its proxy and the router start.
 pytestmark = [pytest.mark.slow,
@@ -122,15 +122,28 @@ def test_alices_list_never_shows_bobs_sandboxes_on_any_host(world):
     assert bob == {k["id"] for k in theirs}
     # an admin sees every user's, on every host
     assert {k["id"] for k in mine + theirs} <= {s["id"] for s in hub.ctl("boss").list_sandboxes()}
-    # the magics, with a user server's environment alone (FORKD_URL, FORKD_TOKEN)
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "JUPYTERHUB_"))}
-    out = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--colors=NoColor", "-c",
-                          "%load_ext forkd_magics\n%forkd ls --everyone"],
-                         env={**clean, "FORKD_URL": hub.forkd_url, "FORKD_TOKEN": hub.tokens["alice"],
-                              "IPYTHONDIR": os.path.join(hub.workdir, "ipython")},
-                         capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode == 0, out.stderr
-    assert all(k["id"] in out.stdout for k in mine) and not any(k["id"] in out.stdout for k in theirs), out.stdout
+
+
+def test_alices_server_finds_the_router_with_no_setup(world):
+    """The spawner gives alice's single-user server FORKD_URL (the router's service URL) and
+    FORKD_TOKEN (its own Hub token); %forkd ls with that environment alone lists hers, not bob's."""
+    hub, _ = world
+    mine = [spawn(hub, "alice", "base-0")["id"], spawn(hub, "alice", "base-1")["id"]]
+    theirs = [spawn(hub, "bob", "base-0")["id"], spawn(hub, "bob", "base-1")["id"]]
+    try:
+        hub.start_server("alice")
+        env = server_environment(hub, "alice")
+        assert env["FORKD_URL"] == hub.forkd_url and env["FORKD_TOKEN"] == env["JUPYTERHUB_API_TOKEN"]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "JUPYTERHUB_"))}
+        out = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--colors=NoColor", "-c",
+                              "%load_ext forkd_magics\n%forkd ls --everyone"],
+                             env={**clean, "FORKD_URL": env["FORKD_URL"], "FORKD_TOKEN": env["FORKD_TOKEN"],
+                                  "IPYTHONDIR": os.path.join(hub.workdir, "ipython")},
+                             capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stderr
+        assert all(k in out.stdout for k in mine) and not any(k in out.stdout for k in theirs), out.stdout
+    finally:
+        hub.api("DELETE", "/users/alice/server")
 
 
 def test_bobs_token_gets_404_for_alices_sandbox(world):
