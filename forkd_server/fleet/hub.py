@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 from ..hub.events import KeptLabels, event_key
 from ..hub.gate import HubGate
-from ..hub.ownership import Caller, Refused
+from ..hub.ownership import Caller, Refused, holders_labels
 from .hosts import HostError
 from .router import Refusal, Router
 
@@ -146,7 +146,7 @@ class RouterHub:
         if kind == "snapshot":
             held, _ = await self.router.holders(key)
             if held:
-                labels = next(iter(held.values())).get("labels") or {}
+                labels = holders_labels(list(held.values()))
                 self.kept.keep(("snapshot", key), labels)
                 return labels, None
             lost = next((r for r in self.router.lost_records("snapshot") if r["tag"] == key), None)

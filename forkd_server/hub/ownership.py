@@ -31,6 +31,18 @@ def inheritable(labels: dict | None) -> dict:
     return {k: v for k, v in (labels or {}).items() if not server_label(k)}
 
 
+def holders_labels(entries: list[dict]) -> dict:
+    """The labels of a snapshot several hosts hold: the first holder's, plus the server's labels
+    (``forkd.owner``, ``forkd.shared``) another holder has and it lacks: a copy pulled from the
+    store carries no labels, yet it is the same snapshot, with the same owner."""
+    labels = dict(entries[0].get("labels") or {}) if entries else {}
+    for entry in entries[1:]:
+        for k, v in (entry.get("labels") or {}).items():
+            if server_label(k):
+                labels.setdefault(k, v)
+    return labels
+
+
 class Refused(Exception):
     """A request the caller may not make; ``status`` 403 (or 404 where existence must not leak)."""
 

@@ -9,6 +9,7 @@ from urllib.parse import parse_qsl
 
 
 from ... import __version__
+from ...hub.ownership import holders_labels
 from ..hosts import Host
 from ...sse import EventStream
 from ..router import Router
@@ -84,7 +85,8 @@ def labels_match(record: dict, query: str) -> bool:
 
 
 def merge_snapshots(parts: list[tuple[Host, list]]) -> list[dict]:
-    """One entry per tag: the first host's, with ``host`` and every holder in ``hosts``."""
+    """One entry per tag: the first host's, with ``host`` and every holder in ``hosts``, and the
+    server's labels of every holder (``holders_labels``)."""
     out: dict[str, dict] = {}
     for host, items in parts:
         for item in items:
@@ -93,6 +95,7 @@ def merge_snapshots(parts: list[tuple[Host, list]]) -> list[dict]:
             key = item.get("tag", item.get("id"))
             if key in out:
                 out[key]["hosts"].append(host.url)
+                out[key]["labels"] = holders_labels([out[key], item])
             else:
                 out[key] = {**item, "host": host.url, "hosts": [host.url]}
     return list(out.values())
