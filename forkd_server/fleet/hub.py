@@ -14,6 +14,10 @@ one ``forkd serve --hub`` applies) to what it passes on.
 - **Views**: lists, the tree and the event stream carry only what the caller sees. An event's
   object is looked up by its labels, kept (``hub/events.KeptLabels``) from the router's listings
   and replies, or asked of its host when first seen.
+- **Kept labels**: a sandbox's or workspace's labels as its host gave them (in a listing, a reply,
+  an ``updated`` event, which carries them) decide a call about it without asking the host again;
+  only an admin can change an owner, and the host's event says so at once (a stream that broke is
+  followed by a fresh listing of that host).
 
 Routes a handler does not declare fit for users (``RouterHandler.for_users``) are for admins only.
 """
@@ -160,10 +164,13 @@ class RouterHub:
             if refusal.status == 410 and known is None:
                 known = next((r.get("labels") or {} for r in self.router.lost_records(kind) if r.get("id") == key), None)
             return (known, refusal) if refusal.status in (404, 410) else (None, refusal)
+        known = self.kept.get((kind, key, host.url))
+        if known is not None:  # as its host gave them (an ended one: the host's own 404 tells its owner how)
+            return known, None
         status, info = await self.ask(host, kind, key)
         if status == 200 and isinstance(info, dict):
             labels = info.get("labels") or {}
-            self.kept.keep((kind, key), labels)
+            self.keep(kind, key, labels, host.url)
             return labels, None
         if status == 404:  # it ended meanwhile: its owner hears how, from the host
             fields = info if isinstance(info, dict) else {}
@@ -182,15 +189,24 @@ class RouterHub:
 
     # --- what the caller sees -------------------------------------------------------------------------
 
-    def learn(self, kind: str, items: list) -> None:
-        """Keep the labels of listed or made objects (sandboxes, snapshots, workspaces, tree nodes)."""
+    def keep(self, kind: str, key: str, labels: dict, host: str | None = None) -> None:
+        """Keep an object's labels: by (kind, key) for events, and by (kind, key, host) where its
+        host gave them, for calls about it (``labels_now``)."""
+        self.kept.keep((kind, key), labels)
+        if host is not None and kind != "snapshot":
+            self.kept.keep((kind, key, host), labels)
+
+    def learn(self, kind: str, items: list, host: str | None = None) -> None:
+        """Keep the labels of listed or made objects (sandboxes, snapshots, workspaces, tree nodes),
+        each from ``host`` or the ``host`` the router gave it."""
         for item in items:
-            if not isinstance(item, dict):
+            if not isinstance(item, dict) or not isinstance(item.get("labels", {}), dict):
                 continue
             k = item.get("kind", kind) if kind == "node" else kind
             key = item.get(KEYS.get(k, "id")) if kind != "node" else item.get("id")
-            if isinstance(key, str) and k in KEYS:
-                self.kept.keep((k, key), item.get("labels") or {})
+            if isinstance(key, str) and k in KEYS and item.get("status") != "lost":
+                where = host or item.get("host")
+                self.keep(k, key, item.get("labels") or {}, where if isinstance(where, str) else None)
 
     async def kernels_visible(self, caller: Caller | None, records: list) -> list:
         """The kernel records ``caller`` sees: those whose HEAD they see (running, or ended with its
@@ -217,7 +233,11 @@ class RouterHub:
         """A host's event, before it is passed on: the labels of what it made are asked for now, so
         they are known when it ends."""
         key = event_key(event)
-        if key is not None and key[0] in KEYS and event.get("action") == "created" and self.kept.get(key) is None:
+        if key is None or key[0] not in KEYS:
+            return
+        if isinstance(event.get("labels"), dict):  # a change of labels (PATCH, a fork tree decided)
+            self.keep(*key, event["labels"], host.url)
+        elif event.get("action") == "created" and self.kept.get(key) is None:
             asyncio.ensure_future(self._labels_of(host.url, *key))
 
     async def event_visible(self, caller: Caller, event: dict) -> bool:
@@ -257,7 +277,7 @@ class RouterHub:
         except Refusal:
             return None
         if status == 200 and isinstance(info, dict):
-            self.kept.keep((kind, key), info.get("labels") or {})
+            self.keep(kind, key, info.get("labels") or {}, host.url)
         return self.kept.get((kind, key))
 
 

@@ -50,7 +50,7 @@ class Router:
     discovery.py), in which case the hosts recorded in the state file are kept too (one that is down
     keeps its sandboxes listed lost across a router restart)."""
 
-    listed = None  # called with (kind, items) for each listing a host gives (hub.py keeps their labels)
+    listed = None  # called with (host url, kind, items) for each listing a host gives (hub.py keeps their labels)
 
     def __init__(self, urls: list[str], token: str | None, state_path: str, settings: Settings | None = None,
                  rng: random.Random | None = None, dns: str | None = None):
@@ -141,7 +141,7 @@ class Router:
         host.listing = snapshots
         if self.listed is not None:  # under JupyterHub: whose each is (hub.py)
             for kind, items in (("sandbox", sandboxes), ("snapshot", snapshots), ("workspace", workspaces)):
-                self.listed(kind, items)
+                self.listed(host.url, kind, items)
         gone: set[str] = set()
         for kind, items, key in (("sandbox", sandboxes, "id"), ("snapshot", snapshots, "tag"),
                                  ("workspace", workspaces, "name")):

@@ -326,3 +326,19 @@ def test_a_kernels_record_is_its_heads_owners(world):
     assert "k-alice" in {k["kernel_id"] for k in alice.list_kernels()}
     assert raw(hub, "bob", "GET", "/v1/kernels/k-alice") == unknown
     alice.forget_kernel("k-alice")
+
+
+def test_an_owner_an_admin_changes_holds_at_once_for_calls(world):
+    """The router decides calls by the labels it keeps; a host's ``updated`` event carries new ones,
+    so an admin's hand-over of a sandbox holds at once for the old and the new owner."""
+    hub, _ = world
+    sid = spawn(hub, "alice", "base-0")["id"]
+    assert hub.ctl("alice").ping_sandbox(sid)  # her labels are kept by the router now
+    status, body = raw(hub, "boss", "PATCH", f"/v1/sandboxes/{sid}", {"labels": {"forkd.owner": "bob"}})
+    assert status == 200 and body["labels"]["forkd.owner"] == "bob", body
+    deadline = time.monotonic() + 30
+    while raw(hub, "bob", "POST", f"/v1/sandboxes/{sid}/ping")[0] != 200:
+        assert time.monotonic() < deadline, "bob never got the sandboxes boss handed him"
+        time.sleep(0.05)
+    assert raw(hub, "alice", "POST", f"/v1/sandboxes/{sid}/ping")[0] == 404
+    assert sid in {s["id"] for s in hub.ctl("bob").list_sandboxes()}
