@@ -13,7 +13,7 @@ one ``forkd serve --hub`` applies) to what it passes on.
   the words an unknown one gets; one that would change a shared snapshot, 403.
 - **Views**: lists, the tree and the event stream carry only what the caller sees. An event's
   object is looked up by its labels, kept (``hub/events.KeptLabels``) from the router's listings
-  and replies, or asked of its host when first seen.
+  and replies, or asked of its host when a stream first shows it.
 - **Kept labels**: a sandbox's or workspace's labels as its host gave them (in a listing, a reply,
   an ``updated`` event, which carries them) decide a call about it without asking the host again;
   only an admin can change an owner, and the host's event says so at once (a stream that broke is
@@ -230,15 +230,13 @@ class RouterHub:
     # --- events -------------------------------------------------------------------------------------------
 
     def noticed(self, host, event: dict) -> None:
-        """A host's event, before it is passed on: the labels of what it made are asked for now, so
-        they are known when it ends."""
+        """A host's event, before it is passed on: one that carries labels (a PATCH, a fork tree
+        decided) updates the kept ones. (What a host makes is learnt from the router's replies and
+        listings, or asked for when a stream first shows it: not on every creation, which would be a
+        read of the host per child of a spawn.)"""
         key = event_key(event)
-        if key is None or key[0] not in KEYS:
-            return
-        if isinstance(event.get("labels"), dict):  # a change of labels (PATCH, a fork tree decided)
+        if key is not None and key[0] in KEYS and isinstance(event.get("labels"), dict):
             self.keep(*key, event["labels"], host.url)
-        elif event.get("action") == "created" and self.kept.get(key) is None:
-            asyncio.ensure_future(self._labels_of(host.url, *key))
 
     async def event_visible(self, caller: Caller, event: dict) -> bool:
         """May ``caller`` see ``event``? Its object's labels, as kept or asked of its host; a kernel
