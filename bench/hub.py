@@ -11,9 +11,12 @@ differences. Also: the first call with a fresh token (the Hub asked once, then c
 ``--router``: the Hub's service is ``forkd router --hub`` in front of two ``forkd serve`` hosts
 (tests/fleet/fleet.py) instead of one ``forkd serve --hub``; besides the list, each round also times
 ``POST /v1/sandboxes/{id}/ping`` of one of alice's sandboxes both ways, where alice's call costs the
-router a read of the sandbox's labels from its host before it passes the ping on.
+router a read of the sandbox's labels from its host before it passes the ping on. ``--spawns K``
+(with ``--router``): K rounds of ``spawn(n=20)`` of the shared snapshot and the 20 killed, alice and
+the operator alternating; each median and the median of the paired differences (alice's spawn also
+has the router read the hosts' snapshot listings to check she may use the snapshot).
 
-Usage: python3 bench/hub.py [--json] [--rounds 1000] [--sandboxes 20] [--fresh 20] [--router]
+Usage: python3 bench/hub.py [--json] [--rounds 1000] [--sandboxes 20] [--fresh 20] [--router [--spawns 10]]
 """
 
 from __future__ import annotations
@@ -48,9 +51,28 @@ def timed(conn: http.client.HTTPConnection, path: str, token: str, method: str =
     return (time.perf_counter() - t0) * 1000
 
 
-def run(rounds: int, sandboxes: int, fresh: int, router: bool = False) -> dict:
+def run(rounds: int, sandboxes: int, fresh: int, router: bool = False, spawns: int = 0) -> dict:
     with started_hub(router) as hub:
-        return measure(hub, rounds, sandboxes, fresh, router)
+        result = measure(hub, rounds, sandboxes, fresh, router)
+        if spawns:
+            result.update(measure_spawns(hub, spawns))
+        return result
+
+
+def measure_spawns(hub: Hub, rounds: int) -> dict:
+    callers = {"operator": Controller(hub.forkd_url, hub.operator_token, timeout=300),
+               "hub_user": Controller(hub.forkd_url, hub.tokens["alice"], timeout=300)}
+    times: dict[str, list[float]] = {name: [] for name in callers}
+    for i in range(rounds):
+        for name in list(callers) if i % 2 == 0 else list(reversed(callers)):
+            t0 = time.perf_counter()
+            kids = callers[name].spawn_sandboxes("bench-base", 20)
+            times[name].append((time.perf_counter() - t0) * 1000)
+            for kid in kids:
+                callers[name].kill_sandbox(kid["id"])
+    return {**{f"spawn20_{name}_p50_ms": round(statistics.median(v), 1) for name, v in times.items()},
+            "spawn20_hub_minus_operator_median_ms": round(statistics.median(
+                [h - o for h, o in zip(times["hub_user"], times["operator"])]), 1)}
 
 
 @contextlib.contextmanager
@@ -73,7 +95,7 @@ def started_hub(router: bool):
 
 def measure(hub: Hub, rounds: int, sandboxes: int, fresh: int, router: bool) -> dict:
     hub.api("POST", "/users", {"usernames": ["alice", "bob"]})
-    tokens = {name: hub.user_token(name) for name in ("alice", "bob", "boss")}
+    tokens = hub.tokens = {name: hub.user_token(name) for name in ("alice", "bob", "boss")}
     Controller(hub.forkd_url, tokens["boss"]).create_snapshot("bench-base", setup="x = 1")
     Controller(hub.forkd_url, tokens["boss"]).share_snapshot("bench-base")
     for name in ("alice", "bob"):
@@ -123,8 +145,9 @@ def main() -> None:
     parser.add_argument("--sandboxes", type=int, default=20)
     parser.add_argument("--fresh", type=int, default=20)
     parser.add_argument("--router", action="store_true", help="the fleet's router as the service, over two hosts")
+    parser.add_argument("--spawns", type=int, default=0, help="with --router: rounds of spawn(n=20) both ways")
     args = parser.parse_args()
-    result = run(args.rounds, args.sandboxes, args.fresh, args.router)
+    result = run(args.rounds, args.sandboxes, args.fresh, args.router, args.spawns)
     if args.json:
         print(json.dumps(result))
     else:
