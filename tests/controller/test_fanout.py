@@ -67,9 +67,40 @@ def test_the_compactor_thread_waits_for_a_first_cell(ctl, snap):
     try:
         pid = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
         ctl.ping(kid["id"])
-        assert _wait_threads(pid, 3) == 3  # the main thread (cells), the reaper, the accepting thread
+        assert _wait_threads(pid, 2) == 2  # the main thread (cells), the accepting thread (and reaper)
         assert ctl.run_code(kid["id"], "x = 1")["exit_code"] == 0
-        assert _wait_threads(pid, 4) == 4
+        assert _wait_threads(pid, 3) == 3
         assert "forkd-compact" in ev(ctl, kid["id"], "[t.name for t in __import__('threading').enumerate()]")
+    finally:
+        ctl.kill_sandbox(kid["id"])
+
+
+def _zombie_children(pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and fields[1] == str(pid):
+            found.append(int(name))
+    return found
+
+
+def test_a_sandbox_reaps_its_ended_branch_on_its_accepting_thread(ctl, snap):
+    kid = ctl.spawn(snap, 1)[0]
+    try:
+        agent = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
+        ctl.branch(kid["id"], "reaped-branch")
+        branch_init = ctl.registry.get_snapshot("reaped-branch")["handle"]["init"]["pid"]
+        assert _status(branch_init, "PPid") == [str(agent)]  # the sandbox's own fork
+        ctl.delete_snapshot("reaped-branch")                 # it ends: a zombie until the sandbox reaps it
+        deadline = time.monotonic() + 30
+        while (os.path.exists(f"/proc/{branch_init}") or _zombie_children(agent)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{branch_init}") and _zombie_children(agent) == []
+        threads = ev(ctl, kid["id"], "[t.name for t in __import__('threading').enumerate()]")
+        assert "forkd-accept" in threads and "forkd-reaper" not in threads  # reaped by the accepting thread
     finally:
         ctl.kill_sandbox(kid["id"])

@@ -180,7 +180,9 @@ class SandboxProcess:
             role = self.identity["role"]
             self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
             listener = socket.socket(fileno=listen_fd)
-            children.install()
+            # A template's reaper has a thread of its own (this one serves a spawn at a time); a
+            # sandbox's accepting thread doubles as its reaper.
+            children.install(reaper_thread=role == "template")
             if role == "template":
                 actions = {"spawn": self.spawn, "retire": self.retire}
                 for frozen in ("exec", "eval", "run_code", "files"):
@@ -199,7 +201,8 @@ class SandboxProcess:
                 executor.after_user_code = self.compactor.poke
                 self.server = AgentServer(self.runtime, listener,
                                           {"branch": self.branch, "retire": self.retire,
-                                           "inventory": self.inventory}, threaded=True)
+                                           "inventory": self.inventory}, threaded=True,
+                                          tend=(children.wake_fd(), children.tend, children.TEND_EVERY))
                 self.server.start()
                 report_ready(report_fd, {"id": self.identity["id"], "ok": True})
                 os.close(report_fd)
@@ -220,7 +223,10 @@ class SandboxProcess:
             if not init_running:
                 hand_pid1_to_init()
             self.config.update(tmpfs or {})
-            accepted = inventory.connections_to(self.server.address()) if self.server is not None else set()
+            # A template serves one connection at a time on this thread, recorded before it is
+            # served; a sandbox's accepting thread may hold one it has not recorded yet.
+            threaded = self.server is not None and self.server.threaded
+            accepted = inventory.connections_to(self.server.address()) if threaded else set()
             close_agent_fds(self.agent_fds() | accepted, keep={listen_fd, report_fd})
             children.forget_fds()
             self.server = None
