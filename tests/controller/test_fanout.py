@@ -104,3 +104,41 @@ def test_a_sandbox_reaps_its_ended_branch_on_its_accepting_thread(ctl, snap):
         assert "forkd-accept" in threads and "forkd-reaper" not in threads  # reaped by the accepting thread
     finally:
         ctl.kill_sandbox(kid["id"])
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+def test_each_agent_has_its_own_namespaces_hostname_lo_and_descriptors(ctl, snap):
+    template = ctl.registry.get_snapshot(snap)["handle"]["pid"]
+    kids = ctl.spawn(snap, 4)
+    try:
+        seen = {kind: {os.readlink(f"/proc/{template}/ns/{kind}")} for kind in ("mnt", "uts", "ipc", "net")}
+        sockets = []
+        for kid in kids:
+            agent = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
+            for kind in seen:
+                ns = os.readlink(f"/proc/{agent}/ns/{kind}")
+                assert ns not in seen[kind], f"{kid['id']} shares its {kind} namespace"
+                seen[kind].add(ns)
+            assert ev(ctl, kid["id"], "__import__('socket').gethostname()") == repr(kid["id"][:64])
+            assert ev(ctl, kid["id"], "(__import__('os').getpid(), __import__('os').readlink('/proc/self'))") == "(2, '2')"
+            lo = ("import socket\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+                  "c = socket.create_connection(s.getsockname(), timeout=5); c.close(); s.close()\n'up'")
+            assert ctl.run_code(kid["id"], lo)["result"]["text/plain"] == "'up'"
+            sockets.append(_socket_inodes(agent))
+        for i, mine in enumerate(sockets):  # no agent holds a sibling's listener or the template's
+            assert not mine & _socket_inodes(template)
+            assert all(not mine & other for other in sockets[i + 1:])
+    finally:
+        for kid in kids:
+            ctl.kill_sandbox(kid["id"])
