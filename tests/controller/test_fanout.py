@@ -1,8 +1,10 @@
 """A spawn's children, forked in the template's C loop (process/fanout.c): each one whole.
 
 Each child's first process is PID 1 of a pid namespace of its own and has become forkd-init; the
-agent is its child, PID 2 there; both are in the child's own leaves, with its limits; and a fresh
-sandbox starts its compactor's thread only once a cell has run.
+agent is its child, PID 2 there; both are in the child's own leaves, with its limits; each agent
+set itself up in the loop (its own namespaces, hostname, lo, and none of its siblings' descriptors);
+and a fresh sandbox starts its compactor's thread only once a cell has run, and reaps on its
+accepting thread.
 """
 
 from __future__ import annotations
@@ -142,3 +144,4 @@ def test_each_agent_has_its_own_namespaces_hostname_lo_and_descriptors(ctl, snap
     finally:
         for kid in kids:
             ctl.kill_sandbox(kid["id"])
+

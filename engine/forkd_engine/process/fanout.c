@@ -24,16 +24,18 @@
  *
  * With ``setup`` (not NULL), each agent also sets itself up here, before Python resumes: it closes
  * the template's agent descriptors but its own two, takes its own mount, UTS, IPC (and network)
- * namespaces, mounts its /proc, sets its hostname and brings its lo up. Done in Python, each step
- * ran code and touched objects all over the template's heap, and each page touched (a reference
- * count written) became the agent's own copy; here it is a few system calls. forkd_fanout_error()
- * then says, in the agent, which step failed (NULL when none did), for the agent to report.
+ * namespaces, mounts its /proc, sets its hostname, brings its lo up and lays its own machine id
+ * over /etc/machine-id (machine_id.py). Done in Python, each step ran code and touched objects all
+ * over the template's heap, and each page touched (a reference count written) became the agent's
+ * own copy; here it is a few system calls. forkd_fanout_error() then says, in the agent, which
+ * step failed (NULL when none did), for the agent to report.
  *
  * Returns, in an agent, its index counted from 1; in the template 0 once all n are forked, or
  * -errno of the call that failed (pids[i] is 0 for each child not made).
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <net/if.h>
 #include <sched.h>
 #include <setjmp.h>
@@ -42,8 +44,10 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
+#include <sys/random.h>
 #include <sys/rseq.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -87,6 +91,43 @@ static int loopback_up(void) {
     return ret;
 }
 
+/* machine_id.py's own_machine_id(), for a spawn's agent: a new id (a random UUID's 32 hex digits,
+ * as uuid.uuid4().hex) in a file on a small read-only tmpfs at /run, bound over /etc/machine-id;
+ * nothing where the host has no /etc/machine-id file. */
+static int own_machine_id(void) {
+    struct stat st;
+    if (stat("/etc/machine-id", &st) != 0 || !S_ISREG(st.st_mode))
+        return 0;
+    unsigned char raw[16];
+    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw)
+        return failed("machine id: getrandom");
+    raw[6] = (raw[6] & 0x0f) | 0x40;   /* version 4 */
+    raw[8] = (raw[8] & 0x3f) | 0x80;   /* RFC 4122 variant */
+    char id[33];
+    for (int k = 0; k < 16; k++) {
+        id[2 * k] = "0123456789abcdef"[raw[k] >> 4];
+        id[2 * k + 1] = "0123456789abcdef"[raw[k] & 15];
+    }
+    id[32] = '\n';
+    unsigned long flags = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+    if (mount("forkd-run", "/run", "tmpfs", flags, "size=4k,mode=755") != 0)
+        return failed("machine id: mount tmpfs on /run");
+    int fd = open("/run/machine-id", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return failed("machine id: /run/machine-id");
+    int ok = write(fd, id, sizeof id) == (ssize_t)sizeof id && fchmod(fd, 0444) == 0;
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    if (!ok)
+        return failed("machine id: writing /run/machine-id");
+    if (mount(NULL, "/run", NULL, MS_REMOUNT | MS_RDONLY | flags, NULL) != 0)
+        return failed("machine id: remount /run read-only");
+    if (mount("/run/machine-id", "/etc/machine-id", NULL, MS_BIND, NULL) != 0)
+        return failed("machine id: bind over /etc/machine-id");
+    return 0;
+}
+
 static int set_up_agent(const struct setup *s, int i) {
     for (int k = 0; k < s->n_close; k++)
         if (s->close_fds[k] != s->report_fd && s->close_fds[k] != s->listen_fds[i])
@@ -99,7 +140,7 @@ static int set_up_agent(const struct setup *s, int i) {
         return failed("sethostname");
     if ((s->ns_flags & CLONE_NEWNET) && loopback_up() != 0)
         return failed("bringing lo up");
-    return 0;
+    return own_machine_id();
 }
 
 const char *forkd_fanout_error(void) {

@@ -239,7 +239,8 @@ class SandboxProcess:
         """In a fresh fork: leave PID 1 to forkd-init, close the agent's descriptors, take the new
         identity, namespaces and private copies of /tmp and /dev/shm (sized by ``tmpfs``, else as
         ours), repair what the fork shares with its source, then serve (never returns). With
-        ``forked_by_loop`` (a spawn's C loop), forkd-init runs and the namespaces are ours already."""
+        ``forked_by_loop`` (a spawn's C loop), forkd-init runs and the namespaces, hostname and
+        machine id are ours already."""
         # A spawn's copy of a parked template repairs what the template found once; a branch's
         # copy of a sandbox, where user code ran, looks afresh.
         plan, self.fork_plan = self.fork_plan, None
@@ -262,7 +263,7 @@ class SandboxProcess:
             # The same path now names this fork's own copy (a relative open() stays private).
             with contextlib.suppress(OSError):
                 os.chdir(cwd)
-            if identity["role"] == "sandbox":
+            if identity["role"] == "sandbox" and not forked_by_loop:
                 own_machine_id()
             notes = inventory.repair_after_fork({listen_fd, report_fd}, lossy, plan)
             if notes:
