@@ -10,8 +10,8 @@ reaping one of those would make ``Popen.poll()`` report 0 for a process that exi
 So every way Python starts a process is wrapped to record the new pid under a lock, and the reaper
 (a thread of its own, or one the agent has anyway, woken by SIGCHLD through a pipe, never blocking
 in the signal handler) reaps only zombies that nobody recorded: orphans, and processes the agent
-itself forked. The one gap is C
-code that calls ``fork()`` directly, bypassing Python; its children are reaped like orphans.
+itself forked. The one gap is C code that calls ``fork()`` directly, bypassing Python; its
+children are reaped like orphans.
 """
 
 from __future__ import annotations
