@@ -8,14 +8,14 @@ import os
 import signal
 import ssl
 import sys
-from urllib.parse import urlsplit
 
 from tornado import web
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 
-from .discovery import DiscoveryError, parse_dns
+from .discovery import DiscoveryError, parse_dns, url_problem
 from .handlers import route_table
+from .registration import Registrations
 from .router import Router, Settings
 
 MAX_BODY = 64 * (1 << 20) + (1 << 20)  # a file write (64 MiB) and then some: the host says 413 past its limit
@@ -30,10 +30,8 @@ def parse_hosts(value: str) -> list[str]:
     if not urls:
         raise RouterError("--hosts is empty: give the hosts' URLs, e.g. --hosts http://10.0.0.1:8889,http://10.0.0.2:8889")
     for url in urls:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-            raise RouterError(f"--hosts: {url!r} is not a host's URL: use http(s)://HOST:PORT (forkd serve's "
-                              f"address, its API at /v1)")
+        if why := url_problem(url):
+            raise RouterError(f"--hosts: {url!r} is not a host's URL: {why}")
     if len(set(urls)) != len(urls):
         raise RouterError("--hosts names a host twice")
     return urls
@@ -80,7 +78,7 @@ async def start(router: Router, token: str | None, host: str, port: int, ssl_opt
 def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None = None, port: int | None = None,
                token_file: str | None = None, no_token: bool = False, tls_cert: str | None = None,
                tls_key: str | None = None, data_dir: str | None = None, settings: Settings | None = None,
-               hosts_dns: str | None = None, hub: bool | None = None) -> int:
+               hosts_dns: str | None = None, register_token_file: str | None = None, hub: bool | None = None) -> int:
     """``hub``: JupyterHub checks every caller (fleet/hub.py); None turns it on when JupyterHub
     started this process as a service, whose environment then also says where to listen."""
     from ..controller import default_data_dir
@@ -103,9 +101,13 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
             if missing := missing_environment():
                 raise RouterError(f"--hub needs {' and '.join(missing)} in the environment, which JupyterHub gives "
                                   f"the services it starts; for one started apart see docs/deploy/jupyterhub.md")
-        if bool(hosts) == bool(hosts_dns):
+        if hosts and hosts_dns:
             raise RouterError("give the hosts either as a list (--hosts URL,URL...) or as a name that resolves to "
-                              "them (--hosts-dns http://NAME:PORT), one of the two")
+                              "them (--hosts-dns http://NAME:PORT), not both")
+        if not (hosts or hosts_dns or register_token_file):
+            raise RouterError("give the hosts: a list (--hosts URL,URL...), a name that resolves to them (--hosts-dns "
+                              "http://NAME:PORT), or let them register themselves (--register-token-file FILE, with "
+                              "forkd serve --register on each host)")
         urls = parse_hosts(hosts) if hosts else []
         if hosts_dns:
             parse_dns(hosts_dns)
@@ -115,6 +117,7 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
             if path and not os.path.isfile(path):
                 raise RouterError(f"TLS file not found: {path}")
         host_token = read_token_file(hosts_token_file) if hosts_token_file else None
+        register_token = read_token_file(register_token_file) if register_token_file else None
         if token_file:
             token = read_token_file(token_file)
         elif hub:
@@ -140,12 +143,20 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
 
     async def main() -> None:
         router = Router(urls, host_token, os.path.join(state_dir, "router.db"), settings, dns=hosts_dns)
-        server = await start(router, token, host, port, ssl_options, hub=hub, base_url=base_url)
+        registrations = None
+        if register_token:
+            registrations = Registrations(router, register_token, urls)
+            registrations.restore()
+        server = await start(router, token, host, port, ssl_options, hub=hub, base_url=base_url,
+                             forkd_registrations=registrations)
+        if registrations is not None:
+            registrations.start()
         scheme = "https" if tls_cert else "http"
         shown = f"[{host}]" if ":" in host else host
         up = sum(h.up for h in router.hosts.values())
         print(f"forkd router: listening on {scheme}://{shown}:{server.port}{base_url.rstrip('/')} for "
-              f"{len(router.hosts)} hosts ({up} up{', found through ' + hosts_dns if hosts_dns else ''}); "
+              f"{len(router.hosts)} hosts ({up} up{', found through ' + hosts_dns if hosts_dns else ''}"
+              f"{'; hosts may register themselves at /v1/fleet/register' if registrations else ''}); "
               f"state in {state_dir}", file=sys.stderr, flush=True)
         if hub:
             gate = server.request_callback.settings["forkd_hub"].gate
@@ -163,6 +174,8 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         server.stop()
+        if registrations is not None:
+            await registrations.stop()
         await router.stop()
 
     asyncio.run(main())
