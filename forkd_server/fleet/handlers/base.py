@@ -8,6 +8,7 @@ import json
 from urllib.parse import parse_qsl, urlencode
 
 import aiohttp
+import orjson
 from tornado import web
 from tornado.iostream import StreamClosedError
 
@@ -131,13 +132,15 @@ class RouterHandler(web.RequestHandler):
             self.send(body, status)
 
     def json_body(self) -> dict | None:
-        """The body as a JSON object, or None when it is not one (a host then says what is wrong)."""
+        """The body as a JSON object, or None when it is not one (a host then says what is wrong).
+        Parsed as a host parses it (orjson): what the router reads (a spawn's snapshot, the labels
+        it sets under JupyterHub) is what the host acts on, and nesting past its limit is no error."""
         ctype = self.request.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
             return None
         try:
-            data = json.loads(self.request.body or b"null")
-        except ValueError:
+            data = orjson.loads((self.request.body or b"").strip() or b"null")
+        except orjson.JSONDecodeError:
             return None
         return data if isinstance(data, dict) else None
 
