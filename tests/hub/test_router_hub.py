@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 
@@ -342,3 +343,37 @@ def test_an_owner_an_admin_changes_holds_at_once_for_calls(world):
         time.sleep(0.05)
     assert raw(hub, "alice", "POST", f"/v1/sandboxes/{sid}/ping")[0] == 404
     assert sid in {s["id"] for s in hub.ctl("bob").list_sandboxes()}
+
+
+def test_alices_forkd_kernel_through_the_router(world):
+    """The forkd kernel with alice's server's environment: its base snapshot, branch, fork and
+    checkout go through the router as hers; its HEAD is recorded for her; bob sees none of it."""
+    from jupyter_client.manager import start_new_kernel
+
+    from ..kernel.cells import run
+
+    hub, _ = world
+    env = {"FORKD_URL": hub.forkd_url, "FORKD_TOKEN": hub.tokens["alice"], "JUPYTERHUB_USER": "alice"}
+    with mock.patch.dict(os.environ, env):
+        km, kc = start_new_kernel(kernel_name="forkd-python")
+    try:
+        assert run(kc, "x = 21").ok
+        branch = run(kc, "%forkd branch --live")
+        assert branch.ok and "status='ready'" in branch.result, branch.text
+        assert run(kc, "kids = %forkd fork -n 2").ok
+        assert run(kc, "%forkd checkout kids[1]").ok
+        assert run(kc, "x + 1").result == "22"
+        assert run(kc, "%forkd checkout -").ok
+        tree = run(kc, "%forkd tree")
+        assert tree.ok, tree.text
+        alice, bob = hub.ctl("alice"), hub.ctl("bob")
+        hers = {s["id"] for s in alice.list_sandboxes()}
+        assert len(hers) >= 3 and all(s["labels"]["forkd.owner"] == "alice" for s in alice.list_sandboxes())
+        assert not hers & {s["id"] for s in bob.list_sandboxes()}
+        heads = {k["kernel_id"]: k["head"] for k in alice.list_kernels()}
+        assert heads and set(heads.values()) <= hers
+        assert not set(heads) & {k["kernel_id"] for k in bob.list_kernels()}
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=False)
