@@ -77,9 +77,8 @@ class RouterHub:
             if handler.owned and handler.path_args:
                 await self.own(caller, handler.owned, handler.path_args[0], change=method in handler.changes,
                                creating=method in handler.creates)
-            if method in handler.body_owns:  # what the body names: a spawn's snapshot, a kernel's HEAD
-                kind, field = handler.body_owns[method]
-                body = handler.json_body()
+            for named_by, kind, field in handler.body_owns:  # a spawn's snapshot, a kernel's HEAD
+                body = handler.json_body() if named_by == method else None
                 if body is not None and isinstance(body.get(field), str):
                     await self.own(caller, kind, body[field])
         if handler.request.method in handler.stamps:

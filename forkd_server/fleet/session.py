@@ -20,7 +20,7 @@ PASSED_HEADERS = ("X-Forkd-Client", "User-Agent")
 class SessionProxy(websocket.WebSocketHandler):
     # under JupyterHub (hub.py): any user's, about a sandbox they see
     auth_resource, for_users, admin_only, owned, changes, stamps, checks_labels, body_owns, creates = \
-        "forkd:server", True, None, "sandbox", (), (), (), {}, ()
+        "forkd:server", True, None, "sandbox", (), (), (), (), ()
     upstream: websocket.WebSocketClientConnection | None = None
     _early: list | None = None  # what the host said before the client's side was open
 

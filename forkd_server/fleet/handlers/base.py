@@ -50,7 +50,7 @@ class RouterHandler(web.RequestHandler):
     # the 403; ``owned``: the kind the first path argument names, which the caller must see (404),
     # and ``changes`` the methods that change it (403 for a shared snapshot); ``stamps``: the methods
     # whose body gets the caller's owner label; ``checks_labels``: those whose labels are checked;
-    # ``body_owns``: method -> (kind, field) the body names, which the caller must see (404);
+    # ``body_owns``: (method, kind, field): what a body names, which the caller must see (404);
     # ``creates``: methods that may make the ``owned`` object when no host has it (a kernel record).
     auth_resource = "forkd:server"
     for_users = False
@@ -59,7 +59,7 @@ class RouterHandler(web.RequestHandler):
     changes: tuple[str, ...] = ()
     stamps: tuple[str, ...] = ()
     checks_labels: tuple[str, ...] = ()
-    body_owns: dict[str, tuple[str, str]] = {}
+    body_owns: tuple[tuple[str, str, str], ...] = ()
     creates: tuple[str, ...] = ()
     caller: Caller | None = None  # the Hub user the request acts for (None: the router's own token)
 

@@ -23,7 +23,7 @@ def _count(value) -> int | None:
 
 class SandboxesHandler(RouterHandler):
     for_users, stamps = True, ("POST",)
-    body_owns = {"POST": ("snapshot", "snapshot_tag")}  # a snapshot of the caller's, or a shared one
+    body_owns = (("POST", "snapshot", "snapshot_tag"),)  # a snapshot of the caller's, or a shared one
 
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/sandboxes" + host_query(self))

@@ -9,7 +9,7 @@ from .snapshots import _holder
 
 class WorkspacesHandler(RouterHandler):
     for_users, stamps = True, ("POST",)
-    body_owns = {"POST": ("snapshot", "snapshot_tag")}
+    body_owns = (("POST", "snapshot", "snapshot_tag"),)
 
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/workspaces")
@@ -56,7 +56,7 @@ class KernelHandler(PinnedHandler):
 
     kind = "kernel"
     owned, creates = "kernel", ("PUT",)  # a record is its HEAD's owner's; PUT may make one
-    body_owns = {"PUT": ("sandbox", "head"), "POST": ("sandbox", "sandbox")}  # HEAD, or checkout's target
+    body_owns = (("PUT", "sandbox", "head"), ("POST", "sandbox", "sandbox"))  # HEAD, or checkout's target
 
     async def put(self, kernel_id: str, *_) -> None:
         body = self.json_body() or {}
