@@ -11,8 +11,8 @@
 - ``gate.py``: the Hub's check of one request for an app that is not a jupyter-server (the fleet's
   router, ``forkd router --hub``: ``fleet/hub.py``), with the two classes above.
 
-``forkd serve --hub`` (or a Hub-managed service's environment) turns it on; ``hub_settings`` reads
-that environment. Any jupyter-server app plugs it in the same way: the two classes as its
+``forkd serve --hub`` and ``forkd router --hub`` (or a Hub-managed service's environment) turn it
+on; ``hub_settings`` reads that environment. Any jupyter-server app plugs it in the same way: the two classes as its
 ``identity_provider_class`` and ``authorizer_class``, and its handlers asking ``ownership.Caller``
 about the wire objects they pass on (``handlers/base.py`` shows how). This package imports neither
 jupyter_server nor jupyterhub at import time.
