@@ -39,7 +39,7 @@ def world():
                                                              labels={"forkd.owner": "boss"})
         hub = Hub(["router", "--hub", "--hosts", ",".join(h.url for h in hosts),
                    "--hosts-token-file", os.path.join(workdir, "token"), "--data-dir", os.path.join(workdir, "r"),
-                   "--heartbeat", "0.3", "--down-after", "5"], heading=ROUTER_SECTION)
+                   "--heartbeat", "0.3", "--down-after", "3"], heading=ROUTER_SECTION)
         try:
             hub.wait_ready()
             wait_hosts_up(hub, 2)
@@ -377,3 +377,26 @@ def test_alices_forkd_kernel_through_the_router(world):
         kc.stop_channels()
         if km.is_alive():
             km.shutdown_kernel(now=False)
+
+
+def test_a_lost_sandbox_is_told_as_lost_to_its_owner_only(world):
+    """Host 1's server killed with -9: alice's sandbox there is listed ``lost`` to her and answers her
+    410; to bob it is not there (404, an unknown id's words). When the host is back, it answers again."""
+    hub, hosts = world
+    sid = spawn(hub, "alice", "base-1")["id"]
+    hosts[1].crash()
+    try:
+        wait_hosts_up(hub, 1)
+        lost = {s["id"]: s for s in hub.ctl("alice").list_sandboxes()}
+        assert lost[sid]["status"] == "lost", lost
+        assert sid not in {s["id"] for s in hub.ctl("bob").list_sandboxes()}
+        status, body = raw(hub, "alice", "POST", f"/v1/sandboxes/{sid}/ping")
+        assert status == 410 and body["lost"]["host"] == hosts[1].url, body
+        status, body = raw(hub, "bob", "POST", f"/v1/sandboxes/{sid}/ping")
+        assert status == 404 and body["error"].startswith(f"sandbox {sid} not found on any host of the fleet"), body
+        assert sid not in {n["id"] for n in hub.ctl("bob").tree()}
+    finally:
+        hosts[1].start()
+        hosts[1].wait_healthy()
+        wait_hosts_up(hub, 2)
+    assert hub.ctl("alice").ping_sandbox(sid)
