@@ -29,6 +29,7 @@ __all__ = ["MISSING_HEADER", "RouterHandler", "check_token", "host_query", "rout
 
 class NotFoundHandler(RouterHandler):
     for_users = True  # an unknown route is 404 to everyone
+
     def _missing(self, *args) -> None:
         raise Refusal(404, f"not found: {self.request.path} is not a route of forkd's /v1")
 
