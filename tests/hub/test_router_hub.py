@@ -265,6 +265,9 @@ def test_admin_routes_and_the_operator(world):
         status, answer = raw(hub, "alice", method, path, body)
         assert status == 403 and "admins" in answer["error"], (path, status, answer)
     assert raw(hub, "boss", "GET", "/v1/fleet/hosts")[0] == 200
+    # the path of pulls is also that of a snapshot tagged "pull": deleting it is its owner's, as any
+    assert raw(hub, "alice", "DELETE", "/v1/snapshots/pull") == \
+        (404, {"error": "snapshot pull not found on any host of the fleet"})
     mine = spawn(hub, "alice", "base-0")["id"]
     operator = Controller(hub.forkd_url, hub.operator_token)
     assert mine in {s["id"] for s in operator.list_sandboxes()}

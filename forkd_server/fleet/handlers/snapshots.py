@@ -44,10 +44,13 @@ class SnapshotsHandler(RouterHandler):
 
 
 class SnapshotPullHandler(RouterHandler):
-    admin_only = "the store is one for all users: a pull would hand a user anyone's pushed snapshot"
+    for_users = True  # DELETE is the snapshot tagged "pull"'s (its owner's); POST is admins'
 
     async def post(self) -> None:
         """Pull from the store onto the best host that does not hold the tag yet."""
+        if self.viewer is not None:
+            raise Refusal(403, "only JupyterHub admins may pull snapshots from the store here: the store is one for "
+                               "all users, so a pull would hand a user anyone's pushed snapshot")
         body = self.json_body() or {}
         held = (await self.router.holders(body["tag"]))[0] if isinstance(body.get("tag"), str) else {}
         host = self.router.place_new(exclude=set(held)) if len(held) < len(self.router.up_hosts()) \
@@ -59,6 +62,8 @@ class SnapshotPullHandler(RouterHandler):
         self.answer(status, reply)
 
     async def delete(self) -> None:  # the snapshot tagged "pull"
+        if self.viewer is not None:
+            await self.hub.own(self.viewer, "snapshot", "pull", change=True)
         await SnapshotHandler.delete(self, "pull")
 
 
