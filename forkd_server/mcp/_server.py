@@ -17,10 +17,9 @@ interpreter frozen in time; spawn_sandboxes forks copy-on-write sandboxes from i
 branch_sandbox turns a running sandbox into a new snapshot (a pause of a few ms).
 fork_sandbox makes n copies of a running sandbox (one fork tree); promote_sandbox keeps the one that
 worked and kills the others.
-To try several changes on a user's live notebook: list_notebooks, fork_sandbox its HEAD (n copies of
-its state), run_cell in each copy, then notebook_checkout the copy to keep (the user's notebook moves
-there) and promote_sandbox it (its siblings go). notebook_fork makes copies too (kill_sandbox the
-ones you do not keep)."""
+To try several changes on a user's live notebook: list_notebooks, notebook_fork it (n copies of its
+state, one fork tree), run_cell in each copy, notebook_checkout the copy to keep (the user's notebook
+moves there), then promote_sandbox it (the other copies go)."""
 
 
 def build_server(controller: Controller | None = None) -> MCPServer:
