@@ -129,7 +129,9 @@ class TierManager:
                 busy = None  # an agent that does not answer runs nothing we could cut short
         if busy:
             raise Conflict(f"sandbox {row['id']} is running {busy}; it can {move} once that has returned",
-                           hint=f"retry when it is idle, or interrupt it (POST /v1/sandboxes/{row['id']}/interrupt)")
+                           hint=f"retry when it is idle, or interrupt it (POST /v1/sandboxes/{row['id']}/interrupt)",
+                           details={"mcp": "retry once the call running in it has returned (cancelling a run_cell "
+                                           "interrupts its cell)"})
 
     # --- the moves -------------------------------------------------------------------------------
 
@@ -142,7 +144,8 @@ class TierManager:
             tier = tier_of(row)
             if tier == "stored":
                 raise Conflict(f"sandbox {row['id']} is stored, a deeper tier than frozen",
-                               hint=f"wake it first (POST /v1/sandboxes/{row['id']}/wake)")
+                               hint=f"wake it first (POST /v1/sandboxes/{row['id']}/wake)",
+                               details={"mcp": f"wake_sandbox {row['id']} first"})
             if tier == "running":
                 self._idle(row, "freeze")
                 try:
@@ -164,6 +167,8 @@ class TierManager:
                                 f"can be stored on the vm engine",
                            details={"rest": f"POST /v1/sandboxes/{row['id']}/freeze", "sdk": "sandbox.freeze()",
                                     "cli": f"forkd freeze {row['id']}",
+                                    "mcp": f"freeze_sandbox {row['id']} instead, or store sandboxes of a snapshot "
+                                           f"made with create_snapshot engine='vm'",
                                     "vm": "snapshots created with engine vm (forkd serve, c.ForkdApp) store their "
                                           "sandboxes"})
         with self._holding(row["id"], "a store"):
