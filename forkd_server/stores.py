@@ -10,6 +10,7 @@ push/pull between it and a remote store (``forkd serve --store URL``).
   *pull* fetches a manifest by tag or digest, checks this host can restore it (409 naming the field
   that differs), fetches only the chunks this host lacks, verifying each, and makes a ``ready``
   snapshot of it.
+- A stored sandbox's copy in the remote store goes once it runs again or ends (stored_copies.py).
 
 Progress goes out as change events (kind snapshot, action ``push``/``pull``, ``done_bytes`` and
 ``total_bytes``). A store that fails is a 502 naming the store and what failed.
@@ -29,6 +30,7 @@ from forkd_engine.store import (ChunkCorrupt, Incompatible, NotInStore, RemoteSt
 
 from .checks import check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound, StoreFailure
+from .stored_copies import StoredCopies
 
 PROGRESS_EVERY = 0.25  # seconds between progress events of one transfer
 # A remote delete sweeps no chunk younger than this (s): a push under way writes its chunks before
@@ -57,6 +59,7 @@ class StoreManager:
         self._pending: set[str] = set()
         self._worker = threading.Thread(target=self._work, name="forkd-store", daemon=True)
         self._worker.start()
+        self.stored_copies = StoredCopies(self)  # a woken or ended sandbox's stored state leaves the remote
 
     # --- durable by default ----------------------------------------------------------------------
 
@@ -102,7 +105,7 @@ class StoreManager:
             self._queue.put(("push", tag))
             found.append(f"snapshot {tag}: a push to {self.remote.url} was cut short by the server's end; it "
                          f"resumes now (only the chunks the store lacks)")
-        return found
+        return found + self.stored_copies.resume()
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is queued for the local store; True if so within ``timeout``."""
@@ -117,6 +120,7 @@ class StoreManager:
 
     def close(self) -> None:
         self._queue.put(None)
+        self.stored_copies.close()
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:

@@ -7,7 +7,8 @@
   ``<id>@stored-<n>`` (``@`` is in no user tag, so it never meets one), kept in the local chunk
   store and pushed to the remote store when the server has one; then its QEMU ends and the
   snapshot's RAM file leaves tmpfs. Waking fetches what the local store lacks, writes the RAM file
-  back, and restores a VM under the *same* sandbox id, so callers never see the change. A process
+  back, and restores a VM under the *same* sandbox id, so callers never see the change; then the
+  stored state goes, here and from the remote store (stored_copies.py). A process
   sandbox is a process, which cannot be written as files: ``frozen`` is its deepest tier.
 
 The state is recorded in the sandbox's row (``tier``, and ``stored``: the snapshot's handle and
@@ -284,10 +285,13 @@ class TierManager:
         except EngineError as exc:
             raise EngineFailure(f"wake of {row['id']}: {exc}", hint="it stays stored; retry the call") from exc
         restore_ms = _ms(t2)
+        copies = self.ctl.stores.stored_copies
+        leaving = copies.leaving(row["id"], stored)  # its remote copy goes too, once it is recorded running
         # Recorded before the stored state goes: a crash from here leaves it running.
         self.registry.update_sandbox(row["id"], handle=handle, tier=None, stored=None)
         with contextlib.suppress(Exception):  # its chunks become cache (pinned no more)
             engine.delete_snapshot(snap)
+        copies.delete_later(leaving)
         return {"from": "stored", "ms": _ms(t0), "fetch_ms": fetch_ms, "fetched_bytes": fetched,
                 "decompress_ms": decompress_ms, "restore_ms": restore_ms}
 

@@ -1,0 +1,107 @@
+"""A stored sandbox's copy in the remote store is its state while it is stored, not a save point:
+through the MCP tools on a real ``forkd serve --store s3://...`` (moto on loopback) on the VM
+engine, a sandbox is frozen, stored (its state pushed) and woken with its state, and then its copy
+leaves the store; one killed while stored leaves it too; one still stored keeps it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+
+import pytest
+
+pytest.importorskip("mcp.server.mcpserver")  # mcp 2.x (forkd_server.mcp.SUPPORTED)
+
+from mcp import Client  # noqa: E402
+
+from forkd_engine.store import RemoteStore, fetch_manifest  # noqa: E402
+from forkd_engine.store.remote import s3_options_from_env  # noqa: E402
+from forkd_server.client import Controller  # noqa: E402
+from forkd_server.mcp import build_server  # noqa: E402
+
+from ..serving import serving  # noqa: E402
+from ..vm.conftest import requires_qemu  # noqa: E402
+from .s3 import S3_ENV, moto_s3  # noqa: E402
+
+pytestmark = [requires_qemu, pytest.mark.slow]
+
+STORE = f"s3://forkd/tiers-{secrets.token_hex(4)}"  # a prefix of its own: moto keeps buckets per process
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with moto_s3() as (endpoint, _log):
+        yield {**os.environ, **S3_ENV, "AWS_ENDPOINT_URL": endpoint}
+
+
+@pytest.fixture(scope="module")
+def host(s3):
+    # grace 0: a deleted state's chunks are swept at once (nothing else pushes to this store meanwhile)
+    with serving("--store", STORE, env={**s3, "FORKD_STORE_DELETE_GRACE": "0"}) as srv:
+        yield srv
+
+
+def stored_states(remote: RemoteStore) -> dict[str, str]:
+    """{the tag in its manifest (``<id>@stored-<n>``): digest} of every manifest in the store."""
+    found = {}
+    for meta in remote.list("manifests/"):
+        digest = "sha256:" + meta["path"].rsplit("/", 1)[1]
+        found[fetch_manifest(remote, digest=digest).meta.get("tag")] = digest
+    return found
+
+
+def chunks_in(remote: RemoteStore) -> set[str]:
+    return {m["path"].rsplit("/", 1)[1] for m in remote.list("chunks/")}
+
+
+def until(look, what: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not look():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g} s"
+        time.sleep(0.1)
+
+
+def test_a_woken_or_killed_sandbox_leaves_no_copy_in_the_remote_store(host, s3):
+    ctl = Controller(host.url, host.token)
+    remote = RemoteStore(STORE, **s3_options_from_env(s3))
+    ctl.create_snapshot("tiny", engine="vm", mem_size_mib=192, setup="x = 20")
+    a, b, c = [s["id"] for s in ctl.spawn_sandboxes("tiny", 3)]
+    for sid, step in ((a, 1), (b, 2), (c, 3)):
+        assert not ctl.run_code(sid, f"x += {step}").get("error")
+
+    async def scenario():
+        async with Client(build_server(ctl)) as mcp:
+            async def call(tool, **args):
+                result = await mcp.call_tool(tool, args)
+                assert not result.is_error, result.content[0].text
+                return result.structured_content
+
+            frozen = await call("freeze_sandbox", sandbox_id=a)
+            stored = [await call("store_sandbox", sandbox_id=sid) for sid in (a, b, c)]  # a frozen, b, c running
+            held = stored_states(remote)
+            woke = await call("wake_sandbox", sandbox_id=a)
+            value = await call("eval_code", sandbox_id=a, code="x")
+            killed = await call("kill_sandbox", sandbox_id=b)  # killed while stored
+            return frozen, stored, held, woke, value, killed
+
+    try:
+        frozen, stored, held, woke, value, killed = asyncio.run(scenario())
+        assert frozen["tier"] == "frozen" and [s["tier"] for s in stored] == ["stored"] * 3
+        assert {tag.split("@")[0] for tag in held} == {a, b, c}  # each stored state pushed, under its own tag
+        assert woke["tier"] == "running" and woke["wake"]["from"] == "stored" and value["result"] == "21"
+        assert killed == {"id": b, "killed": True}
+        # a's and b's copies go (off the wake's path: polled), c's stays: c is still stored in it; swept
+        # at once (grace 0), only the chunks c's state lists are left
+        c_chunks = set(fetch_manifest(remote, digest=next(d for t, d in held.items() if t.startswith(c + "@")))
+                       .chunks())
+        until(lambda: {t.split("@")[0] for t in stored_states(remote)} == {c} and chunks_in(remote) == c_chunks,
+              "the woken and the killed sandbox's stored states leave the store")
+        assert ctl.eval_code(c, "x")["result"] == "23"  # c wakes from its copy on its next call
+        until(lambda: stored_states(remote) == {} and chunks_in(remote) == set(),
+              "c's stored state leaves the store after its wake")
+    finally:
+        for s in ctl.list_sandboxes():
+            ctl.kill_sandbox(s["id"])
+        ctl.delete_snapshot("tiny")
