@@ -219,30 +219,49 @@ class StoreManager:
     def delete_remote(self, name) -> dict:
         """Delete a snapshot from the remote store, by tag or ``sha256:`` digest: its manifest and the
         tags naming it, then (mark and sweep) every chunk no remaining manifest lists and older than
-        the grace period. Snapshots on this host stay; those that named it are no longer ``remote``."""
-        remote = self._remote()
+        the grace period. Snapshots on this host stay; those that named it are no longer ``remote``,
+        also when the store no longer holds it (another host of the store deleted it: a 404)."""
         if not isinstance(name, str) or not name:
             raise BadRequest("give a tag or a sha256: digest")
+        try:  # the reference first: a bad one is a 400 whether or not this server has a store
+            digest = "sha256:" + parse_digest(name) if name.startswith("sha256:") else None
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        if digest is None:
+            check_tag(name)
+        remote = self._remote()
         try:
-            if name.startswith("sha256:"):
-                digest = "sha256:" + parse_digest(name)
-            else:
-                check_tag(name)
+            if digest is None:
                 digest = remote.get_tag(name)
             fetch_manifest(remote, digest=digest)  # a 404 for a snapshot the store does not hold
             figures = delete_remote(remote, digest, grace_seconds=self.grace_seconds)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
         except NotInStore as exc:
+            self._not_remote(remote, digest, name)
             raise NotFound(str(exc)) from None
         except StoreError as exc:
             raise StoreFailure(f"delete of {name} from the store: {exc}") from None
+        self._not_remote(remote, digest)
+        return {"digest": digest, "store": remote.url, **figures}
+
+    def _not_remote(self, remote: RemoteStore, digest: str | None, tag: str | None = None) -> None:
+        """This host's snapshots of ``digest`` (or, when the store no longer knows the tag, the
+        snapshot ``tag`` if its manifest is gone from the store) are no longer ``remote``."""
         for row in self.registry.list_snapshots():
             stored = (row["handle"] or {}).get("stored") or {}
-            if stored.get("digest") == digest and stored.get("remote"):
-                self._set_stored(row["tag"], row["handle"], dict(stored, remote=False))
-                self.feed.emit("snapshot", "stored", tag=row["tag"], digest=digest, remote=False)
-        return {"digest": digest, "store": remote.url, **figures}
+            if not stored.get("remote"):
+                continue
+            if digest is None:  # the tag is gone from the store: is its manifest, too?
+                if row["tag"] != tag:
+                    continue
+                try:
+                    if remote.has(f"manifests/{parse_digest(stored['digest'])}"):
+                        continue
+                except StoreError:
+                    continue  # the store cannot say: the mark stays
+            elif stored.get("digest") != digest:
+                continue
+            self._set_stored(row["tag"], row["handle"], dict(stored, remote=False))
+            self.feed.emit("snapshot", "stored", tag=row["tag"], digest=stored["digest"], remote=False)
 
     def pull(self, tag=None, digest=None) -> dict:
         """Make a ready snapshot on this host from the remote store, by ``tag`` or ``digest``;
