@@ -1,7 +1,9 @@
 """A stored sandbox's copy in the remote store is its state while it is stored, not a save point:
 through the MCP tools on a real ``forkd serve --store s3://...`` (moto on loopback) on the VM
 engine, a sandbox is frozen, stored (its state pushed) and woken with its state, and then its copy
-leaves the store; one killed while stored leaves it too; one still stored keeps it."""
+leaves the store; one killed while stored leaves it too; one still stored keeps it. And a pushed
+snapshot that another host deleted from the store is no longer marked ``remote`` here once a
+delete finds it gone."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from mcp import Client  # noqa: E402
 
 from forkd_engine.store import RemoteStore, fetch_manifest  # noqa: E402
 from forkd_engine.store.remote import s3_options_from_env  # noqa: E402
-from forkd_server.client import Controller  # noqa: E402
+from forkd_server.client import Controller, ControllerError  # noqa: E402
 from forkd_server.mcp import build_server  # noqa: E402
 
 from ..serving import serving  # noqa: E402
@@ -63,10 +65,17 @@ def until(look, what: str, timeout: float = 60):
         time.sleep(0.1)
 
 
-def test_a_woken_or_killed_sandbox_leaves_no_copy_in_the_remote_store(host, s3):
+@pytest.fixture(scope="module")
+def tiny(host):
+    ctl = Controller(host.url, host.token)
+    ctl.create_snapshot("tiny", engine="vm", mem_size_mib=192, setup="x = 20")
+    yield "tiny"
+    ctl.delete_snapshot("tiny")
+
+
+def test_a_woken_or_killed_sandbox_leaves_no_copy_in_the_remote_store(host, s3, tiny):
     ctl = Controller(host.url, host.token)
     remote = RemoteStore(STORE, **s3_options_from_env(s3))
-    ctl.create_snapshot("tiny", engine="vm", mem_size_mib=192, setup="x = 20")
     a, b, c = [s["id"] for s in ctl.spawn_sandboxes("tiny", 3)]
     for sid, step in ((a, 1), (b, 2), (c, 3)):
         assert not ctl.run_code(sid, f"x += {step}").get("error")
@@ -104,4 +113,17 @@ def test_a_woken_or_killed_sandbox_leaves_no_copy_in_the_remote_store(host, s3):
     finally:
         for s in ctl.list_sandboxes():
             ctl.kill_sandbox(s["id"])
-        ctl.delete_snapshot("tiny")
+
+
+def test_a_snapshot_another_host_deleted_from_the_store_is_no_longer_marked_remote(host, s3, tiny):
+    ctl = Controller(host.url, host.token)
+    remote = RemoteStore(STORE, **s3_options_from_env(s3))
+    for ref in ("tiny", None):  # by tag, then by digest
+        digest = ctl.push_snapshot(tiny)["digest"]
+        assert ctl.snapshot_info(tiny)["stored"] == {"digest": digest, "remote": True}
+        remote.delete(f"manifests/{digest.split(':')[1]}")  # as another host of the store would
+        remote.delete("tags/tiny")
+        with pytest.raises(ControllerError) as gone:
+            ctl.delete_remote_snapshot(ref, digest=None if ref else digest)
+        assert gone.value.status == 404
+        assert ctl.snapshot_info(tiny)["stored"] == {"digest": digest, "remote": False}
