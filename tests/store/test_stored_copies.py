@@ -1,7 +1,8 @@
 """A stored sandbox's copy in the remote store is its state while it is stored, not a save point:
 through the MCP tools on a real ``forkd serve --store s3://...`` (moto on loopback) on the VM
 engine, a sandbox is frozen, stored (its state pushed) and woken with its state, and then its copy
-leaves the store; one killed while stored leaves it too; one still stored keeps it. And a pushed
+leaves the store; one killed while stored leaves it too; one still stored keeps it; a delete the
+store could not take (it was down) is done when the server starts again. And a pushed
 snapshot that another host deleted from the store is no longer marked ``remote`` here once a
 delete finds it gone."""
 
@@ -11,6 +12,7 @@ import asyncio
 import os
 import secrets
 import time
+import urllib.request
 
 import pytest
 
@@ -127,3 +129,43 @@ def test_a_snapshot_another_host_deleted_from_the_store_is_no_longer_marked_remo
             ctl.delete_remote_snapshot(ref, digest=None if ref else digest)
         assert gone.value.status == 404
         assert ctl.snapshot_info(tiny)["stored"] == {"digest": digest, "remote": False}
+
+
+def test_a_delete_the_store_could_not_take_is_done_when_the_server_starts_again(tmp_path):
+    """The store is down when the sandbox wakes: the wake goes on (its chunks are here), the delete of
+    its copy fails, is said, and stays recorded; the next start of the server deletes it."""
+    import signal
+
+    from moto.server import ThreadedMotoServer
+
+    from ..serving import free_port
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    moto.start()
+    store = f"s3://forkd/later-{secrets.token_hex(4)}"
+    try:
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/forkd", method="PUT"), timeout=30).read()
+        env = {**os.environ, **S3_ENV, "AWS_ENDPOINT_URL": endpoint, "FORKD_STORE_DELETE_GRACE": "0"}
+        remote = RemoteStore(store, **s3_options_from_env(env))
+        with serving("--store", store, env=env) as srv:
+            ctl = Controller(srv.url, srv.token)
+            ctl.create_snapshot("tiny", engine="vm", mem_size_mib=192, setup="x = 20")
+            sid = ctl.spawn_sandboxes("tiny", 1)[0]["id"]
+            assert ctl.store_sandbox(sid)["tier"] == "stored"
+            assert [t.split("@")[0] for t in stored_states(remote)] == [sid]
+            moto.stop()  # the store goes away (its objects stay in this process: moto keeps them)
+            assert ctl.wake_sandbox(sid)["wake"]["from"] == "stored"  # from the local store
+            until(lambda: f"stays in {store} for now" in srv.output(), "the failed delete is said")
+            moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+            moto.start()  # the store is back, the copy still in it
+            assert [t.split("@")[0] for t in stored_states(remote)] == [sid]
+            srv.proc.send_signal(signal.SIGTERM)
+            srv.proc.wait(60)
+            srv._start()
+            srv.wait_healthy()
+            until(lambda: stored_states(remote) == {}, "the next start deletes the copy")
+            assert ctl.eval_code(sid, "x")["result"] == "20"  # the woken sandbox runs on, untouched
+    finally:
+        moto.stop()
