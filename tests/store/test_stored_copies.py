@@ -20,7 +20,7 @@ pytest.importorskip("mcp.server.mcpserver")  # mcp 2.x (forkd_server.mcp.SUPPORT
 
 from mcp import Client  # noqa: E402
 
-from forkd_engine.store import RemoteStore, fetch_manifest  # noqa: E402
+from forkd_engine.store import NotInStore, RemoteStore, fetch_manifest  # noqa: E402
 from forkd_engine.store.remote import s3_options_from_env  # noqa: E402
 from forkd_server.client import Controller, ControllerError  # noqa: E402
 from forkd_server.mcp import build_server  # noqa: E402
@@ -52,7 +52,10 @@ def stored_states(remote: RemoteStore) -> dict[str, str]:
     found = {}
     for meta in remote.list("manifests/"):
         digest = "sha256:" + meta["path"].rsplit("/", 1)[1]
-        found[fetch_manifest(remote, digest=digest).meta.get("tag")] = digest
+        try:
+            found[fetch_manifest(remote, digest=digest).meta.get("tag")] = digest
+        except NotInStore:  # deleted since the listing: the server's delete runs meanwhile
+            continue
     return found
 
 
