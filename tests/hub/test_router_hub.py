@@ -261,7 +261,8 @@ def test_events_carry_only_the_users_own_changes(world):
 def test_admin_routes_and_the_operator(world):
     hub, _ = world
     for method, path, body in (("GET", "/v1/fleet/hosts", None), ("GET", "/metrics", None),
-                               ("POST", "/v1/snapshots/pull", {"tag": "base-0"})):
+                               ("POST", "/v1/snapshots/pull", {"tag": "base-0"}),
+                               ("DELETE", "/v1/store/snapshots/base-0", None)):
         status, answer = raw(hub, "alice", method, path, body)
         assert status == 403 and "admins" in answer["error"], (path, status, answer)
     assert raw(hub, "boss", "GET", "/v1/fleet/hosts")[0] == 200

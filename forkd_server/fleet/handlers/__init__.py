@@ -21,7 +21,7 @@ from .meta import (EventsHandler, HealthHandler, HostsHandler, MetricsHandler, O
 from .register import RegisterHandler
 from .sandboxes import BranchHandler, ForkHandler, PinnedHandler, SandboxesHandler, SandboxHandler
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
-                        SnapshotPushHandler, SnapshotShareHandler, SnapshotsHandler)
+                        SnapshotPushHandler, SnapshotShareHandler, SnapshotsHandler, StoreSnapshotHandler)
 from .workspaces import KernelHandler, KernelsHandler, WorkspaceHandler, WorkspacesHandler
 
 __all__ = ["MISSING_HEADER", "RouterHandler", "check_token", "host_query", "route_table"]
@@ -58,6 +58,7 @@ def route_table() -> list[tuple[str, type]]:
         (rf"/v1/snapshots/{ID}/compact", SnapshotCompactHandler),
         (rf"/v1/snapshots/{ID}/push", SnapshotPushHandler),
         (rf"/v1/snapshots/{ID}/share", SnapshotShareHandler),
+        (rf"/v1/store/snapshots/{ID}", StoreSnapshotHandler),
         (r"/v1/sandboxes", SandboxesHandler),
         (rf"/v1/sandboxes/{ID}", SandboxHandler),
         (rf"/v1/sandboxes/{ID}/branch", BranchHandler),

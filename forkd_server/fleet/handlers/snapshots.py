@@ -1,4 +1,5 @@
-"""Snapshot routes: merged listing, create and pull by placement, the rest on a host that holds the tag."""
+"""Snapshot routes: merged listing, create and pull by placement, the rest on a host that holds the tag;
+a delete from the remote store through every host in turn."""
 
 from __future__ import annotations
 
@@ -145,3 +146,44 @@ class SnapshotShareHandler(RouterHandler):
         self.answer(status, reply)
 
     delete = post
+
+
+class StoreSnapshotHandler(RouterHandler):
+    admin_only = "the store is one for all users: a delete would take away anyone's pushed snapshot"
+
+    async def delete(self, name: str) -> None:
+        """``DELETE /v1/store/snapshots/{tag|digest}``: every up host in turn. Hosts usually share one
+        store: the first deletes the snapshot there, the others find it gone (404) and stop marking
+        their copies ``remote``; a host with a store of its own deletes it there too; one without a
+        store refuses (400). In turn, not at once: two sweeps of one store would race."""
+        hosts = self.router.up_hosts()
+        if not hosts:
+            raise Refusal(503, "no host of the fleet is up to reach the store\nsee GET /v1/fleet/hosts for why each "
+                               "is down")
+        answers = []
+        for host in hosts:
+            try:
+                answers.append((host.url, *await self.call(host)))
+            except Refusal as exc:  # a host that could not be reached: the others are asked still
+                answers.append((host.url, exc.status, {"error": exc.message, **exc.fields}))
+        status, reply = store_delete_answer(answers)
+        self.answer(status, reply)
+
+
+def store_delete_answer(answers: list[tuple[str, int, object]]) -> tuple[int, object]:
+    """One answer for the hosts' (url, status, body): a host that failed (5xx, with its ``host``), else
+    the delete (200, with the ``hosts`` that deleted it), else a 404 (no store holds it), else the
+    first (a bad reference, or no host has a store: each host says the same)."""
+    def with_host(url: str, body: object, **more) -> object:
+        return {**body, "host": url, **more} if isinstance(body, dict) else body
+
+    failed = [(u, s, b) for u, s, b in answers if s >= 500]
+    if failed:
+        url, status, body = failed[0]
+        deleted = [u for u, s, _ in answers if s == 200]
+        return status, with_host(url, body, **({"deleted_by": deleted} if deleted else {}))
+    done = [(u, b) for u, s, b in answers if s == 200]
+    if done:
+        return 200, with_host(done[0][0], done[0][1], hosts=[u for u, _ in done])
+    _, status, body = ([a for a in answers if a[1] == 404] or answers)[0]
+    return status, body
