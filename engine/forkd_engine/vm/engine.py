@@ -97,6 +97,8 @@ class VMEngine:
         self._vm_locks: dict[tuple, threading.Lock] = {}
         self.creating: dict[str, dict] = {}  # tag -> {"handle", "cancelled"} while its setup runs
         self.creating_lock = threading.Lock()
+        # A list to record each restore's stages in (perf_counter marks per child): for benchmarks.
+        self.restore_trace: list[dict] | None = None
         threading.Thread(target=vmem.warm, name="forkd-vm-warm", daemon=True).start()
         self.started = time.time()  # what recover() may sweep predates this
         self.started_ticks = linux.boot_ticks()  # the same, in process start times' unit

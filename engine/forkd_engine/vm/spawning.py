@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -60,10 +61,12 @@ def spawn(engine: "VMEngine", snapshot: Handle, children: list[ChildSpec]) -> li
     def restore(child: ChildSpec) -> Handle:
         if abandon.is_set():
             raise EngineError("spawn abandoned: another child failed")
+        marks = {"start": time.perf_counter()}
         h = engine.qemu.launch(child.id, snapshot["image"], snapshot["memory"], snapshot["mem_mib"],
                                share=False, incoming_file=snapshot["devices"], disk=overlays.get(child.id),
                                vm_dir_ready=child.id in overlays, defer=bool(snapshot.get("paused")),
                                packages=snapshot.get("packages_image"))
+        marks["launched"] = time.perf_counter()
         with started_lock:
             started.append(h)
         h["snapshot"] = snapshot["tag"]
@@ -86,12 +89,16 @@ def spawn(engine: "VMEngine", snapshot: Handle, children: list[ChildSpec]) -> li
                                             "lineage": child.lineage}))
             if "incoming_fd" in h:
                 _incoming_and_cont(engine, h, h.pop("incoming_fd"))
+            marks["resumed"] = time.perf_counter()
             reply = ch.wait(slot, engine.restore_timeout)
+            marks["replied"] = time.perf_counter()
         except (AgentUnreachable, EngineError) as exc:
             raise EngineError(f"sandbox {child.id} did not come up: {exc}; {engine.qemu.log_tail(h)}") from exc
         if not reply.get("restored"):
             raise EngineError(f"sandbox {child.id} refused its restore (entropy/clock/identity), "
                               f"not serving it: {reply.get('error')}")
+        if engine.restore_trace is not None:
+            engine.restore_trace.append({"id": child.id, "pid": h["pid"], **marks})
         return h
 
     # A restore is CPU-bound (under TCG: translating the guest's first code afresh). At most one
