@@ -8,13 +8,13 @@ own thread; replies are written whole under a lock.
 Two VM-only actions live here:
 
 - ``restore``: run first after every restore from a snapshot, before the host lets anyone else talk
-  to the child. It credits host entropy to the guest kernel and forces a CRNG reseed, steps the wall
+  to the child. It mixes host entropy into the guest kernel's pool and forces a CRNG reseed, steps the wall
   clock to the host's, reseeds Python's generators and takes the child's identity (its hostname
   and an /etc/machine-id of its own). A child whose
   ``restore`` failed is never handed out (the host fails closed). Under TCG every guest instruction
   a child runs for the first time is translated again in that child's QEMU, so this path is kept
   short: it is one plain line, not JSON (see ``parse_restore``), answered by a formatted line; raw
-  fds, no file objects, no hashing, no floats.
+  fds kept open from the parent's restore (``RestoreFiles``), no file objects, no hashing, no floats.
 - ``settle``: asked for just before a snapshot is saved. It waits until the threads of finished
   requests have left the kernel; a snapshot taken while one is still exiting would make every child
   finish that exit again, thousands of fresh translations per restore.
@@ -28,7 +28,6 @@ import contextlib
 import fcntl
 import json
 import os
-import struct
 import sys
 import threading
 import time
@@ -41,7 +40,6 @@ from .session import Session, error_content
 
 PORT_NAME = "agent"
 INLINE = ("ping", "settle")  # answered on the reader thread; everything else gets its own thread
-RNDADDENTROPY = 0x40085203   # _IOW('R', 0x03, int[2])
 RNDRESEEDCRNG = 0x5207       # _IO('R', 0x07)
 
 
@@ -65,26 +63,39 @@ def find_port(name: str = PORT_NAME, timeout: float = 30.0) -> str:
         delay = min(delay * 2, 0.1)
 
 
-def add_entropy(seed: bytes) -> None:
-    """Mix ``seed`` into the kernel pool, credit it, and reseed the CRNG now."""
-    fd = os.open("/dev/random", os.O_WRONLY)
-    try:
-        fcntl.ioctl(fd, RNDADDENTROPY, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
-        fcntl.ioctl(fd, RNDRESEEDCRNG)
-    finally:
-        os.close(fd)
+def add_entropy(fd: int, seed: bytes) -> None:
+    """Mix ``seed`` into the kernel's input pool (``fd``: /dev/random) and reseed the CRNG from it
+    now: every reader after this, the kernel's own included, draws from a key that depends on it.
+    (Crediting it would change nothing: a restored guest's CRNG is long initialised.)"""
+    os.write(fd, seed)
+    fcntl.ioctl(fd, RNDRESEEDCRNG)
 
 
 RESTORE = b"restore "
 MACHINE_ID = "/etc/machine-id"  # each child's own, as each process sandbox has
 
 
-def write_file(path: str, data: bytes, flags: int = os.O_WRONLY) -> None:
-    fd = os.open(path, flags, 0o444)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+class RestoreFiles:
+    """The files every restore writes, opened once (by the snapshot's parent, at its own restore)
+    and kept open: a child then writes them with no path lookup, open or close, kernel code it
+    would otherwise translate afresh under TCG. The machine id is always 33 bytes, so writing it
+    over the old one at offset 0 replaces it whole; a machine id the user's code removed or replaced
+    since (its inode has no name left) is opened afresh."""
+
+    def __init__(self):
+        self.random = os.open("/dev/random", os.O_WRONLY | os.O_CLOEXEC)
+        self.hostname = os.open("/proc/sys/kernel/hostname", os.O_WRONLY | os.O_CLOEXEC)
+        self.machine_id = self._open_machine_id()
+
+    @staticmethod
+    def _open_machine_id() -> int:
+        return os.open(MACHINE_ID, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o444)
+
+    def write_machine_id(self, data: bytes) -> None:
+        if os.fstat(self.machine_id).st_nlink == 0:
+            os.close(self.machine_id)
+            self.machine_id = self._open_machine_id()
+        os.pwrite(self.machine_id, data, 0)
 
 
 def parse_restore(line: bytes) -> tuple[str, bytes, int, dict]:
@@ -109,6 +120,7 @@ class SerialAgent:
         self.write_lock = threading.Lock()
         self.restores = 0
         self.sessions: dict[str, Session] = {}
+        self.files: RestoreFiles | None = None
 
     def restore(self, seed: bytes, host_ns: int, identity: dict, max_drift_ns: int = 500_000_000) -> int:
         """Fork hygiene after a restore; returns how far the clock was stepped (ns). Role ``wake``
@@ -116,7 +128,10 @@ class SerialAgent:
         and its generators, identity and machine id stay as they were."""
         if len(seed) < 32:
             raise ValueError("restore needs at least 32 bytes of entropy")
-        add_entropy(seed)
+        if self.files is None:
+            self.files = RestoreFiles()
+        files = self.files
+        add_entropy(files.random, seed)
         stepped_ns = host_ns - time.time_ns()
         if abs(stepped_ns) > max_drift_ns:
             time.clock_settime_ns(time.CLOCK_REALTIME, host_ns)
@@ -126,9 +141,9 @@ class SerialAgent:
         self.runtime.after_fork(identity)  # reseeds Python's generators from the reseeded CRNG
         hostname = identity["hostname"]
         if hostname:
-            write_file("/proc/sys/kernel/hostname", hostname[:64].encode())
+            os.pwrite(files.hostname, hostname[:64].encode(), 0)
         # From the reseeded CRNG; the guest's / is its own RAM, so a plain file is its own.
-        write_file(MACHINE_ID, os.urandom(16).hex().encode() + b"\n", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        files.write_machine_id(os.urandom(16).hex().encode() + b"\n")
         self.restores += 1
         return stepped_ns
 
