@@ -265,8 +265,9 @@ def reseed() -> None:
     if np is not None:
         with contextlib.suppress(Exception):
             np.random.seed(int.from_bytes(os.urandom(4), "little"))
-    for r in list(_unseeded.values()):
-        _random_seed(r, int.from_bytes(os.urandom(32), "little"))
+    if _unseeded:  # iterating a WeakValueDictionary is much Python code; most copies have none
+        for r in list(_unseeded.values()):
+            _random_seed(r, int.from_bytes(os.urandom(32), "little"))
     if _pending or _known:
         with _lock:
             _look()  # what a cell still running at the copy made
