@@ -78,23 +78,28 @@ MACHINE_ID = "/etc/machine-id"  # each child's own, as each process sandbox has
 class RestoreFiles:
     """The files every restore writes, opened once (by the snapshot's parent, at its own restore)
     and kept open: a child then writes them with no path lookup, open or close, kernel code it
-    would otherwise translate afresh under TCG. The machine id is always 33 bytes, so writing it
-    over the old one at offset 0 replaces it whole; a machine id the user's code removed or replaced
-    since (its inode has no name left) is opened afresh."""
+    would otherwise translate afresh under TCG. The guest's /init binds /etc/machine-id over itself,
+    so no code can remove it or rename another file over it: the inode kept open stays the file.
+    Where that bind is missing, a machine id removed or replaced since is found (its inode has no
+    name left: one ``fstat``) and opened afresh."""
 
     def __init__(self):
         self.random = os.open("/dev/random", os.O_WRONLY | os.O_CLOEXEC)
         self.hostname = os.open("/proc/sys/kernel/hostname", os.O_WRONLY | os.O_CLOEXEC)
         self.machine_id = self._open_machine_id()
+        with open("/proc/self/mountinfo", "rb") as f:
+            self.bound = any(line.split()[4] == MACHINE_ID.encode() for line in f)
 
     @staticmethod
     def _open_machine_id() -> int:
         return os.open(MACHINE_ID, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o444)
 
     def write_machine_id(self, data: bytes) -> None:
-        if os.fstat(self.machine_id).st_nlink == 0:
+        if not self.bound and os.fstat(self.machine_id).st_nlink == 0:
             os.close(self.machine_id)
             self.machine_id = self._open_machine_id()
+        # Over the first 33 bytes: the file is 33 bytes unless the user's code wrote more, whose
+        # tail then stays behind this child's own id.
         os.pwrite(self.machine_id, data, 0)
 
 
@@ -138,7 +143,7 @@ class SerialAgent:
         if identity["role"] == "wake":
             self.restores += 1
             return stepped_ns
-        self.runtime.after_fork(identity)  # reseeds Python's generators from the reseeded CRNG
+        self.runtime.after_restore(identity)  # reseeds Python's generators from the reseeded CRNG
         hostname = identity["hostname"]
         if hostname:
             os.pwrite(files.hostname, hostname[:64].encode(), 0)
@@ -151,7 +156,7 @@ class SerialAgent:
         rid = None
         try:
             rid, seed, host_ns, identity = parse_restore(line)
-            stepped_ns = self.restore(seed, host_ns, identity)
+            self.restore(seed, host_ns, identity)
         except Exception as exc:  # noqa: BLE001 - the host fails closed on an error reply
             reply = {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1}
             if rid is not None:
@@ -160,8 +165,7 @@ class SerialAgent:
                 self.reply(reply)
             return
         with contextlib.suppress(OSError):  # the host went away; it will not wait for this reply
-            self.write(b'{"_rid":"%s","restored":true,"clock_step_ms":%d,"restores":%d}\n'
-                       % (rid.encode(), stepped_ns // 1_000_000, self.restores))
+            self.write(b'{"_rid":"' + rid.encode() + b'","restored":true}\n')
 
     @staticmethod
     def settle(request: dict) -> dict:
