@@ -21,7 +21,8 @@ critical path only when no pre-started QEMU was ready; a cold restore does it in
 guest's run, so it is taken as the paired bare restore's), ``resume_to_reply_ms`` (the guest let
 run until the agent's reply: under TCG mostly translating the guest's post-restore path afresh)
 and the CPU of that last stage (``guest_cpu_ms``). A ratio of medians is the figure; on a loaded machine the CPU ratio is
-the steadier one.
+the steadier one. ``pre_started``: what the QEMUs the engine keeps waiting cost (memory each,
+their CPU while they wait).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "engine"))
 
-from forkd_engine import ChildSpec, SnapshotSpec  # noqa: E402
+from forkd_engine import ChildSpec, SnapshotSpec, linux  # noqa: E402
 from forkd_engine.vm import VMEngine  # noqa: E402
 from forkd_engine.vm.qmp import QMP  # noqa: E402
 
@@ -110,6 +111,21 @@ def split_cold(row: dict, limit: dict) -> None:
     row["guest_cpu_ms"] = row["qemu_cpu_ms"] - limit["cpu_ms"]
 
 
+def pooled_cost(engine: VMEngine, snap: dict) -> dict:
+    """What the QEMUs waiting for the next children cost: memory (smaps_rollup) and CPU over 1 s."""
+    engine.warm.wait_filled(snap, 60)
+    with engine.warm.lock:
+        pids = [w.handle["pid"] for w in engine.warm.ready]
+    if not pids:
+        return {"count": 0}
+    mems = [linux.smaps_memory(pid) for pid in pids]
+    cpu0 = sum(qemu_cpu_ms(pid) for pid in pids)
+    time.sleep(1.0)  # the span the idle CPU is measured over
+    return {"count": len(pids), "pss_mib_each": round(statistics.median(m["pss_kib"] for m in mems) / 1024, 1),
+            "uss_mib_each": round(statistics.median(m["uss_kib"] for m in mems) / 1024, 1),
+            "idle_cpu_ms_per_s": round(sum(qemu_cpu_ms(pid) for pid in pids) - cpu0, 2)}
+
+
 def vm_restore(rounds: int, data_dir: str | None = None, log=None) -> dict:
     """The ``vm_restore`` figure: ``rounds`` interleaved pairs, medians and their ratios."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -131,6 +147,7 @@ def vm_restore(rounds: int, data_dir: str | None = None, log=None) -> dict:
                 f"({a[-1]['cpu_ms']:.0f} ms CPU{', pre-started' if a[-1]['warm'] else ''}; guest run to the reply "
                 f"{a[-1]['resume_to_reply_ms']:.1f} ms, {a[-1]['guest_cpu_ms']:.0f} ms CPU), "
                 f"bare QEMU {b[-1]['total_ms']:.1f} ms ({b[-1]['cpu_ms']:.0f} ms CPU)")
+        pooled = pooled_cost(engine, snap)
         engine.delete_snapshot(snap)
     finally:
         engine.close()
@@ -146,7 +163,8 @@ def vm_restore(rounds: int, data_dir: str | None = None, log=None) -> dict:
            "ours_cpu_ms": med(a, "cpu_ms"), "limit_cpu_ms": med(b, "cpu_ms"),
            "limit_qmp_ms": med(b, "qmp_ms"), "ours_pre_started": sum(r["warm"] for r in a),
            "ours_split_ms": {k: med(a, k) for k in ("host_ms", "start_load_ms", "resume_to_reply_ms")},
-           "ours_cpu_split_ms": {k: med(a, k) for k in ("host_cpu_ms", "qemu_cpu_ms", "guest_cpu_ms")}}
+           "ours_cpu_split_ms": {k: med(a, k) for k in ("host_cpu_ms", "qemu_cpu_ms", "guest_cpu_ms")},
+           "pre_started": pooled}
     out["ratio"] = round(out["ours_total_ms"] / out["limit_total_ms"], 2)
     out["cpu_ratio"] = round(out["ours_cpu_ms"] / out["limit_cpu_ms"], 2)
     return out

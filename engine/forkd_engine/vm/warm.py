@@ -85,6 +85,11 @@ class WarmPool:
         want = key(snapshot)
         if want is None:
             return None
+        with self.lock:  # started for this snapshot's files as they were: of no use to anyone now
+            stale = [w for w in self.ready if w.key[0] == want[0] and w.key != want]
+            self.ready = [w for w in self.ready if w not in stale]
+        for warm in stale:
+            self.discard(warm)
         while True:
             with self.lock:
                 warm = next((w for w in self.ready if w.key == want), None)
@@ -196,14 +201,18 @@ class WarmPool:
 
     # --- ending ----------------------------------------------------------------------------------
 
-    def drop(self, tag: str) -> None:
-        """Kill the QEMUs pooled for snapshot ``tag`` (deleted, or its RAM file released)."""
+    def drop(self, tag: str, timeout: float = LOAD_TIMEOUT) -> None:
+        """Kill the QEMUs pooled for snapshot ``tag`` (deleted, or its RAM file released), the one
+        its filler may be starting included: when this returns, none is left."""
         with self.lock:
             gone = self._drop_locked(tag)
             if tag in self.used:
                 self.used.remove(tag)
+            filler = self.filling.get(tag)
         for warm in gone:
             self.discard(warm)
+        if filler is not None and filler is not threading.current_thread():
+            filler.join(timeout)  # it kills what it started once it sees the new generation
 
     def _drop_locked(self, tag: str) -> list[Warm]:
         self.generation[tag] = self.generation.get(tag, 0) + 1
