@@ -30,6 +30,7 @@ def gone(pid: int) -> bool:
 
 def test_a_second_spawn_takes_prestarted_qemus_whose_children_are_their_own(vm_engine, parent, kids):
     kids += vm_engine.spawn(parent, [ChildSpec(id="warm-first")])
+    kids += vm_engine.spawn(parent, [ChildSpec(id="warm-second")])  # from its second spawn on
     assert vm_engine.warm.wait_filled(parent, 120)
     ready = set(ready_pids(vm_engine))
     assert len(ready) == vm_engine.warm.size >= 1
@@ -60,12 +61,15 @@ def test_prestarted_qemus_end_with_their_engine_snapshot_or_files(vm_engine):
     try:
         snap = engine.create_snapshot(SnapshotSpec(tag="w", setup="x = 1"))
         engine.kill(engine.spawn(snap, [ChildSpec(id="a")])[0])
+        assert engine.warm.wait_filled(snap, 120) and ready_pids(engine) == []  # spawned once: none
+        engine.kill(engine.spawn(snap, [ChildSpec(id="a2")])[0])
         assert engine.warm.wait_filled(snap, 120)
         (pid,) = ready_pids(engine)
         engine.close()  # a server's end
         assert gone(pid)
         engine = make()  # the next server, on the same files
-        engine.kill(engine.spawn(snap, [ChildSpec(id="b")])[0])
+        for name in ("b", "b2"):
+            engine.kill(engine.spawn(snap, [ChildSpec(id=name)])[0])
         assert engine.warm.wait_filled(snap, 120)
         (pid,) = ready_pids(engine)
         # the snapshot's RAM file is another file now (written back from a store, say): not served

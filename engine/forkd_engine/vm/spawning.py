@@ -131,7 +131,8 @@ def spawn(engine: "VMEngine", snapshot: Handle, children: list[ChildSpec]) -> li
                 abandon.set()
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
-        engine.warm.fill(snapshot)  # in the background: the next spawn of it finds QEMUs ready
+        if not any(child.wake for child in children):  # a wake restores a sandbox's own state, once
+            engine.warm.fill(snapshot)  # in the background: the next spawn of it finds QEMUs ready
         return handles
     except BaseException:
         for h in started:

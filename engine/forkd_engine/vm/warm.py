@@ -3,8 +3,8 @@ already loaded and its vCPUs never run.
 
 A restore costs QEMU's start (its process, machine and devices: ~25 ms of CPU here) and the load of
 the snapshot's device state before the guest runs one instruction; neither depends on which child
-the VM becomes. ``WarmPool`` does both ahead, off the spawn's path: after a spawn of a snapshot it
-starts, in the background, up to ``size`` QEMUs (one per CPU) with that snapshot's own command
+the VM becomes. ``WarmPool`` does both ahead, off the spawn's path: after a snapshot's second and
+every later spawn it starts, in the background, up to ``size`` QEMUs (one per CPU) with that snapshot's own command
 line plus ``-S`` and ``-incoming defer``, connects their agent port (the guest then never sees
 its host disconnected), and loads the device state over QMP. Such a VM is paused and has run
 nothing: its RAM is the snapshot's file mapped privately, untouched. A spawn ``take``s one, sends
@@ -73,6 +73,7 @@ class WarmPool:
         self.filling: dict[str, threading.Thread] = {}   # tag -> its filler
         self.used: list[str] = []                        # tags, least recently spawned first
         self.generation: dict[str, int] = {}             # bumped by drop: a filler's late QEMU is killed
+        self.spawns: dict[str, int] = {}                 # tag -> spawns so far
         self.closed = False
         self.seq = 0
 
@@ -116,13 +117,16 @@ class WarmPool:
     # --- filling ---------------------------------------------------------------------------------
 
     def fill(self, snapshot: Handle) -> None:
-        """Start, in the background, the QEMUs ``snapshot`` lacks to have ``size`` ready."""
+        """After a spawn of ``snapshot``: start, in the background, the QEMUs it lacks to have
+        ``size`` ready, from its second spawn on. A snapshot spawned once (a notebook's branch for
+        one fork, a stored sandbox's own state) would only leave QEMUs nobody takes."""
         if self.size <= 0 or key(snapshot) is None:
             return
         tag = snapshot["tag"]
         evict = []
         with self.lock:
-            if self.closed:
+            self.spawns[tag] = self.spawns.get(tag, 0) + 1
+            if self.closed or self.spawns[tag] < 2:
                 return
             if tag in self.used:
                 self.used.remove(tag)
@@ -208,6 +212,7 @@ class WarmPool:
             gone = self._drop_locked(tag)
             if tag in self.used:
                 self.used.remove(tag)
+            self.spawns.pop(tag, None)
             filler = self.filling.get(tag)
         for warm in gone:
             self.discard(warm)
