@@ -115,6 +115,7 @@ def paired(name: str, rounds: int, ours, limit) -> dict:
         out["ours_uss_mib"], out["limit_uss_mib"] = med(a, "uss_mib"), med(b, "uss_mib")
         out["ours_pss_mib"], out["limit_pss_mib"] = med(a, "pss_mib"), med(b, "pss_mib")
         out["uss_ratio"] = out["ours_uss_mib"] / out["limit_uss_mib"]
+        out["pss_ratio"] = out["ours_pss_mib"] / out["limit_pss_mib"]
     return out
 
 

@@ -31,6 +31,7 @@ from ._args import SUBCOMMANDS, full_help, plain_help, strip_comment, unquote
 from ._errors import Explained, explained, show_details
 from ._names import UndefinedName, sandbox_ids, snapshot_tag
 from ._scope import Scope, kernel_bases, sandboxes_of, snapshots_of
+from ._static import host_label
 
 __all__ = ["ForkdMagics", "ExecResult", "Listing"]
 
@@ -59,12 +60,32 @@ class Listing:
     def _of(self) -> str:
         return "" if self.scope == "everyone" else f" of {self.scope}"
 
+    def _hosts(self, item) -> list[str]:
+        """Where an item is behind a fleet's router (a snapshot: every host that holds it)."""
+        info = item.info or {}
+        held = info.get("hosts") or ([info["host"]] if info.get("host") else [])
+        return [host_label(h) for h in held if isinstance(h, str)]
+
+    @property
+    def spans_hosts(self) -> bool:
+        """More than one host to tell apart (a fleet's router): the tables then say each one's."""
+        return len({h for item in [*self.snapshots, *self.sandboxes] for h in self._hosts(item)}) > 1
+
     def _rows(self):
+        where = self.spans_hosts
         snaps = [(s.tag, s.status, s.branched_from or "", "" if s.pause_ms is None else f"{s.pause_ms:.2f} ms")
+                 + ((", ".join(self._hosts(s)),) if where else ())
                  for s in sorted(self.snapshots, key=lambda s: s.tag)]
         sbs = [(b.id, b.snapshot_tag, b.tier, str(b.info.get("branch_count", 0)))
+               + ((", ".join(self._hosts(b)),) if where else ())
                for b in sorted(self.sandboxes, key=lambda b: b.id)]
         return snaps, sbs
+
+    def _headers(self, upper: bool) -> tuple[tuple, tuple]:
+        snap, sb = ("tag", "status", "branched from", "pause"), ("id", "snapshot", "tier", "branches")
+        if self.spans_hosts:
+            snap, sb = (*snap, "host"), (*sb, "host")
+        return tuple(h.upper() for h in snap) if upper else snap, tuple(h.upper() for h in sb) if upper else sb
 
     @staticmethod
     def _text_table(header, rows) -> list[str]:
@@ -74,12 +95,13 @@ class Listing:
 
     def _repr_pretty_(self, p, cycle) -> None:
         snaps, sbs = self._rows()
+        snap_head, sb_head = self._headers(upper=True)
         lines = [f"{len(snaps)} snapshot(s){self._of}"]
         if snaps:
-            lines += self._text_table(("TAG", "STATUS", "BRANCHED FROM", "PAUSE"), snaps)
+            lines += self._text_table(snap_head, snaps)
         lines.append(f"{len(sbs)} sandbox(es)")
         if sbs:
-            lines += self._text_table(("ID", "SNAPSHOT", "TIER", "BRANCHES"), sbs)
+            lines += self._text_table(sb_head, sbs)
         p.text("\n".join(lines))
 
     def _repr_html_(self) -> str:
@@ -90,9 +112,9 @@ class Listing:
             body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
             return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-        return (f"<b>{len(snaps)} snapshot(s){html.escape(self._of)}</b>" + (table(("tag", "status", "branched from", "pause"), snaps)
-                                                       if snaps else "")
-                + f"<b>{len(sbs)} sandbox(es)</b>" + (table(("id", "snapshot", "tier", "branches"), sbs) if sbs else ""))
+        snap_head, sb_head = self._headers(upper=False)
+        return (f"<b>{len(snaps)} snapshot(s){html.escape(self._of)}</b>" + (table(snap_head, snaps) if snaps else "")
+                + f"<b>{len(sbs)} sandbox(es)</b>" + (table(sb_head, sbs) if sbs else ""))
 
 
 @magics_class

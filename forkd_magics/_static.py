@@ -7,7 +7,8 @@ outputs (one opened from elsewhere, or run by nbconvert) only through its safe r
 HTML (sanitized: an ``<img>`` with a ``data:`` URI passes), images other than SVG, and text; with
 only the SVG it fell back to the text, ``LineageWidget(...)``. It is drawn in Python at display time (the kernel has no
 JavaScript engine) and follows the live drawing's rules (``lineage.js``): one row per node, a ghost
-for every ancestor that is gone, alike leaf siblings folded into one row from ``GROUP_MIN`` on.
+for every ancestor that is gone, alike leaf siblings folded into one row from ``GROUP_MIN`` on, each
+node's host named when the tree spans more than one (behind a fleet's router).
 Its colours are fixed and it carries its own white background, so it reads on any page.
 """
 
@@ -74,6 +75,21 @@ def rows(tree: dict) -> list[tuple[int, str, str | None, list[str]]]:
     return out
 
 
+def hosts_of(tree: dict) -> list[str]:
+    """The hosts a tree's nodes are on (behind a fleet's router), sorted (see ``hostsOf`` in
+    lineage_tree.js): a node names its host only when there is more than one."""
+    seen = set()
+    for node in tree.values():
+        if not node.get("ghost"):
+            seen.update(node.get("hosts") or ([node["host"]] if node.get("host") else []))
+    return sorted(seen)
+
+
+def host_label(url: str) -> str:
+    """A host's URL as shown: without the scheme (10.0.0.2:8889)."""
+    return url.split("://", 1)[-1].rstrip("/")
+
+
 def static_bundle(tree: dict) -> dict[str, str]:
     """The picture as the mime types a page without the widget can show (see the module's doc)."""
     svg = static_svg(tree)
@@ -86,7 +102,9 @@ def _counts(tree: dict) -> str:
     live = [n for n in tree.values() if not n.get("tomb")]
     snaps = sum(1 for n in live if n["kind"] == "snapshot")
     gone = len(tree) - len(live)
-    return (f"{snaps} snapshot(s), {len(live) - snaps} sandbox(es)" + (f", {gone} gone" if gone else ""))
+    hosts = len(hosts_of(tree))
+    return (f"{snaps} snapshot(s), {len(live) - snaps} sandbox(es)" + (f" on {hosts} hosts" if hosts > 1 else "")
+            + (f", {gone} gone" if gone else ""))
 
 
 def static_svg(tree: dict) -> str:
@@ -103,6 +121,7 @@ def static_svg(tree: dict) -> str:
            f'<text x="{PAD}" y="{PAD + 26}" fill="#57606a" font-size="11">a static picture: run the cell for the '
            f'live view</text>']
     top = PAD + HEADER
+    hosts = hosts_of(full)
     index: dict[str, int] = {}
     for i, (depth, nid, status, members) in enumerate(drawn):
         y = top + i * ROW
@@ -134,6 +153,9 @@ def static_svg(tree: dict) -> str:
                 extra += f" · ⚠ {len(warns)} warning(s)"
             if node.get("heads"):
                 extra += f" · HEAD of {', '.join(node['heads'])}"
+            if len(hosts) > 1 and not node.get("ghost") and (node.get("hosts") or node.get("host")):
+                held = node.get("hosts") or [node["host"]]
+                extra += f" · on {host_label(held[0]) if len(held) == 1 else f'{len(held)} hosts'}"
             label = f"{icon} {nid} · {hist}{extra}"
         out.append(f'<text x="{x + 10}" y="{y + 16}" fill="#1f2328">{escape(label)}</text>')
     out.append("</svg>")

@@ -1,7 +1,8 @@
 """The lineage widget: snapshots and sandboxes as one tree that follows ``/v1/events`` live.
 
 The whole tree is one synced trait, ``tree = {id: node}``; a node is ``{"kind", "parent", "lineage",
-"status", "history", "created", "engine", "pause_ms", "warnings", "labels", "info"}``. ``parent`` is
+"status", "history", "created", "engine", "pause_ms", "warnings", "labels", "info"}``, plus ``host`` (and a
+snapshot's ``hosts``) behind a fleet's router. ``parent`` is
 the direct parent the server records (``branched_from`` for a branch, ``snapshot_tag`` for a
 sandbox) even when it is gone: the drawing (``lineage.js``, shared with the JupyterLab panel) puts
 a ghost there, so lineage never breaks.
@@ -63,6 +64,17 @@ def _history(seen: list[str] | None, status: str) -> list[str]:
     return seen
 
 
+def _where(item: dict) -> dict:
+    """Behind a fleet's router: the host that holds it (``host``) and, for a snapshot, every host
+    that does (``hosts``); nothing from one server."""
+    out = {}
+    if isinstance(item.get("host"), str):
+        out["host"] = item["host"]
+    if isinstance(item.get("hosts"), list) and item["hosts"]:
+        out["hosts"] = [h for h in item["hosts"] if isinstance(h, str)]
+    return out
+
+
 def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, list[str]]) -> dict:
     """Turn the API's snapshot and sandbox lists into the widget's ``{id: node}``."""
     tree = {}
@@ -75,6 +87,7 @@ def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, 
             "created": s.get("created_at_unix"), "engine": s.get("engine"), "pause_ms": s.get("pause_ms"),
             "warnings": _warnings(s), "labels": s.get("labels") or {}, "info": s,
             **({"stored": s["stored"]} if s.get("stored") else {}),  # kept in the store (remote: pushed)
+            **_where(s),
         }
     for b in sandboxes:
         lineage = b.get("lineage") or [b["snapshot_tag"], b["id"]]
@@ -84,7 +97,7 @@ def build_tree(snapshots: list[dict], sandboxes: list[dict], history: dict[str, 
             "lineage": lineage, "status": status, "history": _history(history.get(b["id"]), status),
             "created": b.get("created_at_unix"), "engine": b.get("engine"), "pause_ms": None,
             "warnings": _warnings(b), "labels": b.get("labels") or {}, "info": b,
-            "tier": b.get("tier") or "running",
+            "tier": b.get("tier") or "running", **_where(b),
         }
     return tree
 

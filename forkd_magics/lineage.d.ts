@@ -19,6 +19,8 @@ export interface ILineageNode {
   busy?: string | boolean; // what it runs (a string), false when idle
   tier?: 'running' | 'frozen' | 'stored'; // a sandbox's: frozen (paused, no CPU), stored (in the store, no RAM)
   stored?: { digest: string; remote: boolean } | null; // a snapshot kept in the store (remote: pushed)
+  host?: string | null; // behind a fleet's router: the host that holds it (a snapshot: the first of hosts)
+  hosts?: string[] | null; // a snapshot's: every host that holds it
   ghost?: boolean;
   tomb?: boolean; // gone from the server, kept in the drawing until "clear gone"
   info?: Record<string, unknown>;
@@ -66,6 +68,8 @@ export declare function fmtMs(ms: number | null | undefined): string;
 export declare function fmtKib(kib: number | null | undefined): string;
 export declare function warningsOf(node: ILineageNode): string[];
 export declare function withGhosts(tree: LineageTree): LineageTree;
+export declare function hostsOf(tree: LineageTree): string[];
+export declare function hostLabel(url: string): string;
 export declare function summary(tree: LineageTree): { snapshots: number; sandboxes: number; memory_kib: number | null };
 export declare function describeKill(tree: LineageTree, id: string): IQuestion;
 export declare function describeDelete(tree: LineageTree, tag: string): IQuestion;

@@ -4,10 +4,12 @@
 // The drawing is an indented tree (one row per node, generations indented), which stays readable in
 // a 300 px sidebar and grows by one row per node; siblings that are alike fold into one row
 // ("20 × running"); gone ancestors are ghosts; killed and deleted nodes stay as tombstones until
-// cleared. Colours are JupyterLab's --jp-* variables (lineage.css).
+// cleared. Behind a fleet's router, whose nodes carry their `host`, each row names its host once
+// the tree spans more than one (one host needs no name). Colours are JupyterLab's --jp-* variables
+// (lineage.css).
 
-import { GONE, INDENT, MODES, ROW, age, describeDelete, describeKill, fmtKib, fmtMs, isGone, plural, rows, summary,
-  warningsOf, withGhosts } from "./lineage_tree.js";
+import { GONE, INDENT, MODES, ROW, age, describeDelete, describeKill, fmtKib, fmtMs, hostLabel, hostsOf, isGone, plural,
+  rows, summary, warningsOf, withGhosts } from "./lineage_tree.js";
 
 export * from "./lineage_tree.js";
 
@@ -17,6 +19,15 @@ function el(tag, attrs, parent, text) {
   if (text !== undefined) e.textContent = text;
   if (parent) parent.appendChild(e);
   return e;
+}
+
+// A node's host chip: a sandbox's host, a snapshot's (or how many hold it, each named in the title).
+function hostChip(parent, node) {
+  const hosts = node.hosts && node.hosts.length ? node.hosts : node.host ? [node.host] : [];
+  if (!hosts.length) return null;
+  const text = hosts.length > 1 ? `${hosts.length} hosts` : hostLabel(hosts[0]);
+  const title = hosts.length > 1 ? `held by ${hosts.length} hosts: ${hosts.map(hostLabel).join(", ")}` : `on host ${hosts[0]}`;
+  return el("span", { class: "forkd-chip forkd-host", title, "data-host": hosts.join(" ") }, parent, text);
 }
 
 // A sandbox's tier, said where it shows (running needs no word).
@@ -170,8 +181,10 @@ export class LineageView {
     const tree = this.shownTree();
     const all = Object.values(tree);
     const s = summary(tree);
+    this.hosts = hostsOf(tree);
     this.head.textContent = `${plural(s.snapshots, "snapshot")} · ${plural(s.sandboxes, "sandbox", "sandboxes")}` +
-      (s.memory_kib !== null ? ` · ${fmtKib(s.memory_kib)}` : "");
+      (this.hosts.length > 1 ? ` · ${this.hosts.length} hosts` : "") + (s.memory_kib !== null ? ` · ${fmtKib(s.memory_kib)}` : "");
+    this.head.title = this.hosts.length > 1 ? `on ${this.hosts.map(hostLabel).join(", ")}` : "";
     if (this.state === "live") el("span", { class: "forkd-live", title: "following the server's changes" }, this.head, " · ● live");
     const tombs = all.filter((n) => n.tomb).length;
     this.clearBtn.textContent = `clear gone (${tombs})`;
@@ -248,7 +261,9 @@ export class LineageView {
     row.setAttribute("aria-selected", id === this.selected ? "true" : "false");
     const warns = warningsOf(node);
     const tier = node.kind === "sandbox" && node.tier && node.tier !== "running" && !gone ? node.tier : null;
-    row.setAttribute("aria-label", `${node.kind} ${id}, ${node.status}${tier ? `, ${tier}` : ""}${warns.length ? `, ${plural(warns.length, "warning")}` : ""}`);
+    const onHosts = this.hosts.length > 1 && !node.ghost;
+    const where = onHosts && node.host ? `, on ${node.hosts && node.hosts.length > 1 ? plural(node.hosts.length, "host") : hostLabel(node.host)}` : "";
+    row.setAttribute("aria-label", `${node.kind} ${id}, ${node.status}${tier ? `, ${tier}` : ""}${where}${warns.length ? `, ${plural(warns.length, "warning")}` : ""}`);
     const top = el("div", { class: "forkd-line1" }, row);
     el("span", { class: "forkd-icon", "aria-hidden": "true" }, top, node.kind === "snapshot" ? "◆" : "●");
     idLabel(top, id);
@@ -263,6 +278,7 @@ export class LineageView {
     el("span", { class: `forkd-dot status-${node.status}`, "aria-hidden": "true" }, meta);
     const hist = node.history && node.history.length > 1 ? node.history.join(" → ") : node.status;
     el("span", { class: "forkd-badge" }, meta, hist);
+    if (onHosts) hostChip(meta, node); // on the second line: the id keeps the first line's room
     const bits = [];
     if (node.ghost) bits.push("gone; kept for lineage");
     if (node.pause_ms !== null && node.pause_ms !== undefined) bits.push(`paused ${fmtMs(node.pause_ms)}`);
@@ -291,7 +307,10 @@ export class LineageView {
     el("span", { class: `forkd-dot status-${r.status}`, "aria-hidden": "true" }, meta);
     let kib = 0, known = 0;
     for (const id of r.ids) { const m = tree[id].memory; if (m && m.uss_kib !== undefined) { kib += m.uss_kib; known++; } }
-    el("span", { class: "forkd-meta" }, meta, `${noun}${known && !isGone(tree[r.ids[0]]) ? ` · ${fmtKib(kib)} private` : ""} · ${r.open ? "fold" : "list them"}`);
+    const on = this.hosts.length > 1 ? [...new Set(r.ids.map((id) => tree[id].host).filter(Boolean))] : [];
+    const where = on.length > 1 ? ` · on ${on.length} hosts` : on.length ? ` · on ${hostLabel(on[0])}` : "";
+    el("span", { class: "forkd-meta", title: on.length > 1 ? on.map(hostLabel).join(", ") : undefined }, meta,
+      `${noun}${where}${known && !isGone(tree[r.ids[0]]) ? ` · ${fmtKib(kib)} private` : ""} · ${r.open ? "fold" : "list them"}`);
     row.addEventListener("click", () => this._toggle(r.key));
   }
 
@@ -367,6 +386,8 @@ export class LineageView {
     if (node.ghost) rowsT.push(["note", "no longer exists; drawn so the lineage below it stays connected"]);
     if (node.created) rowsT.push(["age", `${age(node.created, now)} (${new Date(node.created * 1000).toLocaleString()})`]);
     if (node.engine) rowsT.push(["engine", node.engine]);
+    if (node.hosts && node.hosts.length > 1) rowsT.push(["hosts", node.hosts.join(", ")]);
+    else if (node.host) rowsT.push(["host", node.host]);
     if (node.pause_ms !== null && node.pause_ms !== undefined) rowsT.push(["pause", fmtMs(node.pause_ms)]);
     if (node.memory) rowsT.push(["memory", ["uss", "pss", "rss"].filter((k) => node.memory[`${k}_kib`] !== undefined).map((k) => `${k === "uss" ? "private" : k} ${fmtKib(node.memory[`${k}_kib`])}`).join(" · ")]);
     if (node.busy !== undefined && !(node.tier && node.tier !== "running")) rowsT.push(["activity", node.busy ? `busy${typeof node.busy === "string" ? `: ${node.busy}` : ""}` : "idle"]);

@@ -4,7 +4,8 @@
 //
 // A tree is {id: node}; a node is {kind: "snapshot"|"sandbox", parent, lineage?, status, history?,
 // created?, engine?, pause_ms?, warnings?, warning?, memory?: {uss_kib}, labels?, heads?: [notebook],
-// info?}. `parent` may name a node that is gone: withGhosts puts a ghost there, so lineage never
+// host?, hosts?: [url], info?}. `host` is set behind a fleet's router (the host that holds a sandbox;
+// for a snapshot, the first of `hosts`, every host that holds it). `parent` may name a node that is gone: withGhosts puts a ghost there, so lineage never
 // breaks.
 
 export const GROUP_MIN = 4; // this many alike leaf siblings fold into one row
@@ -82,9 +83,24 @@ export function childrenOf(tree) {
   return { kids, roots: roots.sort(order) };
 }
 
+// The hosts a tree's nodes are on (behind a fleet's router), sorted; empty for one server. The
+// drawing names a node's host only when there is more than one to tell apart.
+export function hostsOf(tree) {
+  const seen = new Set();
+  for (const node of Object.values(tree)) {
+    if (node.ghost) continue;
+    for (const h of node.hosts && node.hosts.length ? node.hosts : node.host ? [node.host] : []) seen.add(h);
+  }
+  return [...seen].sort();
+}
+
+// A host's URL as it is shown: without the scheme (10.0.0.2:8889).
+export const hostLabel = (url) => String(url).replace(/^[a-z]+:\/\//i, "").replace(/\/+$/, "");
+
 function matches(id, node, q) {
   if (!q) return false;
-  const hay = [id, node.engine, ...Object.entries(node.labels || {}).map(([k, v]) => `${k}=${v}`)];
+  const hay = [id, node.engine, ...(node.hosts || [node.host]).map((h) => h && hostLabel(h)),
+    ...Object.entries(node.labels || {}).map(([k, v]) => `${k}=${v}`)];
   return hay.some((s) => s && String(s).toLowerCase().includes(q));
 }
 

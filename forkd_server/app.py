@@ -120,6 +120,11 @@ class ForkdApp(ExtensionApp):
     max_sandboxes = Int(None, allow_none=True, config=True,
                         help="The most sandboxes this host holds at once (a fleet's router reads it from /healthz); a "
                              "spawn, fork or workspace that would pass it is refused whole with 503. None: no cap.")
+    register = Unicode("", config=True, help="A fleet router's URL this host registers itself with (announcing "
+                                             "advertise_url as often as the router says); '' none.")
+    register_token_file = Unicode("", config=True, help="File holding the token registrations carry (the router's "
+                                                        "--register-token-file).")
+    advertise_url = Unicode("", config=True, help="The URL the router reaches this host at (http(s)://HOST:PORT).")
     default_engine = Unicode("auto", config=True, help="Engine for snapshots that do not name one.")
     store = Unicode("", config=True, help="Remote snapshot store for push and pull: s3://bucket/prefix, "
                                           "gs://bucket/prefix, az://container/prefix or file:///path ('' none). "
@@ -249,6 +254,14 @@ class ForkdApp(ExtensionApp):
         self.events.loop = asyncio.get_running_loop()
         prefix = self.route_prefix.rstrip("/")
         self.data_dir_lock.announce(serverapp.connection_url.rstrip("/") + (f"/{prefix}" if prefix else ""))
+        if self.register:
+            from .announce import Announcer
+            from .serve import read_token_file
+            self.announcer = Announcer(self.register, read_token_file(self.register_token_file), self.advertise_url,
+                                       self.log)
+            self.announcer.start()
+
+    announcer = None  # this host announcing itself to a fleet's router (announce.py), with --register
 
     mcp_mount = None  # the MCP server's session manager, from the first request to it (mcp/http.py)
 
@@ -268,6 +281,9 @@ class ForkdApp(ExtensionApp):
         return self.mcp_mount
 
     async def stop_extension(self) -> None:
+        if self.announcer is not None:
+            await self.announcer.stop()
+            self.announcer = None
         if self.mcp_mount is not None:
             await self.mcp_mount.stop()
             self.mcp_mount = None

@@ -15,6 +15,7 @@ import os
 import secrets
 import socket
 import sys
+from urllib.parse import urlsplit
 
 from jupyter_server.serverapp import ServerApp
 from tornado import web
@@ -103,7 +104,8 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
                no_token: bool = False, branch_concurrency: int | None = None,
                allow_host_network: bool = False, store: str | None = None, store_endpoint: str | None = None,
                store_region: str | None = None, max_sandboxes: int | None = None, hub: bool = False,
-               base_url: str | None = None) -> tuple[list[str], str | None, bool]:
+               base_url: str | None = None, register: str | None = None, register_token_file: str | None = None,
+               advertise_url: str | None = None) -> tuple[list[str], str | None, bool]:
     """Validate the options; returns (server argv, token or None, whether the token was generated).
     ``hub``: JupyterHub authenticates every request (forkd_server/hub/); the token, if any, is an
     operator's."""
@@ -161,14 +163,52 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
     for name, value in (("store", store), ("store_endpoint", store_endpoint), ("store_region", store_region)):
         if value:
             argv.append(f"--ForkdApp.{name}={value}")
+    argv += registration_argv(host, port, "https" if tls_cert else "http", base_url, register, register_token_file,
+                              advertise_url)
     return argv, token, generated
+
+
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def registration_argv(host: str, port: int, scheme: str, base_url: str | None, register: str | None,
+                      token_file: str | None, advertise_url: str | None) -> list[str]:
+    """The options of a host that registers itself with a fleet's router (announce.py), checked."""
+    if not register:
+        if token_file or advertise_url:
+            raise ServeError("--register-token-file and --advertise-url go with --register ROUTER_URL")
+        return []
+    parts = urlsplit(register)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ServeError(f"--register: {register!r} is not a router's URL: use http(s)://HOST:PORT (forkd router's "
+                         f"address)")
+    if not token_file:
+        raise ServeError("--register needs --register-token-file FILE: the token the router was started with "
+                         "(forkd router --register-token-file)")
+    read_token_file(token_file)
+    if advertise_url:
+        own = urlsplit(advertise_url)
+        if own.scheme not in ("http", "https") or not own.hostname or own.path not in ("", "/"):
+            raise ServeError(f"--advertise-url: {advertise_url!r} is not this host's URL: use http(s)://HOST:PORT, "
+                             f"the address the router reaches it at")
+        url = advertise_url.rstrip("/")
+    elif host in WILDCARDS:
+        raise ServeError(f"--register: this host listens on every address ({host or 'all'}), so it cannot tell the "
+                         f"router which one reaches it: pass --advertise-url http://ADDRESS:{port}")
+    elif base_url and base_url.strip("/"):
+        raise ServeError("--register with a base URL: pass --advertise-url, the URL the router reaches this host at")
+    else:
+        url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+    return [f"--ForkdApp.register={register}", f"--ForkdApp.register_token_file={os.path.abspath(token_file)}",
+            f"--ForkdApp.advertise_url={url}"]
 
 
 def serve(host: str | None = None, port: int | None = None, data_dir: str | None = None,
           token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
           no_token: bool = False, branch_concurrency: int | None = None, allow_host_network: bool = False,
           store: str | None = None, store_endpoint: str | None = None, store_region: str | None = None,
-          max_sandboxes: int | None = None, hub: bool | None = None, extra_args: list[str] | None = None) -> int:
+          max_sandboxes: int | None = None, hub: bool | None = None, extra_args: list[str] | None = None,
+          register: str | None = None, register_token_file: str | None = None, advertise_url: str | None = None) -> int:
     """``hub``: None turns it on when JupyterHub started this process as a service (hub/__init__.py);
     the Hub's environment then also gives the address and the URL prefix, unless given here."""
     from .hub import hub_settings, managed_by_hub
@@ -190,7 +230,9 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
                                  f"services it starts; for one started apart see docs/deploy/jupyterhub.md")
         argv, token, generated = build_argv(host, port, data_dir, token_file, tls_cert, tls_key, no_token,
                                             branch_concurrency, allow_host_network, store, store_endpoint,
-                                            store_region, max_sandboxes, hub=hub, base_url=where.get("base_url"))
+                                            store_region, max_sandboxes, hub=hub, base_url=where.get("base_url"),
+                                            register=register, register_token_file=register_token_file,
+                                            advertise_url=advertise_url)
     except ServeError as exc:
         print(f"forkd serve: {exc}", file=sys.stderr)
         return 2
@@ -215,6 +257,9 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
         lines.append("forkd serve: no token: anyone on this host can use the API (loopback only)")
     else:
         lines.append(f"forkd serve: clients need the token from --token-file: export FORKD_URL={url} FORKD_TOKEN=...")
+    if register:
+        lines.append(f"forkd serve: announcing {argv_value(argv, '--ForkdApp.advertise_url')} to the router at "
+                     f"{register}")
     print("\n".join(lines), file=sys.stderr, flush=True)
     serverapp.start_ioloop()
     return 0

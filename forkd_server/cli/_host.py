@@ -20,7 +20,8 @@ def cmd_serve(args) -> int:
                  tls_cert=args.tls_cert, tls_key=args.tls_key, no_token=args.no_token,
                  branch_concurrency=args.branch_concurrency, allow_host_network=args.allow_host_network,
                  store=args.store, store_endpoint=args.store_endpoint, store_region=args.store_region,
-                 max_sandboxes=args.max_sandboxes, hub=args.hub, extra_args=args.jupyter_args)
+                 max_sandboxes=args.max_sandboxes, hub=args.hub, extra_args=args.jupyter_args,
+                 register=args.register, register_token_file=args.register_token_file, advertise_url=args.advertise_url)
 
 
 def cmd_router(args) -> int:
@@ -31,7 +32,7 @@ def cmd_router(args) -> int:
                         placement_wait=args.placement_wait, hosts_ca=args.hosts_ca)
     return run_router(args.hosts, args.hosts_token_file, host=args.host, port=args.port, token_file=args.token_file,
                       no_token=args.no_token, tls_cert=args.tls_cert, tls_key=args.tls_key, data_dir=args.data_dir,
-                      settings=settings, hosts_dns=args.hosts_dns)
+                      settings=settings, hosts_dns=args.hosts_dns, register_token_file=args.register_token_file)
 
 
 def cmd_doctor(args) -> int:
@@ -124,6 +125,14 @@ def add_serve_command(sub) -> None:
     p.add_argument("--store-endpoint", default=None,
                    help="S3-compatible endpoint URL (default: $AWS_ENDPOINT_URL)")
     p.add_argument("--store-region", default=None, help="S3 region (default: $AWS_REGION)")
+    p.add_argument("--register", default=os.environ.get("FORKD_REGISTER"), metavar="ROUTER_URL",
+                   help="register this host with a fleet's router (forkd router --register-token-file) and keep "
+                        "announcing it at the router's heartbeat (default: $FORKD_REGISTER)")
+    p.add_argument("--register-token-file", default=os.environ.get("FORKD_REGISTER_TOKEN_FILE"),
+                   help="file holding the token the router takes registrations with")
+    p.add_argument("--advertise-url", default=os.environ.get("FORKD_ADVERTISE_URL"),
+                   help="the URL the router reaches this host at (default: the address it listens on; needed when "
+                        "that is 0.0.0.0)")
     hub = p.add_mutually_exclusive_group()
     hub.add_argument("--hub", dest="hub", action="store_true", default=None,
                      help="run as a JupyterHub service: the Hub checks every token, each user sees only what they "
@@ -146,6 +155,9 @@ def add_router_command(sub) -> None:
                         "http://forkd-hosts.forkd.svc.cluster.local:8889)")
     p.add_argument("--hosts-token-file", default=os.environ.get("FORKD_HOSTS_TOKEN_FILE"),
                    help="file holding the token the hosts were started with (--token-file of forkd serve)")
+    p.add_argument("--register-token-file", default=os.environ.get("FORKD_REGISTER_TOKEN_FILE"),
+                   help="let hosts register themselves (forkd serve --register THIS_URL --register-token-file F) "
+                        "with the token in this file; alone or beside --hosts / --hosts-dns")
     p.add_argument("--hosts-ca", default=None,
                    help="CA certificate file to check https hosts with (default: the system's CAs)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

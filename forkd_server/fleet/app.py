@@ -8,14 +8,14 @@ import os
 import signal
 import ssl
 import sys
-from urllib.parse import urlsplit
 
 from tornado import web
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 
-from .discovery import DiscoveryError, parse_dns
+from .discovery import DiscoveryError, parse_dns, url_problem
 from .handlers import route_table
+from .registration import Registrations
 from .router import Router, Settings
 
 MAX_BODY = 64 * (1 << 20) + (1 << 20)  # a file write (64 MiB) and then some: the host says 413 past its limit
@@ -30,10 +30,8 @@ def parse_hosts(value: str) -> list[str]:
     if not urls:
         raise RouterError("--hosts is empty: give the hosts' URLs, e.g. --hosts http://10.0.0.1:8889,http://10.0.0.2:8889")
     for url in urls:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-            raise RouterError(f"--hosts: {url!r} is not a host's URL: use http(s)://HOST:PORT (forkd serve's "
-                              f"address, its API at /v1)")
+        if why := url_problem(url):
+            raise RouterError(f"--hosts: {url!r} is not a host's URL: {why}")
     if len(set(urls)) != len(urls):
         raise RouterError("--hosts names a host twice")
     return urls
@@ -58,14 +56,18 @@ async def start(router: Router, token: str | None, host: str, port: int, ssl_opt
 def run_router(hosts: str | None, hosts_token_file: str | None, host: str = "127.0.0.1", port: int = 8890,
                token_file: str | None = None, no_token: bool = False, tls_cert: str | None = None,
                tls_key: str | None = None, data_dir: str | None = None, settings: Settings | None = None,
-               hosts_dns: str | None = None) -> int:
+               hosts_dns: str | None = None, register_token_file: str | None = None) -> int:
     from ..controller import default_data_dir
     from ..serve import ServeError, is_loopback, read_token_file
 
     try:
-        if bool(hosts) == bool(hosts_dns):
+        if hosts and hosts_dns:
             raise RouterError("give the hosts either as a list (--hosts URL,URL...) or as a name that resolves to "
-                              "them (--hosts-dns http://NAME:PORT), one of the two")
+                              "them (--hosts-dns http://NAME:PORT), not both")
+        if not (hosts or hosts_dns or register_token_file):
+            raise RouterError("give the hosts: a list (--hosts URL,URL...), a name that resolves to them (--hosts-dns "
+                              "http://NAME:PORT), or let them register themselves (--register-token-file FILE, with "
+                              "forkd serve --register on each host)")
         urls = parse_hosts(hosts) if hosts else []
         if hosts_dns:
             parse_dns(hosts_dns)
@@ -75,6 +77,7 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str = "127
             if path and not os.path.isfile(path):
                 raise RouterError(f"TLS file not found: {path}")
         host_token = read_token_file(hosts_token_file) if hosts_token_file else None
+        register_token = read_token_file(register_token_file) if register_token_file else None
         if token_file:
             token = read_token_file(token_file)
         elif not is_loopback(host):
@@ -98,12 +101,19 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str = "127
 
     async def main() -> None:
         router = Router(urls, host_token, os.path.join(state_dir, "router.db"), settings, dns=hosts_dns)
-        server = await start(router, token, host, port, ssl_options)
+        registrations = None
+        if register_token:
+            registrations = Registrations(router, register_token, urls)
+            registrations.restore()
+        server = await start(router, token, host, port, ssl_options, forkd_registrations=registrations)
+        if registrations is not None:
+            registrations.start()
         scheme = "https" if tls_cert else "http"
         shown = f"[{host}]" if ":" in host else host
         up = sum(h.up for h in router.hosts.values())
         print(f"forkd router: listening on {scheme}://{shown}:{server.port} for {len(router.hosts)} hosts ({up} up"
-              f"{', found through ' + hosts_dns if hosts_dns else ''}); "
+              f"{', found through ' + hosts_dns if hosts_dns else ''}"
+              f"{'; hosts may register themselves at /v1/fleet/register' if registrations else ''}); "
               f"state in {state_dir}", file=sys.stderr, flush=True)
         print(f"forkd router: clients use it as one host: export FORKD_URL={scheme}://{shown}:{server.port} "
               f"FORKD_TOKEN=<the token in {token_file}>" if token else
@@ -115,6 +125,8 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str = "127
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         server.stop()
+        if registrations is not None:
+            await registrations.stop()
         await router.stop()
 
     asyncio.run(main())

@@ -16,6 +16,20 @@ class DiscoveryError(Exception):
     """A ``--hosts-dns`` the router cannot use; the message says why."""
 
 
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not a host's URL (http(s)://HOST:PORT, forkd serve's address), or None."""
+    parts = urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        return "its port is not a number"
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        return "use http(s)://HOST:PORT (forkd serve's address, its API at /v1)"
+    if parts.username or parts.password or parts.query or parts.fragment:
+        return "a host's URL has no user, query or fragment: use http(s)://HOST:PORT"
+    return None
+
+
 def parse_dns(url: str) -> tuple[str, str, int]:
     """(scheme, name, port) of ``--hosts-dns``, e.g. http://forkd-hosts.forkd.svc.cluster.local:8889."""
     parts = urlsplit((url or "").strip())

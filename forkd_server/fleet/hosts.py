@@ -3,7 +3,8 @@
 A host is a ``forkd serve`` the router was given (``--hosts``). Every ``heartbeat`` seconds the
 router reads its ``GET /healthz``: a good answer (``{"ok": true, ...}`` within ``host_timeout``)
 keeps it ``up`` and refreshes its capacity; a host with no good answer for ``down_after`` seconds is
-``down``, with the reason. A host that was not up (at start, or back after being down) is
+``down``, with the reason; so is a host that registers itself (``registration.py``) and has not
+announced itself for ``down_after`` seconds. A host that was not up (at start, or back after being down) is
 reconciled before it is ``up`` again (``Router.reconcile``), so no work is placed on it meanwhile.
 
 Each host has two bounded pools of kept-alive connections (aiohttp): ``control`` for the router's
@@ -93,6 +94,7 @@ class Host:
     capacity: Capacity | None = None
     listing: list | None = None  # its last snapshot listing (placement's stand-in when it is slow)
     since: float = field(default_factory=time.time)  # when the router started watching it
+    announced_at: float | None = None  # a host that registers itself: its last announcement (registration.py)
     control: aiohttp.ClientSession | None = None
     calls: aiohttp.ClientSession | None = None
     tls: ssl.SSLContext | None = None
@@ -123,7 +125,8 @@ class Host:
 
     def to_json(self) -> dict:
         return {"url": self.url, "state": self.state, "reason": self.reason, "last_ok": self.last_ok,
-                "last_error": self.last_error, "capacity": self.capacity.to_json() if self.capacity else None}
+                "last_error": self.last_error, "capacity": self.capacity.to_json() if self.capacity else None,
+                "registered": self.announced_at is not None, "announced_at": self.announced_at}
 
     async def get_json(self, path: str, timeout: float) -> Any:
         """A control read: the JSON of a 200 answer within ``timeout`` seconds, else HostError."""
@@ -202,6 +205,12 @@ class Heartbeat:
             return
         host.capacity = Capacity.parse(health)
         host.last_ok, host.last_error = time.time(), None
+        quiet = time.time() - host.announced_at if host.announced_at is not None else 0.0
+        if quiet > self.down_after:  # a host that registers itself is up while it keeps announcing itself
+            if host.state != "down":
+                await self.on_down(host, f"it has not announced itself for {quiet:.1f} s (the router's --down-after "
+                                         f"is {self.down_after:g} s), though its /healthz answers")
+            return
         if host.state != "up":
             await self.on_up(host)
 

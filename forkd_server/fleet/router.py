@@ -69,7 +69,8 @@ class Router:
         for url in (list(self._saved) if self.dns else []) + list(urls):
             self.add_host(url)
 
-    def add_host(self, url: str) -> Host:
+    def add_host(self, url: str, why: str | None = None) -> Host:
+        """``why``: how it was found, for the log (default: ``--hosts-dns``'s name or ``--hosts``)."""
         url = url.rstrip("/")
         if url in self.hosts:
             return self.hosts[url]
@@ -81,7 +82,7 @@ class Router:
             s = self.settings
             host.open(s.control_connections, s.call_connections, self._tls)
             self.heartbeat.watch(host)
-            log.warning("host %s joined (%s resolves to it)", url, self.dns[1] if self.dns else "--hosts")
+            log.warning("host %s joined (%s)", url, why or (f"{self.dns[1]} resolves to it" if self.dns else "--hosts"))
         return host
 
     async def discover(self) -> None:
@@ -364,10 +365,10 @@ class Router:
                 return status, got
             if host.capacity is not None:  # until the next heartbeat says how many it holds
                 host.capacity = host.capacity.counted(len(got))
-            clash = [k for k in got if self.state.host_of("sandbox", k["id"]) not in (None, host.url)
-                     or any(k["id"] == mine["id"] for mine in kids)]
+            again = [k for k in got if any(k["id"] == mine["id"] for mine in kids)]
+            taken = set(self.state.claim("sandbox", [(k["id"], k) for k in got if k not in again], host.url))
+            clash = again + [k for k in got if k["id"] in taken]
             good = [k for k in got if k not in clash]
-            self.state.pin("sandbox", [(k["id"], k) for k in good], host.url)
             kids += good
             if not clash:
                 return 201, [{**k, "host": host.url} for k in kids]
@@ -378,16 +379,6 @@ class Router:
         await self.kill(host, [k["id"] for k in kids])
         return 409, {"error": f"host {host.url} kept handing out sandbox ids other hosts use; give its data dir "
                               f"a fresh registry"}
-
-    def pin_children(self, host: Host, kids: list[dict]) -> None:
-        """Pin sandboxes a host made outside a spawn (a fork tree's children). An id another host
-        already uses keeps its pin (the older sandbox stays reachable) and is said in the log: unlike a
-        spawn's, such a child cannot be made again under a new id."""
-        clash = [k["id"] for k in kids if self.state.host_of("sandbox", k["id"]) not in (None, host.url)]
-        self.state.pin("sandbox", [(k["id"], k) for k in kids if k["id"] not in clash], host.url)
-        if clash:
-            log.warning("host %s made sandboxes whose ids another host uses (%s): calls by those ids reach the "
-                        "other host's", host.url, ", ".join(clash))
 
     async def kill(self, host: Host, ids: list[str], unpin: bool = True) -> None:
         async def one(sid: str) -> None:

@@ -1,4 +1,5 @@
-"""What the router must not forget across a restart, in SQLite: the host table and the pins.
+"""What the router must not forget across a restart, in SQLite: the host table (with the hosts that
+registered themselves) and the pins.
 
 A *pin* says which host holds an object the router answers for: a sandbox (``sandbox``, by id), a
 snapshot (``snapshot``, by tag: a VM snapshot may be held by several hosts, so a tag has a pin per
@@ -32,6 +33,10 @@ CREATE TABLE IF NOT EXISTS pins (
     PRIMARY KEY (kind, key, host)
 );
 CREATE INDEX IF NOT EXISTS pins_by_host ON pins(host, kind);
+CREATE TABLE IF NOT EXISTS registered (
+    url TEXT PRIMARY KEY,         -- a host that registered itself (forkd serve --register)
+    announced_at REAL NOT NULL    -- unix time of its last announcement
+);
 """
 
 
@@ -63,6 +68,14 @@ class State:
         self.db.execute("INSERT OR REPLACE INTO hosts(url, state, reason, last_ok, capacity) VALUES (?,?,?,?,?)",
                         (url, state, reason, last_ok, json.dumps(capacity) if capacity is not None else None))
 
+    def registered(self) -> dict[str, float]:
+        """url -> last announcement of every host that registered itself."""
+        return dict(self.db.execute("SELECT url, announced_at FROM registered").fetchall())
+
+    def save_registration(self, url: str, announced_at: float) -> None:
+        self.db.execute("INSERT INTO registered(url, announced_at) VALUES (?,?) ON CONFLICT(url) DO UPDATE SET "
+                        "announced_at=max(announced_at, excluded.announced_at)", (url, announced_at))
+
     # --- pins -------------------------------------------------------------------------------------
 
     def pin(self, kind: str, items: list[tuple[str, dict | None]], host: str, *, exclusive: bool = True) -> None:
@@ -76,6 +89,21 @@ class State:
                     self.db.execute("DELETE FROM pins WHERE kind=? AND key=? AND host<>?", (kind, key, host))
                 self.db.execute("INSERT OR REPLACE INTO pins(kind, key, host, record, pinned_at) VALUES (?,?,?,?,?)",
                                 (kind, key, host, json.dumps(record) if record is not None else None, now))
+
+    def claim(self, kind: str, items: list[tuple[str, dict | None]], host: str) -> list[str]:
+        """Pin each (key, record) to ``host`` unless another host holds a pin of the key; returns the
+        keys another host holds (not pinned). One transaction: two routers on this file that both
+        see an id free cannot both take it (the second sees the first's pin)."""
+        now, taken = time.time(), []
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            for key, record in items:
+                if self.db.execute("SELECT 1 FROM pins WHERE kind=? AND key=? AND host<>?", (kind, key, host)).fetchone():
+                    taken.append(key)
+                    continue
+                self.db.execute("INSERT OR REPLACE INTO pins(kind, key, host, record, pinned_at) VALUES (?,?,?,?,?)",
+                                (kind, key, host, json.dumps(record) if record is not None else None, now))
+        return taken
 
     def unpin(self, kind: str, key: str, host: str | None = None) -> None:
         if host is None:

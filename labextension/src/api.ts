@@ -21,6 +21,8 @@ export interface ITreeNode {
   labels?: Record<string, string>;
   tier?: 'running' | 'frozen' | 'stored';
   stored?: { digest: string; remote: boolean };
+  host?: string; // behind a fleet's router: the host that holds it
+  hosts?: string[]; // a snapshot several hosts hold: each of them
 }
 
 export interface IKernelHead {

@@ -182,6 +182,8 @@ export class LineageModel {
       busy: n.kind === 'sandbox' && n.busy !== undefined ? n.busy || false : undefined,
       tier: n.kind === 'sandbox' ? n.tier || 'running' : undefined,
       stored: n.stored || null,
+      host: n.host || null,
+      hosts: n.hosts || null,
       info: { ...n }
     };
   }
@@ -253,6 +255,7 @@ export class LineageModel {
         pause_ms: event.pause_ms ?? null,
         warnings: event.warnings || [],
         labels: event.labels || {},
+        host: event.host || null, // a fleet's router names the host of what it passes on
         heads: head?.notebooks || [],
         head_kernels: head?.kernels || []
       };

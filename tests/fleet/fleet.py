@@ -21,17 +21,17 @@ HOST_TIMEOUT = 3.0  # s: and its --host-timeout (a merged list waits that long f
 
 
 class Router:
-    """``forkd router`` for ``hosts`` (URLs, or ``["--hosts-dns", URL]``); ``wrap``: a command it runs
-    under (e.g. a mount namespace of its own)."""
+    """``forkd router`` for ``hosts`` (URLs, or ``["--hosts-dns", URL]``, or none: hosts that register
+    themselves); ``wrap``: a command it runs under (e.g. a mount namespace of its own)."""
 
     def __init__(self, hosts: list[str], workdir: str, *extra: str, wrap: tuple[str, ...] = ()):
         self.workdir = workdir
         self.port = free_port()
         self.token = secrets.token_hex(20)
-        self.token_file = os.path.join(workdir, "router-token")
+        self.token_file = os.path.join(workdir, f"router-token-{self.port}")  # one each: routers may share workdir
         with open(self.token_file, "w") as f:
             f.write(self.token)
-        where = hosts if hosts[:1] == ["--hosts-dns"] else ["--hosts", ",".join(hosts)]
+        where = hosts if hosts[:1] == ["--hosts-dns"] or not hosts else ["--hosts", ",".join(hosts)]
         self.wrap = list(wrap)
         self.args = ["router", *where, "--hosts-token-file", os.path.join(workdir, "token"),
                      "--token-file", self.token_file, "--port", str(self.port),

@@ -225,6 +225,13 @@ def test_unknown_ids_and_bad_input(world, api):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"{router.url}/v1/sandboxes", timeout=30)
     assert err.value.code == 401
+    # a router started without --register-token-file takes no registrations, and says how to
+    req = urllib.request.Request(f"{router.url}/v1/fleet/register", data=b'{"url": "http://127.0.0.1:1"}',
+                                 method="POST", headers={"Authorization": f"Bearer {router.token}",
+                                                         "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 403 and "--register-token-file" in err.value.read().decode()
 
 
 def test_process_snapshot_over_its_host_cap_is_refused_and_never_moves(world, api, direct):

@@ -42,8 +42,8 @@ def call(url: str, token_path: str, ctx, method: str, path: str, body=None):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--hosts", ""], "one of the two"),
-    (["--hosts", "http://a:1", "--hosts-dns", "http://b:1"], "one of the two"),
+    (["--hosts", ""], "or let them register themselves"),
+    (["--hosts", "http://a:1", "--hosts-dns", "http://b:1"], "not both"),
     (["--hosts-dns", "forkd-hosts:8889"], "is not a URL of the hosts' name"),
     (["--hosts", " , "], "--hosts is empty"),
     (["--hosts", "10.0.0.1:8889"], "is not a host's URL"),

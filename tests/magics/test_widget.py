@@ -364,6 +364,38 @@ def test_the_shared_drawing_pure_parts():
     assert got["kib"] == ["512 KiB", "1.5 MiB", "3.00 GiB"]
 
 
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_the_shared_drawing_knows_the_hosts_behind_a_router():
+    """Behind a fleet's router nodes carry ``host`` (a snapshot several hosts hold: ``hosts``): the
+    drawing lists the hosts (a node's host is drawn only when there are several), shows them
+    without the scheme, and the search finds a node by its host."""
+    with tempfile.TemporaryDirectory() as d:
+        mod = Path(d) / "lineage.mjs"
+        mod.write_text(widget_esm())
+        script = f"""
+        import * as L from {json.dumps(str(mod))};
+        const t = {{ py: {{kind: "snapshot", parent: null, status: "ready", host: "http://10.0.0.1:8889",
+                          hosts: ["http://10.0.0.1:8889", "http://10.0.0.2:8889"]}},
+                     "sb-1": {{kind: "sandbox", parent: "py", status: "running", host: "http://10.0.0.1:8889"}},
+                     "sb-2": {{kind: "sandbox", parent: "py", status: "running", host: "http://10.0.0.2:8889"}},
+                     "sb-3": {{kind: "sandbox", parent: "gone", status: "running", host: "https://[::1]:9/"}} }};
+        const one = {{ py: {{kind: "snapshot", parent: null, status: "ready", host: "http://10.0.0.1:8889"}},
+                       "sb-1": {{kind: "sandbox", parent: "py", status: "running", host: "http://10.0.0.1:8889"}} }};
+        console.log(JSON.stringify({{
+          hosts: L.hostsOf(L.withGhosts(t)), one: L.hostsOf(one), none: L.hostsOf({{a: {{kind: "snapshot", status: "ready"}}}}),
+          label: L.hostLabel("https://[::1]:9/"),
+          search: L.rows(L.withGhosts(t), {{query: "0.2:8889"}}).map(r => r.id),
+        }}));
+        """
+        out = subprocess.run(["node", "--input-type=module", "-e", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["hosts"] == ["http://10.0.0.1:8889", "http://10.0.0.2:8889", "https://[::1]:9/"]
+    assert got["one"] == ["http://10.0.0.1:8889"] and got["none"] == []
+    assert got["label"] == "[::1]:9"
+    assert got["search"] == ["py", "sb-2"]  # the snapshot held there too, and its sandbox there
+
+
 def test_widget_resubscribes_when_the_stream_drops(forkd, comms):
     ctl = forkd.controller()
     ctl.create_snapshot("wr")

@@ -7,7 +7,8 @@ Wire rules are forkd serve's: ``{"error": ...}`` bodies, 401 ``missing bearer to
 passed on unchanged (status, body), so its errors reach the client word for word.
 
 One module per service, as the server's handlers are: ``base`` (the token check, error bodies,
-passing a request on), ``meta`` (health, version, hosts, metrics, OpenAPI, events, the tree),
+passing a request on), ``meta`` (health, version, hosts, metrics, OpenAPI, events, the tree), ``register`` (hosts announcing
+themselves),
 ``snapshots``, ``sandboxes`` and ``workspaces`` (with forkd kernels). The route table is here.
 """
 
@@ -17,6 +18,7 @@ from ..router import Refusal
 from .base import MISSING_HEADER, RouterHandler, check_token, host_query
 from .meta import (EventsHandler, HealthHandler, HostsHandler, MetricsHandler, OpenAPIHandler, TreeHandler,
                    VersionHandler)
+from .register import RegisterHandler
 from .sandboxes import BranchHandler, ForkHandler, PinnedHandler, SandboxesHandler, SandboxHandler
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
                         SnapshotPushHandler, SnapshotsHandler)
@@ -44,6 +46,7 @@ def route_table() -> list[tuple[str, type]]:
         (r"/metrics", MetricsHandler),
         (r"/v1/openapi\.json", OpenAPIHandler),
         (r"/v1/fleet/hosts", HostsHandler),
+        (r"/v1/fleet/register", RegisterHandler),
         (r"/v1/events", EventsHandler),
         (r"/v1/tree", TreeHandler),
         (r"/v1/snapshots", SnapshotsHandler),

@@ -6,6 +6,7 @@ import asyncio
 import math
 
 from ...checks import MAX_CHILDREN
+from ..forks import settle_children
 from ..hosts import Host
 from .base import RouterHandler, host_query
 from .meta import labels_match
@@ -106,19 +107,15 @@ class BranchHandler(PinnedHandler):
 
 class ForkHandler(PinnedHandler):
     """A fork tree (branch once, spawn N children of it) on the sandbox's host: the snapshot and the
-    children are pinned there."""
+    children are pinned there, each child under an id no other host uses (forks.py)."""
 
     async def post(self, sandbox_id: str) -> None:
         host = await self.locate(sandbox_id)
         status, reply = await self.call(host)
         if status == 201 and isinstance(reply, dict):
-            snap, kids = reply.get("snapshot"), reply.get("sandboxes")
+            snap = reply.get("snapshot")
             if isinstance(snap, dict) and isinstance(snap.get("tag"), str):
                 self.router.state.pin("snapshot", [(snap["tag"], None)], host.url, exclusive=False)
                 snap["host"] = host.url
-            if isinstance(kids, list):
-                self.router.pin_children(host, [k for k in kids if isinstance(k, dict) and isinstance(k.get("id"), str)])
-                for k in kids:
-                    if isinstance(k, dict):
-                        k["host"] = host.url
+            status, reply = await settle_children(self.router, host, reply, self.client_headers())
         self.answer(status, reply)
