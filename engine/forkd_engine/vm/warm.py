@@ -26,6 +26,7 @@ import contextlib
 import os
 import shutil
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from ..base import AgentUnreachable, EngineError, Handle
@@ -69,6 +70,7 @@ class WarmPool:
         self.engine = engine
         self.size = size
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # one got ready, or a filler ended
         self.ready: list[Warm] = []
         self.filling: dict[str, threading.Thread] = {}   # tag -> its filler
         self.used: list[str] = []                        # tags, least recently spawned first
@@ -91,12 +93,19 @@ class WarmPool:
             self.ready = [w for w in self.ready if w not in stale]
         for warm in stale:
             self.discard(warm)
+        deadline = time.monotonic() + LOAD_TIMEOUT
         while True:
             with self.lock:
-                warm = next((w for w in self.ready if w.key == want), None)
-                if warm is None:
-                    return None
-                self.ready.remove(warm)
+                while True:
+                    warm = next((w for w in self.ready if w.key == want), None)
+                    if warm is not None:
+                        self.ready.remove(warm)
+                        break
+                    # One being started for it got a head start on a cold restore (and a cold one
+                    # would start a second QEMU beside it, both slower on a busy host): wait for it.
+                    if want[0] not in self.filling or time.monotonic() >= deadline:
+                        return None
+                    self.changed.wait(deadline - time.monotonic())
             if self.engine.alive(warm.handle) and not warm.channel.broken:
                 return warm
             self.discard(warm)  # died while it waited (killed from outside): a cold restore instead
@@ -171,12 +180,14 @@ class WarmPool:
                     keep = not self.closed and self.generation.get(tag, 0) == generation
                     if keep:
                         self.ready.append(warm)
+                        self.changed.notify_all()
                 if not keep:
                     self.discard(warm)
                     return
         finally:
             with self.lock:
                 self.filling.pop(tag, None)
+                self.changed.notify_all()
 
     def _start(self, snapshot: Handle, name: str, want: tuple) -> Warm:
         engine = self.engine
