@@ -108,10 +108,14 @@ def parse_restore(line: bytes) -> tuple[str, bytes, int, dict]:
     (the strings UTF-8, LINEAGE joined by newlines), TIME_NS the host's wall clock in integer ns.
     Returns (rid, entropy, time_ns, identity)."""
     rid, entropy, time_ns, sid, role, hostname, lineage = line[len(RESTORE):].split(b" ")
-    text = [bytes.fromhex(f.decode()).decode() for f in (sid, role, hostname, lineage)]
-    identity = {"id": text[0], "role": text[1], "hostname": text[2],
-                "lineage": text[3].split("\n") if text[3] else []}
+    lineage = _unhex(lineage)
+    identity = {"id": _unhex(sid), "role": _unhex(role), "hostname": _unhex(hostname),
+                "lineage": lineage.split("\n") if lineage else []}
     return rid.decode(), bytes.fromhex(entropy.decode()), int(time_ns), identity
+
+
+def _unhex(field: bytes) -> str:
+    return bytes.fromhex(field.decode()).decode()
 
 
 class SerialAgent:
@@ -187,10 +191,12 @@ class SerialAgent:
 
     def write(self, data: bytes) -> None:
         with self.write_lock:
-            view = memoryview(data)
-            while view:
-                n = os.write(self.fd, view)
-                view = view[n:]
+            n = os.write(self.fd, data)
+            if n < len(data):  # a long reply: the port took part of it
+                view = memoryview(data)[n:]
+                while view:
+                    n = os.write(self.fd, view)
+                    view = view[n:]
 
     def open_session(self, request: dict) -> None:
         sid = str(request.get("_sid"))
