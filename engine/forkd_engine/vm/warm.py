@@ -76,6 +76,7 @@ class WarmPool:
         self.used: list[str] = []                        # tags, least recently spawned first
         self.generation: dict[str, int] = {}             # bumped by drop: a filler's late QEMU is killed
         self.spawns: dict[str, int] = {}                 # tag -> spawns so far
+        self.waiting: set[str] = set()                   # tags a spawn waits on the filler of
         self.closed = False
         self.seq = 0
 
@@ -93,22 +94,37 @@ class WarmPool:
             self.ready = [w for w in self.ready if w not in stale]
         for warm in stale:
             self.discard(warm)
-        deadline = time.monotonic() + LOAD_TIMEOUT
+        tag, deadline = want[0], time.monotonic() + LOAD_TIMEOUT
         while True:
-            with self.lock:
+            warm = self._ready_or_wait(tag, want, deadline)
+            if warm is None:
+                return None
+            if self.engine.alive(warm.handle) and not warm.channel.broken:
+                return warm
+            self.discard(warm)  # died while it waited (killed from outside): a cold restore instead
+
+    def _ready_or_wait(self, tag: str, want: tuple, deadline: float) -> Warm | None:
+        """A ready one for ``want``, taken; or, while one is being started for it and no other spawn
+        waits for it (a filler starts one at a time: more waiters would queue on it), that one once
+        it is ready: it has a head start on a cold restore, and a cold one would start a second QEMU
+        beside it, both slower on a busy host."""
+        with self.lock:
+            waiting = False
+            try:
                 while True:
                     warm = next((w for w in self.ready if w.key == want), None)
                     if warm is not None:
                         self.ready.remove(warm)
-                        break
-                    # One being started for it got a head start on a cold restore (and a cold one
-                    # would start a second QEMU beside it, both slower on a busy host): wait for it.
-                    if want[0] not in self.filling or time.monotonic() >= deadline:
+                        return warm
+                    if tag not in self.filling or time.monotonic() >= deadline or \
+                            (tag in self.waiting and not waiting):
                         return None
+                    self.waiting.add(tag)
+                    waiting = True
                     self.changed.wait(deadline - time.monotonic())
-            if self.engine.alive(warm.handle) and not warm.channel.broken:
-                return warm
-            self.discard(warm)  # died while it waited (killed from outside): a cold restore instead
+            finally:
+                if waiting:
+                    self.waiting.discard(tag)
 
     def adopt(self, warm: Warm, name: str) -> Handle:
         """Make ``warm`` the VM named ``name``: its directory renamed to that name's (QEMU holds its
