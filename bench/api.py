@@ -140,10 +140,18 @@ def ping_while_stuck(client, port: int, token: str, idle: str, stuck_count: int,
             "target_met": percentile(samples, 0.99) <= 50.0}
 
 
-def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, calls: int = 200) -> dict:
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, server_pid: int,
+                    calls: int = 200) -> dict:
     """Seconds for ``calls`` sequential sync pings and for ``asyncio.gather`` of as many from one
     AsyncController, in alternating rounds on one event loop (its pool made once); the pings go to
-    ``sids`` in turn."""
+    ``sids`` in turn. With each, the server's CPU per ping (what bounds the gathered rate)."""
 
     async def run() -> dict:
         async with AsyncController(url, token) as actl:
@@ -161,12 +169,16 @@ def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, 
 
             await gathered()  # the pool's connections opened, as in a long-lived service
             sequential()
-            seq, gat = [], []
+            seq, gat, seq_cpu, gat_cpu = [], [], [], []
             for _ in range(rounds):
+                cpu0 = process_cpu_s(server_pid)
                 seq.append(sequential())
+                cpu1 = process_cpu_s(server_pid)
                 gat.append(await gathered())
-            return {"sequential_sync_s": seq, "gather_async_s": gat,
-                    "max_connections": actl.max_connections}
+                seq_cpu.append(cpu1 - cpu0)
+                gat_cpu.append(process_cpu_s(server_pid) - cpu1)
+            return {"sequential_sync_s": seq, "gather_async_s": gat, "server_cpu_sequential_s": seq_cpu,
+                    "server_cpu_gather_s": gat_cpu, "max_connections": actl.max_connections}
 
     got = asyncio.run(run())
     seq, gat = statistics.median(got["sequential_sync_s"]), statistics.median(got["gather_async_s"])
@@ -174,6 +186,9 @@ def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, 
             "sequential_sync_median_s": round(seq, 4), "gather_async_median_s": round(gat, 4),
             "sequential_sync_per_s": round(calls / seq), "gather_async_per_s": round(calls / gat),
             "throughput_ratio": round(seq / gat, 3), "target_ratio": 2.0, "target_met": seq / gat >= 2.0,
+            "server_cpu_ms_per_ping": {
+                "sequential": round(statistics.median(got["server_cpu_sequential_s"]) / calls * 1000, 3),
+                "gather": round(statistics.median(got["server_cpu_gather_s"]) / calls * 1000, 3)},
             "rounds_s": {k: [round(x, 4) for x in v] for k, v in got.items() if k.endswith("_s")}}
 
 
@@ -254,10 +269,10 @@ def main() -> int:
             "sdk_p50_ms": p["rest_sdk"]["p50_ms"], "raw_http_client_p50_ms": raw_p50,
             "ratio_p50": round(p["rest_sdk"]["p50_ms"] / raw_p50, 3), "sdk_adds_paired_median_ms": adds,
             "ratio_paired": round(ratio, 3), "target_ratio": 1.1, "target_met": ratio <= 1.1}
-        out["sdk_concurrency"] = sdk_concurrency(client, f"http://127.0.0.1:{port}", token, [sid], args.rounds)
+        out["sdk_concurrency"] = sdk_concurrency(client, f"http://127.0.0.1:{port}", token, [sid], args.rounds, server.pid)
         spread = [sid, *(s["id"] for s in ctl.spawn("bench", 7))]  # the same, over 8 sandboxes' agents
         out["sdk_concurrency_8_sandboxes"] = sdk_concurrency(client, f"http://127.0.0.1:{port}", token, spread,
-                                                             args.rounds)
+                                                             args.rounds, server.pid)
         for other in spread[1:]:
             ctl.kill_sandbox(other)
         if args.sdk_only:
@@ -309,7 +324,8 @@ def main() -> int:
             o = out[key]
             print(f"200 pings of {o['sandboxes']} sandbox(es): sequential sync {o['sequential_sync_median_s'] * 1000:.0f} ms, "
                   f"gathered async {o['gather_async_median_s'] * 1000:.0f} ms: {o['throughput_ratio']:.2f}x the "
-                  f"throughput (target >= 2: {'met' if o['target_met'] else 'NOT met'})")
+                  f"throughput (target >= 2: {'met' if o['target_met'] else 'NOT met'}); the server's CPU per ping "
+                  f"{o['server_cpu_ms_per_ping']['sequential']:.2f} / {o['server_cpu_ms_per_ping']['gather']:.2f} ms")
         if args.sdk_only:
             return 0
         for op in ("ping", "list_sandboxes"):

@@ -1,8 +1,10 @@
 """A spawn's children, forked in the template's C loop (process/fanout.c): each one whole.
 
 Each child's first process is PID 1 of a pid namespace of its own and has become forkd-init; the
-agent is its child, PID 2 there; both are in the child's own leaves, with its limits; and a fresh
-sandbox starts its compactor's thread only once a cell has run.
+agent is its child, PID 2 there; both are in the child's own leaves, with its limits; each agent
+set itself up in the loop (its own namespaces, hostname, lo, and none of its siblings' descriptors);
+and a fresh sandbox starts its compactor's thread only once a cell has run, and reaps on its
+accepting thread.
 """
 
 from __future__ import annotations
@@ -67,9 +69,79 @@ def test_the_compactor_thread_waits_for_a_first_cell(ctl, snap):
     try:
         pid = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
         ctl.ping(kid["id"])
-        assert _wait_threads(pid, 3) == 3  # the main thread (cells), the reaper, the accepting thread
+        assert _wait_threads(pid, 2) == 2  # the main thread (cells), the accepting thread (and reaper)
         assert ctl.run_code(kid["id"], "x = 1")["exit_code"] == 0
-        assert _wait_threads(pid, 4) == 4
+        assert _wait_threads(pid, 3) == 3
         assert "forkd-compact" in ev(ctl, kid["id"], "[t.name for t in __import__('threading').enumerate()]")
     finally:
         ctl.kill_sandbox(kid["id"])
+
+
+def _zombie_children(pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and fields[1] == str(pid):
+            found.append(int(name))
+    return found
+
+
+def test_a_sandbox_reaps_its_ended_branch_on_its_accepting_thread(ctl, snap):
+    kid = ctl.spawn(snap, 1)[0]
+    try:
+        agent = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
+        ctl.branch(kid["id"], "reaped-branch")
+        branch_init = ctl.registry.get_snapshot("reaped-branch")["handle"]["init"]["pid"]
+        assert _status(branch_init, "PPid") == [str(agent)]  # the sandbox's own fork
+        ctl.delete_snapshot("reaped-branch")                 # it ends: a zombie until the sandbox reaps it
+        deadline = time.monotonic() + 30
+        while (os.path.exists(f"/proc/{branch_init}") or _zombie_children(agent)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{branch_init}") and _zombie_children(agent) == []
+        threads = ev(ctl, kid["id"], "[t.name for t in __import__('threading').enumerate()]")
+        assert "forkd-accept" in threads and "forkd-reaper" not in threads  # reaped by the accepting thread
+    finally:
+        ctl.kill_sandbox(kid["id"])
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+def test_each_agent_has_its_own_namespaces_hostname_lo_and_descriptors(ctl, snap):
+    template = ctl.registry.get_snapshot(snap)["handle"]["pid"]
+    kids = ctl.spawn(snap, 4)
+    try:
+        seen = {kind: {os.readlink(f"/proc/{template}/ns/{kind}")} for kind in ("mnt", "uts", "ipc", "net")}
+        sockets = []
+        for kid in kids:
+            agent = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
+            for kind in seen:
+                ns = os.readlink(f"/proc/{agent}/ns/{kind}")
+                assert ns not in seen[kind], f"{kid['id']} shares its {kind} namespace"
+                seen[kind].add(ns)
+            assert ev(ctl, kid["id"], "__import__('socket').gethostname()") == repr(kid["id"][:64])
+            assert ev(ctl, kid["id"], "(__import__('os').getpid(), __import__('os').readlink('/proc/self'))") == "(2, '2')"
+            lo = ("import socket\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+                  "c = socket.create_connection(s.getsockname(), timeout=5); c.close(); s.close()\n'up'")
+            assert ctl.run_code(kid["id"], lo)["result"]["text/plain"] == "'up'"
+            sockets.append(_socket_inodes(agent))
+        for i, mine in enumerate(sockets):  # no agent holds a sibling's listener or the template's
+            assert not mine & _socket_inodes(template)
+            assert all(not mine & other for other in sockets[i + 1:])
+    finally:
+        for kid in kids:
+            ctl.kill_sandbox(kid["id"])
+

@@ -8,9 +8,10 @@ the agent process too, so the processes *it* starts (``subprocess``, ``os.fork``
 reaping one of those would make ``Popen.poll()`` report 0 for a process that exited 3.
 
 So every way Python starts a process is wrapped to record the new pid under a lock, and the reaper
-(a thread, woken by SIGCHLD through a pipe, never blocking in the signal handler) reaps only
-zombies that nobody recorded: orphans, and processes the agent itself forked. The one gap is C
-code that calls ``fork()`` directly, bypassing Python; its children are reaped like orphans.
+(a thread of its own, or one the agent has anyway, woken by SIGCHLD through a pipe, never blocking
+in the signal handler) reaps only zombies that nobody recorded: orphans, and processes the agent
+itself forked. The one gap is C code that calls ``fork()`` directly, bypassing Python; its
+children are reaped like orphans.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def _after_fork_in_child() -> None:
     _user_children.clear()
 
 
-def install() -> None:
-    """Record every process user code starts; start the orphan reaper. Call on the main thread."""
+def install(reaper_thread: bool = True) -> None:
+    """Record every process user code starts; start the orphan reaper (see ``start_reaper``). Call
+    on the main thread."""
     global _installed
     if not _installed:
         _installed = True
@@ -72,16 +74,38 @@ def install() -> None:
         if hasattr(subprocess, "_fork_exec"):
             subprocess._fork_exec = _posixsubprocess.fork_exec
         os.register_at_fork(after_in_child=_after_fork_in_child)
-    start_reaper()
+    start_reaper(reaper_thread)
 
 
-def start_reaper() -> None:
-    """(Re)start the reaper thread: after a fork the child has none, so it calls this again (the
-    fork closed its copy of the old wake-up pipe with the rest of the agent's descriptors)."""
+def start_reaper(thread: bool = True) -> None:
+    """(Re)start the reaper: after a fork the child has none, so it calls this again (the fork
+    closed its copy of the old wake-up pipe with the rest of the agent's descriptors). With
+    ``thread``, a thread of its own waits for the wake-ups; else a thread the caller already has
+    waits on ``wake_fd()`` and calls ``tend()`` (a sandbox's accepting thread: one thread, its
+    stack and its memory, fewer per sandbox)."""
     global _wake_r, _wake_w
     _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.signal(signal.SIGCHLD, _on_sigchld)
-    threading.Thread(target=_reap_forever, args=(_wake_r,), name="forkd-reaper", daemon=True).start()
+    if thread:
+        threading.Thread(target=_reap_forever, args=(_wake_r,), name="forkd-reaper", daemon=True).start()
+
+
+TEND_EVERY = 2.0  # s between reaper passes without a wake-up: covers one lost while the handler was deferred
+
+
+def wake_fd() -> int:
+    """The read end of the reaper's wake-up pipe (readable after a SIGCHLD)."""
+    return _wake_r
+
+
+def tend() -> None:
+    """One pass of the reaper for a thread that also does other work (it waits on ``wake_fd()``
+    with a timeout of ``TEND_EVERY``): take the wake-ups, reap what ended. Never waits for the
+    process-creation lock: held elsewhere, the pass is left to the next wake-up or timeout."""
+    with contextlib.suppress(BlockingIOError):
+        os.read(_wake_r, 4096)
+    if _user_children or _any_exited():
+        reap_orphans(wait=False)
 
 
 def agent_fds() -> set[int]:
@@ -107,7 +131,7 @@ def _reap_forever(wake_fd: int) -> None:
     while True:
         try:
             # Woken by SIGCHLD; the timeout covers a wake-up lost while the handler was deferred.
-            if poller.poll(2000):
+            if poller.poll(TEND_EVERY * 1000):
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_fd, 4096)
             if _user_children or _any_exited():
@@ -146,10 +170,13 @@ def _zombie_children() -> list[int]:
     return found
 
 
-def reap_orphans() -> list[int]:
-    """Reap every exited child that user code did not start; returns their pids."""
-    reaped = []
-    with _lock:
+def reap_orphans(wait: bool = True) -> list[int]:
+    """Reap every exited child that user code did not start; returns their pids. Without ``wait``,
+    nothing is done while another thread holds the process-creation lock."""
+    reaped, lock = [], _lock
+    if not lock.acquire(blocking=wait):
+        return reaped
+    try:
         for pid in _zombie_children():
             if pid in _user_children:
                 continue
@@ -162,6 +189,8 @@ def reap_orphans() -> list[int]:
         for pid in list(_user_children):
             if not _is_child(pid):
                 _user_children.discard(pid)
+    finally:
+        lock.release()
     return reaped
 
 

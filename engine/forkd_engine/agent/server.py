@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import select
 import socket
 import threading
 from typing import Callable
@@ -70,11 +71,14 @@ class AgentServer:
     """
 
     def __init__(self, runtime: Runtime, listener: socket.socket, actions: dict[str, Action] | None = None,
-                 threaded: bool = True):
+                 threaded: bool = True, tend: tuple[int, Callable[[], None], float] | None = None):
         self.runtime = runtime
         self.listener = listener
         self.actions = dict(actions or {})
         self.threaded = threaded
+        # (fd, fn, every): the accepting thread also calls fn() whenever fd is readable, and at least
+        # every ``every`` seconds (the orphan reaper's wake-ups: no thread of its own).
+        self.tend = tend
         self._conns: set[socket.socket] = set()
         self._held: set[int] = set()  # descriptors received with requests whose actions still run
         self._conns_lock = threading.Lock()
@@ -180,7 +184,14 @@ class AgentServer:
     def serve_forever(self) -> None:
         """Accept connections on this thread, forever."""
         self.listener.setblocking(True)
+        poller, listening = None, self.listener.fileno()
+        if self.tend is not None:
+            poller = select.poll()
+            poller.register(listening, select.POLLIN)
+            poller.register(self.tend[0], select.POLLIN)
         while True:
+            if self.tend is not None and listening not in self._wait(poller):
+                continue  # (closed under us, the listener shows too, and accept says so below)
             try:
                 conn, _ = self.listener.accept()
             except InterruptedError:
@@ -195,6 +206,21 @@ class AgentServer:
             else:
                 conn.settimeout(60)
                 self.serve_connection(conn)
+
+    def _wait(self, poller: select.poll) -> dict[int, int]:
+        """Wait for a connection or the tended descriptor, and tend it when due; the events."""
+        fd, fn, every = self.tend
+        try:
+            events = dict(poller.poll(every * 1000))
+        except InterruptedError:
+            return {}
+        if events.get(fd, 0) & select.POLLNVAL:  # closed: nothing to tend any more
+            poller.unregister(fd)
+            self.tend = None
+        elif fd in events or not events:
+            with contextlib.suppress(Exception):  # the accepting thread outlives any surprise
+                fn()
+        return events
 
     def start(self) -> threading.Thread:
         """Accept connections on a thread of their own (the main thread runs user code)."""

@@ -1,6 +1,6 @@
 /* forkd's fan-out loop: a template's fork of a spawn's children, in C.
  *
- *   int forkd_fanout(int n, int pidns_fd, int *pids, const char *init,
+ *   int forkd_fanout(int n, int pidns_fd, int *pids, const char *init, const struct setup *setup,
  *                    before, after_parent, after_child)
  *
  * Each child is the first process (PID 1) of a pid namespace of its own: unshare(CLONE_NEWPID),
@@ -22,19 +22,130 @@
  * kept, and the namespace's first process wrote pages its fork, the agent, then kept once it had
  * exec'd. The loop's CPU is paid per child too.
  *
+ * With ``setup`` (not NULL), each agent also sets itself up here, before Python resumes: it closes
+ * the template's agent descriptors but its own two, takes its own mount, UTS, IPC (and network)
+ * namespaces, mounts its /proc, sets its hostname, brings its lo up and lays its own machine id
+ * over /etc/machine-id (machine_id.py). Done in Python, each step ran code and touched objects all
+ * over the template's heap, and each page touched (a reference count written) became the agent's
+ * own copy; here it is a few system calls. forkd_fanout_error() then says, in the agent, which
+ * step failed (NULL when none did), for the agent to report.
+ *
  * Returns, in an agent, its index counted from 1; in the template 0 once all n are forked, or
  * -errno of the call that failed (pids[i] is 0 for each child not made).
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
+#include <net/if.h>
 #include <sched.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/random.h>
 #include <sys/rseq.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 typedef void (*hook)(void);
+
+/* What each agent sets up before Python resumes (see above); the same layout as fanout.py's. */
+struct setup {
+    int ns_flags;                 /* for unshare: CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC (| CLONE_NEWNET) */
+    const int *close_fds;         /* the template's agent descriptors ... */
+    int n_close;
+    int report_fd;                /* ... but the spawn's report socket */
+    const int *listen_fds;        /* and the agent's own listener, by index */
+    const char *const *hostnames; /* by index, each at most 64 bytes */
+};
+
+static char setup_error[160];
+static const char *setup_failed;  /* NULL, or setup_error: what the agent's set-up could not do */
+
+static int failed(const char *what) {
+    snprintf(setup_error, sizeof setup_error, "%s: %s", what, strerror(errno));
+    setup_failed = setup_error;
+    return -1;
+}
+
+/* A new network namespace starts with lo down. */
+static int loopback_up(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return -1;
+    struct ifreq req;
+    memset(&req, 0, sizeof req);
+    strcpy(req.ifr_name, "lo");
+    int ret = ioctl(s, SIOCGIFFLAGS, &req);
+    if (ret == 0) {
+        req.ifr_flags |= IFF_UP;
+        ret = ioctl(s, SIOCSIFFLAGS, &req);
+    }
+    int saved = errno;
+    close(s);
+    errno = saved;
+    return ret;
+}
+
+/* machine_id.py's own_machine_id(), for a spawn's agent: a new id (a random UUID's 32 hex digits,
+ * as uuid.uuid4().hex) in a file on a small read-only tmpfs at /run, bound over /etc/machine-id;
+ * nothing where the host has no /etc/machine-id file. */
+static int own_machine_id(void) {
+    struct stat st;
+    if (stat("/etc/machine-id", &st) != 0 || !S_ISREG(st.st_mode))
+        return 0;
+    unsigned char raw[16];
+    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw)
+        return failed("machine id: getrandom");
+    raw[6] = (raw[6] & 0x0f) | 0x40;   /* version 4 */
+    raw[8] = (raw[8] & 0x3f) | 0x80;   /* RFC 4122 variant */
+    char id[33];
+    for (int k = 0; k < 16; k++) {
+        id[2 * k] = "0123456789abcdef"[raw[k] >> 4];
+        id[2 * k + 1] = "0123456789abcdef"[raw[k] & 15];
+    }
+    id[32] = '\n';
+    unsigned long flags = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+    if (mount("forkd-run", "/run", "tmpfs", flags, "size=4k,mode=755") != 0)
+        return failed("machine id: mount tmpfs on /run");
+    int fd = open("/run/machine-id", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return failed("machine id: /run/machine-id");
+    int ok = write(fd, id, sizeof id) == (ssize_t)sizeof id && fchmod(fd, 0444) == 0;
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    if (!ok)
+        return failed("machine id: writing /run/machine-id");
+    if (mount(NULL, "/run", NULL, MS_REMOUNT | MS_RDONLY | flags, NULL) != 0)
+        return failed("machine id: remount /run read-only");
+    if (mount("/run/machine-id", "/etc/machine-id", NULL, MS_BIND, NULL) != 0)
+        return failed("machine id: bind over /etc/machine-id");
+    return 0;
+}
+
+static int set_up_agent(const struct setup *s, int i) {
+    for (int k = 0; k < s->n_close; k++)
+        if (s->close_fds[k] != s->report_fd && s->close_fds[k] != s->listen_fds[i])
+            close(s->close_fds[k]);
+    if (unshare(s->ns_flags) != 0)
+        return failed("unshare");
+    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0)
+        return failed("mount proc on /proc");
+    if (sethostname(s->hostnames[i], strnlen(s->hostnames[i], 64)) != 0)
+        return failed("sethostname");
+    if ((s->ns_flags & CLONE_NEWNET) && loopback_up() != 0)
+        return failed("bringing lo up");
+    return own_machine_id();
+}
+
+const char *forkd_fanout_error(void) {
+    return setup_failed;
+}
 
 static sigjmp_buf resume;  /* the template in its loop, where each agent goes on */
 static char first_stack[64 * 1024] __attribute__((aligned(16)));
@@ -65,8 +176,8 @@ static int first_process(void *arg) {
     _exit(127);   /* no init: our exit ends the namespace, and the agent with it, loudly */
 }
 
-int forkd_fanout(int n, int pidns_fd, int *pids, const char *init, hook before, hook after_parent,
-                 hook after_child) {
+int forkd_fanout(int n, int pidns_fd, int *pids, const char *init, const struct setup *setup, hook before,
+                 hook after_parent, hook after_child) {
     if (access(init, X_OK) != 0)
         return -errno;
     int err = 0;
@@ -87,6 +198,8 @@ int forkd_fanout(int n, int pidns_fd, int *pids, const char *init, hook before, 
             if (__rseq_size > 0)
                 syscall(SYS_rseq, (char *)__builtin_thread_pointer() + __rseq_offset,
                         __rseq_size < 32 ? 32 : __rseq_size, 0, RSEQ_SIG);   /* 32: the original ABI's */
+            if (setup != NULL)
+                set_up_agent(setup, index - 1);
             sigprocmask(SIG_SETMASK, &old, NULL);
             after_child();
             return index;

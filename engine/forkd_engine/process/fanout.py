@@ -18,6 +18,14 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fanout.c")
 NAME = "forkd-fanout"
 
 _loop = None  # forkd_fanout of the loaded library, in a template
+_error = None  # its forkd_fanout_error
+
+
+class _Setup(ctypes.Structure):
+    """What each agent sets up in C before Python resumes (``struct setup`` in fanout.c)."""
+    _fields_ = [("ns_flags", ctypes.c_int), ("close_fds", ctypes.POINTER(ctypes.c_int)), ("n_close", ctypes.c_int),
+                ("report_fd", ctypes.c_int), ("listen_fds", ctypes.POINTER(ctypes.c_int)),
+                ("hostnames", ctypes.POINTER(ctypes.c_char_p))]
 
 
 def build() -> str:
@@ -28,12 +36,16 @@ def build() -> str:
 
 def load(path: str) -> None:
     """Load the library into this process (the bootstrap, before it enters the sandbox root)."""
-    global _loop
-    fn = ctypes.PyDLL(path).forkd_fanout
+    global _loop, _error
+    lib = ctypes.PyDLL(path)
+    fn = lib.forkd_fanout
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                   ctypes.POINTER(_Setup), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     _loop = fn
+    _error = lib.forkd_fanout_error
+    _error.restype = ctypes.c_char_p
+    _error.argtypes = []
 
 
 def loaded() -> bool:
@@ -44,16 +56,46 @@ def _hook(name: str) -> int:
     return ctypes.cast(getattr(ctypes.pythonapi, name), ctypes.c_void_p).value
 
 
-def fork_children(n: int, pidns_fd: int, init: str) -> tuple[int, list[int]]:
+def fork_children(n: int, pidns_fd: int, init: str, agents: Agents | None = None) -> tuple[int, list[int]]:
     """Fork ``n`` children, each PID 1 of a new pid namespace, where it forks the agent and execs
-    ``init`` (forkd-init). Returns (its index counted from 1, []) in an agent, and (0, the pids of
-    the inits) in the template; OSError with the errno of the call that failed (the children made
-    before it run on)."""
+    ``init`` (forkd-init); with ``agents``, each agent sets itself up so before Python resumes in
+    it (``set_up_error`` then says whether it could). Returns (its index counted from 1, []) in an
+    agent, and (0, the pids of the inits) in the template; OSError with the errno of the call that
+    failed (the children made before it run on)."""
     pids = (ctypes.c_int * n)()
-    got = _loop(n, pidns_fd, pids, init.encode(), _hook("PyOS_BeforeFork"), _hook("PyOS_AfterFork_Parent"),
-                _hook("PyOS_AfterFork_Child"))
+    setup = agents.struct(n) if agents is not None else None
+    got = _loop(n, pidns_fd, pids, init.encode(), ctypes.byref(setup) if setup is not None else None,
+                _hook("PyOS_BeforeFork"), _hook("PyOS_AfterFork_Parent"), _hook("PyOS_AfterFork_Child"))
     if got > 0:
         return got, []
     if got < 0:
         raise OSError(-got, os.strerror(-got), init if -got in (errno.ENOENT, errno.EACCES) else None)
     return 0, list(pids)
+
+
+class Agents:
+    """How a spawn's agents set themselves up in the C loop: close the template's agent
+    descriptors ``close_fds`` but the spawn's ``report_fd`` and each one's own listener
+    (``listen_fds``, by index), take new namespaces (``ns_flags``, for unshare), mount their
+    /proc, set their ``hostnames`` and, in a new network namespace, bring lo up."""
+
+    def __init__(self, ns_flags: int, close_fds: set[int], report_fd: int, listen_fds: list[int],
+                 hostnames: list[str]):
+        self.ns_flags, self.close_fds, self.report_fd = ns_flags, sorted(close_fds), report_fd
+        self.listen_fds, self.hostnames = list(listen_fds), [h.encode()[:64] for h in hostnames]
+        self._keep: list = []  # the C arrays, alive until the loop is done
+
+    def struct(self, n: int) -> _Setup:
+        if len(self.listen_fds) != n or len(self.hostnames) != n:
+            raise ValueError(f"{n} children need {n} listeners and hostnames")
+        close = (ctypes.c_int * len(self.close_fds))(*self.close_fds)
+        listen = (ctypes.c_int * n)(*self.listen_fds)
+        names = (ctypes.c_char_p * n)(*self.hostnames)
+        self._keep = [close, listen, names]
+        return _Setup(self.ns_flags, close, len(self.close_fds), self.report_fd, listen, names)
+
+
+def set_up_error() -> str | None:
+    """In an agent forked with ``Agents``: what of its set-up failed, or None."""
+    err = _error()
+    return err.decode(errors="replace") if err else None

@@ -180,7 +180,9 @@ class SandboxProcess:
             role = self.identity["role"]
             self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
             listener = socket.socket(fileno=listen_fd)
-            children.install()
+            # A template's reaper has a thread of its own (this one serves a spawn at a time); a
+            # sandbox's accepting thread doubles as its reaper.
+            children.install(reaper_thread=role == "template")
             if role == "template":
                 actions = {"spawn": self.spawn, "retire": self.retire}
                 for frozen in ("exec", "eval", "run_code", "files"):
@@ -199,7 +201,8 @@ class SandboxProcess:
                 executor.after_user_code = self.compactor.poke
                 self.server = AgentServer(self.runtime, listener,
                                           {"branch": self.branch, "retire": self.retire,
-                                           "inventory": self.inventory}, threaded=True)
+                                           "inventory": self.inventory}, threaded=True,
+                                          tend=(children.wake_fd(), children.tend, children.TEND_EVERY))
                 self.server.start()
                 report_ready(report_fd, {"id": self.identity["id"], "ok": True})
                 os.close(report_fd)
@@ -207,45 +210,61 @@ class SandboxProcess:
         finally:
             os._exit(1)
 
+    def sandbox_namespaces(self) -> int:
+        """The namespaces a sandbox takes of its own, besides its pid namespace (flags for unshare)."""
+        flags = linux.CLONE_NEWNS | linux.CLONE_NEWUTS | linux.CLONE_NEWIPC
+        return flags if self.config.get("host_network") else flags | linux.CLONE_NEWNET
+
+    def _own_namespaces(self, identity: dict, listen_fd: int, report_fd: int) -> None:
+        """Close the agent's descriptors but ours, take namespaces of our own and our /proc, and
+        (a sandbox) our hostname and lo: what a spawn's C loop does for each child (fanout.c)."""
+        # A template serves one connection at a time on this thread, recorded before it is
+        # served; a sandbox's accepting thread may hold one it has not recorded yet.
+        threaded = self.server is not None and self.server.threaded
+        accepted = inventory.connections_to(self.server.address()) if threaded else set()
+        close_agent_fds(self.agent_fds() | accepted, keep={listen_fd, report_fd})
+        if identity["role"] == "sandbox":
+            linux.unshare(self.sandbox_namespaces())
+        else:  # a branch: a new template that owns a frozen copy of the source's files
+            wait_to_be_moved(identity["id"], report_fd)
+            linux.unshare(linux.CLONE_NEWNS)
+        linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
+        if identity["role"] == "sandbox":
+            linux.sethostname(identity["id"][:64])
+            if not self.config.get("host_network"):
+                linux.loopback_up()
+
     def become(self, identity: dict, listen_fd: int, report_fd: int, lossy: bool = False,
-               tmpfs: dict | None = None, init_running: bool = False) -> None:
-        """In a fresh fork: leave PID 1 to forkd-init (unless ``init_running``: a spawn's C loop did),
-        take the new identity, namespaces and private copies of /tmp and /dev/shm (sized by
-        ``tmpfs``, else as ours), repair what the fork shares with its source, then serve (never
-        returns)."""
+               tmpfs: dict | None = None, forked_by_loop: bool = False) -> None:
+        """In a fresh fork: leave PID 1 to forkd-init, close the agent's descriptors, take the new
+        identity, namespaces and private copies of /tmp and /dev/shm (sized by ``tmpfs``, else as
+        ours), repair what the fork shares with its source, then serve (never returns). With
+        ``forked_by_loop`` (a spawn's C loop), forkd-init runs and the namespaces, hostname and
+        machine id are ours already."""
         # A spawn's copy of a parked template repairs what the template found once; a branch's
         # copy of a sandbox, where user code ran, looks afresh.
         plan, self.fork_plan = self.fork_plan, None
         try:
-            if not init_running:
+            if forked_by_loop:
+                failed = fanout.set_up_error()
+                if failed:
+                    raise OSError(failed)
+            else:
                 hand_pid1_to_init()
+                self._own_namespaces(identity, listen_fd, report_fd)
             self.config.update(tmpfs or {})
-            accepted = inventory.connections_to(self.server.address()) if self.server is not None else set()
-            close_agent_fds(self.agent_fds() | accepted, keep={listen_fd, report_fd})
             children.forget_fds()
             self.server = None
             self.pidns_fd = -1
             self.identity = dict(identity)
             cwd = os.getcwd()
-            if identity["role"] == "sandbox":
-                flags = linux.CLONE_NEWNS | linux.CLONE_NEWUTS | linux.CLONE_NEWIPC
-                if not self.config.get("host_network"):
-                    flags |= linux.CLONE_NEWNET
-                linux.unshare(flags)
-            else:  # a branch: a new template that owns a frozen copy of the source's files
-                wait_to_be_moved(identity["id"], report_fd)
-                linux.unshare(linux.CLONE_NEWNS)
-            linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
             private_copy("/tmp", self.config["tmp_size_mib"])
             private_copy("/dev/shm", self.config.get("shm_size_mib", 64))
             # The same path now names this fork's own copy (a relative open() stays private).
             with contextlib.suppress(OSError):
                 os.chdir(cwd)
-            if identity["role"] == "sandbox":
-                linux.sethostname(identity["id"][:64])
+            if identity["role"] == "sandbox" and not forked_by_loop:
                 own_machine_id()
-                if not self.config.get("host_network"):
-                    linux.loopback_up()
             notes = inventory.repair_after_fork({listen_fd, report_fd}, lossy, plan)
             if notes:
                 raise OSError(f"could not give the fork its own copy of: {'; '.join(notes)}")
@@ -296,21 +315,24 @@ class SandboxProcess:
                  {k: int(child[k]) for k in ("tmp_size_mib", "shm_size_mib") if child.get(k)})
                 for child in children_spec]  # all made before the first fork: the loop writes nothing
         try:
-            index, pids = self._fork_children(len(kids))
+            agents = fanout.Agents(self.sandbox_namespaces(), self.agent_fds(), report_fd, listen_fds,
+                                   [identity["id"] for identity, _ in kids])
+            index, pids = self._fork_children(len(kids), agents)
             if index:
                 identity, tmpfs = kids[index - 1]
                 # A snapshot whose setup left running work (accepted with lossy) hands it to no one.
                 self.become(identity, listen_fds[index - 1], report_fd, lossy=bool(self.config.get("lossy")),
-                            tmpfs=tmpfs, init_running=fanout.loaded())
+                            tmpfs=tmpfs, forked_by_loop=fanout.loaded())
         finally:
             for fd in fds:
                 os.close(fd)
         return {"pids": pids}
 
-    def _fork_children(self, n: int) -> tuple[int, list[int]]:
+    def _fork_children(self, n: int, agents: fanout.Agents) -> tuple[int, list[int]]:
         """Fork ``n`` children, each PID 1 of a new pid namespace: (its index counted from 1, []) in a
         child, (0, their pids) here. In one C loop where the bootstrap loaded it (fanout.py), whose
-        children have handed PID 1 to forkd-init already, each returning here as its agent."""
+        children have handed PID 1 to forkd-init and set up as ``agents`` says already, each
+        returning here as its agent."""
         if not fanout.loaded():
             pids = []
             for i in range(n):
@@ -320,7 +342,7 @@ class SandboxProcess:
                 pids.append(pid)
             return 0, pids
         try:
-            return fanout.fork_children(n, self.pidns_fd, IN_SANDBOX)
+            return fanout.fork_children(n, self.pidns_fd, IN_SANDBOX, agents)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EUSERS):
                 raise LineageTooDeep(LINEAGE_TOO_DEEP) from None
