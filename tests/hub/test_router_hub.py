@@ -147,6 +147,27 @@ def test_alices_server_finds_the_router_with_no_setup(world):
         hub.api("DELETE", "/users/alice/server")
 
 
+def test_alices_jupyter_server_shows_her_panel_the_fleet(world):
+    """Her server's forkd extension (remote mode from the spawner's FORKD_URL and token) passes the
+    panel's reads on to the router as her: her sandboxes on both hosts, each with its host, never bob's."""
+    hub, hosts = world
+    mine = [spawn(hub, "alice", "base-0"), spawn(hub, "alice", "base-1")]
+    theirs = [spawn(hub, "bob", "base-0")["id"], spawn(hub, "bob", "base-1")["id"]]
+    try:
+        hub.start_server("alice")
+        alice = {"Authorization": f"token {hub.tokens['alice']}"}
+        status, tree = exchange(f"{hub.public}/user/alice/forkd/v1/tree?memory=true", "GET", None, alice)
+        assert status == 200, tree
+        nodes = {n["id"]: n for n in tree}
+        assert {k["id"]: nodes[k["id"]]["host"] for k in mine} == {k["id"]: k["host"] for k in mine}
+        assert {nodes[k["id"]]["host"] for k in mine} == {h.url for h in hosts}
+        assert not set(theirs) & set(nodes)
+        status, body = exchange(f"{hub.public}/user/alice/forkd/v1/sandboxes/{theirs[0]}", "GET", None, alice)
+        assert status == 404, body
+    finally:
+        hub.api("DELETE", "/users/alice/server")
+
+
 def test_bobs_token_gets_404_for_alices_sandbox(world):
     hub, _ = world
     mine = spawn(hub, "alice", "base-1")["id"]
