@@ -28,6 +28,7 @@ from tornado import web
 from tornado.iostream import StreamClosedError
 
 from .handlers.base import ApiError, ForkdHandler
+from .relay import UpstreamCall
 
 MIB = 1 << 20
 VIA_HEADER = "X-Forkd-Via"  # the remote-mode servers a request went through: a loop is refused
@@ -112,12 +113,11 @@ def error_text(body: bytes, content_type: str) -> str:
 
 
 @web.stream_request_body
-class RemoteHandler(ForkdHandler):
+class RemoteHandler(UpstreamCall, ForkdHandler):
     """One route for every call passed on: the caller is checked here as on any forkd route, the
     body kept (up to 65 MiB: a 64 MiB file write), the answer streamed back as it arrives."""
 
     max_body_bytes = 65 * MIB
-    _upstream: asyncio.Future | None = None
 
     @property
     def remote(self) -> Remote:
@@ -157,16 +157,7 @@ class RemoteHandler(ForkdHandler):
 
     async def forward(self, path: str, with_token: bool = True) -> None:
         """Pass the request on; a browser that goes away ends the remote's request too."""
-        self._upstream = asyncio.ensure_future(self._forward(path, with_token))
-        try:
-            await self._upstream
-        except asyncio.CancelledError:
-            if not self.request.connection.stream.closed():
-                raise
-
-    def on_connection_close(self) -> None:
-        if self._upstream is not None:
-            self._upstream.cancel()
+        await self.call_upstream(self._forward(path, with_token))
 
     def target(self, path: str) -> str:
         pairs = [(k, v) for k, v in parse_qsl(self.request.query, keep_blank_values=True) if k not in SECRET_QUERY]

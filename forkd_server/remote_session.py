@@ -11,18 +11,16 @@ from __future__ import annotations
 from urllib.parse import parse_qsl, urlencode
 
 from jupyter_server.auth.decorator import ws_authenticated
-from tornado import httpclient, web, websocket
+from tornado import httpclient, web
 
+from .relay import WebSocketRelay
 from .remote import SECRET_QUERY, VIA_HEADER, error_text
 from .session_handler import SessionHandler
 
 PASSED = ("X-Forkd-Client", "User-Agent")
 
 
-class RemoteSessionHandler(SessionHandler):
-    upstream: websocket.WebSocketClientConnection | None = None
-    _early: list | None = None  # what the remote said before the caller's side was open
-
+class RemoteSessionHandler(WebSocketRelay, SessionHandler):
     @property
     def remote(self):
         return self.app.remote
@@ -42,12 +40,10 @@ class RemoteSessionHandler(SessionHandler):
         headers = {k: v for k, v in self.request.headers.get_all() if k in PASSED}
         headers.update(remote.headers(via))
         headers.pop("Accept-Encoding", None)
-        self._early = []
         request = httpclient.HTTPRequest(url, headers=headers, connect_timeout=remote.connect_timeout,
                                          request_timeout=remote.connect_timeout + 120)
         try:
-            self.upstream = await websocket.websocket_connect(request, on_message_callback=self._from_remote,
-                                                              max_message_size=256 << 20)
+            await self.open_upstream(request)
         except httpclient.HTTPClientError as exc:
             response = exc.response
             said = error_text(response.body or b"", response.headers.get("Content-Type", "")) if response else str(exc)
@@ -59,36 +55,9 @@ class RemoteSessionHandler(SessionHandler):
         except OSError as exc:
             raise web.HTTPError(502, "%s", remote.unreachable(exc).message) from None
         await super(SessionHandler, self).get(sandbox_id)
-        if self.ws_connection is None:  # the caller's side was no WebSocket after all
-            self.upstream.close()
+        self.close_unaccepted()
 
     def open(self, sandbox_id: str) -> None:  # type: ignore[override]
         super(SessionHandler, self).open()
         self.set_nodelay(True)
-        early, self._early = self._early, None
-        for message in early:
-            self._from_remote(message)
-
-    def _from_remote(self, message) -> None:
-        if self._early is not None:
-            self._early.append(message)
-            return
-        if message is None:  # the remote closed it
-            self.close(self.upstream.close_code, self.upstream.close_reason)
-            return
-        try:
-            self.write_message(message, binary=isinstance(message, bytes))
-        except websocket.WebSocketClosedError:
-            if self.upstream is not None:
-                self.upstream.close()
-
-    async def on_message(self, message) -> None:
-        if self.upstream is not None:
-            try:
-                await self.upstream.write_message(message, binary=isinstance(message, bytes))
-            except websocket.WebSocketClosedError:
-                self.close()
-
-    def on_close(self) -> None:
-        if self.upstream is not None:
-            self.upstream.close()
+        self.pass_early()

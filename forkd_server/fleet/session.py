@@ -11,22 +11,17 @@ import json
 
 from tornado import httpclient, web, websocket
 
+from ..relay import WebSocketRelay
 from .handlers import check_token, host_query
 from .router import Refusal, Router
 
 PASSED_HEADERS = ("X-Forkd-Client", "User-Agent")
 
 
-class SessionProxy(websocket.WebSocketHandler):
+class SessionProxy(WebSocketRelay, websocket.WebSocketHandler):
     # under JupyterHub (hub.py): any user's, about a sandbox they see
     auth_resource, for_users, admin_only, owned, changes, stamps, checks_labels, body_owns, creates = \
         "forkd:server", True, None, "sandbox", (), (), (), (), ()
-    upstream: websocket.WebSocketClientConnection | None = None
-    _early: list | None = None  # what the host said before the client's side was open
-
-    def initialize(self) -> None:
-        self._early = []
-
     @property
     def router(self) -> Router:
         return self.settings["forkd_router"]
@@ -62,8 +57,7 @@ class SessionProxy(websocket.WebSocketHandler):
                                          request_timeout=self.router.settings.connect_timeout + 120,
                                          ssl_options=host.tls)
         try:
-            self.upstream = await websocket.websocket_connect(request, on_message_callback=self._from_host,
-                                                              max_message_size=256 << 20)
+            await self.open_upstream(request)
         except httpclient.HTTPClientError as exc:
             body = exc.response.body if exc.response is not None and exc.response.body else \
                 {"error": f"host {host.url} refused the session: {exc}"}
@@ -73,35 +67,7 @@ class SessionProxy(websocket.WebSocketHandler):
             self._refuse(502, {"error": f"host {host.url} did not answer: {exc}", "host": host.url})
             return
         await super().get(sandbox_id)
-        if self.ws_connection is None:  # the client's side was no WebSocket after all
-            self.upstream.close()
+        self.close_unaccepted()
 
     def open(self, *args) -> None:
-        early, self._early = self._early, None
-        for message in early:
-            self._from_host(message)
-
-    def _from_host(self, message) -> None:
-        if self._early is not None:
-            self._early.append(message)
-            return
-        if message is None:  # the host closed it
-            self.close(self.upstream.close_code, self.upstream.close_reason)
-            return
-        try:
-            self.write_message(message, binary=isinstance(message, bytes))
-        except websocket.WebSocketClosedError:
-            if self.upstream is not None:
-                self.upstream.close()
-
-    async def on_message(self, message) -> None:
-        if self.upstream is not None:
-            try:
-                await self.upstream.write_message(message, binary=isinstance(message, bytes))
-            except websocket.WebSocketClosedError:
-                self.close()
-
-    def on_close(self) -> None:
-        if self.upstream is not None:
-            self.upstream.close()
-
+        self.pass_early()

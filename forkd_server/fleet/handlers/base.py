@@ -14,6 +14,7 @@ from tornado.iostream import StreamClosedError
 
 from ...hub.ownership import Caller
 from ...identity import same_secret
+from ...relay import UpstreamCall
 from ..hosts import HOP_BY_HOP, Host, HostError
 from ..router import Refusal, Router
 
@@ -43,7 +44,7 @@ def check_token(handler: web.RequestHandler, expected: str | None) -> None:
         raise Refusal(401, "invalid bearer token" if token else "missing bearer token")
 
 
-class RouterHandler(web.RequestHandler):
+class RouterHandler(UpstreamCall, web.RequestHandler):
     public = False
     # Under JupyterHub (fleet/hub.py): what a user (not an admin) may do here. ``for_users``: the
     # route keeps each user to their own objects (else admins only); ``admin_only``: why not, said in
@@ -161,21 +162,10 @@ class RouterHandler(web.RequestHandler):
 
     # --- passing a request on as it streams --------------------------------------------------------
 
-    _upstream: asyncio.Task | None = None
-
     async def forward(self, host: Host, path: str | None = None) -> None:
         """Pass this request to ``host`` and its answer back as it arrives (no buffering); a
         client that goes away ends the host's request too."""
-        self._upstream = asyncio.ensure_future(self._forward(host, path or self.request.path))
-        try:
-            await self._upstream
-        except asyncio.CancelledError:
-            if not self.request.connection.stream.closed():
-                raise
-
-    def on_connection_close(self) -> None:
-        if self._upstream is not None:
-            self._upstream.cancel()
+        await self.call_upstream(self._forward(host, path or self.request.path))
 
     async def _forward(self, host: Host, path: str) -> None:
         s = self.router.settings
