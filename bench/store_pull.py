@@ -3,9 +3,9 @@ steps timed per chunk. No VM: a snapshot-like file (random chunks as numpy's flo
 chunks, all-zero chunks) is chunked into a local store and pushed to moto's S3 server (a process of
 its own, on loopback), as bench/store.py does.
 
-    python3 bench/store_pull.py [--json] [--reps 5] [--random 25 --half 20 --zero 35]
+    python3 bench/store_pull.py [--json] [--reps 5] [--random 25 --half 20 --zero 35] [--verifiers 2]
 
-Figures, medians of ``--reps`` rounds, the order of the three alternating in each round:
+Figures, medians of ``--reps`` rounds, the order of the four alternating in each round:
 - plain_get_mb_s: the stored (compressed) chunks got as objects, ``IO_WORKERS`` at a time;
 - pull_mb_s: ``forkd_engine.store.pull`` into an empty local store (fetch, decompress, sha256 of
   every chunk, write), the same bytes over its time;
@@ -13,6 +13,9 @@ Figures, medians of ``--reps`` rounds, the order of the three alternating in eac
   same order), summed over the pull's threads per round: ``get`` (obstore's get, wall), ``get_cpu``
   (the thread's CPU inside it), ``decompress``, ``sha256``, ``write`` (into the local store), and
   ``steps_mb_s`` (that run's rate, to show the timers change little);
+- pipeline_mb_s: the same steps split as a pipeline instead, ``IO_WORKERS`` threads fetching and
+  handing each chunk to ``--verifiers`` threads that decompress, hash and write it, and
+  pipeline_over_pull_time: the median of its time over the pull's in the same round;
 - gil_probe: how late a thread that sleeps 0.5 ms wakes while 8 threads get chunks (p50 / p90 / max
   ms), against 8 threads hashing: a step that held the GIL would make it late by the step's length.
 """
@@ -81,6 +84,19 @@ def timed_pull(cache: ChunkCache, remote, manifest) -> dict:
     return steps
 
 
+def pipelined_pull(cache: ChunkCache, remote, manifest, verifiers: int) -> None:
+    """transfer.pull's steps as a pipeline: fetching threads hand chunks to verifying threads."""
+    sizes = transfer._chunk_sizes(manifest)
+    with ThreadPoolExecutor(verifiers) as verify:
+        def fetch(hexd: str):
+            blob = remote.get_chunk(hexd)
+            return verify.submit(lambda: (transfer._verified(remote.url, hexd, blob, sizes[hexd]),
+                                          cache.write(hexd, blob)))
+        for done in transfer._run(fetch, [c for c in manifest.chunks() if not cache.has(c)], transfer.IO_WORKERS):
+            done.result()
+    cache.put_manifest(manifest)
+
+
 def gil_probe(work) -> list[float]:
     """Lateness (ms) of a 0.5 ms sleep, over and over, while 8 threads run ``work(i)`` for i < 40."""
     late: list[float] = []
@@ -109,6 +125,7 @@ def main() -> int:
     ap.add_argument("--random", type=int, default=25, help="chunks of random bytes")
     ap.add_argument("--half", type=int, default=20, help="chunks half random, half zero")
     ap.add_argument("--zero", type=int, default=35, help="all-zero chunks (not stored)")
+    ap.add_argument("--verifiers", type=int, default=2, help="verifying threads of the pipeline variant")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="fkpull")
     server, endpoint = moto_process()
@@ -121,9 +138,9 @@ def main() -> int:
         push(source, remote, manifest.digest)
         blobs = [source.read(c) for c in manifest.chunks()]
         mb = sum(map(len, blobs)) / 1e6
-        got, pulled, stepped, steps = [], [], [], []
+        got, pulled, stepped, steps, piped = [], [], [], [], []
         for rep in range(args.reps):
-            order = ("get", "pull", "steps") if rep % 2 else ("steps", "pull", "get")
+            order = ("get", "pull", "steps", "pipe") if rep % 2 else ("pipe", "steps", "pull", "get")
             for which in order:
                 if which == "get":
                     got.append(baseline(remote, blobs)[1])
@@ -133,6 +150,9 @@ def main() -> int:
                 if which == "pull":
                     pull(cache, remote, manifest)
                     pulled.append(time.monotonic() - t0)
+                elif which == "pipe":
+                    pipelined_pull(cache, remote, manifest, args.verifiers)
+                    piped.append(time.monotonic() - t0)
                 else:
                     steps.append(timed_pull(cache, remote, manifest))
                     stepped.append(time.monotonic() - t0)
@@ -148,6 +168,8 @@ def main() -> int:
     out = {"moved_mb": round(mb, 1), "chunks": len(blobs), "reps": args.reps, "io_workers": transfer.IO_WORKERS,
            "plain_get_mb_s": round(mb / statistics.median(got), 1), "pull_mb_s": round(mb / statistics.median(pulled), 1),
            "steps_mb_s": round(mb / statistics.median(stepped), 1),
+           "pipeline_mb_s": round(mb / statistics.median(piped), 1), "verifiers": args.verifiers,
+           "pipeline_over_pull_time": round(statistics.median(a / b for a, b in zip(piped, pulled)), 3),
            "steps_s": {k: round(statistics.median(s[k] for s in steps), 3) for k in steps[0]},
            "gil_probe": probe, "load": os.getloadavg()[0]}
     out["pull_over_plain_get"] = round(out["pull_mb_s"] / out["plain_get_mb_s"], 2)
