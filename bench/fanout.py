@@ -21,6 +21,10 @@ Every figure is paired with its baseline, measured in the same run, interleaved 
   figure includes its init), against a raw fork child's.
 - ``demo_fork10``: ``forkd demo``'s fork (10 children of numpy and a 200 MiB array, each answering a
   ping), against a raw fork of 10 of the same workload.
+- ``vm_restore``: a VM sandbox's restore to a confirmed agent (256 MiB guest), against a bare QEMU
+  restore of the same snapshot with the engine's own command line until QEMU reports it loaded
+  (``bench/vm_restore.py``, which also gives the split: QEMU's start and load, the guest's run to
+  the agent's reply, the host's work). Left out with ``--no-vm`` or where QEMU is not installed.
 - ``notebook_fork5``: ``kids = %forkd fork -n 5`` in a notebook on the forkd kernel
   until the five answer a ping (a forkd serve, a kernel), against a raw fork of 5 of a process
   holding IPython and numpy.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -152,10 +157,11 @@ def main() -> int:
     parser.add_argument("--profile-memory", action="store_true",
                         help="with --profile: each child's private memory after each stage (slower stages)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", choices=["spawn_n100", "spawn_n500", "demo_fork10", "notebook_fork5"],
+    parser.add_argument("--only", choices=["spawn_n100", "spawn_n500", "demo_fork10", "notebook_fork5", "vm_restore"],
                         action="append", help="measure only these figures (repeatable)")
     parser.add_argument("--no-notebook", action="store_true", help="leave out %%forkd fork -n 5 (a forkd serve "
                                                                    "and a kernel)")
+    parser.add_argument("--no-vm", action="store_true", help="leave out the VM restore (a QEMU snapshot)")
     args = parser.parse_args()
     out: dict = {"machine": {"cpus": os.cpu_count(), "kernel": os.uname().release},
                  "load_before": os.getloadavg()}
@@ -164,7 +170,7 @@ def main() -> int:
         try:
             if args.profile:
                 out["profile"] = profile(ctl, 100, args.profile_memory)
-            elif not args.only or set(args.only) - {"notebook_fork5"}:
+            elif not args.only or set(args.only) - {"notebook_fork5", "vm_restore"}:
                 ctl.create_snapshot("fanout64", setup=SETUP.format(mib=64))
                 ctl.create_snapshot("fanout200", setup=SETUP.format(mib=200))
                 spawn_once(ctl, "fanout64", 10)  # warm
@@ -182,6 +188,10 @@ def main() -> int:
                     ctl.delete_snapshot(tag)
         finally:
             ctl.close()
+    if not args.profile and not args.no_vm and (not args.only or "vm_restore" in args.only) \
+            and shutil.which("qemu-system-x86_64"):
+        from vm_restore import vm_restore
+        out["vm_restore"] = vm_restore(args.rounds)
     if not args.profile and not args.no_notebook and (not args.only or "notebook_fork5" in args.only):
         from fanout_notebook import notebook_fork5
         out["notebook_fork5"] = notebook_fork5(args.rounds)

@@ -95,10 +95,13 @@ class SandboxManager:
         engine = self.engines.get(row["engine"])
         if engine is not None and row["handle"]:
             engine.kill(row["handle"])
+        leaving = None
         if engine is not None and row.get("stored"):  # its state in the store (tiers.py) goes with it
+            leaving = self.ctl.stores.stored_copies.leaving(row["id"], row["stored"])  # the remote copy too
             engine.delete_snapshot(row["stored"]["handle"])
         self.registry.delete_sandboxes([row["id"]], ended=ended if remember else None)
         self.ctl.tiers.forget(row["id"])
+        self.ctl.stores.stored_copies.delete_later(leaving)
 
     def drop(self, row: dict, ended: dict) -> None:
         """End (or release what it held) a sandbox that died or must go, remember why, and say so.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from typing import Any, Callable
 
@@ -12,7 +13,8 @@ from tornado.iostream import StreamClosedError
 class EventStream:
     """A ``RequestHandler`` mixin: ``stream_events`` sends what a subscription to ``hub`` (its
     ``subscribe``/``unsubscribe``, an asyncio queue each, ``None`` to end) gives, one event per
-    ``id:``/``event:``/``data:`` block, with a comment line every ``keepalive`` s of silence."""
+    ``id:``/``event:``/``data:`` block, with a comment line every ``keepalive`` s of silence;
+    ``visible`` (which may be async) says which events this subscriber gets."""
 
     _queue = None
 
@@ -35,8 +37,12 @@ class EventStream:
                     continue
                 if event is None:  # the server or the client is going away
                     break
-                if visible is not None and not visible(event):
-                    continue
+                if visible is not None:
+                    seen = visible(event)
+                    if inspect.isawaitable(seen):  # the router may have to ask a host whose it is
+                        seen = await seen
+                    if not seen:
+                        continue
                 self.write(f"id: {event['seq']}\nevent: {event.get('kind')}\ndata: {encode(event)}\n\n")
                 await self.flush()
         except StreamClosedError:

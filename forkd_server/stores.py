@@ -10,6 +10,7 @@ push/pull between it and a remote store (``forkd serve --store URL``).
   *pull* fetches a manifest by tag or digest, checks this host can restore it (409 naming the field
   that differs), fetches only the chunks this host lacks, verifying each, and makes a ``ready``
   snapshot of it.
+- A stored sandbox's copy in the remote store goes once it runs again or ends (stored_copies.py).
 
 Progress goes out as change events (kind snapshot, action ``push``/``pull``, ``done_bytes`` and
 ``total_bytes``). A store that fails is a 502 naming the store and what failed.
@@ -29,6 +30,7 @@ from forkd_engine.store import (ChunkCorrupt, Incompatible, NotInStore, RemoteSt
 
 from .checks import check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound, StoreFailure
+from .stored_copies import StoredCopies
 
 PROGRESS_EVERY = 0.25  # seconds between progress events of one transfer
 # A remote delete sweeps no chunk younger than this (s): a push under way writes its chunks before
@@ -57,6 +59,7 @@ class StoreManager:
         self._pending: set[str] = set()
         self._worker = threading.Thread(target=self._work, name="forkd-store", daemon=True)
         self._worker.start()
+        self.stored_copies = StoredCopies(self)  # a woken or ended sandbox's stored state leaves the remote
 
     # --- durable by default ----------------------------------------------------------------------
 
@@ -102,7 +105,7 @@ class StoreManager:
             self._queue.put(("push", tag))
             found.append(f"snapshot {tag}: a push to {self.remote.url} was cut short by the server's end; it "
                          f"resumes now (only the chunks the store lacks)")
-        return found
+        return found + self.stored_copies.resume()
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is queued for the local store; True if so within ``timeout``."""
@@ -117,6 +120,7 @@ class StoreManager:
 
     def close(self) -> None:
         self._queue.put(None)
+        self.stored_copies.close()
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -215,30 +219,49 @@ class StoreManager:
     def delete_remote(self, name) -> dict:
         """Delete a snapshot from the remote store, by tag or ``sha256:`` digest: its manifest and the
         tags naming it, then (mark and sweep) every chunk no remaining manifest lists and older than
-        the grace period. Snapshots on this host stay; those that named it are no longer ``remote``."""
-        remote = self._remote()
+        the grace period. Snapshots on this host stay; those that named it are no longer ``remote``,
+        also when the store no longer holds it (another host of the store deleted it: a 404)."""
         if not isinstance(name, str) or not name:
             raise BadRequest("give a tag or a sha256: digest")
+        try:  # the reference first: a bad one is a 400 whether or not this server has a store
+            digest = "sha256:" + parse_digest(name) if name.startswith("sha256:") else None
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        if digest is None:
+            check_tag(name)
+        remote = self._remote()
         try:
-            if name.startswith("sha256:"):
-                digest = "sha256:" + parse_digest(name)
-            else:
-                check_tag(name)
+            if digest is None:
                 digest = remote.get_tag(name)
             fetch_manifest(remote, digest=digest)  # a 404 for a snapshot the store does not hold
             figures = delete_remote(remote, digest, grace_seconds=self.grace_seconds)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
         except NotInStore as exc:
+            self._not_remote(remote, digest, name)
             raise NotFound(str(exc)) from None
         except StoreError as exc:
             raise StoreFailure(f"delete of {name} from the store: {exc}") from None
+        self._not_remote(remote, digest)
+        return {"digest": digest, "store": remote.url, **figures}
+
+    def _not_remote(self, remote: RemoteStore, digest: str | None, tag: str | None = None) -> None:
+        """This host's snapshots of ``digest`` (or, when the store no longer knows the tag, the
+        snapshot ``tag`` if its manifest is gone from the store) are no longer ``remote``."""
         for row in self.registry.list_snapshots():
             stored = (row["handle"] or {}).get("stored") or {}
-            if stored.get("digest") == digest and stored.get("remote"):
-                self._set_stored(row["tag"], row["handle"], dict(stored, remote=False))
-                self.feed.emit("snapshot", "stored", tag=row["tag"], digest=digest, remote=False)
-        return {"digest": digest, "store": remote.url, **figures}
+            if not stored.get("remote"):
+                continue
+            if digest is None:  # the tag is gone from the store: is its manifest, too?
+                if row["tag"] != tag:
+                    continue
+                try:
+                    if remote.has(f"manifests/{parse_digest(stored['digest'])}"):
+                        continue
+                except StoreError:
+                    continue  # the store cannot say: the mark stays
+            elif stored.get("digest") != digest:
+                continue
+            self._set_stored(row["tag"], row["handle"], dict(stored, remote=False))
+            self.feed.emit("snapshot", "stored", tag=row["tag"], digest=stored["digest"], remote=False)
 
     def pull(self, tag=None, digest=None) -> dict:
         """Make a ready snapshot on this host from the remote store, by ``tag`` or ``digest``;

@@ -7,7 +7,8 @@
   ``<id>@stored-<n>`` (``@`` is in no user tag, so it never meets one), kept in the local chunk
   store and pushed to the remote store when the server has one; then its QEMU ends and the
   snapshot's RAM file leaves tmpfs. Waking fetches what the local store lacks, writes the RAM file
-  back, and restores a VM under the *same* sandbox id, so callers never see the change. A process
+  back, and restores a VM under the *same* sandbox id, so callers never see the change; then the
+  stored state goes, here and from the remote store (stored_copies.py). A process
   sandbox is a process, which cannot be written as files: ``frozen`` is its deepest tier.
 
 The state is recorded in the sandbox's row (``tier``, and ``stored``: the snapshot's handle and
@@ -129,7 +130,9 @@ class TierManager:
                 busy = None  # an agent that does not answer runs nothing we could cut short
         if busy:
             raise Conflict(f"sandbox {row['id']} is running {busy}; it can {move} once that has returned",
-                           hint=f"retry when it is idle, or interrupt it (POST /v1/sandboxes/{row['id']}/interrupt)")
+                           hint=f"retry when it is idle, or interrupt it (POST /v1/sandboxes/{row['id']}/interrupt)",
+                           details={"mcp": "retry once the call running in it has returned (cancelling a run_cell "
+                                           "interrupts its cell)"})
 
     # --- the moves -------------------------------------------------------------------------------
 
@@ -142,7 +145,8 @@ class TierManager:
             tier = tier_of(row)
             if tier == "stored":
                 raise Conflict(f"sandbox {row['id']} is stored, a deeper tier than frozen",
-                               hint=f"wake it first (POST /v1/sandboxes/{row['id']}/wake)")
+                               hint=f"wake it first (POST /v1/sandboxes/{row['id']}/wake)",
+                               details={"mcp": f"wake_sandbox {row['id']} first"})
             if tier == "running":
                 self._idle(row, "freeze")
                 try:
@@ -164,6 +168,8 @@ class TierManager:
                                 f"can be stored on the vm engine",
                            details={"rest": f"POST /v1/sandboxes/{row['id']}/freeze", "sdk": "sandbox.freeze()",
                                     "cli": f"forkd freeze {row['id']}",
+                                    "mcp": f"freeze_sandbox {row['id']} instead, or store sandboxes of a snapshot "
+                                           f"made with create_snapshot engine='vm'",
                                     "vm": "snapshots created with engine vm (forkd serve, c.ForkdApp) store their "
                                           "sandboxes"})
         with self._holding(row["id"], "a store"):
@@ -279,10 +285,13 @@ class TierManager:
         except EngineError as exc:
             raise EngineFailure(f"wake of {row['id']}: {exc}", hint="it stays stored; retry the call") from exc
         restore_ms = _ms(t2)
+        copies = self.ctl.stores.stored_copies
+        leaving = copies.leaving(row["id"], stored)  # its remote copy goes too, once it is recorded running
         # Recorded before the stored state goes: a crash from here leaves it running.
         self.registry.update_sandbox(row["id"], handle=handle, tier=None, stored=None)
         with contextlib.suppress(Exception):  # its chunks become cache (pinned no more)
             engine.delete_snapshot(snap)
+        copies.delete_later(leaving)
         return {"from": "stored", "ms": _ms(t0), "fetch_ms": fetch_ms, "fetched_bytes": fetched,
                 "decompress_ms": decompress_ms, "restore_ms": restore_ms}
 

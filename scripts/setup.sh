@@ -71,10 +71,13 @@ if ! pip install -e ".[${extras}]" >"$log" 2>&1; then
 fi
 
 # The tests' JupyterHub needs its proxy, configurable-http-proxy, from npm: into tests/hub (its
-# package-lock.json pins it), never globally.
+# package-lock.json pins it), never globally; the az:// store tests need Azurite, Azure's Blob
+# Storage emulator, into tests/store.
 if [ "$what" = test ]; then
-  npm ci --prefix tests/hub --no-audit --no-fund --loglevel=error >"$log" 2>&1 \
-    || { tail -n 20 "$log" >&2; fail "npm ci --prefix tests/hub failed (its last lines are above)"; }
+  for dir in tests/hub tests/store; do
+    npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error >"$log" 2>&1 \
+      || { tail -n 20 "$log" >&2; fail "npm ci --prefix $dir failed (its last lines are above)"; }
+  done
 fi
 
 # Checks, each with the tools this step installed into the environment.

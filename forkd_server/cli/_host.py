@@ -32,7 +32,8 @@ def cmd_router(args) -> int:
                         placement_wait=args.placement_wait, hosts_ca=args.hosts_ca)
     return run_router(args.hosts, args.hosts_token_file, host=args.host, port=args.port, token_file=args.token_file,
                       no_token=args.no_token, tls_cert=args.tls_cert, tls_key=args.tls_key, data_dir=args.data_dir,
-                      settings=settings, hosts_dns=args.hosts_dns, register_token_file=args.register_token_file)
+                      settings=settings, hosts_dns=args.hosts_dns, register_token_file=args.register_token_file,
+                      hub=args.hub)
 
 
 def cmd_doctor(args) -> int:
@@ -160,10 +161,13 @@ def add_router_command(sub) -> None:
                         "with the token in this file; alone or beside --hosts / --hosts-dns")
     p.add_argument("--hosts-ca", default=None,
                    help="CA certificate file to check https hosts with (default: the system's CAs)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8890, help="port to listen on (default 8890)")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; under JupyterHub, "
+                                                "where JUPYTERHUB_SERVICE_URL says)")
+    p.add_argument("--port", type=int, default=None, help="port to listen on (default 8890; under JupyterHub, "
+                                                          "JUPYTERHUB_SERVICE_URL's)")
     p.add_argument("--token-file", default=os.environ.get("FORKD_TOKEN_FILE"),
-                   help="file holding the bearer token clients of the router send (16+ bytes)")
+                   help="file holding the bearer token clients of the router send (16+ bytes); with --hub an "
+                        "operator's, optional")
     p.add_argument("--no-token", action="store_true", help="no authentication (loopback addresses only)")
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
@@ -177,6 +181,13 @@ def add_router_command(sub) -> None:
     p.add_argument("--placement-wait", type=float, default=1.0,
                    help="seconds a spawn waits for a host's snapshot listing before it places by the host's last "
                         "one (default 1)")
+    hub = p.add_mutually_exclusive_group()
+    hub.add_argument("--hub", dest="hub", action="store_true", default=None,
+                     help="run as a JupyterHub service: the Hub checks every token, each user sees only what they "
+                          "made on any host (docs/deploy/jupyterhub.md); the default when JupyterHub started this "
+                          "command")
+    hub.add_argument("--no-hub", dest="hub", action="store_false", default=None,
+                     help="not as a JupyterHub service, even when JupyterHub started this command")
     add_debug_option(p)
     p.set_defaults(func=cmd_router)
 

@@ -197,9 +197,13 @@ class Calls:
     def snapshot_info(self, tag: str) -> dict:
         return self._request("GET", f"/v1/snapshots/{tag}/info")
 
-    def compact_snapshot(self, tag: str, to: str, timeout: float = 900) -> dict:
-        """An independent copy of snapshot ``tag`` under ``to`` (``branched_from: "compact:<tag>"``)."""
-        return self._request("POST", f"/v1/snapshots/{tag}/compact", {"to": to}, timeout=timeout)
+    def compact_snapshot(self, tag: str, to: str, timeout: float = 900, *, labels: dict[str, str] | None = None) -> dict:
+        """An independent copy of snapshot ``tag`` under ``to`` (``branched_from: "compact:<tag>"``);
+        ``labels``: added to the ones it takes from ``tag``."""
+        body: dict = {"to": to}
+        if labels:
+            body["labels"] = labels
+        return self._request("POST", f"/v1/snapshots/{tag}/compact", body, timeout=timeout)
 
     def share_snapshot(self, tag: str) -> dict:
         """Share snapshot ``tag`` with every user (label ``forkd.shared=true``): under JupyterHub all
@@ -253,10 +257,14 @@ class Calls:
     def list_workspaces(self) -> list[dict]:
         return self._request("GET", "/v1/workspaces")
 
-    def create_workspace(self, name: str, snapshot_tag: str, memory_limit_mib: int | None = None) -> dict:
+    def create_workspace(self, name: str, snapshot_tag: str, memory_limit_mib: int | None = None, *,
+                         labels: dict[str, str] | None = None) -> dict:
+        """``labels``: the workspace's, given to its sandboxes and its state snapshots."""
         body: dict = {"name": name, "snapshot_tag": snapshot_tag}
         if memory_limit_mib is not None:
             body["memory_limit_mib"] = memory_limit_mib
+        if labels:
+            body["labels"] = labels
         return self._request("POST", "/v1/workspaces", body)
 
     def get_workspace(self, name: str) -> dict:

@@ -50,6 +50,8 @@ class Router:
     discovery.py), in which case the hosts recorded in the state file are kept too (one that is down
     keeps its sandboxes listed lost across a router restart)."""
 
+    listed = None  # called with (host url, kind, items) for each listing a host gives (hub.py keeps their labels)
+
     def __init__(self, urls: list[str], token: str | None, state_path: str, settings: Settings | None = None,
                  rng: random.Random | None = None, dns: str | None = None):
         self.settings = settings or Settings()
@@ -138,6 +140,9 @@ class Router:
             return None
         sandboxes, snapshots, workspaces = (x if isinstance(x, list) else [] for x in listed)
         host.listing = snapshots
+        if self.listed is not None:  # under JupyterHub: whose each is (hub.py)
+            for kind, items in (("sandbox", sandboxes), ("snapshot", snapshots), ("workspace", workspaces)):
+                self.listed(host.url, kind, items)
         gone: set[str] = set()
         for kind, items, key in (("sandbox", sandboxes, "id"), ("snapshot", snapshots, "tag"),
                                  ("workspace", workspaces, "name")):
@@ -224,9 +229,13 @@ class Router:
         if ended is not None:
             raise Refusal(404, ended.get("error", f"{kind} {key} not found"),
                           **{k: v for k, v in ended.items() if k != "error"})
-        raise Refusal(404, f"{kind} {key} not found on any host of the fleet"
-                      + (f" (hosts down: {', '.join(h.url for h in self.hosts.values() if h.state == 'down')})"
-                         if any(h.state == "down" for h in self.hosts.values()) else ""))
+        raise self.unknown(kind, key)
+
+    def unknown(self, kind: str, key: str) -> Refusal:
+        """The 404 for an id no host has (and, under JupyterHub, for one the caller may not see)."""
+        down = [h.url for h in self.hosts.values() if h.state == "down"]
+        return Refusal(404, f"{kind} {key} not found on any host of the fleet"
+                       + (f" (hosts down: {', '.join(down)})" if down else ""))
 
     async def _ask_all(self, path: str) -> tuple[list[tuple[Host, Any]], list[tuple[int, Any]]]:
         hosts = self.up_hosts()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from tornado import httpclient, websocket
+from tornado import httpclient, web, websocket
 
 from .handlers import check_token, host_query
 from .router import Refusal, Router
@@ -18,6 +18,9 @@ PASSED_HEADERS = ("X-Forkd-Client", "User-Agent")
 
 
 class SessionProxy(websocket.WebSocketHandler):
+    # under JupyterHub (hub.py): any user's, about a sandbox they see
+    auth_resource, for_users, admin_only, owned, changes, stamps, checks_labels, body_owns, creates = \
+        "forkd:server", True, None, "sandbox", (), (), (), (), ()
     upstream: websocket.WebSocketClientConnection | None = None
     _early: list | None = None  # what the host said before the client's side was open
 
@@ -38,10 +41,17 @@ class SessionProxy(websocket.WebSocketHandler):
 
     async def get(self, sandbox_id: str) -> None:
         try:
-            check_token(self, self.settings["forkd_token"])
+            hub = self.settings.get("forkd_hub")
+            if hub is None:
+                check_token(self, self.settings["forkd_token"])
+            else:
+                await hub.admit(self)
             host = await self.router.locate("sandbox", sandbox_id)
         except Refusal as exc:
             self._refuse(exc.status, {"error": exc.message, **exc.fields})
+            return
+        except web.HTTPError as exc:  # the Hub did not answer whose the token is (503)
+            self._refuse(exc.status_code, {"error": (exc.log_message % exc.args) if exc.log_message else exc.reason})
             return
         scheme = "wss" if host.url.startswith("https:") else "ws"
         url = scheme + host.url[host.url.index(":"):] + self.request.path + host_query(self)

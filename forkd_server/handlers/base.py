@@ -261,11 +261,10 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
                     return ended
                 raise
             info = None
-        if info is None or not viewer.sees(info.get("labels"), snapshot=kind == "snapshot"):
-            raise ApiError(404, f"{kind} {key} not found")
-        if change and not viewer.may_change(info["labels"]):
-            raise ApiError(403, f"snapshot {key} is shared by an admin: every user may spawn from it, only admins "
-                                f"may change or delete it")
+        try:
+            viewer.check(kind, key, None if info is None else info.get("labels") or {}, change=change)
+        except Refused as exc:
+            raise ApiError(exc.status, exc.message) from None
         return info
 
     def data_received(self, chunk: bytes) -> None:

@@ -22,7 +22,7 @@ SNAPSHOT_CREATE = {
     "kernel": ("string", False), "rootfs": ("string", False), "rw": ("boolean", False),
     "tap": ("string", False), "boot_wait_secs": ("integer", False),
 }
-COMPACT = {"to": ("string", True)}
+COMPACT = {"to": ("string", True), "labels": ("labels", False)}
 PULL = {"tag": ("string", False), "digest": ("string", False)}
 HOST_NETWORK_OFF = ("host_network is not allowed on this server: a sandbox on the host's network reaches every "
                     "service on the host's loopback, this server's own API included. To allow it, start the "
@@ -109,7 +109,7 @@ class SnapshotCompactHandler(ForkdHandler):
     async def post(self, tag: str) -> None:
         body = self.body(self.body_spec)
         self.send(await self.long_call("a compaction", self.controller.compact_snapshot, tag, body["to"],
-                                       labels=self.stamped(None)))  # 200
+                                       labels=self.stamped(body.get("labels"))))  # 200
 
 
 class SnapshotPushHandler(ForkdHandler):

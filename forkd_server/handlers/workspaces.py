@@ -9,7 +9,8 @@ from .base import ForkdHandler
 from .sandboxes import MEMORY_LIMIT
 
 WORKSPACE_CREATE = {"name": ("string", True), "snapshot_tag": ("string", True),
-                    "per_child_netns": ("boolean", False), "memory_limit_mib": ("integer", False, MEMORY_LIMIT)}
+                    "per_child_netns": ("boolean", False), "memory_limit_mib": ("integer", False, MEMORY_LIMIT),
+                    "labels": ("labels", False)}
 SUSPEND = {"diff": ("boolean", False)}
 
 
@@ -31,7 +32,7 @@ class WorkspacesHandler(ForkdHandler):
             await self.own("snapshot", body["snapshot_tag"])
         self.send(await self.long_call("a workspace", self.controller.create_workspace, body["name"],
                                        body["snapshot_tag"], memory_limit_mib=body.get("memory_limit_mib"),
-                                       labels=self.stamped(None)), 201)
+                                       labels=self.stamped(body.get("labels"))), 201)
 
 
 class WorkspaceHandler(ForkdHandler):

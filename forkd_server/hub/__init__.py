@@ -6,10 +6,13 @@
   act for the whole server to admins.
 - ``ownership.py``: the owner and shared labels and who may see and change what, on wire objects
   alone, so a router in front of many hosts can apply the same rule.
-- ``events.py``: which events a user's ``/v1/events`` stream carries.
+- ``events.py``: which events a user's ``/v1/events`` stream carries (``KeptLabels``, the labels
+  events are judged by, serves the router's merged stream too).
+- ``gate.py``: the Hub's check of one request for an app that is not a jupyter-server (the fleet's
+  router, ``forkd router --hub``: ``fleet/hub.py``), with the two classes above.
 
-``forkd serve --hub`` (or a Hub-managed service's environment) turns it on; ``hub_settings`` reads
-that environment. Any jupyter-server app plugs it in the same way: the two classes as its
+``forkd serve --hub`` and ``forkd router --hub`` (or a Hub-managed service's environment) turn it
+on; ``hub_settings`` reads that environment. Any jupyter-server app plugs it in the same way: the two classes as its
 ``identity_provider_class`` and ``authorizer_class``, and its handlers asking ``ownership.Caller``
 about the wire objects they pass on (``handlers/base.py`` shows how). This package imports neither
 jupyter_server nor jupyterhub at import time.

@@ -17,41 +17,61 @@ from .ownership import Caller
 KEPT = 100_000  # objects whose labels are remembered, the latest changed first
 
 
-def _key(event: dict) -> tuple[str, str] | None:
+def event_key(event: dict) -> tuple[str, str] | None:
+    """The object an event is about: (kind, its id, tag or name), or None."""
     kind = event.get("kind")
     name = {"sandbox": "id", "snapshot": "tag", "kernel": "kernel_id", "workspace": "name"}.get(kind)
     return (kind, event[name]) if name and isinstance(event.get(name), str) else None
 
 
-class EventOwners:
-    def __init__(self, controller):
-        self.registry = controller.registry
+class KeptLabels:
+    """The labels of the latest ``KEPT`` objects, by (kind, key): what an event's visibility is
+    decided by once its object may be gone (a server's, or a router's for the whole fleet)."""
+
+    def __init__(self):
         self._labels: OrderedDict[tuple[str, str], dict] = OrderedDict()
         self._lock = threading.Lock()
-        for row in self.registry.list_snapshots():
-            self._keep(("snapshot", row["tag"]), row.get("labels") or {})
-        for row in self.registry.list_sandboxes():
-            self._keep(("sandbox", row["id"]), row.get("labels") or {})
-        for row in self.registry.list_workspaces():
-            self._keep(("workspace", row["name"]), row.get("labels") or {})
 
-    def _keep(self, key, labels: dict) -> None:
+    def keep(self, key: tuple[str, str], labels: dict) -> None:
         with self._lock:
             self._labels[key] = labels
             self._labels.move_to_end(key)
             while len(self._labels) > KEPT:
                 self._labels.popitem(last=False)
 
+    def get(self, key: tuple[str, str] | None) -> dict | None:
+        return self._labels.get(key) if key is not None else None
+
+    def visible(self, caller: Caller, event: dict) -> bool:
+        """May ``caller`` see this event? Objects whose labels are not known are not shown."""
+        if caller.admin:
+            return True
+        key = event_key(event)
+        labels = self.get(key)
+        return labels is not None and caller.sees(labels, snapshot=key[0] == "snapshot")
+
+
+class EventOwners:
+    def __init__(self, controller):
+        self.registry = controller.registry
+        self.kept = KeptLabels()
+        for row in self.registry.list_snapshots():
+            self.kept.keep(("snapshot", row["tag"]), row.get("labels") or {})
+        for row in self.registry.list_sandboxes():
+            self.kept.keep(("sandbox", row["id"]), row.get("labels") or {})
+        for row in self.registry.list_workspaces():
+            self.kept.keep(("workspace", row["name"]), row.get("labels") or {})
+
     def record(self, event: dict) -> None:
         """The controller's listener: note the labels of the object this change is about."""
-        key = _key(event)
+        key = event_key(event)
         if key is None:
             return
         kind, name = key
         if kind == "kernel":  # a kernel is its HEAD's: seen by whoever sees that sandbox
             if event.get("action") != "head":
                 return
-            labels = self._labels.get(("sandbox", event.get("head")))
+            labels = self.kept.get(("sandbox", event.get("head")))
             row = None if labels is not None else self.registry.get_sandbox(event.get("head") or "")
             labels = labels if labels is not None else (row or {}).get("labels")
         else:
@@ -59,12 +79,7 @@ class EventOwners:
                    "workspace": self.registry.get_workspace}[kind](name)
             labels = None if row is None else row.get("labels") or {}
         if labels is not None:
-            self._keep(key, labels)
+            self.kept.keep(key, labels)
 
     def visible(self, caller: Caller, event: dict) -> bool:
-        """May ``caller`` see this event? Unknown objects are not shown."""
-        if caller.admin:
-            return True
-        key = _key(event)
-        labels = self._labels.get(key) if key is not None else None
-        return labels is not None and caller.sees(labels, snapshot=key[0] == "snapshot")
+        return self.kept.visible(caller, event)

@@ -31,6 +31,18 @@ def inheritable(labels: dict | None) -> dict:
     return {k: v for k, v in (labels or {}).items() if not server_label(k)}
 
 
+def holders_labels(entries: list[dict]) -> dict:
+    """The labels of a snapshot several hosts hold: the first holder's, plus the server's labels
+    (``forkd.owner``, ``forkd.shared``) another holder has and it lacks: a copy pulled from the
+    store carries no labels, yet it is the same snapshot, with the same owner."""
+    labels = dict(entries[0].get("labels") or {}) if entries else {}
+    for entry in entries[1:]:
+        for k, v in (entry.get("labels") or {}).items():
+            if server_label(k):
+                labels.setdefault(k, v)
+    return labels
+
+
 class Refused(Exception):
     """A request the caller may not make; ``status`` 403 (or 404 where existence must not leak)."""
 
@@ -56,6 +68,16 @@ class Caller:
         """May this caller change or delete it? Its owner and admins; a shared snapshot only admins."""
         labels = labels or {}
         return self.admin or (labels.get(OWNER) == self.name and labels.get(SHARED) != "true")
+
+    def check(self, kind: str, key: str, labels: dict | None, *, change: bool = False) -> None:
+        """Refused unless this caller sees the ``kind`` ``key`` whose labels are ``labels`` (None:
+        there is none): 404 as for an unknown one, so ids do not leak; with ``change``, 403 when they
+        see it but may not change it (a shared snapshot)."""
+        if labels is None or not self.sees(labels, snapshot=kind == "snapshot"):
+            raise Refused(404, f"{kind} {key} not found")
+        if change and not self.may_change(labels):
+            raise Refused(403, f"{kind} {key} is shared by an admin: every user may spawn from it, only admins "
+                               f"may change or delete it")
 
     def stamp(self, labels: dict | None) -> dict:
         """The labels of something this caller makes: theirs, with the owner set by the server.

@@ -1,6 +1,6 @@
 """forkd's MCP server: forkd-mcp's tools, fork trees (fork a sandbox into copies, promote the one that
 worked), the notebook's own (fork a live notebook, run cells in the copies, check the pick out), the
-lineage and sandboxes' files as resources.
+tiers (freeze, store and wake a sandbox), the lineage and sandboxes' files as resources.
 
 Carried three ways, all over the client SDK (so the server's auth, limits and errors apply as for
 any client): ``forkd mcp`` over stdio (``stdio``), streamable HTTP at ``{base_url}forkd/mcp`` inside

@@ -2,8 +2,9 @@
 
 Every tool runs through ``explained``: the SDK's errors (``ControllerError`` carries the server's two
 lines, ``ServerUnreachable`` says where nothing answers) become a ``ToolError`` whose text is those
-two lines (the SDK puts the tool's name before them); anything else is a failure of this server, logged here
-with its traceback and said to the agent in one line that names the exception's type only.
+two lines, the second in this server's words (its tools) when the server's ``details`` give an
+``mcp`` fix (the SDK puts the tool's name before them); anything else is a failure of this server,
+logged here with its traceback and said to the agent in one line that names the exception's type only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class Refused(ToolError):
 def describe(exc: BaseException) -> str:
     """The two lines an agent reads for ``exc``."""
     if isinstance(exc, ControllerError):
+        mcp = exc.details.get("mcp")  # the server's fix in this server's own words (its tools), when it gave one
+        if isinstance(mcp, str) and mcp:
+            return f"{exc.what}\n{mcp}"
         return exc.message if exc.hint else f"{exc.what}\n{_hint_for_status(exc.status)}"
     if isinstance(exc, ServerUnreachable):
         return str(exc)

@@ -4,7 +4,6 @@ through the SDK, as forkd-mcp's do; long ones report progress."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -13,14 +12,13 @@ from mcp_types import ToolAnnotations
 
 from ..client import Controller
 from ._errors import Refused, explained
-from ._progress import run_reporting
+from ._progress import Following, run_reporting
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 CREATES = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False)
 RUNS_CODE = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
                             open_world_hint=False)
 DESTROYS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False)
-EVENTS_GRACE = 2.0  # seconds a spawn's last created events may trail its reply
 TAIL_BYTES = 4096  # what wait_for_text reads of the file each time, as forkd-mcp does
 
 
@@ -150,35 +148,21 @@ def register(server: MCPServer, ctl: Controller) -> None:
 async def spawn_reporting(ctl: Controller, ctx: Context | None, snapshot_tag: str, n: int, *, done: int = 0,
                           **options) -> list[dict[str, Any]]:
     """``spawn_sandboxes`` with one progress notification per child as the server starts it (its
-    ``created`` event), from a subscription opened before the spawn, so none is missed; ``done``:
-    steps reported before it (the total is theirs plus ``n``)."""
+    ``created`` event); ``done``: steps reported before it (the total is theirs plus ``n``)."""
 
     def work(say) -> list[dict[str, Any]]:
-        stream = ctl.events()
         seen: set[str] = set()
-        changed = threading.Condition()
 
-        def follow() -> None:
-            try:
-                for event in stream:
-                    if (event.get("kind"), event.get("action")) == ("sandbox", "created") \
-                            and event.get("snapshot_tag") == snapshot_tag:
-                        with changed:
-                            seen.add(event.get("id"))
-                            changed.notify_all()
-                        say(f"{event.get('id')} started ({min(len(seen), n)} of {n})")
-            except Exception:  # noqa: BLE001 - the stream closed under us: progress is over
-                pass
+        def step(event: dict) -> str | None:
+            if (event.get("kind"), event.get("action")) == ("sandbox", "created") \
+                    and event.get("snapshot_tag") == snapshot_tag:
+                seen.add(event.get("id"))
+                return f"{event.get('id')} started ({min(len(seen), n)} of {n})"
+            return None
 
-        reader = threading.Thread(target=follow, name="forkd-mcp-spawn-events", daemon=True)
-        reader.start()
-        try:
+        with Following(ctl, say, step) as events:
             kids = ctl.spawn_sandboxes(snapshot_tag, n, **options)
-            with changed:  # the reply can overtake the last events: let them arrive (bounded)
-                changed.wait_for(lambda: {k["id"] for k in kids} <= seen, timeout=EVENTS_GRACE)
+            events.settle(lambda: {k["id"] for k in kids} <= seen)
             return kids
-        finally:
-            stream.close()
-            reader.join(5)
 
     return await run_reporting(ctx, work, total=done + n, done=done)

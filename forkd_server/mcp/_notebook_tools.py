@@ -19,7 +19,8 @@ from mcp_types import CallToolResult, TextContent
 from ..client import Controller, ControllerError, Sandbox
 from ._content import CellOutput
 from ._errors import Refused, explained
-from ._forkd_tools import CREATES, READ_ONLY, RUNS_CODE, spawn_reporting
+from ._fork_tree_tools import fork_reporting
+from ._forkd_tools import CREATES, READ_ONLY, RUNS_CODE
 from ._progress import run_reporting
 
 NOTEBOOK_LABEL = "jupyter.notebook"
@@ -92,23 +93,23 @@ def register(server: MCPServer, ctl: Controller) -> None:
 
     @server.tool(annotations=CREATES)
     @explained("notebook_fork")
-    async def notebook_fork(notebook: str, n: int = 3, tag: str | None = None, mode: str = "live",
+    async def notebook_fork(notebook: str, n: int = 3, tag: str | None = None, lossy: bool = False,
                             ctx: Context | None = None) -> dict[str, Any]:
-        """``n`` sandboxes holding copies of a notebook's current state (its HEAD branched once,
-        then forked ``n`` times), labelled as the notebook's and with its memory limit: try a
-        change in each with run_cell, then notebook_checkout the one you keep."""
+        """``n`` sandboxes holding copies of a notebook's current state, as one fork tree (its HEAD
+        branched once, a pause of a few ms, then forked ``n`` times), labelled as the notebook's and
+        with its memory limit. Try a change in each with run_cell, notebook_checkout the one you
+        keep (the user's notebook moves there), then promote_sandbox it: the other copies go.
+        ``tag`` names the branch (kept by promote); ``lossy`` forks even if threads or processes the
+        notebook started stay behind."""
         if not 1 <= n <= MAX_FORK:
             raise Refused(f"n={n} is outside 1..{MAX_FORK}", "ask for fewer copies")
         nb = await asyncio.to_thread(find_notebook, ctl, notebook)
         head = await asyncio.to_thread(running_head, ctl, nb)
-        if ctx is not None:
-            await ctx.report_progress(0, n + 1, message=f"branching {nb['head']}")
-        snap = await asyncio.to_thread(lambda: ctl.branch_sandbox(nb["head"], tag, mode=mode))
-        if ctx is not None:
-            await ctx.report_progress(1, n + 1, message=f"branched as {snap['tag']} (paused {snap.get('pause_ms')} ms)")
-        kids = await spawn_reporting(ctl, ctx, snap["tag"], n, done=1, memory_limit_mib=head.get("memory_limit_mib"))
+        tree = await fork_reporting(ctl, ctx, nb["head"], n, tag=tag, lossy=lossy,
+                                    memory_limit_mib=head.get("memory_limit_mib"))
         return {"notebook": nb["notebook"], "kernel_id": nb["kernel_id"], "head": nb["head"],
-                "snapshot": snap["tag"], "pause_ms": snap.get("pause_ms"), "sandboxes": [k["id"] for k in kids]}
+                "fork_tree_id": tree["fork_tree_id"], "snapshot": tree["snapshot"]["tag"],
+                "pause_ms": tree["snapshot"].get("pause_ms"), "sandboxes": [k["id"] for k in tree["sandboxes"]]}
 
     @server.tool(annotations=RUNS_CODE)
     @explained("run_cell")

@@ -14,6 +14,7 @@ from typing import Callable, TypeVar
 from mcp.server.mcpserver import Context
 
 T = TypeVar("T")
+EVENTS_GRACE = 2.0  # seconds a call's last events may trail its reply
 
 
 async def run_reporting(ctx: Context | None, work: Callable[[Callable[[str], None]], T], *,
@@ -55,3 +56,40 @@ async def run_reporting(ctx: Context | None, work: Callable[[Callable[[str], Non
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+class Following:
+    """The server's events (``/v1/events``) read on a thread while a blocking call runs, subscribed
+    before the call so none is missed: ``step(event)`` gives the line to say for an event, or None.
+
+    ``settle(done)`` waits (at most ``EVENTS_GRACE``) until ``done()`` holds, for the events a reply
+    can overtake; ``step`` and ``done`` run under one lock, so they may share plain state."""
+
+    def __init__(self, ctl, say: Callable[[str], None], step: Callable[[dict], str | None]):
+        self._ctl, self._say, self._step = ctl, say, step
+        self._changed = threading.Condition()
+
+    def __enter__(self) -> "Following":
+        self._stream = self._ctl.events()
+        self._reader = threading.Thread(target=self._follow, name="forkd-mcp-events", daemon=True)
+        self._reader.start()
+        return self
+
+    def _follow(self) -> None:
+        try:
+            for event in self._stream:
+                with self._changed:
+                    line = self._step(event)
+                    self._changed.notify_all()
+                if line:
+                    self._say(line)
+        except Exception:  # noqa: BLE001 - the stream closed under us: progress is over
+            pass
+
+    def settle(self, done: Callable[[], bool]) -> None:
+        with self._changed:
+            self._changed.wait_for(done, timeout=EVENTS_GRACE)
+
+    def __exit__(self, *exc) -> None:
+        self._stream.close()
+        self._reader.join(5)

@@ -9,7 +9,7 @@ from mcp.server.mcpserver import MCPServer
 
 from .. import __version__
 from ..client import Controller
-from . import _fork_tree_tools, _forkd_tools, _notebook_tools, _resources
+from . import _fork_tree_tools, _forkd_tools, _notebook_tools, _resources, _tier_tools
 
 INSTRUCTIONS = """\
 forkd: fork-on-write Python sandboxes, and notebooks that run in them. A snapshot is a warmed-up
@@ -17,10 +17,11 @@ interpreter frozen in time; spawn_sandboxes forks copy-on-write sandboxes from i
 branch_sandbox turns a running sandbox into a new snapshot (a pause of a few ms).
 fork_sandbox makes n copies of a running sandbox (one fork tree); promote_sandbox keeps the one that
 worked and kills the others.
-To try several changes on a user's live notebook: list_notebooks, fork_sandbox its HEAD (n copies of
-its state), run_cell in each copy, then notebook_checkout the copy to keep (the user's notebook moves
-there) and promote_sandbox it (its siblings go). notebook_fork makes copies too (kill_sandbox the
-ones you do not keep)."""
+To try several changes on a user's live notebook: list_notebooks, notebook_fork it (n copies of its
+state, one fork tree), run_cell in each copy, notebook_checkout the copy to keep (the user's notebook
+moves there), then promote_sandbox it (the other copies go).
+A sandbox left idle can be frozen (freeze_sandbox: no CPU) or, on the VM engine, stored
+(store_sandbox: no process, no RAM); the next call wakes it, state intact (wake_sandbox: now)."""
 
 
 def build_server(controller: Controller | None = None) -> MCPServer:
@@ -37,5 +38,6 @@ def build_server(controller: Controller | None = None) -> MCPServer:
     _forkd_tools.register(server, ctl)
     _fork_tree_tools.register(server, ctl)
     _notebook_tools.register(server, ctl)
+    _tier_tools.register(server, ctl)
     _resources.register(server, ctl)
     return server

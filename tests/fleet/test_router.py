@@ -222,6 +222,13 @@ def test_unknown_ids_and_bad_input(world, api):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=30)
     assert err.value.code == 400 and "invalid JSON" in err.value.read().decode()
+    # nested past the JSON parser's limit: the host's 400, not the router's 500 (it parses as hosts do)
+    deep = b'{"snapshot_tag": "x", "labels": ' + b'{"a": ' * 1100 + b"1" + b"}" * 1101
+    req = urllib.request.Request(f"{router.url}/v1/sandboxes", data=deep, method="POST",
+                                 headers={"Authorization": f"Bearer {router.token}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 400 and "invalid JSON" in err.value.read().decode()
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"{router.url}/v1/sandboxes", timeout=30)
     assert err.value.code == 401

@@ -58,6 +58,18 @@ def test_router_refuses(workdir, args, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--hub", "--no-token"], "--no-token and --hub do not go together"),
+    (["--hub"], "--hub needs JUPYTERHUB_API_TOKEN and JUPYTERHUB_SERVICE_NAME in the environment"),
+])
+def test_router_refuses_a_hub_mode_it_cannot_run(workdir, args, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
+    done = subprocess.run([*FORKD, "router", "--port", str(free_port()), "--data-dir", workdir,
+                           "--hosts", "http://127.0.0.1:1", *args], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
 def test_tls_to_the_router_and_to_its_hosts(workdir):
     cert, key = os.path.join(workdir, "cert.pem"), os.path.join(workdir, "key.pem")

@@ -56,11 +56,16 @@ c.JupyterHub.load_roles.append({{"name": "tester", "services": ["tester"],
 DOC = os.path.join(ROOT, "docs", "deploy", "jupyterhub.md")
 
 
-def documented_config() -> str:
-    """The ``jupyterhub_config.py`` lines docs/deploy/jupyterhub.md gives for forkd as a service."""
+SERVE_SECTION = "## forkd as a JupyterHub service"
+ROUTER_SECTION = "## The fleet's router as a JupyterHub service"
+
+
+def documented_config(heading: str = SERVE_SECTION) -> str:
+    """The ``jupyterhub_config.py`` lines docs/deploy/jupyterhub.md gives under ``heading``: for
+    forkd serve as a service, or for the fleet's router."""
     with open(DOC) as f:
         text = f.read()
-    section = text[text.index("## forkd as a JupyterHub service"):]
+    section = text[text.index(heading):]
     return section[section.index("```python\n") + len("```python\n"):section.index("```\n")]
 
 
@@ -76,7 +81,10 @@ c.JupyterHub.load_roles = []
 
 
 class Hub:
-    def __init__(self):
+    """``forkd_args``: the forkd command the Hub runs as its service (default: ``forkd serve`` on a
+    data dir of its own); ``heading``: the docs' section whose lines configure it."""
+
+    def __init__(self, forkd_args: list[str] | None = None, heading: str = SERVE_SECTION):
         self.workdir = tempfile.mkdtemp(prefix="fkhub")
         self.ports = {name: free_port() for name in ("public_port", "hub_port", "proxy_api_port", "forkd_port")}
         self.tester_token = secrets.token_hex(24)
@@ -87,13 +95,13 @@ class Hub:
         with open(token_file, "w") as f:
             f.write(self.operator_token)
         command = [sys.executable, "-c", "import sys; from forkd_server.cli import main; sys.exit(main())",
-                   "serve", "--data-dir", self.data_dir, "--token-file", token_file]
+                   *(forkd_args or ["serve", "--data-dir", self.data_dir]), "--token-file", token_file]
         environment = {"PYTHONPATH": os.environ.get("PYTHONPATH", ""),
                        "JUPYTER_RUNTIME_DIR": os.path.join(self.workdir, "rt")}
         for name in ("FORKD_TEST_RUN_DIR", "FORKD_CACHE_DIR", "FORKD_VM_CACHE"):
             if os.environ.get(name):
                 environment[name] = os.environ[name]
-        forkd_lines = FORKD_LINES.format(documented=documented_config(), command=command, environment=environment,
+        forkd_lines = FORKD_LINES.format(documented=documented_config(heading), command=command, environment=environment,
                                          **self.ports)
         self.config = os.path.join(self.workdir, "jupyterhub_config.py")
         with open(self.config, "w") as f:
@@ -184,7 +192,7 @@ class Hub:
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait()
-            for pid in (forkd_pid, proxy_pid):
+            for pid in (forkd_pid, proxy_pid, *_started_in(self.workdir)):
                 _end(pid)
             try:  # whatever else is left in the Hub's session (a user's server)
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -200,6 +208,33 @@ def _pid_file(path: str) -> int | None:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def server_environment(hub: Hub, name: str) -> dict:
+    """The environment of ``name``'s single-user server, read from /proc (it runs on this host)."""
+    api = f"JUPYTERHUB_API_URL=http://127.0.0.1:{hub.ports['hub_port']}/hub/api".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                items = f.read().split(b"\0")
+        except OSError:
+            continue
+        if api in items and f"JUPYTERHUB_USER={name}".encode() in items:
+            return dict(i.decode().split("=", 1) for i in items if b"=" in i)
+    raise AssertionError(f"no single-user server of {name} found")
+
+
+def _started_in(workdir: str) -> list[int]:
+    """Processes whose command line names ``workdir`` (the service the Hub ran, if it outlived it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if workdir.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def _pid_from_lock(data_dir: str) -> int | None:

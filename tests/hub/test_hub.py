@@ -14,7 +14,7 @@ import pytest
 from forkd_server.client import Controller, ControllerError
 
 from ..rest import exchange
-from .hubrun import PROXY, Hub, documented_config
+from .hubrun import PROXY, Hub, documented_config, server_environment
 
 # Ports only (free ones), no host-wide resource; slow: a Hub, its proxy, forkd and a user's server start
 # (~10 s), so with -n the module starts early rather than last.
@@ -298,17 +298,3 @@ def test_workspaces_are_their_makers(hub):
         assert alice.get_sandbox(resumed["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
     finally:
         alice.delete_workspace("alice-ws")
-
-
-def server_environment(hub, name: str) -> dict:
-    """The environment of ``name``'s single-user server, read from /proc (it runs on this host)."""
-    api = f"JUPYTERHUB_API_URL=http://127.0.0.1:{hub.ports['hub_port']}/hub/api".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                items = f.read().split(b"\0")
-        except OSError:
-            continue
-        if api in items and f"JUPYTERHUB_USER={name}".encode() in items:
-            return dict(i.decode().split("=", 1) for i in items if b"=" in i)
-    raise AssertionError(f"no single-user server of {name} found")

@@ -14,7 +14,7 @@ import pytest
 from tests.serving import FORKD, free_port, serving
 
 from forkd_server.hub import hub_settings, managed_by_hub
-from forkd_server.hub.ownership import OWNER, SHARED, Caller, Refused, inheritable
+from forkd_server.hub.ownership import OWNER, SHARED, Caller, Refused, holders_labels, inheritable
 
 ALICE, BOB, BOSS = Caller("alice"), Caller("bob"), Caller("boss", admin=True)
 
@@ -32,6 +32,28 @@ def test_only_admins_change_a_shared_snapshot():
     shared_by_alice = {OWNER: "alice", SHARED: "true"}
     assert not ALICE.may_change(shared_by_alice) and BOSS.may_change(shared_by_alice)
     assert ALICE.may_change({OWNER: "alice"}) and not BOB.may_change({OWNER: "alice"})
+
+
+def test_check_answers_404_for_what_is_not_seen_and_403_for_a_shared_change():
+    ALICE.check("sandbox", "sb-1", {OWNER: "alice"}, change=True)
+    for labels in ({OWNER: "bob"}, None):
+        with pytest.raises(Refused) as refused:
+            ALICE.check("sandbox", "sb-1", labels)
+        assert (refused.value.status, refused.value.message) == (404, "sandbox sb-1 not found")
+    ALICE.check("snapshot", "base", {OWNER: "boss", SHARED: "true"})
+    with pytest.raises(Refused) as refused:
+        ALICE.check("snapshot", "base", {OWNER: "boss", SHARED: "true"}, change=True)
+    assert refused.value.status == 403 and "only admins" in refused.value.message
+
+
+def test_a_snapshot_several_hosts_hold_has_the_owner_any_holder_names():
+    """A copy pulled from the store onto another host carries no labels: the router's merged view
+    takes the owner and the share from whichever holder has them, never another label."""
+    pulled, made = {"labels": {}}, {"labels": {OWNER: "alice", SHARED: "true", "team": "ml"}}
+    assert holders_labels([pulled, made]) == {OWNER: "alice", SHARED: "true"}
+    assert holders_labels([made, pulled]) == made["labels"]
+    assert holders_labels([{"labels": {OWNER: "alice"}}, {"labels": {OWNER: "bob"}}]) == {OWNER: "alice"}
+    assert holders_labels([]) == {}
 
 
 def test_the_owner_is_stamped_and_server_labels_are_refused():

@@ -260,10 +260,9 @@ def test_notebook_tools_fork_a_live_notebook_and_check_the_pick_out(ctl, noteboo
             tree = data(await c.call_tool("tree", {"notebook": "agent.ipynb"}))
             unknown = failure(await c.call_tool("notebook_fork", {"notebook": "nope.ipynb"}))
             gone = failure(await c.call_tool("notebook_checkout", {"notebook": kid, "sandbox_id": "sb-nope"}))
+            kept = data(await c.call_tool("promote_sandbox", {"sandbox_id": pick}))  # the pick is HEAD by now
             back = data(await c.call_tool("notebook_checkout", {"notebook": kid, "sandbox_id": notebook["head"]}))
-            for sb in forked["sandboxes"]:
-                if sb != notebook["head"]:
-                    await c.call_tool("kill_sandbox", {"sandbox_id": sb})
+            await c.call_tool("kill_sandbox", {"sandbox_id": pick})
             return locals()
 
     r = run(scenario())
@@ -271,6 +270,7 @@ def test_notebook_tools_fork_a_live_notebook_and_check_the_pick_out(ctl, noteboo
     assert mine["notebook"] == "agent.ipynb" and mine["head"] == notebook["head"] and mine["head_running"]
     assert r["branch"]["head"] == notebook["head"] and r["branch"]["labels"]["jupyter.notebook"] == "agent.ipynb"
     assert len(r["forked"]["sandboxes"]) == 3 and r["forked"]["pause_ms"] is not None
+    assert r["forked"]["fork_tree_id"].startswith("ft-") and r["forked"]["snapshot"] == r["forked"]["fork_tree_id"]
     assert progress[0][2] == f"branching {notebook['head']}"
     assert progress[1][2].startswith(f"branched as {r['forked']['snapshot']}")
     assert sum("started" in m for _, _, m in progress) == 3  # then one per copy as it started
@@ -281,6 +281,11 @@ def test_notebook_tools_fork_a_live_notebook_and_check_the_pick_out(ctl, noteboo
     assert nodes[r["pick"]]["head_of"] == "agent.ipynb"
     assert "no notebook on the forkd kernel is called 'nope.ipynb'" in r["unknown"]
     assert "sb-nope" in r["gone"] and r["back"]["head"] == notebook["head"] == ctl.get_kernel(kid)["head"]
+    # one fork tree: keeping the pick killed the other copies and released the branch nothing else needs
+    assert r["kept"]["fork_tree_id"] == r["forked"]["fork_tree_id"] and r["kept"]["winner"]["id"] == r["pick"]
+    assert sorted(r["kept"]["killed"]) == sorted(set(r["forked"]["sandboxes"]) - {r["pick"]})
+    assert r["kept"]["released"] == [r["forked"]["snapshot"]] and not r["kept"]["failed"]
+    assert {sb["id"] for sb in ctl.list_sandboxes()} & set(r["forked"]["sandboxes"]) == set()
 
 
 def test_errors_say_what_failed_and_what_to_do():

@@ -19,11 +19,16 @@ from .test_mcp import ctl, data, failure, jupyter, notebook, run  # noqa: E402,F
 def test_fork_then_promote_a_sandbox(ctl):  # noqa: F811
     ctl.create_snapshot("mcp-ft", setup="x = 41")
     parent = ctl.spawn_sandboxes("mcp-ft", 1)[0]["id"]
+    progress = []
+
+    async def on_progress(done, total, message):
+        progress.append((done, total, message))
 
     async def scenario():
         async with Client(build_server(ctl)) as c:
             tools = {t.name: t for t in (await c.list_tools()).tools}
-            tree = data(await c.call_tool("fork_sandbox", {"sandbox_id": parent, "count": 3}))
+            tree = data(await c.call_tool("fork_sandbox", {"sandbox_id": parent, "count": 3},
+                                          progress_callback=on_progress))
             kids = [k["id"] for k in tree["sandboxes"]]
             for i, sb in enumerate(kids):
                 await c.call_tool("run_cell", {"sandbox_id": sb, "code": f"x += {i}"})
@@ -44,6 +49,10 @@ def test_fork_then_promote_a_sandbox(ctl):  # noqa: F811
     assert r["tools"]["promote_sandbox"].annotations.destructive_hint
     assert not r["tools"]["fork_sandbox"].annotations.destructive_hint
     assert len(r["kids"]) == 3 and r["tree"]["fork_tree_id"].startswith("ft-")
+    # the branch, then each copy as it started: progress only ever grows, towards count + 1
+    assert [p for p, _, _ in progress] == [0, 1, 2, 3, 4] and {t for _, t, _ in progress} == {4}
+    assert progress[1][2].startswith(f"branched as {r['tree']['snapshot']['tag']}")
+    assert sum("started" in m for _, _, m in progress) == 3
     assert sorted(r["kept"]["killed"]) == sorted([r["kids"][0], r["kids"][2]])
     assert r["kept"]["released"] == [r["tree"]["snapshot"]["tag"]]
     assert r["value"]["result"] == "42"  # the state before the fork, and the winner's own change

@@ -75,7 +75,8 @@ def test_a_vm_notebook_goes_frozen_then_stored_and_the_next_cell_wakes_it(idle_v
 
 def test_by_hand_a_stored_sandbox_wakes_from_the_remote_store_when_this_host_lost_its_chunks(vm_engine, tmp_path):
     """freeze -> store -> wake through the routes' code, with a remote store: the store pushes it, and
-    a wake after the local store lost its chunks (evicted, say) fetches them back, verified."""
+    a wake after the local store lost its chunks (evicted, say) fetches them back, verified; then its
+    copy leaves the remote store."""
     from forkd_server.controller import Controller as ServerController
 
     data = tempfile.mkdtemp(prefix="fkvt")
@@ -89,6 +90,8 @@ def test_by_hand_a_stored_sandbox_wakes_from_the_remote_store_when_this_host_los
         assert info["tier"] == "stored" and info["pid"] is None
         stored = ctl.registry.get_sandbox(sb)["stored"]
         assert stored["remote"] is True and not os.path.exists(stored["handle"]["memory"])  # no RAM file
+        pushed = f"{tmp_path}/remote/manifests/{stored['digest'].split(':')[1]}"
+        assert os.path.exists(pushed)
         store = vm_engine.store
         others = set().union(*(store.get_manifest(d).chunks() for name, d in store.pins().items()
                                if name != stored["handle"]["tag"] and store.get_manifest(d)))
@@ -98,6 +101,9 @@ def test_by_hand_a_stored_sandbox_wakes_from_the_remote_store_when_this_host_los
         woke = ctl.wake_sandbox(sb)["wake"]
         assert woke["from"] == "stored" and woke["fetched_bytes"] > 0
         assert ctl.eval(sb, "x")["result"] == "21" and ctl.get_sandbox(sb)["tier"] == "running"
+        # woken, it is no longer stored: its copy leaves the remote store too (stored_copies.py)
+        assert ctl.stores.stored_copies.wait_idle(60)
+        assert not os.path.exists(pushed)
     finally:
         for s in ctl.list_sandboxes():
             ctl.kill_sandbox(s["id"])

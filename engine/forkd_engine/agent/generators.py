@@ -46,6 +46,7 @@ import weakref
 _BIT_GENERATOR = "numpy.random.bit_generator"
 
 _random_seed = random.Random.seed
+_c_seed = random.Random.__mro__[1].seed  # _random.Random's own, under random.Random's Python one
 _random_setstate = random.Random.setstate
 # random.Random instances whose last seed was None, by id (a subclass may be unhashable)
 _unseeded: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -260,13 +261,17 @@ def _reseed_numpy() -> None:
 
 def reseed() -> None:
     """In a fresh copy: new streams for the global generators and every one made without a seed."""
-    random.seed(int.from_bytes(os.urandom(32), "little"))  # an int seeds directly: no sha512
+    # An int seeds directly (no sha512), and straight into the C seeder: what random.seed adds in
+    # Python (type checks, gauss_next) is done here, the rest is code a VM child translates afresh.
+    _c_seed(random._inst, int.from_bytes(os.urandom(32), "little"))
+    random._inst.gauss_next = None
     np = sys.modules.get("numpy")
     if np is not None:
         with contextlib.suppress(Exception):
             np.random.seed(int.from_bytes(os.urandom(4), "little"))
-    for r in list(_unseeded.values()):
-        _random_seed(r, int.from_bytes(os.urandom(32), "little"))
+    if _unseeded:  # iterating a WeakValueDictionary is much Python code; most copies have none
+        for r in list(_unseeded.values()):
+            _random_seed(r, int.from_bytes(os.urandom(32), "little"))
     if _pending or _known:
         with _lock:
             _look()  # what a cell still running at the copy made

@@ -87,12 +87,20 @@ class Runtime:
     # --- identity and fork hygiene --------------------------------------------------------------
 
     def after_fork(self, identity: dict) -> None:
-        """Run first thing in a fresh fork: new identity, fresh locks, fresh random streams."""
-        self.identity = dict(identity)
-        self.started = time.time()
+        """Run first thing in a fresh fork: new identity, fresh locks, fresh random streams. A fork
+        keeps only its calling thread: a lock another thread held would stay held for good, and
+        the processes this one started are not its children."""
         self.eval_lock = threading.Lock()
         self.procs_lock = threading.Lock()
         self.procs = {}
+        self.after_restore(identity)
+
+    def after_restore(self, identity: dict) -> None:
+        """Run first thing in a VM restored from a snapshot: new identity, fresh random streams. Its
+        locks and processes stay as they are: the VM copied every thread and process, so a lock's
+        holder runs on in the copy and releases it there."""
+        self.identity = dict(identity)
+        self.started = time.time()
         generators.reseed()
         reset_per_process_names()
         if self.shell is not None:

@@ -8,13 +8,13 @@ own thread; replies are written whole under a lock.
 Two VM-only actions live here:
 
 - ``restore``: run first after every restore from a snapshot, before the host lets anyone else talk
-  to the child. It credits host entropy to the guest kernel and forces a CRNG reseed, steps the wall
+  to the child. It mixes host entropy into the guest kernel's pool and forces a CRNG reseed, steps the wall
   clock to the host's, reseeds Python's generators and takes the child's identity (its hostname
   and an /etc/machine-id of its own). A child whose
   ``restore`` failed is never handed out (the host fails closed). Under TCG every guest instruction
   a child runs for the first time is translated again in that child's QEMU, so this path is kept
   short: it is one plain line, not JSON (see ``parse_restore``), answered by a formatted line; raw
-  fds, no file objects, no hashing, no floats.
+  fds kept open from the parent's restore (``RestoreFiles``), no file objects, no hashing, no floats.
 - ``settle``: asked for just before a snapshot is saved. It waits until the threads of finished
   requests have left the kernel; a snapshot taken while one is still exiting would make every child
   finish that exit again, thousands of fresh translations per restore.
@@ -28,7 +28,6 @@ import contextlib
 import fcntl
 import json
 import os
-import struct
 import sys
 import threading
 import time
@@ -41,7 +40,6 @@ from .session import Session, error_content
 
 PORT_NAME = "agent"
 INLINE = ("ping", "settle")  # answered on the reader thread; everything else gets its own thread
-RNDADDENTROPY = 0x40085203   # _IOW('R', 0x03, int[2])
 RNDRESEEDCRNG = 0x5207       # _IO('R', 0x07)
 
 
@@ -65,26 +63,44 @@ def find_port(name: str = PORT_NAME, timeout: float = 30.0) -> str:
         delay = min(delay * 2, 0.1)
 
 
-def add_entropy(seed: bytes) -> None:
-    """Mix ``seed`` into the kernel pool, credit it, and reseed the CRNG now."""
-    fd = os.open("/dev/random", os.O_WRONLY)
-    try:
-        fcntl.ioctl(fd, RNDADDENTROPY, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
-        fcntl.ioctl(fd, RNDRESEEDCRNG)
-    finally:
-        os.close(fd)
+def add_entropy(fd: int, seed: bytes) -> None:
+    """Mix ``seed`` into the kernel's input pool (``fd``: /dev/random) and reseed the CRNG from it
+    now: every reader after this, the kernel's own included, draws from a key that depends on it.
+    (Crediting it would change nothing: a restored guest's CRNG is long initialised.)"""
+    os.write(fd, seed)
+    fcntl.ioctl(fd, RNDRESEEDCRNG)
 
 
 RESTORE = b"restore "
 MACHINE_ID = "/etc/machine-id"  # each child's own, as each process sandbox has
 
 
-def write_file(path: str, data: bytes, flags: int = os.O_WRONLY) -> None:
-    fd = os.open(path, flags, 0o444)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+class RestoreFiles:
+    """The files every restore writes, opened once (by the snapshot's parent, at its own restore)
+    and kept open: a child then writes them with no path lookup, open or close, kernel code it
+    would otherwise translate afresh under TCG. The guest's /init binds /etc/machine-id over itself,
+    so no code can remove it or rename another file over it: the inode kept open stays the file.
+    Where that bind is missing, a machine id removed or replaced since is found (its inode has no
+    name left: one ``fstat``) and opened afresh."""
+
+    def __init__(self):
+        self.random = os.open("/dev/random", os.O_WRONLY | os.O_CLOEXEC)
+        self.hostname = os.open("/proc/sys/kernel/hostname", os.O_WRONLY | os.O_CLOEXEC)
+        self.machine_id = self._open_machine_id()
+        with open("/proc/self/mountinfo", "rb") as f:
+            self.bound = any(line.split()[4] == MACHINE_ID.encode() for line in f)
+
+    @staticmethod
+    def _open_machine_id() -> int:
+        return os.open(MACHINE_ID, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o444)
+
+    def write_machine_id(self, data: bytes) -> None:
+        if not self.bound and os.fstat(self.machine_id).st_nlink == 0:
+            os.close(self.machine_id)
+            self.machine_id = self._open_machine_id()
+        # Over the first 33 bytes: the file is 33 bytes unless the user's code wrote more, whose
+        # tail then stays behind this child's own id.
+        os.pwrite(self.machine_id, data, 0)
 
 
 def parse_restore(line: bytes) -> tuple[str, bytes, int, dict]:
@@ -92,10 +108,14 @@ def parse_restore(line: bytes) -> tuple[str, bytes, int, dict]:
     (the strings UTF-8, LINEAGE joined by newlines), TIME_NS the host's wall clock in integer ns.
     Returns (rid, entropy, time_ns, identity)."""
     rid, entropy, time_ns, sid, role, hostname, lineage = line[len(RESTORE):].split(b" ")
-    text = [bytes.fromhex(f.decode()).decode() for f in (sid, role, hostname, lineage)]
-    identity = {"id": text[0], "role": text[1], "hostname": text[2],
-                "lineage": text[3].split("\n") if text[3] else []}
+    lineage = _unhex(lineage)
+    identity = {"id": _unhex(sid), "role": _unhex(role), "hostname": _unhex(hostname),
+                "lineage": lineage.split("\n") if lineage else []}
     return rid.decode(), bytes.fromhex(entropy.decode()), int(time_ns), identity
+
+
+def _unhex(field: bytes) -> str:
+    return bytes.fromhex(field.decode()).decode()
 
 
 class SerialAgent:
@@ -109,6 +129,7 @@ class SerialAgent:
         self.write_lock = threading.Lock()
         self.restores = 0
         self.sessions: dict[str, Session] = {}
+        self.files: RestoreFiles | None = None
 
     def restore(self, seed: bytes, host_ns: int, identity: dict, max_drift_ns: int = 500_000_000) -> int:
         """Fork hygiene after a restore; returns how far the clock was stepped (ns). Role ``wake``
@@ -116,19 +137,22 @@ class SerialAgent:
         and its generators, identity and machine id stay as they were."""
         if len(seed) < 32:
             raise ValueError("restore needs at least 32 bytes of entropy")
-        add_entropy(seed)
+        if self.files is None:
+            self.files = RestoreFiles()
+        files = self.files
+        add_entropy(files.random, seed)
         stepped_ns = host_ns - time.time_ns()
         if abs(stepped_ns) > max_drift_ns:
             time.clock_settime_ns(time.CLOCK_REALTIME, host_ns)
         if identity["role"] == "wake":
             self.restores += 1
             return stepped_ns
-        self.runtime.after_fork(identity)  # reseeds Python's generators from the reseeded CRNG
+        self.runtime.after_restore(identity)  # reseeds Python's generators from the reseeded CRNG
         hostname = identity["hostname"]
         if hostname:
-            write_file("/proc/sys/kernel/hostname", hostname[:64].encode())
+            os.pwrite(files.hostname, hostname[:64].encode(), 0)
         # From the reseeded CRNG; the guest's / is its own RAM, so a plain file is its own.
-        write_file(MACHINE_ID, os.urandom(16).hex().encode() + b"\n", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        files.write_machine_id(os.urandom(16).hex().encode() + b"\n")
         self.restores += 1
         return stepped_ns
 
@@ -136,7 +160,7 @@ class SerialAgent:
         rid = None
         try:
             rid, seed, host_ns, identity = parse_restore(line)
-            stepped_ns = self.restore(seed, host_ns, identity)
+            self.restore(seed, host_ns, identity)
         except Exception as exc:  # noqa: BLE001 - the host fails closed on an error reply
             reply = {"error": f"{type(exc).__name__}: {exc}", "exit_code": 1}
             if rid is not None:
@@ -145,8 +169,7 @@ class SerialAgent:
                 self.reply(reply)
             return
         with contextlib.suppress(OSError):  # the host went away; it will not wait for this reply
-            self.write(b'{"_rid":"%s","restored":true,"clock_step_ms":%d,"restores":%d}\n'
-                       % (rid.encode(), stepped_ns // 1_000_000, self.restores))
+            self.write(b'{"_rid":"' + rid.encode() + b'","restored":true}\n')
 
     @staticmethod
     def settle(request: dict) -> dict:
@@ -168,10 +191,12 @@ class SerialAgent:
 
     def write(self, data: bytes) -> None:
         with self.write_lock:
-            view = memoryview(data)
-            while view:
-                n = os.write(self.fd, view)
-                view = view[n:]
+            n = os.write(self.fd, data)
+            if n < len(data):  # a long reply: the port took part of it
+                view = memoryview(data)[n:]
+                while view:
+                    n = os.write(self.fd, view)
+                    view = view[n:]
 
     def open_session(self, request: dict) -> None:
         sid = str(request.get("_sid"))

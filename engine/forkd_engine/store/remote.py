@@ -31,6 +31,17 @@ RETRIES = {"max_retries": 3, "retry_timeout": datetime.timedelta(seconds=20),
            "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
                        "max_backoff": datetime.timedelta(seconds=2), "base": 2}}
 CLIENT = {"connect_timeout": "5s", "timeout": "120s"}
+# Where each cloud's store takes its settings and credentials from (said when they are missing or refused)
+SETTINGS = {
+    "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+    "gs": "GOOGLE_SERVICE_ACCOUNT (a service account's JSON file) or GOOGLE_APPLICATION_CREDENTIALS",
+    "az": "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_TOKEN)",
+}
+SETTINGS["abfs"] = SETTINGS["az"]
+# Variables holding a gs:// or az:// store's secrets: masked in every message, as the S3 secret is
+SECRET_VARIABLES = ("GOOGLE_SERVICE_ACCOUNT_KEY", "GOOGLE_BEARER_TOKEN", "AZURE_STORAGE_ACCOUNT_KEY",
+                    "AZURE_STORAGE_ACCESS_KEY", "AZURE_STORAGE_MASTER_KEY", "AZURE_STORAGE_SAS_KEY",
+                    "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_TOKEN", "AZURE_CLIENT_SECRET")
 
 
 def s3_options_from_env(env=os.environ) -> dict:
@@ -81,11 +92,17 @@ class RemoteStore:
                 return obs.LocalStore(parts.path, mkdir=True)
             if parts.scheme == "memory":
                 return obs.MemoryStore()
-            return obs.from_url(self.url, client_options=CLIENT, retry_config=RETRIES, **options)
+            given = sorted(k for k, v in options.items() if v is not None)
+            if given:  # the endpoint and region flags are S3's
+                raise StoreError(f"store {self.url}: {', '.join(given)} (--store-{given[0]}) is a setting of s3:// "
+                                 f"stores; a {parts.scheme}:// store takes its settings from {SETTINGS[parts.scheme]}")
+            self._secrets = [os.environ[k] for k in SECRET_VARIABLES if os.environ.get(k)]
+            return obs.from_url(self.url, client_options=CLIENT, retry_config=RETRIES)
         except StoreError:
             raise
         except Exception as exc:
-            raise StoreError(f"store {self.url}: cannot open it: {self._clean(exc)}") from None
+            hint = f"; set {SETTINGS[parts.scheme]}" if parts.scheme in SETTINGS else ""
+            raise StoreError(f"store {self.url}: cannot open it: {self._clean(exc).rstrip('.')}{hint}") from None
 
     # --- errors ----------------------------------------------------------------------------------
 
@@ -95,11 +112,14 @@ class RemoteStore:
         full = str(exc).split("\n\nDebug source:")[0].strip()
         text = full.splitlines()[0].split(": <?xml")[0] if full else type(exc).__name__
         code, message = re.search(r"<Code>([^<]*)</Code>", full), re.search(r"<Message>([^<]*)</Message>", full)
-        if code:
-            text += f": {code.group(1)}" + (f": {message.group(1)}" if message else "")
+        if code:  # Azure's message goes on with its request id and time on lines of their own
+            text += f": {code.group(1)}" + (f": {message.group(1).splitlines()[0]}" if message else "")
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text[:500]
+
+    def _settings(self) -> str:
+        return SETTINGS.get(urlsplit(self.url).scheme, "the store's own variables")
 
     @contextlib.contextmanager
     def _op(self, what: str, missing_ok: bool = False):
@@ -109,8 +129,7 @@ class RemoteStore:
             raise NotInStore(f"store {self.url}: {what}: not found ({self._clean(exc)})") from None
         except (obx.PermissionDeniedError, obx.UnauthenticatedError, PermissionError) as exc:
             raise StoreError(f"store {self.url}: {what}: access denied ({self._clean(exc)}); check the "
-                             f"credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for S3) and the bucket's "
-                             f"policy") from None
+                             f"credentials ({self._settings()}) and the bucket's policy") from None
         except obx.BaseError as exc:
             raise StoreError(f"store {self.url}: {what} failed: {self._clean(exc)}") from None
         except OSError as exc:

@@ -277,12 +277,18 @@ def delete(remote: RemoteStore, digest: str, grace_seconds: float = 3600.0) -> d
     remote.delete(f"manifests/{hexd}")
     marked: set[str] = set()
     for meta in remote.list("manifests/"):
-        marked.update(fetch_manifest(remote, digest=meta["path"].rsplit("/", 1)[1]).chunks())
+        try:
+            marked.update(fetch_manifest(remote, digest=meta["path"].rsplit("/", 1)[1]).chunks())
+        except NotInStore:  # deleted since the listing (another delete at once): its chunks are no one's
+            continue
     cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=grace_seconds)
     removed = 0
     for meta in remote.list("chunks/"):
         name = meta["path"].rsplit("/", 1)[1]
         if name not in marked and meta["last_modified"] < cutoff:
-            remote.delete(meta["path"])
+            try:
+                remote.delete(meta["path"])
+            except NotInStore:  # swept meanwhile by another delete
+                continue
             removed += 1
     return {"removed_chunks": removed, "kept_chunks": len(marked)}

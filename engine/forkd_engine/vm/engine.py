@@ -10,6 +10,7 @@ handle takes (call, alive, memory, probe, kill). The work is in rooms of its own
 - ``channel``: the agent channel over the VM's virtio-serial port, and the ``restore`` line;
 - ``snapshots``: a snapshot's files, and creating one by booting a parent;
 - ``spawning``: restoring children from a snapshot;
+- ``warm``: QEMUs started and loaded ahead of a spawn, waiting paused for the next child;
 - ``branching``: the ``full``, ``diff`` and ``live`` branch of a running VM;
 - ``memory`` (guest RAM on the host), ``qmp`` (QEMU's monitor), ``recovery`` (repairs after a
   failed live branch or a restart);
@@ -41,6 +42,7 @@ from .host import QEMU, host_tsc_khz, kvm_status, qemu_binary, qemu_version
 from .image import Image, ImageError, build_image
 from .qemu import MAX_SOCKET_PATH, STOP_WAIT, Qemu
 from .qmp import QMP, QMPError
+from .warm import WarmPool
 
 
 class VMEngine:
@@ -48,7 +50,8 @@ class VMEngine:
 
     def __init__(self, data_dir: str, *, mem_root: str | None = None, cache_dir: str | None = None,
                  accel: str | None = None, boot_timeout: float = 120.0, restore_timeout: float = 60.0,
-                 smp: int = 1, restore_parallelism: int | None = None, store_cap_bytes: int | None = None):
+                 smp: int = 1, restore_parallelism: int | None = None, store_cap_bytes: int | None = None,
+                 warm: int | None = None):
         binary = qemu_binary()
         if binary is None:
             raise EngineUnavailable(f"{QEMU} is not installed (Debian: apt-get install qemu-system-x86; "
@@ -90,6 +93,11 @@ class VMEngine:
         self.qemu_version = qemu_version(binary)
         self.qemu = Qemu(binary, self.run_dir, self.accel, os.environ.get("FORKD_VM_ACCEL_OPTS", ""), smp,
                          host_tsc_khz())
+        # QEMUs started and loaded ahead for the next children of the last snapshots spawned: one
+        # per restore that may run at once ($FORKD_VM_WARM or ``warm`` sets how many, 0: none).
+        env_warm = os.environ.get("FORKD_VM_WARM", "")
+        self.warm = WarmPool(self, warm if warm is not None else
+                             int(env_warm) if env_warm.isdigit() else self.restore_parallelism)
         self._image: Image | None = None
         self._image_lock = threading.Lock()
         self._channels: dict[tuple, AgentChannel] = {}
@@ -97,6 +105,8 @@ class VMEngine:
         self._vm_locks: dict[tuple, threading.Lock] = {}
         self.creating: dict[str, dict] = {}  # tag -> {"handle", "cancelled"} while its setup runs
         self.creating_lock = threading.Lock()
+        # A list to record each restore's stages in (perf_counter marks per child): for benchmarks.
+        self.restore_trace: list[dict] | None = None
         threading.Thread(target=vmem.warm, name="forkd-vm-warm", daemon=True).start()
         self.started = time.time()  # what recover() may sweep predates this
         self.started_ticks = linux.boot_ticks()  # the same, in process start times' unit
@@ -128,6 +138,11 @@ class VMEngine:
                     ch.close()
                 ch = self._channels[key] = AgentChannel(handle["socket"])
             return ch
+
+    def adopt_channel(self, handle: Handle, channel: AgentChannel) -> None:
+        """Make ``channel`` (connected before the VM got its name: a pre-started one's) its channel."""
+        with self._channels_lock:
+            self._channels[self._key(handle)] = channel
 
     def _drop_channel(self, handle: Handle) -> None:
         with self._channels_lock:
@@ -269,6 +284,8 @@ class VMEngine:
             shutil.rmtree(os.path.join(self.mem_root, tag), ignore_errors=True)
 
     def delete_snapshot(self, handle: Handle) -> None:
+        if handle.get("tag"):
+            self.warm.drop(handle["tag"])
         # Children map memory.bin; unlinking leaves their mappings intact.
         shutil.rmtree(handle["dir"], ignore_errors=True)
         shutil.rmtree(os.path.dirname(handle["memory"]), ignore_errors=True)
@@ -290,6 +307,7 @@ class VMEngine:
     def release_files(self, handle: Handle) -> bool:
         """Free a stored snapshot's RAM file (tmpfs, i.e. RAM): the store holds it, and its next
         spawn writes it back. False (nothing freed) when the store does not hold it."""
+        self.warm.drop(handle["tag"])  # they map the file: it would stay in RAM while they live
         return durable.release_files(self, handle)
 
     def materialise(self, handle: Handle) -> bool:
@@ -302,7 +320,9 @@ class VMEngine:
         return durable.import_snapshot(self, manifest, tag, lineage)
 
     def close(self) -> None:
-        """Close agent connections. VMs and snapshots outlive the server by design."""
+        """Kill the pre-started QEMUs and close agent connections. VMs and snapshots outlive the
+        server by design."""
+        self.warm.close()
         with self._channels_lock:
             channels, self._channels = list(self._channels.values()), {}
         for ch in channels:

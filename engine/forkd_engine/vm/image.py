@@ -220,6 +220,10 @@ if [ -n "$pkgs" ]; then
     export LD_LIBRARY_PATH=$r/ro$a:$r/ro/lib/x86_64-linux-gnu:$r/ro$a/blas:$r/ro$a/lapack
   fi
 fi
+# /etc/machine-id bound over itself, as a process sandbox's is: it cannot be removed or renamed
+# over, so the agent writes each child's id into the one file it keeps open (serial.RestoreFiles).
+: >> /etc/machine-id && mount -o bind /etc/machine-id /etc/machine-id ||
+  echo "forkd init: bind mount of /etc/machine-id failed"
 cd /root
 exec /usr/bin/python3.11 -S -u -m {agent}
 """

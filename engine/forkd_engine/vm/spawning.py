@@ -18,13 +18,14 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ..base import AgentUnreachable, ChildSpec, EngineError, Handle
-from . import durable, snapshots
+from . import durable, snapshots, warm
 from .channel import restore_request
-from .qmp import QMP
+from .qmp import QMP, QMPError
 
 if TYPE_CHECKING:
     from .engine import VMEngine
@@ -60,10 +61,21 @@ def spawn(engine: "VMEngine", snapshot: Handle, children: list[ChildSpec]) -> li
     def restore(child: ChildSpec) -> Handle:
         if abandon.is_set():
             raise EngineError("spawn abandoned: another child failed")
-        h = engine.qemu.launch(child.id, snapshot["image"], snapshot["memory"], snapshot["mem_mib"],
-                               share=False, incoming_file=snapshot["devices"], disk=overlays.get(child.id),
-                               vm_dir_ready=child.id in overlays, defer=bool(snapshot.get("paused")),
-                               packages=snapshot.get("packages_image"))
+        marks = {"start": time.perf_counter()}
+        pooled = engine.warm.take(snapshot)  # started and loaded ahead, never run
+        if pooled is not None:
+            try:
+                h = engine.warm.adopt(pooled, child.id)
+                marks["warm"] = True
+            except OSError:
+                engine.warm.discard(pooled)
+                pooled = None
+        if pooled is None:
+            h = engine.qemu.launch(child.id, snapshot["image"], snapshot["memory"], snapshot["mem_mib"],
+                                   share=False, incoming_file=snapshot["devices"], disk=overlays.get(child.id),
+                                   vm_dir_ready=child.id in overlays, defer=bool(snapshot.get("paused")),
+                                   packages=snapshot.get("packages_image"))
+        marks["launched"] = time.perf_counter()
         with started_lock:
             started.append(h)
         h["snapshot"] = snapshot["tag"]
@@ -84,14 +96,23 @@ def spawn(engine: "VMEngine", snapshot: Handle, children: list[ChildSpec]) -> li
             ch = engine.channel(h)
             slot = ch.send(restore_request({"id": child.id, "role": "wake" if child.wake else "sandbox",
                                             "lineage": child.lineage}))
-            if "incoming_fd" in h:
+            if pooled is not None:
+                if engine.restore_trace is not None:
+                    marks["cpu_before_resume_ms"] = engine.qemu.cpu_ms(h["pid"])
+                marks["resumed"] = time.perf_counter()
+                warm.resume(pooled, engine.restore_timeout)
+            elif "incoming_fd" in h:
                 _incoming_and_cont(engine, h, h.pop("incoming_fd"))
+            marks.setdefault("resumed", time.perf_counter())
             reply = ch.wait(slot, engine.restore_timeout)
-        except (AgentUnreachable, EngineError) as exc:
+            marks["replied"] = time.perf_counter()
+        except (AgentUnreachable, EngineError, QMPError) as exc:
             raise EngineError(f"sandbox {child.id} did not come up: {exc}; {engine.qemu.log_tail(h)}") from exc
         if not reply.get("restored"):
             raise EngineError(f"sandbox {child.id} refused its restore (entropy/clock/identity), "
                               f"not serving it: {reply.get('error')}")
+        if engine.restore_trace is not None:
+            engine.restore_trace.append({"id": child.id, "pid": h["pid"], **marks})
         return h
 
     # A restore is CPU-bound (under TCG: translating the guest's first code afresh). At most one
@@ -101,14 +122,18 @@ def spawn(engine: "VMEngine", snapshot: Handle, children: list[ChildSpec]) -> li
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vm-restore") if workers > 1 else None
     try:
         if pool is None:
-            return [restore(child) for child in children]
-        futures = [pool.submit(restore, child) for child in children]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            abandon.set()
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+            handles = [restore(child) for child in children]
+        else:
+            futures = [pool.submit(restore, child) for child in children]
+            try:
+                handles = [f.result() for f in futures]
+            except BaseException:
+                abandon.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        if not any(child.wake for child in children):  # a wake restores a sandbox's own state, once
+            engine.warm.fill(snapshot)  # in the background: the next spawn of it finds QEMUs ready
+        return handles
     except BaseException:
         for h in started:
             with contextlib.suppress(Exception):

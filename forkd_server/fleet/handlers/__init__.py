@@ -21,13 +21,15 @@ from .meta import (EventsHandler, HealthHandler, HostsHandler, MetricsHandler, O
 from .register import RegisterHandler
 from .sandboxes import BranchHandler, ForkHandler, PinnedHandler, SandboxesHandler, SandboxHandler
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
-                        SnapshotPushHandler, SnapshotsHandler)
+                        SnapshotPushHandler, SnapshotShareHandler, SnapshotsHandler, StoreSnapshotHandler)
 from .workspaces import KernelHandler, KernelsHandler, WorkspaceHandler, WorkspacesHandler
 
 __all__ = ["MISSING_HEADER", "RouterHandler", "check_token", "host_query", "route_table"]
 
 
 class NotFoundHandler(RouterHandler):
+    for_users = True  # an unknown route is 404 to everyone
+
     def _missing(self, *args) -> None:
         raise Refusal(404, f"not found: {self.request.path} is not a route of forkd's /v1")
 
@@ -55,6 +57,8 @@ def route_table() -> list[tuple[str, type]]:
         (rf"/v1/snapshots/{ID}/info", SnapshotInfoHandler),
         (rf"/v1/snapshots/{ID}/compact", SnapshotCompactHandler),
         (rf"/v1/snapshots/{ID}/push", SnapshotPushHandler),
+        (rf"/v1/snapshots/{ID}/share", SnapshotShareHandler),
+        (rf"/v1/store/snapshots/{ID}", StoreSnapshotHandler),
         (r"/v1/sandboxes", SandboxesHandler),
         (rf"/v1/sandboxes/{ID}", SandboxHandler),
         (rf"/v1/sandboxes/{ID}/branch", BranchHandler),

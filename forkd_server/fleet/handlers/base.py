@@ -8,9 +8,11 @@ import json
 from urllib.parse import parse_qsl, urlencode
 
 import aiohttp
+import orjson
 from tornado import web
 from tornado.iostream import StreamClosedError
 
+from ...hub.ownership import Caller
 from ...identity import same_secret
 from ..hosts import HOP_BY_HOP, Host, HostError
 from ..router import Refusal, Router
@@ -43,14 +45,50 @@ def check_token(handler: web.RequestHandler, expected: str | None) -> None:
 
 class RouterHandler(web.RequestHandler):
     public = False
+    # Under JupyterHub (fleet/hub.py): what a user (not an admin) may do here. ``for_users``: the
+    # route keeps each user to their own objects (else admins only); ``admin_only``: why not, said in
+    # the 403; ``owned``: the kind the first path argument names, which the caller must see (404),
+    # and ``changes`` the methods that change it (403 for a shared snapshot); ``stamps``: the methods
+    # whose body gets the caller's owner label; ``checks_labels``: those whose labels are checked;
+    # ``body_owns``: (method, kind, field): what a body names, which the caller must see (404);
+    # ``creates``: methods that may make the ``owned`` object when no host has it (a kernel record).
+    auth_resource = "forkd:server"
+    for_users = False
+    admin_only: str | None = None
+    owned: str | None = None
+    changes: tuple[str, ...] = ()
+    stamps: tuple[str, ...] = ()
+    checks_labels: tuple[str, ...] = ()
+    body_owns: tuple[tuple[str, str, str], ...] = ()
+    creates: tuple[str, ...] = ()
+    caller: Caller | None = None  # the Hub user the request acts for (None: the router's own token)
 
     @property
     def router(self) -> Router:
         return self.settings["forkd_router"]
 
-    def prepare(self) -> None:
-        if not self.public:
+    @property
+    def hub(self):
+        """The router's JupyterHub mode (fleet/hub.py), or None."""
+        return self.settings.get("forkd_hub")
+
+    async def prepare(self) -> None:
+        if self.public:
+            return
+        if self.hub is None:
             check_token(self, self.settings["forkd_token"])
+        else:
+            self.caller = await self.hub.admit(self)
+
+    @property
+    def viewer(self) -> Caller | None:
+        """The caller whose views are kept to their own objects (None: one who sees everything)."""
+        return self.caller if self.caller is not None and not self.caller.admin else None
+
+    def seen(self, kind: str, items: list) -> list:
+        """What of ``items`` (``sandbox``, ``snapshot``, ``workspace`` records or tree ``node``s) the
+        caller sees (all without JupyterHub)."""
+        return items if self.hub is None else self.hub.visible(self.caller, kind, items)
 
     def check_xsrf_cookie(self) -> None:
         pass  # bearer tokens only: no cookie carries authority here
@@ -94,13 +132,15 @@ class RouterHandler(web.RequestHandler):
             self.send(body, status)
 
     def json_body(self) -> dict | None:
-        """The body as a JSON object, or None when it is not one (a host then says what is wrong)."""
+        """The body as a JSON object, or None when it is not one (a host then says what is wrong).
+        Parsed as a host parses it (orjson): what the router reads (a spawn's snapshot, the labels
+        it sets under JupyterHub) is what the host acts on, and nesting past its limit is no error."""
         ctype = self.request.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
             return None
         try:
-            data = json.loads(self.request.body or b"null")
-        except ValueError:
+            data = orjson.loads((self.request.body or b"").strip() or b"null")
+        except orjson.JSONDecodeError:
             return None
         return data if isinstance(data, dict) else None
 

@@ -9,6 +9,7 @@ from urllib.parse import parse_qsl
 
 
 from ... import __version__
+from ...hub.ownership import holders_labels
 from ..hosts import Host
 from ...sse import EventStream
 from ..router import Router
@@ -26,6 +27,8 @@ class HealthHandler(RouterHandler):
 
 
 class VersionHandler(RouterHandler):
+    for_users = True
+
     def get(self) -> None:
         self.send({"version": __version__, "api": "v1", "router": True})
 
@@ -33,11 +36,15 @@ class VersionHandler(RouterHandler):
 class HostsHandler(RouterHandler):
     """``GET /v1/fleet/hosts``: the host table (state, why a host is down, its capacity)."""
 
+    admin_only = "the host table names every host and counts every user's sandboxes"
+
     def get(self) -> None:
         self.send(self.router.hosts_json())
 
 
 class MetricsHandler(RouterHandler):
+    auth_resource = "forkd:metrics"  # admins only under JupyterHub (hub/authorizer.py says why)
+
     def get(self) -> None:
         hosts = list(self.router.hosts.values())
         lines = ["# HELP forkd_fleet_hosts Hosts of the fleet by state.", "# TYPE forkd_fleet_hosts gauge"]
@@ -50,6 +57,8 @@ class MetricsHandler(RouterHandler):
 
 
 class OpenAPIHandler(RouterHandler):
+    for_users = True
+
     def get(self) -> None:
         with open(OPENAPI_PATH) as f:
             doc = json.load(f)
@@ -58,10 +67,15 @@ class OpenAPIHandler(RouterHandler):
 
 
 class EventsHandler(EventStream, RouterHandler):
-    """Every host's events in one stream, each with its ``host``, and the router's own."""
+    """Every host's events in one stream, each with its ``host``, and the router's own; under
+    JupyterHub only those about what the caller sees (hub.py)."""
+
+    for_users = True
 
     async def get(self) -> None:
-        await self.stream_events(self.router.events, "forkd fleet events", self.settings.get("sse_keepalive", 15.0))
+        viewer, hub = self.viewer, self.hub
+        await self.stream_events(self.router.events, "forkd fleet events", self.settings.get("sse_keepalive", 15.0),
+                                 visible=None if viewer is None else lambda event: hub.event_visible(viewer, event))
 
 
 def labels_match(record: dict, query: str) -> bool:
@@ -71,7 +85,8 @@ def labels_match(record: dict, query: str) -> bool:
 
 
 def merge_snapshots(parts: list[tuple[Host, list]]) -> list[dict]:
-    """One entry per tag: the first host's, with ``host`` and every holder in ``hosts``."""
+    """One entry per tag: the first host's, with ``host`` and every holder in ``hosts``, and the
+    server's labels of every holder (``holders_labels``)."""
     out: dict[str, dict] = {}
     for host, items in parts:
         for item in items:
@@ -80,6 +95,7 @@ def merge_snapshots(parts: list[tuple[Host, list]]) -> list[dict]:
             key = item.get("tag", item.get("id"))
             if key in out:
                 out[key]["hosts"].append(host.url)
+                out[key]["labels"] = holders_labels([out[key], item])
             else:
                 out[key] = {**item, "host": host.url, "hosts": [host.url]}
     return list(out.values())
@@ -97,6 +113,8 @@ def lost_snapshots(router: Router, held: set[str], query: str) -> list[dict]:
 class TreeHandler(RouterHandler):
     """Every host's tree as one: a ``host`` on every node; a snapshot several hosts hold is one node
     (``hosts`` lists them); sandboxes of a host that is down are nodes with status ``lost``."""
+
+    for_users = True
 
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/tree" + host_query(self))
@@ -118,4 +136,4 @@ class TreeHandler(RouterHandler):
                               "created_at": rec.get("created_at_unix"), "engine": rec.get("engine"),
                               "lineage": lineage, "labels": rec.get("labels") or {}, "host": rec["host"],
                               "lost": rec["lost"]})
-        self.send(snapshots + sandboxes, missing=missing)
+        self.send(self.seen("node", snapshots + sandboxes), missing=missing)

@@ -22,11 +22,14 @@ def _count(value) -> int | None:
 
 
 class SandboxesHandler(RouterHandler):
+    for_users, stamps = True, ("POST",)
+    body_owns = (("POST", "snapshot", "snapshot_tag"),)  # a snapshot of the caller's, or a shared one
+
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/sandboxes" + host_query(self))
         items = [{**i, "host": h.url} for h, items in parts for i in items if isinstance(i, dict)]
         items += [r for r in self.router.lost_records("sandbox") if labels_match(r, self.request.query)]
-        self.send(items, missing=missing)
+        self.send(self.seen("sandbox", items), missing=missing)
 
     async def post(self) -> None:
         """Spawn: placement (placement.py), a pull first where a VM snapshot must move, the parts
@@ -55,13 +58,14 @@ class SandboxesHandler(RouterHandler):
                 continue
             self.answer(status, reply)
             return
-        self.send([kid for _, kids in answers for kid in kids], 201)
+        self.send(self.seen("sandbox", [kid for _, kids in answers for kid in kids]), 201)
 
 
 class PinnedHandler(RouterHandler):
     """A call about one sandbox (workspace, kernel): to the host it is pinned to, as it streams."""
 
     kind = "sandbox"
+    for_users, owned = True, "sandbox"
 
     async def locate(self, key: str) -> Host:
         return await self.router.locate(self.kind, key)
@@ -76,6 +80,8 @@ class PinnedHandler(RouterHandler):
 
 
 class SandboxHandler(PinnedHandler):
+    checks_labels = ("PATCH",)
+
     async def get(self, sandbox_id: str) -> None:
         host = await self.locate(sandbox_id)
         status, reply = await self.call(host)
@@ -96,18 +102,23 @@ class SandboxHandler(PinnedHandler):
 class BranchHandler(PinnedHandler):
     """Branch on the sandbox's host; the new snapshot is pinned there."""
 
+    stamps = ("POST",)
+
     async def post(self, sandbox_id: str) -> None:
         host = await self.locate(sandbox_id)
         status, reply = await self.call(host)
         if status in (201, 202) and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
             self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
             reply["host"] = host.url
+            self.seen("snapshot", [reply])
         self.answer(status, reply)
 
 
 class ForkHandler(PinnedHandler):
     """A fork tree (branch once, spawn N children of it) on the sandbox's host: the snapshot and the
     children are pinned there, each child under an id no other host uses (forks.py)."""
+
+    stamps = ("POST",)
 
     async def post(self, sandbox_id: str) -> None:
         host = await self.locate(sandbox_id)
@@ -118,4 +129,8 @@ class ForkHandler(PinnedHandler):
                 self.router.state.pin("snapshot", [(snap["tag"], None)], host.url, exclusive=False)
                 snap["host"] = host.url
             status, reply = await settle_children(self.router, host, reply, self.client_headers())
+            if status == 201:  # under JupyterHub: whose each is, kept for calls and events (hub.py)
+                self.seen("sandbox", reply.get("sandboxes") or [])
+                if isinstance(snap, dict):
+                    self.seen("snapshot", [snap])
         self.answer(status, reply)

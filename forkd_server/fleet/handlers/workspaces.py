@@ -8,9 +8,13 @@ from .snapshots import _holder
 
 
 class WorkspacesHandler(RouterHandler):
+    for_users, stamps = True, ("POST",)
+    body_owns = (("POST", "snapshot", "snapshot_tag"),)
+
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/workspaces")
-        self.send([{**i, "host": h.url} for h, items in parts for i in items if isinstance(i, dict)], missing=missing)
+        items = [{**i, "host": h.url} for h, items in parts for i in items if isinstance(i, dict)]
+        self.send(self.seen("workspace", items), missing=missing)
 
     async def post(self) -> None:
         body = self.json_body() or {}
@@ -20,11 +24,13 @@ class WorkspacesHandler(RouterHandler):
         if status == 201 and isinstance(reply, dict) and isinstance(reply.get("name"), str):
             self.router.state.pin("workspace", [(reply["name"], reply)], host.url)
             reply["host"] = host.url
+            self.seen("workspace", [reply])
         self.answer(status, reply)
 
 
 class WorkspaceHandler(PinnedHandler):
     kind = "workspace"
+    owned = "workspace"
 
     async def delete(self, name: str) -> None:
         host = await self.locate(name)
@@ -35,15 +41,22 @@ class WorkspaceHandler(PinnedHandler):
 
 
 class KernelsHandler(RouterHandler):
+    for_users = True
+
     async def get(self) -> None:
         parts, missing = await self.router.gather_lists("/v1/kernels")
-        self.send([{**i, "host": h.url} for h, items in parts for i in items if isinstance(i, dict)], missing=missing)
+        records = [{**i, "host": h.url} for h, items in parts for i in items if isinstance(i, dict)]
+        if self.hub is not None:  # under JupyterHub: the kernels whose HEAD the caller sees
+            records = await self.hub.kernels_visible(self.caller, records)
+        self.send(records, missing=missing)
 
 
 class KernelHandler(PinnedHandler):
     """A forkd kernel's record lives on the host of its HEAD sandbox: PUT (and checkout) go there."""
 
     kind = "kernel"
+    owned, creates = "kernel", ("PUT",)  # a record is its HEAD's owner's; PUT may make one
+    body_owns = (("PUT", "sandbox", "head"), ("POST", "sandbox", "sandbox"))  # HEAD, or checkout's target
 
     async def put(self, kernel_id: str, *_) -> None:
         body = self.json_body() or {}
