@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -218,7 +219,7 @@ def cross_vm_run(rounds: int, mem_mib: int, numpy_mb: int, push_first: bool = Tr
     from tests.store.s3 import S3_ENV, moto_s3
 
     runs = []
-    with moto_s3() as (endpoint, _log):
+    with contextlib.redirect_stdout(sys.stderr), moto_s3() as (endpoint, _log):  # moto prints a line: keep --json clean
         env = {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
         os.environ.update(env)  # the hosts inherit it (fleet() passes os.environ)
         try:
