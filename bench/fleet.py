@@ -22,18 +22,39 @@ made on host 0, so every call below lands there either way.
   directly; R rounds, alternating; the ratio of the medians (split / one host). Both hosts share
   this machine's CPUs, so the split can only gain where spawning waits on something else.
 
+* ``--cross-vm R``: a VM snapshot (``--cross-mem`` MiB of guest RAM holding ``x = 41``, and with
+  ``--cross-numpy-mb M`` M MB of random float64s) not yet on the host it is spawned on. Each of R rounds starts afresh: moto's S3 server on loopback as the shared store, two
+  VM-engine hosts with empty data dirs, host 0 capped at 0 sandboxes (full); the snapshot is made on
+  host 0 and pushed, then ``spawn(n=1)`` through the router goes to host 1, which pulls it and
+  restores the child; timed from the call until the child answers ``eval("x + 1")`` through the
+  router. The split comes from host 1's own event timestamps (``/v1/events``, one clock with this
+  process's): ``fetch_verify`` (its snapshot row ``writing`` to the pull's last progress event: every
+  missing chunk got, decompressed, hashed and kept), ``materialise`` (to ``ready``: the snapshot's
+  files written from its local store into tmpfs, each chunk verified again), ``pull`` (the two),
+  ``restore`` (``ready`` to the child's ``created`` event: the router's spawn passed on, one loopback
+  call, then QEMU restored and the agent's restore confirmed),
+  and ``other`` (the rest: placement, the manifest's fetch before the pull, the spawn's reply and
+  the eval); beside them ``spawn_reply_ms`` (the call until the router's reply: the child is ready)
+  and ``eval_ms`` (then its first eval); ``before_pull_ms`` (the call until host 1's ``writing``).
+  With ``--cross-push-on-demand`` the snapshot is not pushed first: the router has host 0 push it
+  within the timed call (host 1's first pull answers 404), so ``before_pull_ms`` holds that push.
+  Medians over the rounds.
+
 Usage: python3 bench/fleet.py [--json] [--pings 500] [--spawns 15] [--clients 200 --seconds 60] [--split 10]
+                              [--cross-vm 3 [--cross-mem 512] [--cross-numpy-mb 100] [--cross-push-on-demand]]   (--pings 0 --spawns 0: skip those)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import json
 import os
 import statistics
 import sys
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -135,6 +156,83 @@ def split_run(rounds: int) -> dict:
             "n": rounds, "target_ratio": 0.6}
 
 
+def cross_vm_round(prefix: str, mem_mib: int, numpy_mb: int, push_first: bool = True) -> dict:
+    """One spawn of a VM snapshot that host 1 has never seen: pushed by host 0 (full), pulled by
+    host 1; without ``push_first`` the router has host 0 push it on demand, within the timed call."""
+    store = ["--store", f"s3://forkd/{prefix}"]
+    with fleet(2, host_args=[[*store, "--ForkdApp.max_sandboxes=0"], store], router_args=("--heartbeat", "0.5")) \
+            as (router, hosts):
+        h0, h1 = (Controller(h.url, h.token, timeout=900) for h in hosts)
+        api = Controller(router.url, router.token, timeout=900)
+        if numpy_mb:  # random float64s: incompressible, as bench/store.py's guest
+            h0.create_snapshot("cross", engine="vm", mem_size_mib=mem_mib, packages=["python3-numpy"],
+                               setup=f"import numpy as np\narr = np.random.default_rng(1).random({numpy_mb * 125_000})\n"
+                                     "x = 41")
+        else:
+            h0.create_snapshot("cross", engine="vm", mem_size_mib=mem_mib, setup="x = 41")
+        deadline = time.monotonic() + 900  # its durable copy in host 0's local store is written first
+        while not h0.snapshot_info("cross").get("stored"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("host 0 never wrote snapshot cross to its local store")
+            time.sleep(0.1)
+        pushed = h0.push_snapshot("cross") if push_first else {}
+        assert "cross" not in {s["tag"] for s in h1.list_snapshots()}
+        router.wait(lambda h: h["hosts_up"] >= 2, "see both hosts up")
+        seen: list[dict] = []
+        stream = h1.events()  # open before the spawn: no event of host 1's is missed
+
+        listener = threading.Thread(target=seen.extend, args=(stream,), daemon=True)
+        listener.start()
+        t0, p0 = time.time(), time.perf_counter()
+        kid = api.spawn_sandboxes("cross", 1)[0]
+        replied = time.perf_counter() - p0
+        answer = api.eval_code(kid["id"], "x + 1")["result"]
+        total = time.perf_counter() - p0
+        stream.close()
+        listener.join(10)
+        assert kid["host"] == hosts[1].url and answer == "42", (kid, answer)
+        info = h1.snapshot_info("cross")
+        api.kill_sandbox(kid["id"])
+
+    def when(kind: str, action: str, **match) -> float:
+        for e in seen:
+            if e["kind"] == kind and e["action"] == action and all(e.get(k) == v for k, v in match.items()):
+                return e["time"]
+        raise RuntimeError(f"host 1 sent no {kind} {action} event {match}: {seen}")
+
+    writing = when("snapshot", "created", tag="cross")
+    fetched = max(e["time"] for e in seen if e["kind"] == "snapshot" and e["action"] == "pull"
+                  and e.get("done_bytes") == e.get("total_bytes"))
+    ready = when("snapshot", "status", tag="cross", status="ready")
+    restored = when("sandbox", "created", id=kid["id"])
+    split = {"fetch_verify": fetched - writing, "materialise": ready - fetched, "pull": ready - writing,
+             "restore": restored - ready}
+    split["other"] = total - split["pull"] - split["restore"]
+    return {"total_ms": round(total * 1000, 1), "spawn_reply_ms": round(replied * 1000, 1),
+            "eval_ms": round((total - replied) * 1000, 1), **{f"{k}_ms": round(v * 1000, 1) for k, v in split.items()},
+            "before_pull_ms": round((writing - t0) * 1000, 1), "pushed_bytes": pushed.get("uploaded_bytes"),
+            "chunks": pushed.get("chunks"), "stored": info.get("stored")}
+
+
+def cross_vm_run(rounds: int, mem_mib: int, numpy_mb: int, push_first: bool = True) -> dict:
+    """``rounds`` cross-host spawns, each with fresh hosts and a fresh store prefix; medians."""
+    from tests.store.s3 import S3_ENV, moto_s3
+
+    runs = []
+    with contextlib.redirect_stdout(sys.stderr), moto_s3() as (endpoint, _log):  # moto prints a line: keep --json clean
+        env = {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
+        os.environ.update(env)  # the hosts inherit it (fleet() passes os.environ)
+        try:
+            for i in range(rounds):
+                runs.append(cross_vm_round(f"cross{i}-{os.getpid()}", mem_mib, numpy_mb, push_first))
+        finally:
+            for name in env:
+                os.environ.pop(name, None)
+    keys = [k for k in runs[0] if k.endswith("_ms")]
+    return {"guest_ram_mib": mem_mib, "numpy_mb": numpy_mb, "pushed_first": push_first, "n": rounds, **{k: round(statistics.median(r[k] for r in runs), 1) for k in keys},
+            "runs": runs, "target_ms": 3000}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
@@ -143,7 +241,51 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=0, help="clients of the load run (0: none)")
     ap.add_argument("--seconds", type=float, default=60.0, help="how long the load run lasts")
     ap.add_argument("--split", type=int, default=0, help="rounds of spawn(n=40) split over two hosts (0: none)")
+    ap.add_argument("--cross-vm", type=int, default=0,
+                    help="rounds of a cross-host spawn of a VM snapshot not yet on the host (0: none)")
+    ap.add_argument("--cross-mem", type=int, default=512, help="guest RAM of that snapshot, MiB")
+    ap.add_argument("--cross-numpy-mb", type=int, default=0, help="MB of random float64s it holds (0: just x = 41)")
+    ap.add_argument("--cross-push-on-demand", action="store_true",
+                    help="do not push it first: the router has its host push it within the timed spawn")
     args = ap.parse_args()
+    figures = {}
+    if args.pings and args.spawns:
+        figures.update(router_overhead(args))
+    if args.split:
+        figures["spawn40_split"] = split_run(args.split)
+    if args.cross_vm:
+        figures["cross_vm"] = cross_vm_run(args.cross_vm, args.cross_mem, args.cross_numpy_mb,
+                                          push_first=not args.cross_push_on_demand)
+    figures["load"] = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps(figures))
+        return 0
+    if "ping" in figures:
+        p, s = figures["ping"], figures["spawn20"]
+        print(f"ping: router p50 {p['router_p50_ms']} ms, direct p50 {p['direct_p50_ms']} ms, "
+              f"overhead (median of paired differences) {p['overhead_p50_ms']} ms (target <= 2 ms)")
+        print(f"spawn(n=20): router {s['router_median_ms']} ms, direct {s['direct_median_ms']} ms, "
+              f"ratio {s['ratio']}, paired {s['paired_ratio']} (target <= 1.10)")
+    if "spawn40_split" in figures:
+        f = figures["spawn40_split"]
+        print(f"spawn(n=40) split over two hosts via the router {f['router_split_median_ms']} ms, one host "
+              f"alone {f['one_host_median_ms']} ms, ratio {f['ratio']} (target <= 0.6)")
+    if "clients" in figures:
+        load = figures["clients"]
+        print(f"{load['clients']} clients x {load['seconds']} s: {load['calls']} pings, {load['errors']} errors, "
+              f"p50 {load['p50_ms']} ms, p99 {load['p99_ms']} ms, lost pins {load['lost_pins']}")
+    if "cross_vm" in figures:
+        c = figures["cross_vm"]
+        print(f"cross-host spawn of a {c['guest_ram_mib']} MiB VM snapshot ({c['numpy_mb']} MB of numpy), first child "
+              f"answering: {c['total_ms']} ms "
+              f"(target <= 3000) = pull {c['pull_ms']} (fetch + verify {c['fetch_verify_ms']}, materialise "
+              f"{c['materialise_ms']}) + restore {c['restore_ms']} + other {c['other_ms']} (before the pull "
+              f"{c['before_pull_ms']}); median of {c['n']}")
+    return 0
+
+
+def router_overhead(args) -> dict:
+    """The ping, spawn(n=20) and --clients figures: the router against the host called directly."""
     with fleet(2, router_args=("--heartbeat", "2")) as (router, hosts):
         Controller(hosts[0].url, hosts[0].token, timeout=300).create_snapshot("base", setup="x = 1")
         via, direct = Conn(router.url, router.token), Conn(hosts[0].url, hosts[0].token)
@@ -181,7 +323,7 @@ def main() -> int:
                 (sr if conn is via else sd).append(spawn(conn))
         load = clients_load(router, hosts, args.clients, args.seconds) if args.clients else None
     paired = statistics.median(r - d for r, d in zip(sr, sd))
-    figures = {
+    return {
         "ping": {"router_p50_ms": ms(r_s), "direct_p50_ms": ms(d_s), "overhead_p50_ms": ms(diffs),
                  "n": args.pings, "target_overhead_ms": 2.0},
         "spawn20": {"router_median_ms": ms(sr), "direct_median_ms": ms(sd),
@@ -190,25 +332,7 @@ def main() -> int:
                     "paired_ratio": round(1 + paired / statistics.median(sd), 3), "n": args.spawns,
                     "target_ratio": 1.10},
         **({"clients": load} if load else {}),
-        **({"spawn40_split": split_run(args.split)} if args.split else {}),
-        "load": os.getloadavg()[0],
     }
-    if args.json:
-        print(json.dumps(figures))
-    else:
-        p, s = figures["ping"], figures["spawn20"]
-        print(f"ping: router p50 {p['router_p50_ms']} ms, direct p50 {p['direct_p50_ms']} ms, "
-              f"overhead (median of paired differences) {p['overhead_p50_ms']} ms (target <= 2 ms)")
-        print(f"spawn(n=20): router {s['router_median_ms']} ms, direct {s['direct_median_ms']} ms, "
-              f"ratio {s['ratio']}, paired {s['paired_ratio']} (target <= 1.10)")
-        if "spawn40_split" in figures:
-            f = figures["spawn40_split"]
-            print(f"spawn(n=40) split over two hosts via the router {f['router_split_median_ms']} ms, one host "
-                  f"alone {f['one_host_median_ms']} ms, ratio {f['ratio']} (target <= 0.6)")
-        if load:
-            print(f"{load['clients']} clients x {load['seconds']} s: {load['calls']} pings, {load['errors']} errors, "
-                  f"p50 {load['p50_ms']} ms, p99 {load['p99_ms']} ms, lost pins {load['lost_pins']}")
-    return 0
 
 
 if __name__ == "__main__":
