@@ -8,8 +8,8 @@ push/pull between it and a remote store (``forkd serve --store URL``).
   A snapshot still unstored when the server stopped is stored when it starts again.
 - *Push* copies a stored snapshot's missing chunks to the remote, then its manifest, then its tag;
   *pull* fetches a manifest by tag or digest, checks this host can restore it (409 naming the field
-  that differs), fetches only the chunks this host lacks, verifying each, and makes a ``ready``
-  snapshot of it.
+  that differs), fetches only the chunks this host lacks, verifying each once as it writes it into
+  the snapshot's files (and keeps it in the local store), and makes a ``ready`` snapshot of it.
 - A stored sandbox's copy in the remote store goes once it runs again or ends (stored_copies.py).
 
 Progress goes out as change events (kind snapshot, action ``push``/``pull``, ``done_bytes`` and
@@ -26,7 +26,7 @@ import time
 
 from forkd_engine import EngineError
 from forkd_engine.store import (ChunkCorrupt, Incompatible, NotInStore, RemoteStore, StoreError, delete as delete_remote,
-                                fetch_manifest, parse_digest, pull as pull_chunks, push as push_chunks)
+                                fetch_manifest, parse_digest, push as push_chunks)
 
 from .checks import check_tag
 from .errors import BadRequest, Conflict, EngineFailure, NotFound, StoreFailure
@@ -304,9 +304,9 @@ class StoreManager:
                                            "spec": {"pulled_from": remote.url, "digest": manifest.digest}})
             self.feed.emit("snapshot", "created", tag=name, status="writing")
             try:
-                engine.store.pin(name, manifest.digest)  # what this pull fetched stays while it runs
-                figures = pull_chunks(engine.store, remote, manifest, progress=self._progress(name, "pull"))
-                handle = engine.import_snapshot(manifest, name, [name])
+                # one pass: each missing chunk fetched, verified, written into its file and kept
+                handle, figures = engine.import_snapshot(manifest, name, [name], remote=remote,
+                                                         progress=self._progress(name, "pull"))
             except BaseException as exc:
                 engine.store.unpin(name)
                 engine.store.evict()  # what the pull fetched is cache now, within the cap

@@ -270,3 +270,83 @@ def test_a_branch_keeps_a_chunk_changed_in_a_few_pages_as_a_page_patch(tmp_path)
     open(other.chunk_path(patch["patch"]), "wb").write(blob)
     with pytest.raises(ChunkCorrupt, match=patch["patch"]):
         materialise(other, child, {"memory.bin": str(out / "again.bin")})
+
+
+def _counting_decompress(monkeypatch) -> "collections.Counter":
+    """Count how often each stored object is decompressed (by its compressed bytes' sha256)."""
+    import collections
+    import hashlib
+
+    from forkd_engine.store import chunks as ck
+
+    seen, real = collections.Counter(), ck.decompress
+
+    def counted(blob, size):
+        seen[hashlib.sha256(blob).hexdigest()] += 1
+        return real(blob, size)
+
+    monkeypatch.setattr(ck, "decompress", counted)
+    return seen
+
+
+def test_a_pull_writes_the_files_in_one_pass_identical_to_the_source(tmp_path, monkeypatch):
+    cache = ChunkCache(str(tmp_path / "src-cache"))
+    parent_files = files_of(tmp_path, "p", 11)
+    parent = persist(cache, parent_files, REQUIRES, {"tag": "p"})
+    data = bytearray(open(parent_files["memory.bin"], "rb").read())
+    data[3 * CHUNK_SIZE + 9000] ^= 1  # a page patch against the parent's chunk
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "memory.bin").write_bytes(data)
+    (tmp_path / "c" / "devices.bin").write_bytes(open(parent_files["devices.bin"], "rb").read())
+    child_files = {n: str(tmp_path / "c" / n) for n in ("memory.bin", "devices.bin")}
+    child = persist(cache, child_files, REQUIRES, {"tag": "c"}, parent=parent)
+    assert any(isinstance(e, dict) for e in child.files["memory.bin"]["chunks"])
+    remote = RemoteStore(f"file://{tmp_path}/remote")
+    push(cache, remote, parent.digest)
+    push(cache, remote, child.digest)
+    # another host, holding nothing: one pass writes the files, each object decompressed once
+    other = ChunkCache(str(tmp_path / "other"))
+    out = tmp_path / "out"
+    out.mkdir()
+    seen = _counting_decompress(monkeypatch)
+    progress = []
+    figures = materialise(other, child, {n: str(out / n) for n in child.files}, remote=remote,
+                          progress=lambda done, total: progress.append((done, total)))
+    assert figures["fetched_chunks"] == figures["chunks"] == len(child.chunks())
+    assert sorted(seen.values()) == [1] * len(child.chunks())
+    assert progress and progress[-1][0] == progress[-1][1]
+    for name, path in child_files.items():
+        assert (out / name).read_bytes() == open(path, "rb").read()
+    assert sorted(os.listdir(out)) == ["devices.bin", "memory.bin"]  # no .part left
+    assert os.stat(out / "memory.bin").st_blocks * 512 < 6 * CHUNK_SIZE  # zero chunks stay holes
+    # the local store keeps what it fetched, compressed: a push from here needs nothing from elsewhere
+    assert other.has_all(child) and other.get_manifest(child.digest) is not None
+    again = RemoteStore(f"file://{tmp_path}/again")
+    assert push(other, again, child.digest)["uploaded_chunks"] == len(child.chunks())
+    # a second write of the same files fetches nothing
+    (out / "memory.bin").unlink()
+    assert materialise(other, child, {"memory.bin": str(out / "memory.bin")}, remote=remote)["fetched_chunks"] == 0
+    assert (out / "memory.bin").read_bytes() == bytes(data)
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_tampered_chunk_on_pull_leaves_no_files_and_no_snapshot(tmp_path, which):
+    cache = ChunkCache(str(tmp_path / "src-cache"))
+    m = persist(cache, files_of(tmp_path, "src", 12), REQUIRES, {"tag": "t"})
+    remote = RemoteStore(f"file://{tmp_path}/remote")
+    push(cache, remote, m.digest, tag="t")
+    victims = [c for c in m.files["memory.bin"]["chunks"] if c]
+    victim = victims[0] if which == "first" else victims[-1]
+    blob = bytearray(remote.get_chunk(victim))
+    blob[len(blob) // 2] ^= 0x10
+    remote.delete(remote.chunk_path(victim))
+    remote.put_chunk(victim, bytes(blob))
+    other = ChunkCache(str(tmp_path / "other"))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ChunkCorrupt) as err:
+        materialise(other, m, {n: str(out / n) for n in m.files}, remote=remote)
+    assert err.value.chunk == victim and f"file://{tmp_path}/remote" in str(err.value)
+    assert os.listdir(out) == []                      # no file, whole or partial
+    assert not other.has(victim)                       # the bad chunk is not kept
+    assert other.get_manifest(m.digest) is None        # nothing recorded as complete

@@ -1,5 +1,6 @@
-"""Moving a snapshot's files: into this host's chunk cache (``persist``), back into files
-(``materialise``), and between the cache and a remote store (``push``, ``pull``).
+"""Moving a snapshot's files: into this host's chunk cache (``persist``), and its chunks between the
+cache and a remote store (``push``, ``pull``). Writing files back, from the cache and a remote at
+once, is ``assemble.materialise``.
 
 Work runs on a few threads: hashing, zstd and obstore release the GIL. ``progress(done, total)``
 is called with byte counts as chunks are done.
@@ -121,50 +122,6 @@ def _entry(cache: ChunkCache, data: bytes, before):
     if not cache.has(hexd):
         cache.write(hexd, ck.compress(data))
     return hexd
-
-
-def materialise(cache: ChunkCache, manifest: Manifest, dests: dict[str, str], progress: Progress = None) -> None:
-    """Write the manifest's files to ``dests`` (name -> path) from the cache, zero chunks as holes,
-    each chunk verified against its digest (a patched one after its patch is applied). A file is
-    written beside its path and renamed into place, so a failure leaves no partial file."""
-    missing = [c for c in manifest.chunks() if not cache.has(c)]
-    if missing:
-        raise StoreError(f"local store {cache.root}: {len(missing)} chunks of snapshot {manifest.digest} are "
-                         f"missing (first: {missing[0]}); pull it again from a remote store")
-    where = f"local store {cache.root}"
-    counter = _Counter(sum(manifest.files[n]["size"] for n in dests), progress)
-    for name, dest in dests.items():
-        entry = manifest.files[name]
-        tmp = dest + ".part"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, entry["size"])
-
-            def one(job, fd=fd, entry=entry):
-                i, chunk = job
-                size = min(manifest.chunk_size, entry["size"] - i * manifest.chunk_size)
-                if isinstance(chunk, dict):
-                    base = _verified(where, chunk["base"], cache.read(chunk["base"]), manifest.chunk_size)
-                    patch = _verified(where, chunk["patch"], cache.read(chunk["patch"]), chunk["patch_size"])
-                    try:
-                        data = ck.apply_patch(base, patch)
-                    except ValueError as exc:
-                        raise ChunkCorrupt(where, chunk["patch"], str(exc)) from None
-                    if ck.digest(data) != chunk["sha256"]:
-                        raise ChunkCorrupt(where, chunk["patch"], f"applied, it makes {ck.digest(data)}, not "
-                                                                  f"{chunk['sha256']}")
-                    os.pwrite(fd, data, i * manifest.chunk_size)
-                elif chunk is not None:
-                    os.pwrite(fd, _verified(where, chunk, cache.read(chunk), size), i * manifest.chunk_size)
-                counter.add(size)
-
-            _run(one, list(enumerate(entry["chunks"])))
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        os.rename(tmp, dest)
 
 
 def _verified(where: str, hexd: str, blob: bytes, size: int) -> bytes:

@@ -18,7 +18,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..base import EngineError, Handle
-from ..store import ChunkCache, Manifest, StoreError, materialise, persist
+from ..store import ChunkCache, Manifest, RemoteStore, StoreError, materialise, persist
 from . import snapshots
 from .packages import PACKAGES_FILE
 from .qemu import MACHINE
@@ -150,21 +150,23 @@ def _check_room(engine: "VMEngine", manifest: Manifest, files: dict[str, str]) -
                 from OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), engine.mem_root)
 
 
-def import_snapshot(engine: "VMEngine", manifest: Manifest, tag: str, lineage: list[str]) -> Handle:
-    """Make snapshot ``tag`` on this host from a manifest whose chunks are all in the store (a pull):
-    its restore dependencies checked, its files written, its meta.json last."""
+def import_snapshot(engine: "VMEngine", manifest: Manifest, tag: str, lineage: list[str],
+                    remote: RemoteStore | None = None, progress=None) -> tuple[Handle, dict]:
+    """Make snapshot ``tag`` on this host from a manifest (a pull): its restore dependencies checked,
+    its files written (the chunks the store lacks fetched from ``remote`` in the same pass, each
+    verified once), its meta.json last. Returns its handle and the pull's figures."""
     manifest.check(host_requires(engine))
     digest = manifest.digest
-    engine.store.pin(tag, digest)
+    engine.store.pin(tag, digest)  # what this pull fetches stays while it runs
     snap, mem_path = snapshots.paths(engine, tag)
     try:
         dests = {name: (mem_path if name == "memory.bin" else os.path.join(snap, name)) for name in manifest.files}
         _check_room(engine, manifest, dests)
-        materialise(engine.store, manifest, dests)
+        figures = materialise(engine.store, manifest, dests, remote=remote, progress=progress)
         meta = manifest.meta
         extra = {k: v for k, v in meta.items() if k in ("boot_to_agent_ms",)}
         return snapshots.record(engine, tag, snap, mem_path, manifest.requires["mem_mib"], meta.get("image") or {},
-                                lineage, meta.get("packages"), pulled_from=digest, **extra)
+                                lineage, meta.get("packages"), pulled_from=digest, **extra), figures
     except BaseException:
         engine.store.unpin(tag)
         engine.delete_snapshot({"dir": snap, "memory": mem_path})

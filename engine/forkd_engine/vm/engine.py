@@ -315,9 +315,11 @@ class VMEngine:
         (a spawn does this by itself; called first, it is timed apart)."""
         return durable.ensure_files(self, handle)
 
-    def import_snapshot(self, manifest: Manifest, tag: str, lineage: list[str]) -> Handle:
-        """Snapshot ``tag`` from a manifest whose chunks the local store holds (after a pull)."""
-        return durable.import_snapshot(self, manifest, tag, lineage)
+    def import_snapshot(self, manifest: Manifest, tag: str, lineage: list[str], remote=None,
+                        progress=None) -> tuple[Handle, dict]:
+        """Snapshot ``tag`` from a manifest (a pull): the chunks the local store lacks fetched from
+        ``remote`` and written into its files in one pass. Returns its handle and the pull's figures."""
+        return durable.import_snapshot(self, manifest, tag, lineage, remote, progress)
 
     def close(self) -> None:
         """Kill the pre-started QEMUs and close agent connections. VMs and snapshots outlive the
