@@ -3,6 +3,8 @@ stores (a folder, memory, and moto's S3 server on loopback)."""
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import os
 import time
 
@@ -10,6 +12,7 @@ import pytest
 
 from forkd_engine.store import (CHUNK_SIZE, ChunkCache, ChunkCorrupt, Incompatible, Manifest, NotInStore,
                                 RemoteStore, StoreError, delete, fetch_manifest, materialise, persist, pull, push)
+from forkd_engine.store import chunks as ck
 
 from .s3 import S3_ENV, moto_s3
 
@@ -272,12 +275,8 @@ def test_a_branch_keeps_a_chunk_changed_in_a_few_pages_as_a_page_patch(tmp_path)
         materialise(other, child, {"memory.bin": str(out / "again.bin")})
 
 
-def _counting_decompress(monkeypatch) -> "collections.Counter":
+def _counting_decompress(monkeypatch) -> collections.Counter:
     """Count how often each stored object is decompressed (by its compressed bytes' sha256)."""
-    import collections
-    import hashlib
-
-    from forkd_engine.store import chunks as ck
 
     seen, real = collections.Counter(), ck.decompress
 
