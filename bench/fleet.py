@@ -29,8 +29,11 @@ made on host 0, so every call below lands there either way.
   restores the child; timed from the call until the child answers ``eval("x + 1")`` through the
   router. The split comes from host 1's own event timestamps (``/v1/events``, one clock with this
   process's): ``fetch_verify`` (its snapshot row ``writing`` to the pull's last progress event: every
-  missing chunk got, decompressed, hashed and kept), ``materialise`` (to ``ready``: the snapshot's
-  files written from its local store into tmpfs, each chunk verified again), ``pull`` (the two),
+  missing chunk got, decompressed, hashed, written into the snapshot's files, ``memory.bin`` in
+  tmpfs, and kept in the local store, in one pass), ``materialise`` (to ``ready``: the files
+  renamed into place, the manifest and the snapshot's record written; before the pull was one
+  pass, this was the files written from the local store, every chunk verified again), ``pull``
+  (the two),
   ``restore`` (``ready`` to the child's ``created`` event: the router's spawn passed on, one loopback
   call, then QEMU restored and the agent's restore confirmed),
   and ``other`` (the rest: placement, the manifest's fetch before the pull, the spawn's reply and

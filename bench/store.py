@@ -21,6 +21,12 @@ remote store. Figures:
   ``--reps`` interleaved runs (each its own bucket and store). push_content_mb_s and
   pull_content_mb_s count the snapshot's own bytes instead (its non-zero chunks uncompressed,
   content_mb): what a host gains per second.
+- pull_to_files: a pull that makes the snapshot's files on a host holding none of its chunks (into
+  a fresh local store, memory.bin into tmpfs), both ways in alternating order each repetition:
+  one_pass (each chunk fetched, verified once, written into its file and kept: the pull) and
+  two_pass (every chunk pulled into the local store, then the files written from it, every chunk
+  verified again: the pull before it was one pass); medians, their MB/s of compressed chunks and
+  of content, and the median of the paired ratios one_pass / two_pass.
 - wake_from_local_store: a snapshot whose RAM file tmpfs lost, spawned again: materialise_ms
   (decompress + verify + write memory.bin into tmpfs; nothing to fetch from the local store) and
   restore_ms (QEMU's restore until the agent confirms), as a stored notebook's wake would do.
@@ -52,7 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
 import obstore  # noqa: E402
 
 from forkd_engine import ChildSpec, SnapshotSpec  # noqa: E402
-from forkd_engine.store import ChunkCache, RemoteStore, pull, push  # noqa: E402
+from forkd_engine.store import ChunkCache, RemoteStore, materialise, pull, push  # noqa: E402
 from forkd_engine.store.transfer import IO_WORKERS  # noqa: E402
 from forkd_engine.vm import VMEngine  # noqa: E402
 from forkd_engine.vm import durable  # noqa: E402
@@ -74,6 +80,26 @@ def run(engine, h, code, timeout=600):
     if reply.get("error"):
         raise RuntimeError(reply["error"])
     return reply
+
+
+def pull_to_files(way: str, remote, manifest, root: str, mem_dir: str) -> float:
+    """Seconds to make a snapshot's files on a host that holds none of its chunks: ``two_pass`` pulls
+    every chunk into a fresh local store (each verified) and then writes the files from it (each
+    verified again); ``one_pass`` writes each chunk into its file as it verifies it, keeping it in the
+    store too (what a pull does). ``memory.bin`` goes to tmpfs, as the VM engine's does."""
+    cache = ChunkCache(os.path.join(root, "store"))
+    os.makedirs(mem_dir, exist_ok=True)
+    dests = {n: os.path.join(mem_dir if n == "memory.bin" else root, n) for n in manifest.files}
+    t0 = time.monotonic()
+    if way == "two_pass":
+        pull(cache, remote, manifest)
+        materialise(cache, manifest, dests)
+    else:
+        materialise(cache, manifest, dests, remote=remote)
+    took = time.monotonic() - t0
+    shutil.rmtree(root)
+    shutil.rmtree(mem_dir)
+    return took
 
 
 def moto_process() -> tuple[subprocess.Popen, str]:
@@ -152,7 +178,8 @@ def main() -> int:
     ap.add_argument("--numpy-mb", type=int, default=100)
     ap.add_argument("--changed", type=float, default=0.10, help="fraction of guest RAM the diff branch rewrites")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--only", choices=["tiers"], help="only the tiers' figures (freeze, store, wake)")
+    ap.add_argument("--only", choices=["tiers", "store"],
+                    help="only the tiers' figures (freeze, store, wake), or only the others")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="fkstore")
     server, endpoint = moto_process()
@@ -193,6 +220,7 @@ def main() -> int:
             blobs = [engine.store.read(c) for c in manifest.chunks()]
             moved = sum(map(len, blobs))
             push_s, pull_s, put_s, get_s = [], [], [], []
+            files_s: dict[str, list[float]] = {"one_pass": [], "two_pass": []}
             for rep in range(args.reps):
                 remote = bucket(endpoint, f"bench-{rep}")
                 t0 = time.monotonic()
@@ -211,6 +239,10 @@ def main() -> int:
                 pull(fresh, remote, manifest)
                 pull_s.append(time.monotonic() - t0)
                 shutil.rmtree(fresh.root)
+                # a whole pull into the snapshot's files, both ways, in alternating order
+                for way in (("one_pass", "two_pass") if rep % 2 else ("two_pass", "one_pass")):
+                    files_s[way].append(pull_to_files(way, remote, manifest, os.path.join(root, f"files{rep}"),
+                                                      os.path.join(engine.mem_root, f"bench-pull{rep}")))
                 p, g = baseline(remote, blobs)
                 put_s.append(p)
                 get_s.append(g)
@@ -225,6 +257,16 @@ def main() -> int:
                        target_mb_s=">= 200")
             out["push_over_baseline"] = round(out["push_mb_s"] / out["baseline_put_mb_s"], 2)
             out["pull_over_baseline"] = round(out["pull_mb_s"] / out["baseline_get_mb_s"], 2)
+            out["pull_to_files"] = {
+                "one_pass_ms": med([s * 1000 for s in files_s["one_pass"]]),
+                "two_pass_ms": med([s * 1000 for s in files_s["two_pass"]]),
+                "one_pass_mb_s": med([mb / s for s in files_s["one_pass"]]),
+                "two_pass_mb_s": med([mb / s for s in files_s["two_pass"]]),
+                "one_pass_content_mb_s": med([content / s for s in files_s["one_pass"]]),
+                "paired_ratio": round(statistics.median([a / b for a, b in zip(files_s["one_pass"],
+                                                                               files_s["two_pass"])]), 3)}
+            out["pull_to_files"]["one_pass_over_baseline_get"] = round(
+                out["pull_to_files"]["one_pass_mb_s"] / out["baseline_get_mb_s"], 2)
 
             # wake from the local store: the RAM file gone (a reboot), written back, then restored
             wake = {"materialise_ms": [], "restore_ms": []}
@@ -242,7 +284,8 @@ def main() -> int:
                                             "total_ms": med([a + b for a, b in zip(wake["materialise_ms"], wake["restore_ms"])]),
                                             "target_ms": "<= 2000"}
 
-        out["tiers"] = tiers(engine, os.path.join(root, "ctl"), args, setup)
+        if args.only != "store":
+            out["tiers"] = tiers(engine, os.path.join(root, "ctl"), args, setup)
     finally:
         for h in handles:
             (engine.kill if h.get("kind") == "vm" else engine.delete_snapshot)(h)
