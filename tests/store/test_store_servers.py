@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from forkd_engine.store import fetch_manifest
 from forkd_server.client import Controller
 
 from ..rest import exchange
@@ -36,6 +37,21 @@ def mem_root(srv) -> str:
     """The tmpfs folder of a server's guest RAM files (as the VM engine names it)."""
     digest = hashlib.sha1(os.path.realpath(os.path.join(srv.data_dir, "vm")).encode()).hexdigest()[:12]
     return f"/dev/shm/forkd-vm-{digest}"
+
+
+def snapshot_file(srv, tag: str, name: str) -> str:
+    """Where a server's VM engine keeps file ``name`` of snapshot ``tag`` (memory.bin in tmpfs)."""
+    if name == "memory.bin":
+        return os.path.join(mem_root(srv), tag, name)
+    return os.path.join(srv.data_dir, "vm", "snapshots", tag, name)
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def restart(srv) -> None:
@@ -108,6 +124,11 @@ def test_another_host_pulls_and_its_children_compute_the_same(host_a, host_b, pu
     assert info["status"] == "ready" and info["stored"] == {"digest": pushed, "remote": True}
     assert info["pull"]["fetched_chunks"] == info["pull"]["chunks"]
     assert seen and seen[-1][0] == seen[-1][1]
+    files = fetch_manifest(_s3(s3[0]), digest=pushed).files
+    assert "memory.bin" in files and "devices.bin" in files
+    for name in files:  # host B's files are host A's, byte for byte
+        assert file_digest(snapshot_file(host_b, "np", name)) == file_digest(snapshot_file(host_a, "np", name)), name
+    assert not any(n.endswith(".part") for n in os.listdir(os.path.dirname(snapshot_file(host_b, "np", "memory.bin"))))
     ref = a.spawn_sandboxes("np")[0]["id"]
     kids = [k["id"] for k in b.spawn_sandboxes("np", 2)]
     try:
@@ -153,7 +174,6 @@ def _s3(env):
 
 def test_a_tampered_chunk_fails_the_pull_naming_it_and_starts_nothing(s3, pushed):
     env, _log = s3
-    from forkd_engine.store import fetch_manifest
     remote = _s3(env)
     manifest = fetch_manifest(remote, digest=pushed)
     victim = manifest.files["memory.bin"]["chunks"][-1] or manifest.chunks()[-1]
@@ -170,6 +190,7 @@ def test_a_tampered_chunk_fails_the_pull_naming_it_and_starts_nothing(s3, pushed
             ctl = Controller(c.url, c.token)
             assert ctl.list_snapshots() == [] and ctl.list_sandboxes() == []
             assert not os.listdir(os.path.join(c.data_dir, "vm", "snapshots"))
+            assert not os.path.exists(os.path.join(mem_root(c), "np"))  # no RAM file, whole or partial
     finally:
         remote.delete(remote.chunk_path(victim))
         remote.put_chunk(victim, good)
@@ -177,7 +198,7 @@ def test_a_tampered_chunk_fails_the_pull_naming_it_and_starts_nothing(s3, pushed
 
 def test_a_manifest_from_another_qemu_is_a_409_naming_the_field(host_b, s3, pushed):
     env, _log = s3
-    from forkd_engine.store import Manifest, fetch_manifest
+    from forkd_engine.store import Manifest
     remote = _s3(env)
     m = fetch_manifest(remote, digest=pushed)
     other = Manifest(files=m.files, requires=dict(m.requires, qemu="QEMU emulator version 1.0.0"),
@@ -238,7 +259,6 @@ def test_a_push_cut_short_resumes_when_the_server_starts_again(host_a, pushed, s
     """What a server killed mid-push leaves: some chunks in the store, no manifest update, and its
     marker. The next start says so and pushes what is missing."""
     env, _log = s3
-    from forkd_engine.store import fetch_manifest
     remote = _s3(env)
     victim = fetch_manifest(remote, digest=pushed).chunks()[0]
     remote.delete(remote.chunk_path(victim))
