@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import sqlite3
 import time
 
@@ -155,9 +156,10 @@ class Registry:
             return self._next(db, name, count)
 
     @staticmethod
-    def _next(db: sqlite3.Connection, name: str, count: int) -> int:
+    def _next(db: sqlite3.Connection, name: str, count: int, start: int = 0) -> int:
+        """The counter's next ``count`` values (a new counter begins at ``start``)."""
         row = db.execute("SELECT value FROM counters WHERE name=?", (name,)).fetchone()
-        first = row[0] if row else 0
+        first = row[0] if row else start
         db.execute("INSERT OR REPLACE INTO counters(name, value) VALUES (?, ?)", (name, first + count))
         return first
 
@@ -232,9 +234,12 @@ class Registry:
 
     def insert_numbered_sandboxes(self, count: int, rows_from) -> list[dict]:
         """Reserve ``count`` sandbox numbers and insert the rows ``rows_from(first number)`` makes
-        of them, in one transaction (a spawn's first of two); returns the rows."""
+        of them, in one transaction (a spawn's first of two); returns the rows. A new data dir's
+        numbers begin at random: ids are ``sb-<second>-<number mod 2**16>``, and hosts behind one
+        router that all began at 0 handed out the same ids when a spawn split over them, which the
+        router must kill and spawn again (a second, serial spawn of that part)."""
         with self.tx() as db:
-            rows = rows_from(self._next(db, "sandbox", count))
+            rows = rows_from(self._next(db, "sandbox", count, start=secrets.randbelow(0x10000)))
             self._insert_rows(db, "sandboxes", rows)
         return rows
 

@@ -80,3 +80,27 @@ def test_a_registry_from_before_workspaces_gains_the_table(short_dir):
         assert reg.get_workspace("w")["live_sandbox_id"] == "sb-1"
     finally:
         reg.close()
+
+
+def test_sandbox_numbers_begin_at_random_per_data_dir_and_then_count_on(short_dir):
+    """Hosts behind one router that all began at 0 handed out the same ids (``sb-<second>-<n>``)
+    when a spawn split over them; a new registry's numbering begins anywhere in the 16 bits the id
+    shows, and a reopened one counts on from where it was."""
+    firsts = []
+    for i in range(5):
+        path = os.path.join(short_dir, f"n{i}.sqlite3")
+        reg = Registry(path)
+        try:
+            rows = reg.insert_numbered_sandboxes(3, lambda first: [row(first + k) for k in range(3)])
+            first = int(rows[0]["id"][3:])
+            assert [r["id"] for r in rows] == [f"sb-{first + k}" for k in range(3)]
+            assert 0 <= first < 0x10000
+        finally:
+            reg.close()
+        reg = Registry(path)  # reopened, as by a restarted server: no new start
+        try:
+            assert reg.insert_numbered_sandboxes(1, lambda n: [row(n)])[0]["id"] == f"sb-{first + 3}"
+        finally:
+            reg.close()
+        firsts.append(first)
+    assert len(set(firsts)) > 1, firsts  # five starts all alike: 1 in 2**64 by chance
