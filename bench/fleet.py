@@ -180,6 +180,7 @@ def split_run(rounds: int) -> dict:
                         conn.call("DELETE", f"/v1/sandboxes/{k['id']}")
                 if which != "alone":
                     room_again()
+        clashes = router.output().count("handed out ids in use elsewhere")
     split, single, both, half = times["router"], times["alone"], times["pair"], times["half"]
     return {"router_split_median_ms": ms(split), "one_host_median_ms": ms(single),
             "two_hosts_direct_median_ms": ms(both), "one_host_20_median_ms": ms(half),
@@ -188,6 +189,8 @@ def split_run(rounds: int) -> dict:
             # each host on CPUs of its own: its 20 take what 20 take alone, plus the router's share
             "own_cpus_ratio": round((statistics.median(half) + max(0.0, statistics.median(split) - statistics.median(both)))
                                     / statistics.median(single), 3),
+            # round 0 begins with the router's split: the fleet's first spawn on both capped hosts
+            "first_split_ms": round(split[0] * 1000, 1), "id_clashes_spawned_again": clashes,
             "split": spread[:3], "n": rounds, "target_ratio": 0.6}
 
 
