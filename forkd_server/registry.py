@@ -1,7 +1,13 @@
 """The crash-safe record of every snapshot, sandbox and workspace: SQLite in WAL mode.
 
 Each change is one transaction with ``synchronous=FULL``, so a ``kill -9`` of the server (or a power
-cut) leaves either the old or the new record, never half of one. Engine handles are stored as JSON
+cut) leaves either the old or the new record, never half of one. A spawn's two transactions are the
+exception (``tx(durable=False)``): they record processes, which a power cut or a crash of the host
+ends too, so they are committed without waiting for the disk (a ``kill -9`` of the server still
+loses nothing of them: the operating system holds the write; the next durable commit, or a
+checkpoint, puts them on disk). A host that went down within that moment may come back without
+the rows of its last spawn, whose sandboxes died with it; each engine's recovery removes what no
+row names. Engine handles are stored as JSON
 so a restarted controller can re-attach to live templates and sandboxes.
 """
 
@@ -137,17 +143,25 @@ class Registry:
             self._db.close()
 
     @contextlib.contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
-        """One atomic change: BEGIN IMMEDIATE ... COMMIT, rolled back on any error."""
+    def tx(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One atomic change: BEGIN IMMEDIATE ... COMMIT, rolled back on any error. ``durable=False``
+        commits without the fsync (``synchronous=NORMAL`` in WAL mode: still atomic, and kept
+        through a crash of this process, not of the host): for rows that die with the host anyway."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            if not durable:
+                self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-            self._tables.clear()
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+                self._tables.clear()
+            finally:
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
 
     def next_counter(self, name: str, count: int = 1) -> int:
         """Reserve ``count`` values of a persistent counter; returns the first."""
@@ -232,8 +246,9 @@ class Registry:
 
     def insert_numbered_sandboxes(self, count: int, rows_from) -> list[dict]:
         """Reserve ``count`` sandbox numbers and insert the rows ``rows_from(first number)`` makes
-        of them, in one transaction (a spawn's first of two); returns the rows."""
-        with self.tx() as db:
+        of them, in one transaction (a spawn's first of two, not waiting for the disk: see above);
+        returns the rows."""
+        with self.tx(durable=False) as db:
             rows = rows_from(self._next(db, "sandbox", count))
             self._insert_rows(db, "sandboxes", rows)
         return rows
@@ -242,8 +257,9 @@ class Registry:
         self._update("sandboxes", "id", sandbox_id, fields)
 
     def set_sandbox_handles(self, handles: dict[str, dict]) -> None:
-        """Mark many sandboxes running in one transaction."""
-        with self.tx() as db:
+        """Mark many sandboxes running in one transaction (a spawn's second, not waiting for the
+        disk: see above)."""
+        with self.tx(durable=False) as db:
             for sid, handle in handles.items():
                 db.execute("UPDATE sandboxes SET status='running', handle=? WHERE id=?",
                            (json.dumps(handle), sid))
