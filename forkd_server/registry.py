@@ -1,13 +1,14 @@
 """The crash-safe record of every snapshot, sandbox and workspace: SQLite in WAL mode.
 
 Each change is one transaction with ``synchronous=FULL``, so a ``kill -9`` of the server (or a power
-cut) leaves either the old or the new record, never half of one. A spawn's two transactions are the
-exception (``tx(durable=False)``): they record processes, which a power cut or a crash of the host
-ends too, so they are committed without waiting for the disk (a ``kill -9`` of the server still
+cut) leaves either the old or the new record, never half of one. A spawn's two transactions, and a
+branch's and fork's where the engine's snapshots are processes too, are the exception
+(``tx(durable=False)``): they record processes, which a power cut or a crash of the host ends too,
+so they are committed without waiting for the disk (a ``kill -9`` of the server still
 loses nothing of them: the operating system holds the write; the next durable commit, or a
 checkpoint, puts them on disk). A host that went down within that moment may come back without
-the rows of its last spawn, whose sandboxes died with it; each engine's recovery removes what no
-row names. Engine handles are stored as JSON
+the rows of its last spawn or fork, whose processes died with it; each engine's recovery removes
+what no row names. Engine handles are stored as JSON
 so a restarted controller can re-attach to live templates and sandboxes.
 """
 
@@ -177,8 +178,8 @@ class Registry:
 
     # --- generic row helpers ----------------------------------------------------------------------
 
-    def _insert(self, table: str, rows: list[dict]) -> None:
-        with self.tx() as db:
+    def _insert(self, table: str, rows: list[dict], durable: bool = True) -> None:
+        with self.tx(durable) as db:
             self._insert_rows(db, table, rows)
 
     @staticmethod
@@ -189,10 +190,10 @@ class Registry:
             marks = ", ".join("?" for _ in enc)
             db.execute(f"INSERT INTO {table} ({cols}) VALUES ({marks})", tuple(enc.values()))
 
-    def _update(self, table: str, key: str, value: str, fields: dict) -> None:
+    def _update(self, table: str, key: str, value: str, fields: dict, durable: bool = True) -> None:
         enc = _encode(fields)
         sets = ", ".join(f"{k}=?" for k in enc)
-        with self.tx() as db:
+        with self.tx(durable) as db:
             db.execute(f"UPDATE {table} SET {sets} WHERE {key}=?", (*enc.values(), value))
 
     def _get(self, table: str, key: str, value: str) -> dict | None:
@@ -219,11 +220,11 @@ class Registry:
 
     # --- snapshots --------------------------------------------------------------------------------
 
-    def insert_snapshot(self, row: dict) -> None:
-        self._insert("snapshots", [row])
+    def insert_snapshot(self, row: dict, *, durable: bool = True) -> None:
+        self._insert("snapshots", [row], durable)
 
-    def update_snapshot(self, tag: str, **fields) -> None:
-        self._update("snapshots", "tag", tag, fields)
+    def update_snapshot(self, tag: str, *, durable: bool = True, **fields) -> None:
+        self._update("snapshots", "tag", tag, fields, durable)
 
     def get_snapshot(self, tag: str) -> dict | None:
         return self._get("snapshots", "tag", tag)
@@ -253,8 +254,8 @@ class Registry:
             self._insert_rows(db, "sandboxes", rows)
         return rows
 
-    def update_sandbox(self, sandbox_id: str, **fields) -> None:
-        self._update("sandboxes", "id", sandbox_id, fields)
+    def update_sandbox(self, sandbox_id: str, *, durable: bool = True, **fields) -> None:
+        self._update("sandboxes", "id", sandbox_id, fields, durable)
 
     def set_sandbox_handles(self, handles: dict[str, dict]) -> None:
         """Mark many sandboxes running in one transaction (a spawn's second, not waiting for the
