@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from forkd_server.registry import Registry
 
 
@@ -104,3 +106,36 @@ def test_sandbox_numbers_begin_at_random_per_data_dir_and_then_count_on(short_di
             reg.close()
         firsts.append(first)
     assert len(set(firsts)) > 1, firsts  # five starts all alike: 1 in 2**64 by chance
+
+
+def test_a_spawns_rows_skip_only_the_fsync(short_dir):
+    """A spawn's two transactions commit without waiting for the disk (their rows die with the host
+    anyway), yet atomically and seen by other connections; every other change stays synchronous=FULL,
+    also after a spawn's transaction failed."""
+    path = os.path.join(short_dir, "r.sqlite3")
+    a, b = Registry(path), Registry(path)
+    full = 2  # PRAGMA synchronous: 1 NORMAL, 2 FULL
+    try:
+        seen = []
+
+        def rows_from(first: int) -> list[dict]:
+            seen.append(a._db.execute("PRAGMA synchronous").fetchone()[0])
+            return [row(first + i) for i in range(2)]
+
+        rows = a.insert_numbered_sandboxes(2, rows_from)
+        assert seen == [1]
+        assert a._db.execute("PRAGMA synchronous").fetchone()[0] == full
+        a.set_sandbox_handles({r["id"]: {"pid": 7, "start_time": 1} for r in rows})
+        assert a._db.execute("PRAGMA synchronous").fetchone()[0] == full
+        assert sorted(r["handle"]["pid"] for r in b.list_sandboxes()) == [7, 7]
+
+        def broken(first: int) -> list[dict]:
+            raise RuntimeError("no rows")
+
+        with pytest.raises(RuntimeError):
+            a.insert_numbered_sandboxes(1, broken)
+        assert a._db.execute("PRAGMA synchronous").fetchone()[0] == full
+        assert len(b.list_sandboxes()) == 2  # rolled back: nothing of it
+    finally:
+        a.close()
+        b.close()
