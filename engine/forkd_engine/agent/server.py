@@ -73,7 +73,8 @@ class AgentServer:
     """Serve ``runtime`` (plus engine actions) on a listening socket.
 
     ``threaded``: each connection gets a thread (a sandbox: user code runs on the main thread's
-    executor meanwhile); else connections are served one by one on the accepting thread (a frozen
+    executor meanwhile), but a ping already waiting when it is accepted is answered on the
+    accepting thread, as the serial agent answers it on its reader (``serial.INLINE``); else connections are served one by one on the accepting thread (a frozen
     template, which only spawns). A connection whose first request is ``{"action": "session"}``
     becomes a streaming session (``session.py``) until the client closes it.
     """
