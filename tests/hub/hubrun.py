@@ -16,11 +16,15 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from tests.rest import exchange
 from tests.serving import cleanup, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROXY = os.path.join(HERE, "node_modules", ".bin", "configurable-http-proxy")
+needs_proxy = pytest.mark.skipif(not os.path.exists(PROXY), reason="configurable-http-proxy is not installed in "
+                                                                   "tests/hub (scripts/setup.sh test installs it)")
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 CONFIG = """

@@ -15,19 +15,17 @@ from forkd_server.client import Controller, ControllerError
 
 from ..rest import exchange
 from .hubrun import (
-    PROXY,
     Hub,
     check_workspaces_are_their_makers,
     documented_config,
+    needs_proxy,
     raw,
     server_environment,
 )
 
 # Ports only (free ones), no host-wide resource; slow: a Hub, its proxy, forkd and a user's server start
 # (~10 s), so with -n the module starts early rather than last.
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.exists(PROXY), reason="configurable-http-proxy is not installed in "
-                                                                   "tests/hub (scripts/setup.sh test installs it)")]
+pytestmark = [pytest.mark.slow, needs_proxy]
 BASE = "hub-base"
 
 

@@ -21,19 +21,17 @@ from forkd_server.client import Controller, ControllerError
 from ..fleet.fleet import fleet
 from ..rest import exchange
 from .hubrun import (
-    PROXY,
     ROUTER_SECTION,
     Hub,
     check_workspaces_are_their_makers,
     documented_config,
+    needs_proxy,
     raw,
     server_environment,
 )
 
 # Ports only (free ones), no host-wide resource; slow: two hosts, a Hub, its proxy and the router start.
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.exists(PROXY), reason="configurable-http-proxy is not installed in "
-                                                                   "tests/hub (scripts/setup.sh test installs it)")]
+pytestmark = [pytest.mark.slow, needs_proxy]
 BASES = ("base-0", "base-1")  # boss's, one on each host, shared
 SHARED = "boss-shared"        # boss's, made through the router, shared
 
