@@ -19,8 +19,12 @@ made on host 0, so every call below lands there either way.
 
 * ``--split R``: spawn(n=40) through a router whose two hosts take 20 each (``--max-sandboxes
   20``, both holding the snapshot), so it is split 20 + 20, against one uncapped host doing all 40
-  directly; R rounds, alternating; the ratio of the medians (split / one host). Both hosts share
-  this machine's CPUs, so the split can only gain where spawning waits on something else.
+  directly, against the two capped hosts called directly at once (20 each, no router: what the
+  machine allows a split; the router's share is the difference), and against one capped host's 20
+  alone (``own_cpus_ratio``: what the split would take with each host on CPUs of its own, over one
+  host's 40, the router's few ms aside: a projection, not a measurement of two machines); R
+  rounds, each arm first in turn; the ratios of the medians to one host's. Both hosts share this machine's CPUs, so the split can
+  only gain where spawning waits on something else.
 
 * ``--cross-vm R``: a VM snapshot (``--cross-mem`` MiB of guest RAM holding ``x = 41``, and with
   ``--cross-numpy-mb M`` M MB of random float64s) not yet on the host it is spawned on. Each of R rounds starts afresh: moto's S3 server on loopback as the shared store, two
@@ -125,13 +129,16 @@ def clients_load(router, hosts, clients: int, seconds: float) -> dict:
 
 def split_run(rounds: int) -> dict:
     """spawn(n=40) split over two hosts capped at 20 through the router, against a third, uncapped
-    host doing all 40 directly (its snapshot has a tag of its own, so the router never uses it)."""
+    host doing all 40 directly (its snapshot has a tag of its own, so the router never uses it), and
+    against the two capped hosts called directly at once, 20 each (what this machine allows a split
+    without the router: the router's own share is the difference)."""
     caps = [["--ForkdApp.max_sandboxes=20"], ["--ForkdApp.max_sandboxes=20"], []]
     with fleet(3, host_args=caps, router_args=("--heartbeat", "0.5")) as (router, hosts):
         for h in hosts[:2]:
             Controller(h.url, h.token, timeout=300).create_snapshot("split", setup="x = 1")
         Controller(hosts[2].url, hosts[2].token, timeout=300).create_snapshot("alone", setup="x = 1")
         via, alone = Conn(router.url, router.token), Conn(hosts[2].url, hosts[2].token)
+        pair = [Conn(h.url, h.token) for h in hosts[:2]]
         capped = {h.url for h in hosts[:2]}
 
         def room_again() -> None:  # the router's heartbeat has seen the kills on both capped hosts
@@ -141,22 +148,53 @@ def split_run(rounds: int) -> dict:
                     raise RuntimeError("the router never saw the capped hosts empty again")
                 time.sleep(0.05)
 
-        split, single, spread = [], [], []
+        def both_direct() -> list[tuple[Conn, list]]:
+            got: list = [None, None]
+
+            def one(i: int) -> None:
+                got[i] = pair[i].call("POST", "/v1/sandboxes", {"snapshot_tag": "split", "n": 20})
+            threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if None in got:
+                raise RuntimeError("a direct spawn of 20 failed")
+            return list(zip(pair, got))
+
+        times: dict[str, list[float]] = {"router": [], "alone": [], "pair": [], "half": []}
+        spread = []
+        arms = tuple(times)
         for i in range(rounds):
-            for which in (("router", "alone") if i % 2 else ("alone", "router")):
-                conn, tag = (via, "split") if which == "router" else (alone, "alone")
+            for which in arms[i % 4:] + arms[:i % 4]:  # each arm first in turn
                 t0 = time.perf_counter()
-                kids = conn.call("POST", "/v1/sandboxes", {"snapshot_tag": tag, "n": 40})
-                (split if which == "router" else single).append(time.perf_counter() - t0)
+                if which == "pair":
+                    made = both_direct()
+                elif which == "half":  # one capped host's 20, alone on the machine
+                    made = [(pair[0], pair[0].call("POST", "/v1/sandboxes", {"snapshot_tag": "split", "n": 20}))]
+                else:
+                    conn, tag = (via, "split") if which == "router" else (alone, "alone")
+                    made = [(conn, conn.call("POST", "/v1/sandboxes", {"snapshot_tag": tag, "n": 40}))]
+                times[which].append(time.perf_counter() - t0)
                 if which == "router":
-                    spread.append(sorted(sum(k["host"] == u for k in kids) for u in capped))
-                for k in kids:
-                    conn.call("DELETE", f"/v1/sandboxes/{k['id']}")
-                if which == "router":
+                    spread.append(sorted(sum(k["host"] == u for k in made[0][1]) for u in capped))
+                for conn, kids in made:
+                    for k in kids:
+                        conn.call("DELETE", f"/v1/sandboxes/{k['id']}")
+                if which != "alone":
                     room_again()
+        clashes = router.output().count("handed out ids in use elsewhere")
+    split, single, both, half = times["router"], times["alone"], times["pair"], times["half"]
     return {"router_split_median_ms": ms(split), "one_host_median_ms": ms(single),
-            "ratio": round(statistics.median(split) / statistics.median(single), 3), "split": spread[:3],
-            "n": rounds, "target_ratio": 0.6}
+            "two_hosts_direct_median_ms": ms(both), "one_host_20_median_ms": ms(half),
+            "ratio": round(statistics.median(split) / statistics.median(single), 3),
+            "direct_ratio": round(statistics.median(both) / statistics.median(single), 3),
+            # each host on CPUs of its own: its 20 take what 20 take alone (the router's share, ~4 ms
+            # timed inside it, is left out: split minus the direct pair is noise of hundreds of ms)
+            "own_cpus_ratio": round(statistics.median(half) / statistics.median(single), 3),
+            # round 0 begins with the router's split: the fleet's first spawn on both capped hosts
+            "first_split_ms": round(split[0] * 1000, 1), "id_clashes_spawned_again": clashes,
+            "split": spread[:3], "n": rounds, "target_ratio": 0.6}
 
 
 def cross_vm_round(prefix: str, mem_mib: int, numpy_mb: int, push_first: bool = True) -> dict:
@@ -272,7 +310,9 @@ def main() -> int:
     if "spawn40_split" in figures:
         f = figures["spawn40_split"]
         print(f"spawn(n=40) split over two hosts via the router {f['router_split_median_ms']} ms, one host "
-              f"alone {f['one_host_median_ms']} ms, ratio {f['ratio']} (target <= 0.6)")
+              f"alone {f['one_host_median_ms']} ms, ratio {f['ratio']} (target <= 0.6); both capped hosts called "
+              f"directly at once {f['two_hosts_direct_median_ms']} ms, ratio {f['direct_ratio']}; one capped host's 20 alone "
+              f"{f['one_host_20_median_ms']} ms, so each host on CPUs of its own: ratio {f['own_cpus_ratio']}")
     if "clients" in figures:
         load = figures["clients"]
         print(f"{load['clients']} clients x {load['seconds']} s: {load['calls']} pings, {load['errors']} errors, "

@@ -120,11 +120,13 @@ class BranchManager:
             engine = self.engines[row["engine"]]
             lineage = lineage or row["lineage"] + [tag]
             branched_from = branched_from or row["id"]
+            # A snapshot that is a process dies with the host: its record need not wait for the disk.
+            durable = not getattr(engine, "snapshots_are_processes", False)
             self.registry.insert_snapshot({
                 "tag": tag, "engine": row["engine"], "status": "writing", "created_at": time.time(),
                 "branched_from": branched_from, "lineage": lineage,
                 "spec": spec or {"branched_from": row["id"], "mode": mode},
-                "labels": {**inherited_labels(row), **(labels or {})}})
+                "labels": {**inherited_labels(row), **(labels or {})}}, durable=durable)
             try:
                 result = engine.branch(row["handle"], tag, lineage, mode, lossy=lossy)
             except BaseException as exc:  # nothing was written: no row, and the slot goes back
@@ -139,10 +141,11 @@ class BranchManager:
                     raise EngineFailure(f"branch: {exc}") from exc
                 raise
             if record_pause:
-                self.registry.update_snapshot(tag, pause_ms=result.pause_ms, prepare_ms=result.prepare_ms)
+                self.registry.update_snapshot(tag, pause_ms=result.pause_ms, prepare_ms=result.prepare_ms,
+                                              durable=durable)
             if result.warnings:
-                self.registry.update_snapshot(tag, warnings=list(result.warnings))
-            self.registry.update_sandbox(row["id"], branch_count=row["branch_count"] + 1)
+                self.registry.update_snapshot(tag, warnings=list(result.warnings), durable=durable)
+            self.registry.update_sandbox(row["id"], branch_count=row["branch_count"] + 1, durable=durable)
             self.feed.emit("snapshot", "created", tag=tag, status="writing", branched_from=branched_from,
                            **(pause_fields(result.pause_ms) if record_pause else {}),
                            **({"warnings": list(result.warnings)} if result.warnings else {}))
@@ -194,7 +197,8 @@ class BranchManager:
         ``SETTLE_RETRY`` s) and in every read meanwhile (``overlay``).
         Returns (the fields that stand, the registry's error or None)."""
         try:
-            self.registry.update_snapshot(tag, **fields)
+            self.registry.update_snapshot(tag, durable=not getattr(engine, "snapshots_are_processes", False),
+                                          **fields)
         except Exception as exc:  # noqa: BLE001 - sqlite3 or OS: the disk, most likely; said below
             error = exc
         else:

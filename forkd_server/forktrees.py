@@ -70,8 +70,8 @@ class ForkTreeManager:
 
     # --- the record ------------------------------------------------------------------------------
 
-    def _write(self, row: dict) -> None:
-        with self.registry.tx() as db:
+    def _write(self, row: dict, durable: bool = True) -> None:
+        with self.registry.tx(durable) as db:
             db.execute(f"INSERT OR REPLACE INTO fork_trees ({', '.join(FIELDS)}) VALUES "
                        f"({', '.join('?' * len(FIELDS))})",
                        tuple(json.dumps(row[f]) if f in _JSON else row[f] for f in FIELDS))
@@ -123,8 +123,10 @@ class ForkTreeManager:
         tree = {"tree_id": tree_id, "source": source["id"], "snapshot_tag": snapshot["tag"],
                 "user_tag": int(tag is not None), "owners": _owners({**snapshot["labels"], **labels}),
                 "members": [], "status": "open", "winner": None, "created_at": time.time()}
+        # A tree of processes (its snapshot too) dies with the host: its record need not wait for the disk.
+        durable = not getattr(self.ctl.engines.get(snapshot["engine"]), "snapshots_are_processes", False)
         try:
-            self._write(tree)
+            self._write(tree, durable)
             kids = self.ctl.spawn(snapshot["tag"], count, memory_limit_mib=memory_limit_mib,
                                   labels={**labels, FORK_TREE_LABEL: tree_id})
         except BaseException:  # no children: the branch made for them and the record go too
@@ -133,7 +135,7 @@ class ForkTreeManager:
                     self._release(snapshot["tag"])
                 self._drop(tree_id)
             raise
-        self._write({**tree, "members": [k["id"] for k in kids]})
+        self._write({**tree, "members": [k["id"] for k in kids]}, durable)
         return {"fork_tree_id": tree_id, "snapshot": snapshot, "sandboxes": kids}
 
     def _branch(self, sandbox_id: str, tag: str, lossy: bool, labels: dict) -> dict:

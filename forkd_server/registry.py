@@ -1,7 +1,14 @@
 """The crash-safe record of every snapshot, sandbox and workspace: SQLite in WAL mode.
 
 Each change is one transaction with ``synchronous=FULL``, so a ``kill -9`` of the server (or a power
-cut) leaves either the old or the new record, never half of one. Engine handles are stored as JSON
+cut) leaves either the old or the new record, never half of one. A spawn's two transactions, and a
+branch's and fork's where the engine's snapshots are processes too, are the exception
+(``tx(durable=False)``): they record processes, which a power cut or a crash of the host ends too,
+so they are committed without waiting for the disk (a ``kill -9`` of the server still
+loses nothing of them: the operating system holds the write; the next durable commit, or a
+checkpoint, puts them on disk). A host that went down within that moment may come back without
+the rows of its last spawn or fork, whose processes died with it; each engine's recovery removes
+what no row names. Engine handles are stored as JSON
 so a restarted controller can re-attach to live templates and sandboxes.
 """
 
@@ -9,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import sqlite3
 import time
 
@@ -137,17 +145,25 @@ class Registry:
             self._db.close()
 
     @contextlib.contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
-        """One atomic change: BEGIN IMMEDIATE ... COMMIT, rolled back on any error."""
+    def tx(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One atomic change: BEGIN IMMEDIATE ... COMMIT, rolled back on any error. ``durable=False``
+        commits without the fsync (``synchronous=NORMAL`` in WAL mode: still atomic, and kept
+        through a crash of this process, not of the host): for rows that die with the host anyway."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            if not durable:
+                self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-            self._tables.clear()
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+                self._tables.clear()
+            finally:
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
 
     def next_counter(self, name: str, count: int = 1) -> int:
         """Reserve ``count`` values of a persistent counter; returns the first."""
@@ -155,16 +171,17 @@ class Registry:
             return self._next(db, name, count)
 
     @staticmethod
-    def _next(db: sqlite3.Connection, name: str, count: int) -> int:
+    def _next(db: sqlite3.Connection, name: str, count: int, start: int = 0) -> int:
+        """The counter's next ``count`` values (a new counter begins at ``start``)."""
         row = db.execute("SELECT value FROM counters WHERE name=?", (name,)).fetchone()
-        first = row[0] if row else 0
+        first = row[0] if row else start
         db.execute("INSERT OR REPLACE INTO counters(name, value) VALUES (?, ?)", (name, first + count))
         return first
 
     # --- generic row helpers ----------------------------------------------------------------------
 
-    def _insert(self, table: str, rows: list[dict]) -> None:
-        with self.tx() as db:
+    def _insert(self, table: str, rows: list[dict], durable: bool = True) -> None:
+        with self.tx(durable) as db:
             self._insert_rows(db, table, rows)
 
     @staticmethod
@@ -175,10 +192,10 @@ class Registry:
             marks = ", ".join("?" for _ in enc)
             db.execute(f"INSERT INTO {table} ({cols}) VALUES ({marks})", tuple(enc.values()))
 
-    def _update(self, table: str, key: str, value: str, fields: dict) -> None:
+    def _update(self, table: str, key: str, value: str, fields: dict, durable: bool = True) -> None:
         enc = _encode(fields)
         sets = ", ".join(f"{k}=?" for k in enc)
-        with self.tx() as db:
+        with self.tx(durable) as db:
             db.execute(f"UPDATE {table} SET {sets} WHERE {key}=?", (*enc.values(), value))
 
     def _get(self, table: str, key: str, value: str) -> dict | None:
@@ -205,11 +222,11 @@ class Registry:
 
     # --- snapshots --------------------------------------------------------------------------------
 
-    def insert_snapshot(self, row: dict) -> None:
-        self._insert("snapshots", [row])
+    def insert_snapshot(self, row: dict, *, durable: bool = True) -> None:
+        self._insert("snapshots", [row], durable)
 
-    def update_snapshot(self, tag: str, **fields) -> None:
-        self._update("snapshots", "tag", tag, fields)
+    def update_snapshot(self, tag: str, *, durable: bool = True, **fields) -> None:
+        self._update("snapshots", "tag", tag, fields, durable)
 
     def get_snapshot(self, tag: str) -> dict | None:
         return self._get("snapshots", "tag", tag)
@@ -232,18 +249,23 @@ class Registry:
 
     def insert_numbered_sandboxes(self, count: int, rows_from) -> list[dict]:
         """Reserve ``count`` sandbox numbers and insert the rows ``rows_from(first number)`` makes
-        of them, in one transaction (a spawn's first of two); returns the rows."""
-        with self.tx() as db:
-            rows = rows_from(self._next(db, "sandbox", count))
+        of them, in one transaction (a spawn's first of two, not waiting for the disk: see above);
+        returns the rows. A new data dir's numbers begin at random: ids are
+        ``sb-<second>-<number mod 2**16>``, and hosts behind one router that all began at 0 handed
+        out the same ids when a spawn split over them, which the router must kill and spawn again
+        (a second, serial spawn of that part)."""
+        with self.tx(durable=False) as db:
+            rows = rows_from(self._next(db, "sandbox", count, start=secrets.randbelow(0x10000)))
             self._insert_rows(db, "sandboxes", rows)
         return rows
 
-    def update_sandbox(self, sandbox_id: str, **fields) -> None:
-        self._update("sandboxes", "id", sandbox_id, fields)
+    def update_sandbox(self, sandbox_id: str, *, durable: bool = True, **fields) -> None:
+        self._update("sandboxes", "id", sandbox_id, fields, durable)
 
     def set_sandbox_handles(self, handles: dict[str, dict]) -> None:
-        """Mark many sandboxes running in one transaction."""
-        with self.tx() as db:
+        """Mark many sandboxes running in one transaction (a spawn's second, not waiting for the
+        disk: see above)."""
+        with self.tx(durable=False) as db:
             for sid, handle in handles.items():
                 db.execute("UPDATE sandboxes SET status='running', handle=? WHERE id=?",
                            (json.dumps(handle), sid))

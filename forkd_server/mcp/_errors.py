@@ -16,6 +16,7 @@ import logging
 from mcp.server.mcpserver.exceptions import ToolError
 
 from ..client import ControllerError, ServerUnreachable
+from ._threads import off_loop
 
 log = logging.getLogger("forkd.mcp")
 
@@ -57,7 +58,7 @@ def _hint_for_status(status: int) -> str:
 
 def explained(action: str):
     """Decorate a tool (sync or async): its failures become ``ToolError("<what>\\n<hint>")``; ``action``
-    names it in the log."""
+    names it in the log. A sync tool becomes a coroutine run on the server's kept threads (``_threads``)."""
 
     def wrap(fn):
         def fail(exc: Exception):
@@ -83,6 +84,6 @@ def explained(action: str):
                 return fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - as above
                 raise fail(exc) from None
-        return run
+        return off_loop(run)
 
     return wrap

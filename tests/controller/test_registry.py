@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from forkd_server.registry import Registry
 
 
@@ -80,3 +82,60 @@ def test_a_registry_from_before_workspaces_gains_the_table(short_dir):
         assert reg.get_workspace("w")["live_sandbox_id"] == "sb-1"
     finally:
         reg.close()
+
+
+def test_sandbox_numbers_begin_at_random_per_data_dir_and_then_count_on(short_dir):
+    """Hosts behind one router that all began at 0 handed out the same ids (``sb-<second>-<n>``)
+    when a spawn split over them; a new registry's numbering begins anywhere in the 16 bits the id
+    shows, and a reopened one counts on from where it was."""
+    firsts = []
+    for i in range(5):
+        path = os.path.join(short_dir, f"n{i}.sqlite3")
+        reg = Registry(path)
+        try:
+            rows = reg.insert_numbered_sandboxes(3, lambda first: [row(first + k) for k in range(3)])
+            first = int(rows[0]["id"][3:])
+            assert [r["id"] for r in rows] == [f"sb-{first + k}" for k in range(3)]
+            assert 0 <= first < 0x10000
+        finally:
+            reg.close()
+        reg = Registry(path)  # reopened, as by a restarted server: no new start
+        try:
+            assert reg.insert_numbered_sandboxes(1, lambda n: [row(n)])[0]["id"] == f"sb-{first + 3}"
+        finally:
+            reg.close()
+        firsts.append(first)
+    assert len(set(firsts)) > 1, firsts  # five starts all alike: 1 in 2**64 by chance
+
+
+def test_a_spawns_rows_skip_only_the_fsync(short_dir):
+    """A spawn's two transactions commit without waiting for the disk (their rows die with the host
+    anyway), yet atomically and seen by other connections; every other change stays synchronous=FULL,
+    also after a spawn's transaction failed."""
+    path = os.path.join(short_dir, "r.sqlite3")
+    a, b = Registry(path), Registry(path)
+    full = 2  # PRAGMA synchronous: 1 NORMAL, 2 FULL
+    try:
+        seen = []
+
+        def rows_from(first: int) -> list[dict]:
+            seen.append(a._db.execute("PRAGMA synchronous").fetchone()[0])
+            return [row(first + i) for i in range(2)]
+
+        rows = a.insert_numbered_sandboxes(2, rows_from)
+        assert seen == [1]
+        assert a._db.execute("PRAGMA synchronous").fetchone()[0] == full
+        a.set_sandbox_handles({r["id"]: {"pid": 7, "start_time": 1} for r in rows})
+        assert a._db.execute("PRAGMA synchronous").fetchone()[0] == full
+        assert sorted(r["handle"]["pid"] for r in b.list_sandboxes()) == [7, 7]
+
+        def broken(first: int) -> list[dict]:
+            raise RuntimeError("no rows")
+
+        with pytest.raises(RuntimeError):
+            a.insert_numbered_sandboxes(1, broken)
+        assert a._db.execute("PRAGMA synchronous").fetchone()[0] == full
+        assert len(b.list_sandboxes()) == 2  # rolled back: nothing of it
+    finally:
+        a.close()
+        b.close()

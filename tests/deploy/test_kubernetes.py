@@ -6,7 +6,6 @@ host image's entrypoint is run for real in a cgroup namespace of its own."""
 from __future__ import annotations
 
 import copy
-import glob
 import os
 import re
 import shutil
@@ -24,7 +23,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 K8S = os.path.join(REPO, "deploy", "kubernetes")
 # The oldest and the newest minor versions the manifests are checked against (the docs say the same).
 KUBERNETES_VERSIONS = ("1.30.0", "1.35.0")
-NOT_OBJECTS = {"kustomization.yaml", "jupyterhub-values.yaml"}  # a kustomize file, a Helm values file
+# a kustomize file, Helm values files (zero-to-jupyterhub's)
+NOT_OBJECTS = {"kustomization.yaml", "z2jh-values.yaml", "z2jh-shared-token-values.yaml"}
+# a z2jh chart (its values.yaml and values.schema.json or .yaml) to check the values files against;
+# the chart is not on PyPI or npm, so the check runs only where one is given
+Z2JH_CHART = os.environ.get("FORKD_TEST_Z2JH_CHART")
+
+
+def manifests() -> list[str]:
+    return sorted(n for n in os.listdir(K8S) if n.endswith(".yaml") and n not in NOT_OBJECTS)
 
 
 def load(name: str) -> list[dict]:
@@ -81,11 +88,10 @@ def labels_match(selector: dict, labels: dict) -> bool:
 
 def test_the_kustomization_lists_every_manifest():
     listed = load("kustomization.yaml")[0]["resources"]
-    on_disk = sorted(os.path.basename(p) for p in glob.glob(os.path.join(K8S, "*.yaml")))
-    assert sorted(listed) == sorted(set(on_disk) - NOT_OBJECTS)
+    assert sorted(listed) == manifests()
 
 
-@pytest.mark.parametrize("name", sorted(set(os.listdir(K8S)) - NOT_OBJECTS))
+@pytest.mark.parametrize("name", manifests())
 def test_each_manifest_is_valid_for_the_stated_kubernetes_versions(name):
     docs = load(name)
     assert docs
@@ -231,10 +237,10 @@ def test_the_router_arguments_are_forkd_routers(capsys):
 
 # --- zero-to-jupyterhub's values ---------------------------------------------------------------
 
-def test_the_jupyterhub_values_reach_the_router():
+def test_the_shared_token_values_reach_the_router():
     objs = objects()
     namespace = load("kustomization.yaml")[0]["namespace"]
-    values = load("jupyterhub-values.yaml")[0]["singleuser"]
+    values = load("z2jh-shared-token-values.yaml")[0]["singleuser"]
     env = values["extraEnv"]
     router_svc = objs[("Service", "forkd")]
     url = urlsplit(env["FORKD_URL"])
@@ -256,6 +262,143 @@ def test_the_jupyterhub_values_reach_the_router():
     router = objs[("Deployment", "forkd-router")]
     assert labels_match(to["podSelector"]["matchLabels"], router["spec"]["template"]["metadata"]["labels"])
     assert rule["ports"][0]["port"] == int(flag(container(router)["args"], "--port"))
+
+
+def merged_by_name(base: list[dict], patch: list[dict]) -> list[dict]:
+    """A strategic merge of two lists whose merge key is ``name`` (containers, env), as kustomize
+    applies a patch: an item of the patch replaces the fields it names of the base's item."""
+    out = [dict(i) for i in base]
+    for item in patch:
+        same = [o for o in out if o["name"] == item["name"]]
+        if same:
+            same[0].update(item)
+        else:
+            out.append(dict(item))
+    return out
+
+
+def hub_router() -> dict:
+    """The router Deployment as ``kubectl apply -k deploy/kubernetes/hub`` makes it."""
+    kustomization = load(os.path.join("hub", "kustomization.yaml"))[0]
+    assert kustomization["resources"] == [".."]
+    ((patch,),) = [load(os.path.join("hub", p["path"])) for p in kustomization["patches"]]
+    dep = copy.deepcopy(objects()[(patch["kind"], patch["metadata"]["name"])])
+    for pc in patch["spec"]["template"]["spec"]["containers"]:
+        (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == pc["name"]]
+        c["env"] = merged_by_name(c.get("env", []), pc["env"])
+    return dep
+
+
+def test_the_hub_overlay_runs_the_router_as_the_hubs_service():
+    """deploy/kubernetes/hub: the router with the environment JupyterHub gives a service, which
+    turns forkd router's --hub on, under the prefix z2jh-values.yaml's service is reached at."""
+    from forkd_server.hub import hub_settings, managed_by_hub, missing_environment
+
+    dep = hub_router()
+    validate(dep)
+    c = container(dep)
+    env = {e["name"]: e.get("value", "from a Secret") for e in c["env"]}
+    assert env["HOME"] == "/home/forkd"  # the base's env is kept
+    assert managed_by_hub(env) and missing_environment(env) == []
+    (name,) = load("z2jh-values.yaml")[0]["hub"]["services"]
+    assert env["JUPYTERHUB_SERVICE_NAME"] == name
+    assert hub_settings(env) == {"base_url": f"/services/{name}/"}  # listens where --host/--port say
+    (token,) = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "JUPYTERHUB_API_TOKEN"]
+    assert token == {"name": "forkd-hub-service", "key": "api-token"}  # the docs' command makes it
+    # the Hub's API: the chart's Service `hub` on its port, which the values let the router reach
+    api = urlsplit(env["JUPYTERHUB_API_URL"])
+    assert api.hostname.split(".")[0] == "hub" and api.hostname.endswith(".svc.cluster.local") and api.path == "/hub/api"
+    (rule,) = load("z2jh-values.yaml")[0]["hub"]["networkPolicy"]["ingress"]
+    assert rule["ports"] == [{"port": api.port, "protocol": "TCP"}]
+    (source,) = rule["from"]
+    assert labels_match(source["podSelector"]["matchLabels"], dep["spec"]["template"]["metadata"]["labels"])
+    assert source["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": load("kustomization.yaml")[0]["namespace"]}
+    validate({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "hub"},
+              "spec": {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": [rule]}})
+
+
+def test_the_z2jh_values_point_the_hubs_service_and_the_user_servers_at_the_router():
+    from traitlets.config import Config
+
+    objs = objects()
+    namespace = load("kustomization.yaml")[0]["namespace"]
+    values = load("z2jh-values.yaml")[0]
+    (name, service), = values["hub"]["services"].items()
+    assert "command" not in service and "apiToken" not in service  # run apart; the chart makes the token
+    router_svc = objs[("Service", "forkd")]
+    url = urlsplit(service["url"])
+    assert url.hostname == f"{router_svc['metadata']['name']}.{namespace}.svc.cluster.local"
+    assert url.port == router_svc["spec"]["ports"][0]["port"] and url.path == ""
+    # user servers: straight to that Service, under the service's prefix
+    forkd_url = values["singleuser"]["extraEnv"]["FORKD_URL"]
+    assert forkd_url == f"{service['url']}/services/{name}"
+    # users and their servers' tokens may call the service
+    scope = f"access:services!service={name}"
+    assert scope in values["hub"]["loadRoles"]["user"]["scopes"] and "self" in values["hub"]["loadRoles"]["user"]["scopes"]
+    assert scope in values["hub"]["config"]["KubeSpawner"]["server_token_scopes"]
+    # the extra config, run as the chart runs it (after singleuser.extraEnv became the spawner's
+    # environment): each server's FORKD_TOKEN is its own Hub token
+    c = Config()
+    c.KubeSpawner.environment = dict(values["singleuser"]["extraEnv"])
+    for code in values["hub"]["extraConfig"].values():
+        exec(compile(code, "extraConfig", "exec"), {"c": c})  # noqa: S102 - the snippet, as the chart runs it
+    env = c.KubeSpawner.environment
+
+    class Spawner:
+        api_token = "token-of-alices-server"
+    assert env["FORKD_URL"] == forkd_url and env["FORKD_TOKEN"](Spawner()) == "token-of-alices-server"
+    # the egress rule lets user pods reach the router pods, on the router's port
+    (rule,) = values["singleuser"]["networkPolicy"]["egress"]
+    validate({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "singleuser"},
+              "spec": {"podSelector": {}, "policyTypes": ["Egress"], "egress": [rule]}})
+    router = objs[("Deployment", "forkd-router")]
+    assert labels_match(rule["to"][0]["podSelector"]["matchLabels"], router["spec"]["template"]["metadata"]["labels"])
+    assert rule["ports"][0]["port"] == url.port
+
+
+def test_the_docs_show_the_values_as_shipped():
+    """docs/deploy/jupyterhub.md's values.yaml block is z2jh-values.yaml (comments aside)."""
+    with open(os.path.join(REPO, "docs", "deploy", "jupyterhub.md")) as f:
+        text = f.read().split("## Kubernetes: zero-to-jupyterhub", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
+    assert yaml.safe_load(block) == load("z2jh-values.yaml")[0]
+
+
+def test_the_sdk_reaches_the_service_under_its_prefix(monkeypatch):
+    """What a user server's kernel makes of the values' FORKD_URL: calls under /services/forkd/v1."""
+    from forkd_server.client import Controller
+
+    monkeypatch.setenv("FORKD_URL", load("z2jh-values.yaml")[0]["singleuser"]["extraEnv"]["FORKD_URL"])
+    monkeypatch.setenv("FORKD_TOKEN", "t" * 20)
+    req = Controller().request("GET", "/v1/sandboxes")
+    assert (req.url, req.target) == ("http://forkd.forkd.svc.cluster.local:8890/services/forkd/v1/sandboxes",
+                                     "/services/forkd/v1/sandboxes")
+
+
+@pytest.mark.skipif(not Z2JH_CHART, reason="set FORKD_TEST_Z2JH_CHART to a zero-to-jupyterhub chart directory "
+                                           "(its values.yaml and values.schema.json); the chart is not on PyPI or npm")
+@pytest.mark.parametrize("name", sorted(n for n in NOT_OBJECTS if n.startswith("z2jh")))
+def test_the_values_pass_the_charts_own_schema(name):
+    """As helm does before rendering: the chart's defaults with the snippet merged in, against the
+    chart's values schema."""
+    import jsonschema
+
+    def merge(a: dict, b: dict) -> dict:
+        out = copy.deepcopy(a)
+        for k, v in b.items():
+            out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        return out
+
+    schema_path = next(p for p in (os.path.join(Z2JH_CHART, f"values.schema.{e}") for e in ("json", "yaml"))
+                       if os.path.exists(p))
+    with open(schema_path) as f:
+        schema = yaml.safe_load(f)
+    with open(os.path.join(Z2JH_CHART, "values.yaml")) as f:
+        defaults = yaml.safe_load(f)
+    validator = jsonschema.Draft7Validator(schema)
+    assert [e.message for e in validator.iter_errors(merge(defaults, load(name)[0]))] == []
+    misspelt = merge(defaults, {"hub": {"networkPolicy": {"ingres": []}}})  # the check can fail
+    assert list(validator.iter_errors(misspelt))
 
 
 # --- the image --------------------------------------------------------------------------------

@@ -165,3 +165,41 @@ def test_ping_answers_while_run_code_is_busy(served):
     assert client.call({"action": "ping"}, timeout=5)["pong"] is True
     assert time.monotonic() - t0 < 1.5
     busy.join()
+
+
+def test_a_waiting_ping_is_answered_on_the_accepting_thread_and_the_rest_on_a_thread(rt, short_dir):
+    """A ping already there when its connection is accepted is answered by the accepting thread
+    (no thread started for it); what the connection asks next is served on a thread of its own, in
+    order; a connection that has sent nothing yet holds up nobody."""
+    path = os.path.join(short_dir, "p.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    answered_by = []
+    ping = rt.ping
+    rt.ping = lambda request: (answered_by.append(threading.current_thread().name), ping(request))[1]
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(path)  # accepted first, says nothing yet
+    alone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    alone.connect(path)
+    alone.sendall(b'{"action": "ping"}\n')
+    alone.shutdown(socket.SHUT_WR)  # as forkd's clients do
+    asks_on = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    asks_on.connect(path)
+    asks_on.sendall(b'{"action": "ping"}\n{"action": "eval", "code": "6*7"}\n')
+    threading.Thread(target=AgentServer(rt, listener).serve_forever, name="accepting", daemon=True).start()
+    with alone, asks_on, silent:
+        alone.settimeout(30)
+        assert b'"pong":true' in alone.recv(65536) and alone.recv(1) == b""  # answered, then closed
+        f = asks_on.makefile("rwb")
+        asks_on.settimeout(30)
+        assert b'"pong":true' in f.readline()
+        assert f.readline() == b'{"result":"42","exit_code":0}\n'
+        assert answered_by == ["accepting", "accepting"]
+        f.write(b'{"action": "ping"}\n')  # later on the same connection: its thread answers
+        f.flush()
+        assert b'"pong":true' in f.readline()
+        assert answered_by[2] == "forkd-conn"
+        silent.settimeout(30)
+        silent.sendall(b'{"action": "ping"}\n')
+        assert b'"pong":true' in silent.makefile("rb").readline()

@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import shutil
+import sqlite3
 import subprocess
 import tempfile
 import time
@@ -85,6 +86,17 @@ class Router:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def count_alike(hosts, value: int = 0) -> None:
+    """Make every host number its next sandbox ``value``, as hosts that all began at the same number
+    would (a new data dir's numbering begins at random): what makes them hand out the same ids. Set
+    in each running host's registry, which reads its counter afresh for every spawn."""
+    for srv in hosts:
+        db = sqlite3.connect(os.path.join(srv.data_dir, "registry.sqlite3"), timeout=30)
+        with db:
+            db.execute("INSERT OR REPLACE INTO counters(name, value) VALUES ('sandbox', ?)", (value,))
+        db.close()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """Sandbox ids are numbered per host (``sb-<second>-<n>``): two hosts counting alike hand out the same
-id in the same second. Through the router every id names one sandbox, a fork tree's children too
+id in the same second (a new data dir's numbering begins at random, so the tests make them count alike). Through the router every id names one sandbox, a fork tree's children too
 (which the host makes itself, outside any spawn the router placed)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from forkd_server.client import Controller
 
-from .fleet import fleet
+from .fleet import count_alike, fleet
 
 ATTEMPTS = 10  # tries at making a spawn and a fork fall in the same second
 
@@ -27,6 +27,7 @@ def test_a_fork_child_whose_id_another_host_uses_is_made_again_under_a_new_id():
         api = Controller(router.url, router.token, timeout=120)
         direct[0].create_snapshot("n0", setup="me = 0")
         direct[1].create_snapshot("n1", setup="me = 1")
+        count_alike(hosts)
         source = direct[1].spawn_sandboxes("n1", 1)[0]["id"]  # host 1 counts 1
         direct[0].kill_sandbox(direct[0].spawn_sandboxes("n0", 1)[0]["id"])  # and so does host 0
         clashed = False

@@ -14,7 +14,7 @@ from forkd_server.client import AsyncController, Controller, ControllerError
 from forkd_server.streaming import Session
 
 from ..serving import cleanup
-from .fleet import Router, fleet
+from .fleet import Router, count_alike, fleet
 
 CAP = 3
 
@@ -282,14 +282,16 @@ def test_the_async_sdk_through_the_router(world, direct):
 
 
 def test_ids_two_hosts_hand_out_alike_are_never_shared():
-    """Hosts number sandboxes per host (``sb-<second>-<n>``), so two fresh hosts spawning in the same
-    second hand out the same ids; through the router every id names one sandbox."""
+    """Hosts number sandboxes per host (``sb-<second>-<n>``), so two hosts counting alike (made so
+    here) and spawning in the same second hand out the same ids; through the router every id names
+    one sandbox."""
     from concurrent.futures import ThreadPoolExecutor
 
     with fleet(2) as (router, hosts):
         api = Controller(router.url, router.token, timeout=120)
         for i, h in enumerate(hosts):
             Controller(h.url, h.token).create_snapshot(f"n{i}", setup=f"me = {i}")
+        count_alike(hosts)
         with ThreadPoolExecutor(2) as pool:
             made = [kid for _ in range(3) for kids in pool.map(lambda i: api.spawn_sandboxes(f"n{i}", 3), (0, 1))
                     for kid in kids]

@@ -16,11 +16,15 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from tests.rest import exchange
 from tests.serving import cleanup, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROXY = os.path.join(HERE, "node_modules", ".bin", "configurable-http-proxy")
+needs_proxy = pytest.mark.skipif(not os.path.exists(PROXY), reason="configurable-http-proxy is not installed in "
+                                                                   "tests/hub (scripts/setup.sh test installs it)")
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 CONFIG = """
@@ -200,6 +204,41 @@ class Hub:
                 pass
             self.log.close()
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def raw(hub: Hub, who: str | None, method: str, path: str, body=None, token: str | None = None,
+        host: str | None = None):
+    """One request through the Hub's proxy as ``who`` (or with ``token``); (status, parsed body).
+    ``host``: the Host header a client of the Hub's public name sends."""
+    headers = {"Host": host} if host else {}
+    token = token or (hub.tokens[who] if who else None)
+    if token:
+        headers["Authorization"] = f"token {token}"
+    return exchange(hub.forkd_url + path, method, body, headers)
+
+
+def check_workspaces_are_their_makers(hub: Hub, base: str, not_found: str) -> None:
+    """alice's workspace, its live sandbox and its suspended state are hers; bob gets ``not_found``
+    (the 404's words) for it on every workspace route and 404 for its state; a resume stays hers."""
+    alice, bob = hub.ctl("alice"), hub.ctl("bob")
+    made = alice.create_workspace("alice-ws", base)
+    try:
+        assert made["labels"]["forkd.owner"] == "alice"
+        assert alice.get_sandbox(made["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
+        assert "alice-ws" in {w["name"] for w in alice.list_workspaces()}
+        assert "alice-ws" not in {w["name"] for w in bob.list_workspaces()}
+        for method, path in (("GET", "/v1/workspaces/alice-ws"), ("POST", "/v1/workspaces/alice-ws/suspend"),
+                             ("DELETE", "/v1/workspaces/alice-ws")):
+            status, body = raw(hub, "bob", method, path, {} if method == "POST" else None)
+            assert (status, body) == (404, {"error": not_found}), (method, path, status, body)
+        suspended = alice.suspend_workspace("alice-ws")
+        state = alice.snapshot_info(suspended["current_state_tag"])
+        assert state["labels"]["forkd.owner"] == "alice"
+        assert raw(hub, "bob", "GET", f"/v1/snapshots/{state['tag']}/info")[0] == 404
+        resumed = alice.resume_workspace("alice-ws")
+        assert alice.get_sandbox(resumed["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
+    finally:
+        alice.delete_workspace("alice-ws")
 
 
 def _pid_file(path: str) -> int | None:

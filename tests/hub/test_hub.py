@@ -14,13 +14,18 @@ import pytest
 from forkd_server.client import Controller, ControllerError
 
 from ..rest import exchange
-from .hubrun import PROXY, Hub, documented_config, server_environment
+from .hubrun import (
+    Hub,
+    check_workspaces_are_their_makers,
+    documented_config,
+    needs_proxy,
+    raw,
+    server_environment,
+)
 
 # Ports only (free ones), no host-wide resource; slow: a Hub, its proxy, forkd and a user's server start
 # (~10 s), so with -n the module starts early rather than last.
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.exists(PROXY), reason="configurable-http-proxy is not installed in "
-                                                                   "tests/hub (scripts/setup.sh test installs it)")]
+pytestmark = [pytest.mark.slow, needs_proxy]
 BASE = "hub-base"
 
 
@@ -39,16 +44,6 @@ def hub():
         yield hub
     finally:
         hub.stop()
-
-
-def raw(hub, who: str | None, method: str, path: str, body=None, token: str | None = None, host: str | None = None):
-    """One request through the proxy; (status, parsed body). ``host``: the Host header a browser or
-    client of the Hub's public name sends."""
-    headers = {"Host": host} if host else {}
-    token = token or (hub.tokens[who] if who else None)
-    if token:
-        headers["Authorization"] = f"token {token}"
-    return exchange(hub.forkd_url + path, method, body, headers)
 
 
 def spawn(hub, who: str, tag: str = BASE) -> str:
@@ -305,22 +300,4 @@ def test_the_operator_token_sees_everything(hub):
 
 
 def test_workspaces_are_their_makers(hub):
-    alice, bob = hub.ctl("alice"), hub.ctl("bob")
-    made = alice.create_workspace("alice-ws", BASE)
-    try:
-        assert made["labels"]["forkd.owner"] == "alice"
-        assert alice.get_sandbox(made["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
-        assert "alice-ws" in {w["name"] for w in alice.list_workspaces()}
-        assert "alice-ws" not in {w["name"] for w in bob.list_workspaces()}
-        for method, path in (("GET", "/v1/workspaces/alice-ws"), ("POST", "/v1/workspaces/alice-ws/suspend"),
-                             ("DELETE", "/v1/workspaces/alice-ws")):
-            status, body = raw(hub, "bob", method, path, {} if method == "POST" else None)
-            assert status == 404 and body["error"] == "workspace alice-ws not found", (method, path, status, body)
-        suspended = alice.suspend_workspace("alice-ws")
-        state = alice.snapshot_info(suspended["current_state_tag"])
-        assert state["labels"]["forkd.owner"] == "alice"
-        assert raw(hub, "bob", "GET", f"/v1/snapshots/{state['tag']}/info")[0] == 404
-        resumed = alice.resume_workspace("alice-ws")
-        assert alice.get_sandbox(resumed["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
-    finally:
-        alice.delete_workspace("alice-ws")
+    check_workspaces_are_their_makers(hub, BASE, "workspace alice-ws not found")

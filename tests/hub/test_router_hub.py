@@ -20,12 +20,18 @@ from forkd_server.client import Controller, ControllerError
 
 from ..fleet.fleet import fleet
 from ..rest import exchange
-from .hubrun import PROXY, ROUTER_SECTION, Hub, documented_config, server_environment
+from .hubrun import (
+    ROUTER_SECTION,
+    Hub,
+    check_workspaces_are_their_makers,
+    documented_config,
+    needs_proxy,
+    raw,
+    server_environment,
+)
 
 # Ports only (free ones), no host-wide resource; slow: two hosts, a Hub, its proxy and the router start.
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not os.path.exists(PROXY), reason="configurable-http-proxy is not installed in "
-                                                                   "tests/hub (scripts/setup.sh test installs it)")]
+pytestmark = [pytest.mark.slow, needs_proxy]
 BASES = ("base-0", "base-1")  # boss's, one on each host, shared
 SHARED = "boss-shared"        # boss's, made through the router, shared
 
@@ -75,11 +81,6 @@ def wait_hosts_up(hub, n: int, timeout: float = 60) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"the router did not see {n} hosts up within {timeout} s: {health}\n{hub.output()}")
         time.sleep(0.1)
-
-
-def raw(hub, who: str | None, method: str, path: str, body=None, token: str | None = None):
-    token = token or (hub.tokens[who] if who else None)
-    return exchange(hub.forkd_url + path, method, body, {"Authorization": f"token {token}"} if token else {})
 
 
 def spawn(hub, who: str, tag: str) -> dict:
@@ -303,25 +304,7 @@ def test_workspaces_and_copies_are_their_makers(world):
     status, body = raw(hub, "alice", "POST", "/v1/workspaces",
                        {"name": "alice-ws", "snapshot_tag": "base-1", "labels": {"forkd.owner": "bob"}})
     assert status == 403 and "forkd.owner" in body["error"], body
-    made = alice.create_workspace("alice-ws", "base-1")
-    try:
-        assert made["labels"]["forkd.owner"] == "alice"
-        assert alice.get_sandbox(made["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
-        assert "alice-ws" in {w["name"] for w in alice.list_workspaces()}
-        assert "alice-ws" not in {w["name"] for w in bob.list_workspaces()}
-        for method, path in (("GET", "/v1/workspaces/alice-ws"), ("POST", "/v1/workspaces/alice-ws/suspend"),
-                             ("DELETE", "/v1/workspaces/alice-ws")):
-            status, body = raw(hub, "bob", method, path, {} if method == "POST" else None)
-            assert (status, body) == (404, {"error": "workspace alice-ws not found on any host of the fleet"}), \
-                (method, path, status, body)
-        suspended = alice.suspend_workspace("alice-ws")
-        state = alice.snapshot_info(suspended["current_state_tag"])
-        assert state["labels"]["forkd.owner"] == "alice"
-        assert raw(hub, "bob", "GET", f"/v1/snapshots/{state['tag']}/info")[0] == 404
-        resumed = alice.resume_workspace("alice-ws")
-        assert alice.get_sandbox(resumed["live_sandbox_id"])["labels"]["forkd.owner"] == "alice"
-    finally:
-        alice.delete_workspace("alice-ws")
+    check_workspaces_are_their_makers(hub, "base-1", "workspace alice-ws not found on any host of the fleet")
     # a copy of a shared snapshot is its maker's, and not shared
     copy = alice.compact_snapshot(SHARED, "alice-copy")
     try:

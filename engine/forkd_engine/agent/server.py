@@ -22,6 +22,7 @@ from .session import Session, error_content
 
 MAX_LINE = 96 * 1024 * 1024
 MAX_FDS = 253  # the kernel's SCM_MAX_FD
+PEEK_BYTES = 512  # what the accepting thread looks at to see whether a connection asks only a ping
 
 # An action gets (request, received fds) and returns a reply. A reply may carry "_then", a callable
 # run after the reply is on the wire (e.g. exec a reaper once the caller knows it worked).
@@ -35,11 +36,7 @@ def recv_request(conn: socket.socket, buf: bytearray) -> tuple[dict | None, list
         if len(buf) > MAX_LINE:
             raise ValueError(f"request line longer than {MAX_LINE} bytes")
         data, ancdata, _flags, _addr = conn.recvmsg(1 << 20, socket.CMSG_SPACE(MAX_FDS * 4))
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                arr = array.array("i")
-                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
-                fds.extend(arr)
+        fds.extend(received_fds(ancdata))
         if not data:
             if buf.strip():
                 break  # a last request without its newline (forkd clients half-close)
@@ -50,6 +47,17 @@ def recv_request(conn: socket.socket, buf: bytearray) -> tuple[dict | None, list
     line, _, rest = bytes(buf).partition(b"\n")
     buf[:] = rest
     return json.loads(line), fds
+
+
+def received_fds(ancdata: list) -> list[int]:
+    """The descriptors a ``recvmsg`` received (SCM_RIGHTS), now this process's."""
+    fds: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+            fds.extend(arr)
+    return fds
 
 
 def encode_line(message: dict) -> bytes:
@@ -65,7 +73,8 @@ class AgentServer:
     """Serve ``runtime`` (plus engine actions) on a listening socket.
 
     ``threaded``: each connection gets a thread (a sandbox: user code runs on the main thread's
-    executor meanwhile); else connections are served one by one on the accepting thread (a frozen
+    executor meanwhile), but a ping already waiting when it is accepted is answered on the
+    accepting thread, as the serial agent answers it on its reader (``serial.INLINE``); else connections are served one by one on the accepting thread (a frozen
     template, which only spawns). A connection whose first request is ``{"action": "session"}``
     becomes a streaming session (``session.py``) until the client closes it.
     """
@@ -201,11 +210,46 @@ class AgentServer:
                     return
                 continue
             if self.threaded:
-                threading.Thread(target=self.serve_connection, args=(conn,), name="forkd-conn",
-                                 daemon=True).start()
+                if not self._pinged_here(conn):
+                    threading.Thread(target=self.serve_connection, args=(conn,), name="forkd-conn",
+                                     daemon=True).start()
             else:
                 conn.settimeout(60)
                 self.serve_connection(conn)
+
+    def _pinged_here(self, conn: socket.socket) -> bool:
+        """Answer a connection on the accepting thread if all it asks is a ping that has already
+        arrived (the server's health checks, an agent's gathered pings): starting a thread costs
+        several times the ping, and under load the accepting thread waited for each to start.
+        Nothing here waits: a request still on its way, anything but a ping, or a connection that
+        asks on goes to a thread of its own, with nothing but the ping read. True when it is done."""
+        try:
+            peeked = conn.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            line, newline, _ = peeked.partition(b"\n")
+            request = json.loads(line) if newline else None
+        except (OSError, ValueError):  # nothing yet, gone, or not JSON: its thread answers or finds out
+            return False
+        if not isinstance(request, dict) or request.get("action") != "ping":
+            return False
+        # Not recorded in _conns (no lock taken on this thread): a fork meanwhile knows it as one
+        # accepted from our listener (address()), as it knows one whose thread has not recorded it.
+        try:
+            _, ancdata, _, _ = conn.recvmsg(len(line) + 1, socket.CMSG_SPACE(MAX_FDS * 4))
+            for fd in received_fds(ancdata):  # a ping takes none
+                os.close(fd)
+            conn.sendall(encode_line(self.runtime.handle(request)), socket.MSG_DONTWAIT)  # small: the buffer takes it
+        except OSError:  # gone (or, never seen, a full buffer): the client sees no answer, as if it had closed
+            conn.close()
+            return True
+        try:
+            if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return False  # another request: its thread serves it
+        except BlockingIOError:  # the client's side is still open: a thread waits for what it says next
+            return False
+        except OSError:
+            pass
+        conn.close()  # the client half-closed after its ping (as forkd's clients do), or went
+        return True
 
     def _wait(self, poller: select.poll) -> dict[int, int]:
         """Wait for a connection or the tended descriptor, and tend it when due; the events."""

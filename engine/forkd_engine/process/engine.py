@@ -85,6 +85,9 @@ def _failure(what: str, error: str) -> EngineError:
 
 class ProcessEngine:
     name = "process"
+    # Its snapshots are parked processes, as its sandboxes are: a restart of the host ends them all,
+    # so the controller records them without waiting for the disk (registry.py).
+    snapshots_are_processes = True
 
     def __init__(self, data_dir: str, *, sandbox_uid: int = 65534, sandbox_gid: int = 65534,
                  memory_limit_mib: int = DEFAULT_MEMORY_LIMIT_MIB, pids_max: int = DEFAULT_PIDS_MAX,
