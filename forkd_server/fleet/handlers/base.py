@@ -132,6 +132,15 @@ class RouterHandler(UpstreamCall, web.RequestHandler):
         else:
             self.send(body, status)
 
+    def answer_made_snapshot(self, host: Host, status: int, reply, made: tuple[int, ...]) -> None:
+        """Pass on a host's answer to a call that makes a snapshot (create, branch, compact): one it
+        made (``status`` in ``made``) is pinned to ``host``, named with it, and its labels kept."""
+        if status in made and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
+            self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
+            reply["host"] = host.url
+            self.seen("snapshot", [reply])
+        self.answer(status, reply)
+
     def json_body(self) -> dict | None:
         """The body as a JSON object, or None when it is not one (a host then says what is wrong).
         Parsed as a host parses it (orjson): what the router reads (a spawn's snapshot, the labels

@@ -107,11 +107,7 @@ class BranchHandler(PinnedHandler):
     async def post(self, sandbox_id: str) -> None:
         host = await self.locate(sandbox_id)
         status, reply = await self.call(host)
-        if status in (201, 202) and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
-            self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
-            reply["host"] = host.url
-            self.seen("snapshot", [reply])
-        self.answer(status, reply)
+        self.answer_made_snapshot(host, status, reply, made=(201, 202))
 
 
 class ForkHandler(PinnedHandler):

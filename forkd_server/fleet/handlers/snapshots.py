@@ -37,11 +37,7 @@ class SnapshotsHandler(RouterHandler):
         held = (await self.router.holders(tag))[0] if isinstance(tag, str) else {}
         host = self.router.hosts[next(iter(held))] if held else self.router.place_new()
         status, reply = await self.call(host)
-        if status in (201, 202) and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
-            self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
-            reply["host"] = host.url
-            self.seen("snapshot", [reply])
-        self.answer(status, reply)
+        self.answer_made_snapshot(host, status, reply, made=(201, 202))
 
 
 class SnapshotPullHandler(RouterHandler):
@@ -114,11 +110,7 @@ class SnapshotCompactHandler(RouterHandler):
     async def post(self, tag: str) -> None:
         host = await _holder(self.router, tag)
         status, reply = await self.call(host)
-        if status in (200, 201) and isinstance(reply, dict) and isinstance(reply.get("tag"), str):
-            self.router.state.pin("snapshot", [(reply["tag"], None)], host.url, exclusive=False)
-            reply["host"] = host.url
-            self.seen("snapshot", [reply])
-        self.answer(status, reply)
+        self.answer_made_snapshot(host, status, reply, made=(200, 201))
 
 
 class SnapshotPushHandler(RouterHandler):
