@@ -134,15 +134,20 @@ def add_serve_command(sub) -> None:
     p.add_argument("--advertise-url", default=os.environ.get("FORKD_ADVERTISE_URL"),
                    help="the URL the router reaches this host at (default: the address it listens on; needed when "
                         "that is 0.0.0.0)")
-    hub = p.add_mutually_exclusive_group()
-    hub.add_argument("--hub", dest="hub", action="store_true", default=None,
-                     help="run as a JupyterHub service: the Hub checks every token, each user sees only what they "
-                          "made (docs/deploy/jupyterhub.md); the default when JupyterHub started this command")
-    hub.add_argument("--no-hub", dest="hub", action="store_false", default=None, help="not as a JupyterHub service, even when "
-                                                                        "JupyterHub started this command")
+    add_hub_options(p, "made")
     add_debug_option(p)
     p.set_defaults(func=cmd_serve, jupyter_args=[])
     p.epilog = "Other jupyter-server options pass through, e.g. --ServerApp.log_level=DEBUG."
+
+
+def add_hub_options(p, made: str) -> None:
+    """--hub / --no-hub (unset: on when JupyterHub started the command); ``made``: what each user sees."""
+    hub = p.add_mutually_exclusive_group()
+    hub.add_argument("--hub", dest="hub", action="store_true", default=None,
+                     help=f"run as a JupyterHub service: the Hub checks every token, each user sees only what they "
+                          f"{made} (docs/deploy/jupyterhub.md); the default when JupyterHub started this command")
+    hub.add_argument("--no-hub", dest="hub", action="store_false", default=None,
+                     help="not as a JupyterHub service, even when JupyterHub started this command")
 
 
 def add_router_command(sub) -> None:
@@ -181,13 +186,7 @@ def add_router_command(sub) -> None:
     p.add_argument("--placement-wait", type=float, default=1.0,
                    help="seconds a spawn waits for a host's snapshot listing before it places by the host's last "
                         "one (default 1)")
-    hub = p.add_mutually_exclusive_group()
-    hub.add_argument("--hub", dest="hub", action="store_true", default=None,
-                     help="run as a JupyterHub service: the Hub checks every token, each user sees only what they "
-                          "made on any host (docs/deploy/jupyterhub.md); the default when JupyterHub started this "
-                          "command")
-    hub.add_argument("--no-hub", dest="hub", action="store_false", default=None,
-                     help="not as a JupyterHub service, even when JupyterHub started this command")
+    add_hub_options(p, "made on any host")
     add_debug_option(p)
     p.set_defaults(func=cmd_router)
 
