@@ -88,6 +88,18 @@ class Router:
         self.log.close()
 
 
+def stop_hosts(hosts, token: str) -> None:
+    """Delete what each running host holds and stop it; a host that ended leaves only its log."""
+    for srv in hosts:
+        if srv.proc.poll() is None:
+            cleanup(srv.url, token)
+            srv.stop()
+        else:
+            os.unlink(srv.log.name)
+        if hasattr(srv, "remove"):
+            srv.remove()
+
+
 def count_alike(hosts, value: int = 0) -> None:
     """Make every host number its next sandbox ``value``, as hosts that all began at the same number
     would (a new data dir's numbering begins at random): what makes them hand out the same ids. Set
@@ -131,12 +143,5 @@ def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_host
     finally:
         if router is not None:
             router.stop()
-        for srv in hosts:
-            if srv.proc.poll() is None:
-                cleanup(srv.url, token)
-                srv.stop()
-            else:
-                os.unlink(srv.log.name)
-            if hasattr(srv, "remove"):
-                srv.remove()
+        stop_hosts(hosts, token)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -19,8 +19,8 @@ import pytest
 
 from forkd_server.client import Controller
 
-from ..serving import Server, cleanup
-from .fleet import DOWN_AFTER, Router
+from ..serving import Server
+from .fleet import DOWN_AFTER, Router, stop_hosts
 
 
 def post(url: str, body, token: str | None, raw: bool = False) -> tuple[int, dict]:
@@ -72,10 +72,7 @@ def registered_fleet(n_hosts: int = 2):
     finally:
         if router is not None:
             router.stop()
-        for srv in hosts:
-            if srv.proc.poll() is None:
-                cleanup(srv.url, token)
-                srv.stop()
+        stop_hosts(hosts, token)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
