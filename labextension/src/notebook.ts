@@ -135,22 +135,46 @@ function errorText(ename: string, evalue: string): string {
   return ename === 'UsageError' || !ename ? evalue : `${ename}: ${evalue}`;
 }
 
-/** Kishu's way: one notification, pending then success or error; null when it failed. */
+const QUIET_MS = 400; // work done this soon needs no spinner: its result alone is shown
+const SHOWN_WITHIN_MS = 2000; // a toast not drawn by then is not drawn (do-not-disturb, the list open)
+
+/**
+ * Kishu's way: one notification, pending then success or error; null when it failed. Not
+ * ``Notification.promise``: JupyterLab's toasts drop an update that arrives before the pending
+ * toast is first drawn (react-toastify draws on a later task), which left a spinner forever after
+ * a branch of a few milliseconds. So quick work shows only its result, and slow work's result
+ * waits until its pending toast is on the page.
+ */
 export async function progress<T extends ReadonlyJSONValue>(
   work: Promise<T>,
   pending: string,
   ok: (value: T) => string,
   failed: string
 ): Promise<T | null> {
-  Notification.promise(work, {
-    pending: { message: pending, options: { autoClose: false } },
-    success: { message: (value: unknown) => ok(value as T), options: { autoClose: 3000 } },
-    error: { message: (err: any) => `${failed}: ${err?.message ?? err}`, options: { autoClose: 6000 } }
-  });
-  try {
-    return await work;
-  } catch {
-    return null; // the notification said why
+  const outcome = work.then(
+    value => ({ value, message: ok(value), type: 'success' as const, autoClose: 3000 }),
+    (err: any) => ({ value: null, message: `${failed}: ${err?.message ?? err}`, type: 'error' as const, autoClose: 6000 })
+  );
+  const quick = await Promise.race([outcome, delay(QUIET_MS).then(() => null)]);
+  if (quick) {
+    Notification.emit(quick.message, quick.type, { autoClose: quick.autoClose });
+    return quick.value;
+  }
+  const id = Notification.emit(pending, 'in-progress', { autoClose: false });
+  const done = await outcome;
+  void drawn(id).then(() => Notification.update({ id, message: done.message, type: done.type, autoClose: done.autoClose }));
+  return done.value;
+}
+
+function delay(ms: number): Promise<void> {
+  return new Promise(resolve => setTimeout(resolve, ms));
+}
+
+/** The notification's toast is on the page (react-toastify gives it the notification's id). */
+async function drawn(id: string): Promise<void> {
+  const until = Date.now() + SHOWN_WITHIN_MS;
+  while (!document.getElementById(id) && Date.now() < until) {
+    await delay(50);
   }
 }
 

@@ -292,4 +292,9 @@ def pytest_runtest_makereport(item, call):
     report = yield
     if report.when == "call" and report.failed:
         item.failed = True
+        lab = item.funcargs.get("lab")
+        if lab is not None:  # the server's and kernels' side of the failure, in CI's output too
+            log = Path(lab.root, "lab.log")
+            if log.exists():
+                report.sections.append(("lab.log (its end)", log.read_text(errors="replace")[-6000:]))
     return report
