@@ -82,7 +82,7 @@ def materialise(cache: ChunkCache, manifest: Manifest, dests: dict[str, str], re
             patch = source.get(chunk["patch"], chunk["patch_size"])
             t = time.perf_counter()
             try:
-                data = ck.apply_patch(base, patch)
+                data = ck.apply_patch(base, patch, xor=chunk.get("xor", False))
             except ValueError as exc:
                 raise ChunkCorrupt(source.where(chunk["patch"]), chunk["patch"], str(exc)) from None
             if ck.digest(data) != chunk["sha256"]:
