@@ -12,9 +12,9 @@ import shutil
 import tempfile
 
 import pytest
+from forkd_engine.store import chunks
 from jupyter_client.manager import start_new_kernel
 
-from forkd_engine.store import chunks
 from forkd_server.client import Controller
 
 from ..kernel.cells import head_of, run
