@@ -3,9 +3,10 @@ with zstd; an all-zero chunk is not stored at all (a ``None`` in the file's chun
 
 A branch's chunk that differs from its parent's (the chunk at the same offset) in a few 4 KiB pages
 is kept as a *page patch* against the parent's stored chunk: a bitmap of the changed pages and
-those pages, each XORed with the parent's page. Guest kernels write a few pages all over RAM after every restore (timers, allocator,
-page cache): a whole 4 MiB chunk for each would multiply what a branch uploads, and most of those
-pages differ in a few words (a patch of XORed pages is ~9x smaller than of the pages themselves).
+those pages, each XORed with the parent's page. Guest kernels write a few pages all over RAM after
+every restore (timers, allocator, page cache): a whole 4 MiB chunk for each would multiply what a
+branch uploads, and most of those pages differ in a few words (a patch of XORed pages is ~9x
+smaller than one of the pages themselves).
 
 4 MiB is a multiple of the 2 MiB huge page: guest RAM changes in place, page-aligned, so fixed
 chunks aligned to pages dedupe a branch against its parent as well as content-defined ones would.
