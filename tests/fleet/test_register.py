@@ -19,7 +19,7 @@ import pytest
 
 from forkd_server.client import Controller
 
-from ..serving import Server
+from ..serving import Server, refusals
 from .fleet import DOWN_AFTER, Router, stop_hosts
 
 
@@ -135,20 +135,27 @@ def test_registered_hosts_outlive_a_router_restart():
         api.kill_sandbox(kid)
 
 
-@pytest.mark.parametrize("args, message", [
+REFUSED = [
     (["--register", "http://127.0.0.1:1"], "--register needs --register-token-file"),
     (["--register-token-file", "/nonexistent"], "go with --register"),
     (["--register", "nope", "--register-token-file", "/nonexistent"], "is not a router's URL"),
     (["--host", "0.0.0.0", "--token-file", "{token}", "--register", "http://127.0.0.1:1", "--register-token-file",
       "{token}"], "pass --advertise-url"),
-])
-def test_serve_refuses_registration_options_that_cannot_work(tmp_path, args, message):
-    import subprocess
+]
 
-    from ..serving import FORKD
-    token = tmp_path / "token"
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """What ``forkd serve`` says to each line above ({args: (exit code, stderr)}), all asked of one process."""
+    tmp = tmp_path_factory.mktemp("refused")
+    token = tmp / "token"
     token.write_text(secrets.token_hex(20))
-    argv = [a.replace("{token}", str(token)) for a in args]
-    out = subprocess.run([*FORKD, "serve", "--data-dir", str(tmp_path / "d"), *argv], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 2 and message in out.stderr, out.stderr
+    lines = [["serve", "--data-dir", str(tmp / "d"), *(a.replace("{token}", str(token)) for a in args)]
+             for args, _ in REFUSED]
+    return dict(zip((tuple(args) for args, _ in REFUSED), refusals(lines)))
+
+
+@pytest.mark.parametrize("args, message", REFUSED)
+def test_serve_refuses_registration_options_that_cannot_work(refused, args, message):
+    code, stderr = refused[tuple(args)]
+    assert code == 2 and message in stderr, stderr
