@@ -15,6 +15,11 @@ from the start of its process:
 - ``settle_s``: until ``/healthz`` no longer says ``recovering`` (every recorded object settled):
   the restart, whole.
 
+The server's own account of its start (``forkd: listening ... s after the process started (stage
++s, ...)``, forkd_server/startup.py) gives the split by stage of each round's ``listen_s``: the
+interpreter and the CLI, jupyter-server's import, the extension (registry, engines, recovery's
+plan), the web app; ``stages`` has each stage's median and worst over the rounds.
+
 Then (untimed) a sandbox of the snapshot is spawned and answers, every sandbox is killed and every
 other snapshot deleted, and the next round starts. With
 ``--stale N`` (process engine) one more restart is timed with N sandboxes whose agents are stopped
@@ -32,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -53,7 +59,7 @@ CALL_TIMEOUT = 120
 
 def start(workdir: str, token_file: str, engine: str) -> Server:
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": os.path.join(workdir, "rt")}
-    return Server("--token-file", token_file, f"--ForkdApp.default_engine={engine}", "--ServerApp.log_level=WARN",
+    return Server("--token-file", token_file, f"--ForkdApp.default_engine={engine}", "--ServerApp.log_level=INFO",
                   data_dir=os.path.join(workdir, "d"), env=env)
 
 
@@ -78,6 +84,25 @@ def timed_start(server: Server) -> tuple[float, float]:
         time.sleep(0.005)
 
 
+STAGES = re.compile(r"forkd: listening ([\d.]+) s after the process started \((.*)\)")
+
+
+def last_start_stages(server: Server) -> dict[str, float]:
+    """The stages of the server's last start, as it logged them (stage -> seconds it took)."""
+    found = STAGES.findall(server.output())
+    if not found:
+        return {}
+    total, parts = found[-1]
+    stages = {name: float(took) for name, took in (part.rsplit(" +", 1) for part in parts.split(", "))}
+    return {**stages, "total (the server's own)": float(total)}
+
+
+def stage_summary(rounds: list[dict[str, float]]) -> dict:
+    names = list(dict.fromkeys(name for r in rounds for name in r))
+    return {name: {"median_s": round(statistics.median(r.get(name, 0.0) for r in rounds), 3),
+                   "worst_s": round(max(r.get(name, 0.0) for r in rounds), 3)} for name in names}
+
+
 def clear(client: Client) -> None:
     """Kill every sandbox and delete every snapshot but ``base``."""
     for sb in client.list_sandboxes():
@@ -100,7 +125,7 @@ def crash_rounds(engine: str, rounds: int, workers: int) -> dict:
         f.write(token)
     server = start(workdir, token_file, engine)
     client = Client(server.url, token, timeout=CALL_TIMEOUT)
-    listen, settle, empty, counts = [], [], [], []
+    listen, settle, empty, counts, stages = [], [], [], [], []
     try:
         server.wait_healthy(timeout=120)
         client.create_snapshot("base", engine=engine, setup="value = 41",
@@ -120,6 +145,7 @@ def crash_rounds(engine: str, rounds: int, workers: int) -> dict:
             got = timed_start(server)
             listen.append(got[0])
             settle.append(got[1])
+            stages.append(last_start_stages(server))
             for t in threads:
                 t.join(CALL_TIMEOUT + 5)
             counts.append(len(client.list_sandboxes()))
@@ -132,6 +158,7 @@ def crash_rounds(engine: str, rounds: int, workers: int) -> dict:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return {"listen": summary(listen), "settle": summary(settle), "empty_listen": summary(empty),
+            "stages": stage_summary(stages),
             "sandboxes_listed_after_restart": counts,
             "targets_met": {f"listen <= {LISTEN_TARGET_S:g} s every round": max(listen) <= LISTEN_TARGET_S,
                             f"worst settle <= {SETTLE_TARGET_S:g} s": max(settle) <= SETTLE_TARGET_S}}
@@ -210,6 +237,8 @@ def main() -> int:
         for key, label in (("listen", "start -> /healthz answers"), ("settle", "start -> everything settled"),
                            ("empty_listen", "for scale: an empty data dir -> /healthz")):
             print(f"  {engine:8s} {label:42s} {got[key]['median_s']:7.3f} s / {got[key]['worst_s']:7.3f} s")
+        print(f"  {engine:8s} its start by stage (median / worst): " + ", ".join(
+            f"{name} {v['median_s']:.3f} / {v['worst_s']:.3f}" for name, v in got["stages"].items()))
         print(f"  {engine:8s} targets met: {got['targets_met']}")
     if "stale" in out:
         s = out["stale"]
