@@ -18,7 +18,8 @@ from the start of its process:
 The server's own account of its start (``forkd: listening ... s after the process started (stage
 +s, ...)``, forkd_server/startup.py) gives the split by stage of each round's ``listen_s``: the
 interpreter and the CLI, jupyter-server's import, the extension (registry, engines, recovery's
-plan), the web app; ``stages`` has each stage's median and worst over the rounds.
+plan), the web app; ``stages`` has each stage's median and worst over the rounds (``empty_stages``
+the same for the empty starts, ``stages_by_round`` each round's).
 
 Then (untimed) a sandbox of the snapshot is spawned and answers, every sandbox is killed and every
 other snapshot deleted, and the next round starts. With
@@ -125,7 +126,7 @@ def crash_rounds(engine: str, rounds: int, workers: int) -> dict:
         f.write(token)
     server = start(workdir, token_file, engine)
     client = Client(server.url, token, timeout=CALL_TIMEOUT)
-    listen, settle, empty, counts, stages = [], [], [], [], []
+    listen, settle, empty, counts, stages, stages_empty = [], [], [], [], [], []
     try:
         server.wait_healthy(timeout=120)
         client.create_snapshot("base", engine=engine, setup="value = 41",
@@ -152,20 +153,24 @@ def crash_rounds(engine: str, rounds: int, workers: int) -> dict:
             (kid,) = client.spawn_sandboxes("base", 1)
             assert client.eval_code(kid["id"], "value")["result"] == "41"
             clear(client)  # what the burst left (kills cut short are re-attached): each round starts alike
-            empty.append(empty_start(engine))
+            empty_s, empty_stages = empty_start(engine)
+            empty.append(empty_s)
+            stages_empty.append(empty_stages)
         cleanup(server.url, token)
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return {"listen": summary(listen), "settle": summary(settle), "empty_listen": summary(empty),
-            "stages": stage_summary(stages),
+            "stages": stage_summary(stages), "empty_stages": stage_summary(stages_empty),
+            "stages_by_round": stages,
             "sandboxes_listed_after_restart": counts,
             "targets_met": {f"listen <= {LISTEN_TARGET_S:g} s every round": max(listen) <= LISTEN_TARGET_S,
                             f"worst settle <= {SETTLE_TARGET_S:g} s": max(settle) <= SETTLE_TARGET_S}}
 
 
-def empty_start(engine: str) -> float:
-    """Seconds from starting ``forkd serve`` on an empty data dir until /healthz answers."""
+def empty_start(engine: str) -> tuple[float, dict[str, float]]:
+    """Seconds from starting ``forkd serve`` on an empty data dir until /healthz answers, and its
+    stages as it logged them."""
     workdir = tempfile.mkdtemp(prefix="fkre")
     token_file = os.path.join(workdir, "token")
     with open(token_file, "w") as f:
@@ -174,7 +179,8 @@ def empty_start(engine: str) -> float:
     server = start(workdir, token_file, engine)
     try:
         server.wait_healthy(timeout=120)
-        return time.monotonic() - t0
+        took = time.monotonic() - t0
+        return took, last_start_stages(server)
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -237,8 +243,9 @@ def main() -> int:
         for key, label in (("listen", "start -> /healthz answers"), ("settle", "start -> everything settled"),
                            ("empty_listen", "for scale: an empty data dir -> /healthz")):
             print(f"  {engine:8s} {label:42s} {got[key]['median_s']:7.3f} s / {got[key]['worst_s']:7.3f} s")
-        print(f"  {engine:8s} its start by stage (median / worst): " + ", ".join(
-            f"{name} {v['median_s']:.3f} / {v['worst_s']:.3f}" for name, v in got["stages"].items()))
+        for key, label in (("stages", "after a crash"), ("empty_stages", "on an empty data dir")):
+            print(f"  {engine:8s} its start by stage {label} (median / worst): " + ", ".join(
+                f"{name} {v['median_s']:.3f} / {v['worst_s']:.3f}" for name, v in got[key].items()))
         print(f"  {engine:8s} targets met: {got['targets_met']}")
     if "stale" in out:
         s = out["stale"]
