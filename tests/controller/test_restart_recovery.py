@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -210,8 +211,6 @@ def test_the_settling_starts_once_the_server_listens(short_dir):
     """A background recovery reads the registry at once (the object is pending: calls about it answer
     503) but starts no thread until ``listening()``: the server's start up to its port is its own.
     Then the object is settled and taken back."""
-    import threading
-
     before = engine_processes(short_dir)
     c = Controller(short_dir)
     try:
