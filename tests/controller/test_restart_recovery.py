@@ -207,7 +207,7 @@ def test_a_silent_agent_no_record_names_is_killed_by_the_socket_it_holds(short_d
     assert wait_gone(engine_processes(short_dir) - before) == set()
 
 
-def test_the_settling_starts_once_the_server_listens(short_dir):
+def test_the_settling_starts_once_the_server_listens(short_dir, monkeypatch):
     """A background recovery reads the registry at once (the object is pending: calls about it answer
     503) but starts no thread until ``listening()``: the server's start up to its port is its own.
     Then the object is settled and taken back."""
@@ -218,10 +218,18 @@ def test_the_settling_starts_once_the_server_listens(short_dir):
         (sb,) = c.spawn("s", 1)
     finally:
         c.close()
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(thread):
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
     c = Controller(short_dir, recover_in_background=True)
     try:
         assert c.recovery.unsettled() == {"s", sb["id"]}
-        assert not [t for t in threading.enumerate() if t.name.startswith(("forkd-recovery", "forkd-settle"))]
+        assert not [name for name in started if name.startswith(("forkd-recovery", "forkd-settle", "forkd-vm"))]
         c.listening()
         until(lambda: c.recovery.pending == 0)
         assert [s["id"] for s in c.list_sandboxes()] == [sb["id"]]
