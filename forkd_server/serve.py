@@ -24,6 +24,9 @@ from traitlets import default
 from .app import ForkdApp
 from .controller import default_data_dir
 from .identity import ForkdIdentityProvider
+from .startup import mark
+
+mark("imports of jupyter-server and forkd_server")
 
 PLACEHOLDER_PREFIXES = ("REPLACE_ME", "CHANGE_ME")
 
@@ -242,7 +245,9 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
     if "forkd" not in serverapp.web_app.settings:
         print("forkd serve: the forkd extension failed to load (see the log above)", file=sys.stderr)
         return 1
+    mark("web app built")
     serverapp.start_app()
+    mark("server files written")
     scheme = "https" if tls_cert else "http"
     shown = f"[{host}]" if ":" in host else host
     url = f"{scheme}://{shown}:{serverapp.port}{serverapp.base_url.rstrip('/')}"

@@ -289,6 +289,9 @@ class ProcessEngine:
         """Nothing to repair: a template or sandbox is whole while its process lives."""
         return []
 
+    def warm_up(self) -> None:
+        """Nothing: what the process engine needs it makes as it starts (all of it cheap)."""
+
     def recover(self, known: list[Handle]) -> list[str]:
         """Files in the run directory no known handle names: starts a previous server never
         recorded. Whatever still serves on such a socket is ended (all at once); the files are
