@@ -12,8 +12,10 @@ remote store. Figures:
 - diff_upload_ratio: a diff branch of a child that rewrote ``--changed`` of guest RAM (in the
   array), pushed after its parent: its bytes uploaded / the parent's bytes uploaded; beside it
   diff_upload_over_ram (the same bytes / guest RAM) and diff_floor_ratio (the rewritten bytes
-  themselves, random and so incompressible, / the parent's bytes uploaded): no store can go below
-  that floor.
+  themselves, random and so incompressible, / the parent's bytes uploaded) and
+  diff_floor_compressed_ratio (those bytes zstd-compressed in 4 MiB chunks / the parent's): no
+  store of chunks and page patches goes below that floor. ``bench/store_diff.py`` breaks the diff
+  down chunk by chunk.
 - push_mb_s / pull_mb_s: the parent's stored (compressed) bytes over the time of a push to an empty
   bucket, and of a pull into an empty local store (fetch + verify every chunk + write); beside them
   the same bytes through plain obstore (the chunks put / got as objects, in parallel as ours, without
@@ -36,6 +38,10 @@ remote store. Figures:
   ended, RAM file freed) and the wake of a stored sandbox from the local store with its split:
   fetch_ms (chunks the local store lacks: none here), decompress_ms (memory.bin written back) and
   restore_ms (a VM restored under the same id), total_ms; eval_after_wake checks the state.
+- wake_from_remote_store: the same kind of sandbox stored into moto, the chunks of its state
+  deleted from the local store, then woken (``--reps`` times): the split the wake reports. The
+  wake fetches, verifies and writes each chunk into the RAM file in one pass, so ``fetch_ms`` and
+  ``decompress_ms`` divide that pass's wall time by the time its threads spent on each.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import obstore  # noqa: E402
 
 from forkd_engine import ChildSpec, SnapshotSpec  # noqa: E402
 from forkd_engine.store import ChunkCache, RemoteStore, materialise, pull, push  # noqa: E402
+from forkd_engine.store import chunks as ck  # noqa: E402
 from forkd_engine.store.transfer import IO_WORKERS  # noqa: E402
 from forkd_engine.vm import VMEngine  # noqa: E402
 from forkd_engine.vm import durable  # noqa: E402
@@ -80,6 +87,15 @@ def run(engine, h, code, timeout=600):
     if reply.get("error"):
         raise RuntimeError(reply["error"])
     return reply
+
+
+def rewritten_compressed(n: int, rewrite: int) -> int:
+    """The bytes the diff branch's child wrote (the guest's generator, reproduced here), compressed
+    in chunks as the store does: what no store of whole or patched chunks goes below."""
+    import numpy as np
+
+    new = (np.random.default_rng(1).random(n)[:rewrite] + 1.0).tobytes()
+    return sum(len(ck.compress(new[i:i + ck.CHUNK_SIZE])) for i in range(0, len(new), ck.CHUNK_SIZE))
 
 
 def pull_to_files(way: str, remote, manifest, root: str, mem_dir: str) -> float:
@@ -171,6 +187,52 @@ def tiers(engine: VMEngine, data_dir: str, args, setup: str) -> dict:
         ctl.registry.close()
 
 
+def remote_wakes(engine: VMEngine, data_dir: str, args, setup: str, endpoint: str) -> dict:
+    """A stored sandbox woken from the remote store (moto) after this host's local store lost every
+    chunk of its state (as a host that holds none of them; those it shares with the snapshot it came
+    from are put back after the wake), ``--reps`` times, through the controller's tiers: the wake's
+    split as it reports it."""
+    bucket(endpoint, "wake")
+    ctl = Controller(data_dir, engines={"vm": engine}, store="s3://wake/bench",
+                     store_options={"endpoint": endpoint, "access_key_id": "bench", "secret_access_key": "bench",
+                                    "region": "us-east-1", "allow_http": True})
+    try:
+        ctl.create_snapshot("nbr", engine="vm", mem_size_mib=args.mem, packages=["python3-numpy"],
+                            setup=setup + "x = 21\n", setup_timeout_secs=900)
+        ctl.stores.wait_idle(900)
+        sb = ctl.spawn("nbr")[0]["id"]
+        woke = []
+        for _ in range(args.reps):
+            ctl.store_sandbox(sb)
+            stored = ctl.registry.get_sandbox(sb)["stored"]
+            store = engine.store
+            others = set().union(*(store.get_manifest(d).chunks() for name, d in store.pins().items()
+                                   if name != stored["handle"]["tag"] and store.get_manifest(d)))
+            aside = os.path.join(data_dir, "aside")
+            os.makedirs(aside, exist_ok=True)
+            for chunk in store.get_manifest(stored["digest"]).chunks():  # all of them
+                if chunk in others:  # back after the wake: a branch of the sandbox reuses its parent's
+                    os.rename(store.chunk_path(chunk), os.path.join(aside, chunk))
+                else:
+                    os.unlink(store.chunk_path(chunk))
+            woke.append(ctl.wake_sandbox(sb)["wake"])
+            for chunk in os.listdir(aside):
+                if store.has(chunk):
+                    os.unlink(os.path.join(aside, chunk))
+                else:
+                    os.rename(os.path.join(aside, chunk), store.chunk_path(chunk))
+            ctl.stores.stored_copies.wait_idle(120)
+        state = ctl.eval(sb, "(x, float(arr[:3].sum()) > 0)")["result"]
+        ctl.kill_sandbox(sb)
+        ctl.delete_snapshot("nbr")
+        return {**{k: med([w[k] for w in woke]) for k in ("fetch_ms", "decompress_ms", "restore_ms", "ms")},
+                "fetched_mb": round(statistics.median(w["fetched_bytes"] for w in woke) / 1e6, 1),
+                "reps": args.reps, "eval_after_wake": state}
+    finally:
+        ctl.stores.close()
+        ctl.registry.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
@@ -178,8 +240,9 @@ def main() -> int:
     ap.add_argument("--numpy-mb", type=int, default=100)
     ap.add_argument("--changed", type=float, default=0.10, help="fraction of guest RAM the diff branch rewrites")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--only", choices=["tiers", "store"],
-                    help="only the tiers' figures (freeze, store, wake), or only the others")
+    ap.add_argument("--only", choices=["tiers", "store", "remote_wake"],
+                    help="only the tiers' figures (freeze, store, wake), only the others, or only the wake "
+                         "from the remote store")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="fkstore")
     server, endpoint = moto_process()
@@ -189,7 +252,10 @@ def main() -> int:
     try:
         n = args.numpy_mb * 1_000_000 // 8
         setup = f"import numpy as np\narr = np.random.default_rng(1).random({n})\n"
-        if args.only != "tiers":
+        if args.only in (None, "remote_wake"):
+            out["wake_from_remote_store"] = remote_wakes(engine, os.path.join(root, "ctl-remote"), args, setup,
+                                                         endpoint)
+        if args.only in (None, "store"):
             parent = engine.create_snapshot(SnapshotSpec(tag="parent", mem_size_mib=args.mem, packages=["python3-numpy"],
                                                          setup=setup, setup_timeout=900))
             handles.append(parent)
@@ -233,6 +299,8 @@ def main() -> int:
                                diff_upload_ratio=round(second["uploaded_bytes"] / first["uploaded_bytes"], 3),
                                diff_upload_over_ram=round(second["uploaded_bytes"] / ram, 3),
                                diff_floor_ratio=round(min(rewrite, n) * 8 / first["uploaded_bytes"], 3),
+                               diff_floor_compressed_ratio=round(rewritten_compressed(n, min(rewrite, n))
+                                                                 / first["uploaded_bytes"], 3),
                                target_diff_upload_ratio="<= 0.15")
                 fresh = ChunkCache(os.path.join(root, f"pull{rep}"))
                 t0 = time.monotonic()
@@ -286,7 +354,7 @@ def main() -> int:
                                             "total_ms": med([a + b for a, b in zip(wake["materialise_ms"], wake["restore_ms"])]),
                                             "target_ms": "<= 2000"}
 
-        if args.only != "store":
+        if args.only in (None, "tiers"):
             out["tiers"] = tiers(engine, os.path.join(root, "ctl"), args, setup)
     finally:
         for h in handles:

@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Iterator
 
 from forkd_engine import ChildSpec, EngineError
-from forkd_engine.store import StoreError, fetch_manifest, pull as pull_chunks, push as push_chunks
+from forkd_engine.store import StoreError, fetch_manifest, push as push_chunks
 
 from .errors import Busy, Conflict, EngineFailure, StoreFailure
 from .sandboxes import running
@@ -292,28 +292,26 @@ class TierManager:
         snap = stored["handle"]
         if row["handle"]:  # a store cut short after its record: its VM still runs
             self.retire_process(row, engine)
-        fetched = 0
-        manifest = engine.store.get_manifest(stored["digest"])
+        manifest, remote = engine.store.get_manifest(stored["digest"]), None
         if manifest is None or not engine.store.has_all(manifest):
             remote = self.ctl.stores.remote
             if remote is None or not stored.get("remote"):
                 raise EngineFailure(f"wake of {row['id']}: its stored state {stored['digest']} is gone from the local "
                                     f"store {engine.store.root}" + ("" if remote else " and no remote store is set"))
-            try:
-                manifest = manifest or fetch_manifest(remote, digest=stored["digest"])
-                fetched = pull_chunks(engine.store, remote, manifest)["fetched_bytes"]
-                engine.store.pin(snap["tag"], stored["digest"])
-            except StoreError as exc:
-                raise StoreFailure(f"wake of {row['id']}: {exc}", hint="it stays stored; retry once the store "
-                                                                      "answers") from None
-        fetch_ms = _ms(t0)
-        t1 = time.perf_counter()
         try:
-            engine.materialise(snap)
-            decompress_ms = _ms(t1)
+            manifest = manifest or fetch_manifest(remote, digest=stored["digest"])
+            manifest_ms = _ms(t0)
+            # one pass: each chunk the local store lacks is fetched, verified, written into the RAM
+            # file and kept, decompressed once
+            files = engine.materialise(snap, manifest, remote) or {}
+            if remote is not None:
+                engine.store.pin(snap["tag"], stored["digest"])
             t2 = time.perf_counter()
             handle = engine.spawn(snap, [ChildSpec(id=row["id"], lineage=row["lineage"],
                                                    memory_limit_mib=row["memory_limit_mib"], wake=True)])[0]
+        except StoreError as exc:
+            raise StoreFailure(f"wake of {row['id']}: {exc}", hint="it stays stored; retry once the store "
+                                                                  "answers") from None
         except EngineError as exc:
             raise EngineFailure(f"wake of {row['id']}: {exc}", hint="it stays stored; retry the call") from exc
         restore_ms = _ms(t2)
@@ -324,8 +322,9 @@ class TierManager:
         with contextlib.suppress(Exception):  # its chunks become cache (pinned no more)
             engine.delete_snapshot(snap)
         copies.delete_later(leaving)
-        return {"from": "stored", "ms": _ms(t0), "fetch_ms": fetch_ms, "fetched_bytes": fetched,
-                "decompress_ms": decompress_ms, "restore_ms": restore_ms}
+        return {"from": "stored", "ms": _ms(t0), "fetch_ms": round(manifest_ms + files.get("fetch_ms", 0.0), 1),
+                "fetched_bytes": files.get("fetched_bytes", 0), "decompress_ms": files.get("decompress_ms", 0.0),
+                "restore_ms": restore_ms}
 
     def _set(self, sandbox_id: str, tier: str | None) -> None:
         self.registry.update_sandbox(sandbox_id, tier=tier)

@@ -253,6 +253,7 @@ def test_a_branch_keeps_a_chunk_changed_in_a_few_pages_as_a_page_patch(tmp_path)
     patch = entries[3]
     assert isinstance(patch, dict) and patch["base"] == parent.files["memory.bin"]["chunks"][3]
     assert patch["patch_size"] == 128 + 4096                  # the page bitmap and one page
+    assert patch["xor"] is True and cache.size(patch["patch"]) < 300  # XORed: a page of zeros but one bit
     assert isinstance(entries[4], str)                         # more than half changed: kept whole
     assert entries[0] == parent.files["memory.bin"]["chunks"][0]
     new = set(child.chunks()) - set(parent.chunks())
@@ -273,6 +274,29 @@ def test_a_branch_keeps_a_chunk_changed_in_a_few_pages_as_a_page_patch(tmp_path)
     open(other.chunk_path(patch["patch"]), "wb").write(blob)
     with pytest.raises(ChunkCorrupt, match=patch["patch"]):
         materialise(other, child, {"memory.bin": str(out / "again.bin")})
+
+
+def test_a_page_patch_whose_pages_replace_the_base_s_still_applies(tmp_path):
+    """Manifests written before page patches were XORed name patches of plain pages (no ``xor``)."""
+    cache = ChunkCache(str(tmp_path / "cache"))
+    base = os.urandom(CHUNK_SIZE)
+    data = bytearray(base)
+    data[7 * 4096:8 * 4096] = os.urandom(4096)
+    plain = bytearray(CHUNK_SIZE // 4096 // 8)
+    plain[0] = 1 << 7
+    plain += data[7 * 4096:8 * 4096]
+    for blob in (base, bytes(plain)):
+        cache.write(ck.digest(blob), ck.compress(blob))
+    entry = {"sha256": ck.digest(bytes(data)), "base": ck.digest(base), "patch": ck.digest(bytes(plain)),
+             "patch_size": len(plain)}
+    old = Manifest(files={"memory.bin": {"size": CHUNK_SIZE, "chunks": [entry]}}, requires=REQUIRES)
+    materialise(cache, old, {"memory.bin": str(tmp_path / "old.bin")})
+    assert (tmp_path / "old.bin").read_bytes() == bytes(data)
+    # read as XORed pages, the same patch makes another chunk: its check stops it
+    xored = Manifest(files={"memory.bin": {"size": CHUNK_SIZE, "chunks": [{**entry, "xor": True}]}}, requires=REQUIRES)
+    with pytest.raises(ChunkCorrupt, match=entry["patch"]):
+        materialise(cache, xored, {"memory.bin": str(tmp_path / "xored.bin")})
+    assert not (tmp_path / "xored.bin").exists() and not (tmp_path / "xored.bin.part").exists()
 
 
 def _counting_decompress(monkeypatch) -> collections.Counter:

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 
 import pytest
+from forkd_engine.store import chunks
 from jupyter_client.manager import start_new_kernel
 
 from forkd_server.client import Controller
@@ -73,10 +74,11 @@ def test_a_vm_notebook_goes_frozen_then_stored_and_the_next_cell_wakes_it(idle_v
     assert head_of(kc) == head and ctl.get_sandbox(head)["tier"] == "running"
 
 
-def test_by_hand_a_stored_sandbox_wakes_from_the_remote_store_when_this_host_lost_its_chunks(vm_engine, tmp_path):
+def test_by_hand_a_stored_sandbox_wakes_from_the_remote_store_when_this_host_lost_its_chunks(vm_engine, tmp_path,
+                                                                                          monkeypatch):
     """freeze -> store -> wake through the routes' code, with a remote store: the store pushes it, and
-    a wake after the local store lost its chunks (evicted, say) fetches them back, verified; then its
-    copy leaves the remote store."""
+    a wake after the local store lost its chunks (evicted, say) fetches them back, verified, in one
+    pass (each decompressed once, straight into the RAM file); then its copy leaves the remote store."""
     from forkd_server.controller import Controller as ServerController
 
     data = tempfile.mkdtemp(prefix="fkvt")
@@ -98,8 +100,18 @@ def test_by_hand_a_stored_sandbox_wakes_from_the_remote_store_when_this_host_los
         lost = set(store.get_manifest(stored["digest"]).chunks()) - others
         for chunk in lost:  # only what no other snapshot here uses: the session's engine is shared
             os.unlink(store.chunk_path(chunk))
+        ram = store.get_manifest(stored["digest"]).files["memory.bin"]["chunks"]
+        needed = len({c for c in ram if isinstance(c, str)}) + 2 * sum(isinstance(c, dict) for c in ram)
+        assert ctl.stores.wait_idle(120)  # no other store work decompresses meanwhile
+        decompressed = []
+        real = chunks.decompress
+        monkeypatch.setattr(chunks, "decompress", lambda blob, size: decompressed.append(1) or real(blob, size))
         woke = ctl.wake_sandbox(sb)["wake"]
+        monkeypatch.undo()
         assert woke["from"] == "stored" and woke["fetched_bytes"] > 0
+        # one pass: every object of the RAM file (a page patch: it and its base) decompressed once
+        assert len(decompressed) == needed
+        assert woke["fetch_ms"] > 0 and woke["decompress_ms"] > 0 and woke["restore_ms"] > 0
         assert ctl.eval(sb, "x")["result"] == "21" and ctl.get_sandbox(sb)["tier"] == "running"
         # woken, it is no longer stored: its copy leaves the remote store too (stored_copies.py)
         assert ctl.stores.stored_copies.wait_idle(60)

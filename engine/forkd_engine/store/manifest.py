@@ -23,7 +23,8 @@ CHECKED = ("qemu", "machine", "accel", "cpu")
 class Manifest:
     # name -> {"size": bytes, "chunks": [entry]}; an entry is None (an all-zero chunk), the hex sha256
     # of the chunk (an object of its own), or a page patch: {"sha256": the chunk's, "base": an
-    # object's hex, "patch": the patch object's hex, "patch_size": its bytes uncompressed}
+    # object's hex, "patch": the patch object's hex, "patch_size": its bytes uncompressed, "xor": true
+    # (its pages XORed with the base's; absent in patches whose pages replace the base's)}
     files: dict[str, dict]
     requires: dict                      # qemu, machine, accel, cpu, mem_mib, image
     meta: dict = field(default_factory=dict)  # the snapshot's record (tag, lineage, ...)

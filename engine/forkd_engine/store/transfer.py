@@ -118,7 +118,7 @@ def _entry(cache: ChunkCache, data: bytes, before):
                 patch_hex = ck.digest(patch)
                 if not cache.has(patch_hex):
                     cache.write(patch_hex, ck.compress(patch))
-                return {"sha256": hexd, "base": base, "patch": patch_hex, "patch_size": len(patch)}
+                return {"sha256": hexd, "base": base, "patch": patch_hex, "patch_size": len(patch), "xor": True}
     if not cache.has(hexd):
         cache.write(hexd, ck.compress(data))
     return hexd

@@ -100,17 +100,21 @@ def restorable(engine: "VMEngine", handle: Handle) -> bool:
         os.path.exists(os.path.join(handle["dir"], "meta.json"))
 
 
-def ensure_files(engine: "VMEngine", handle: Handle) -> bool:
-    """Write back the snapshot files that are gone (``memory.bin`` after a reboot) from the store;
-    True if any was. Raises ``EngineError`` saying what is missing when the store cannot."""
+def ensure_files(engine: "VMEngine", handle: Handle, manifest: Manifest | None = None,
+                 remote: RemoteStore | None = None) -> dict | None:
+    """Write back the snapshot files that are gone (``memory.bin`` after a reboot, or once stored)
+    from the store: the local one, and ``remote`` for the chunks it lacks, fetched, verified and
+    written in one pass. ``manifest`` is the snapshot's when the local store may not hold it. Returns
+    the pass's figures (``assemble.materialise``), None if no file was gone. Raises ``EngineError``
+    saying what is missing when the store cannot; a failure of ``remote`` is its ``StoreError``."""
     paths = files_of(handle)
     if all(os.path.exists(p) for p in paths.values()):
-        return False
+        return None
     with _lock(engine, handle["tag"]):
         missing = {name: p for name, p in paths.items() if not os.path.exists(p)}
         if not missing:
-            return False
-        manifest = stored_manifest(engine, handle)
+            return None
+        manifest = manifest or stored_manifest(engine, handle)
         if manifest is None:
             raise EngineError(f"snapshot {handle['tag']!r} is incomplete: {', '.join(missing.values())} are gone "
                               f"and the local store holds no copy of it")
@@ -118,11 +122,14 @@ def ensure_files(engine: "VMEngine", handle: Handle) -> bool:
         for p in missing.values():
             os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
         try:
-            materialise(engine.store, manifest, missing)
-        except (StoreError, OSError) as exc:
+            return materialise(engine.store, manifest, missing, remote=remote)
+        except StoreError as exc:
+            if remote is not None:
+                raise
             raise EngineError(f"snapshot {handle['tag']!r}: writing its files back from the local store "
                               f"failed: {exc}") from exc
-        return True
+        except OSError as exc:
+            raise EngineError(f"snapshot {handle['tag']!r}: writing its files back failed: {exc}") from exc
 
 
 def release_files(engine: "VMEngine", handle: Handle) -> bool:

@@ -310,10 +310,11 @@ class VMEngine:
         self.warm.drop(handle["tag"])  # they map the file: it would stay in RAM while they live
         return durable.release_files(self, handle)
 
-    def materialise(self, handle: Handle) -> bool:
-        """Write a snapshot's files back from the local store where they are gone; True if any was
-        (a spawn does this by itself; called first, it is timed apart)."""
-        return durable.ensure_files(self, handle)
+    def materialise(self, handle: Handle, manifest: Manifest | None = None, remote=None) -> dict | None:
+        """Write a snapshot's files back from the local store where they are gone, fetching what it
+        lacks from ``remote`` in the same pass; the pass's figures, None if none was gone (a spawn
+        does this by itself; called first, it is timed apart)."""
+        return durable.ensure_files(self, handle, manifest, remote)
 
     def import_snapshot(self, manifest: Manifest, tag: str, lineage: list[str], remote=None,
                         progress=None) -> tuple[Handle, dict]:
