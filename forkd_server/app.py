@@ -259,6 +259,8 @@ class ForkdApp(ExtensionApp):
                                    max_long_calls_per_caller=self.max_long_calls_per_caller,
                                    control_workers=self.control_workers, sandbox_queue_size=self.sandbox_queue_size,
                                    sandbox_queue_timeout=self.sandbox_queue_timeout, registry=self.metrics.registry)
+        from .loop_calls import LoopCalls
+        self.loop_calls = LoopCalls(self.admission, registry=self.metrics.registry)
         self.events = EventHub(self)
         io_loop = getattr(self.serverapp, "io_loop", None)  # the loop the server will run
         self.events.loop = getattr(io_loop, "asyncio_loop", None)

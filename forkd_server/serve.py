@@ -21,6 +21,7 @@ from jupyter_server.serverapp import ServerApp
 from tornado import web
 from traitlets import default
 
+from .access_log import access_log
 from .app import ForkdApp
 from .controller import default_data_dir
 from .identity import ForkdIdentityProvider
@@ -64,6 +65,8 @@ class ForkdServerApp(ServerApp):
         # routes are added later, ahead of it. Only a JSON 404 is left there.
         self.web_app.wildcard_router.rules = []
         self.web_app.wildcard_router.add_rules([(r".*", OutsideTheApi)])
+        settings = self.web_app.settings
+        settings["log_function"] = access_log(settings["log_function"], self.record_http_request_metrics)
 
 
 class _StandaloneForkd(ForkdApp):
