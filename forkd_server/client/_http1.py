@@ -1,23 +1,25 @@
-"""The async SDK's kept-alive connections: HTTP/1.1 on asyncio's own transports, the way the sync
-SDK pools ``http.client`` connections.
+"""The async SDK's kept-alive connections: HTTP/1.1 (h11's state machine, the wire format as
+httpcore speaks it) on asyncio's own transports, the way the sync SDK pools ``http.client``
+connections.
 
 Why not aiohttp's pool for these calls: it took ~0.2 ms of CPU a call here (a request object, its
 headers, a timer, a writer task...), as much as a third of what the server spends answering a
 ping, on the same two cores. This does what the SDK's exchanges need and no more: one request at a
-time per connection, bodies by ``Content-Length`` or chunked, or up to the close; idle connections
-in a stack (the most recently used taken first), one the server closed meanwhile dropped before it
-is used. Event streams and WebSocket sessions still go through aiohttp (``_async``, ``streaming``).
+time per connection, every framing h11 reads (Content-Length, chunked with trailers, up to the
+close, interim answers); idle connections in a stack (the most recently used taken first), one the
+server closed meanwhile dropped before it is used. Event streams and WebSocket sessions still go
+through aiohttp (``_async``, ``streaming``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import ssl
 from urllib.parse import urlsplit
 
+import h11
+
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
-_NO_BODY_STATUS = frozenset({204, 304})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # sent with Content-Length: 0 when empty, as http.client
 
 
@@ -30,12 +32,13 @@ class Timeout(TimeoutError):
 
 
 class _Connection(asyncio.Protocol):
-    """One connection: what arrived, and a future that the next arrival (or the end) completes."""
+    """One connection: h11's view of it (fed as bytes arrive), and a future that the next arrival
+    (or the end) completes."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self.transport: asyncio.Transport | None = None
-        self.data = bytearray()
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         self.closed = False
         self._waiter: asyncio.Future | None = None
         self.lost = loop.create_future()  # done once the socket is closed
@@ -44,16 +47,19 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        self.data += data
+        self.h11.receive_data(data)
         self._wake()
 
     def eof_received(self) -> bool:
         self.closed = True
+        self.h11.receive_data(b"")
         self._wake()
         return False  # the transport closes itself
 
     def connection_lost(self, exc) -> None:
-        self.closed = True
+        if not self.closed:
+            self.closed = True
+            self.h11.receive_data(b"")
         self._wake()
         if not self.lost.done():
             self.lost.set_result(None)
@@ -80,94 +86,42 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def exchange(self, head: bytes, content: bytes | None, method: str,
-                       timeout: float) -> tuple[int, bytes, bool]:
-        """Send one request and read its answer: (status, body, whether the connection stays open)."""
-        self.transport.write(head + content if content else head)
-        while True:
-            end = self.data.find(b"\r\n\r\n")
-            while end < 0:
-                if len(self.data) > MAX_HEAD:
-                    raise Dropped(f"an answer's headers were longer than {MAX_HEAD} bytes")
-                await self.more(timeout)
-                end = self.data.find(b"\r\n\r\n")
-            lines = bytes(self.data[:end]).split(b"\r\n")
-            del self.data[:end + 4]
-            version, _, rest = lines[0].partition(b" ")
-            try:
-                status = int(rest[:3])
-            except ValueError:
-                raise Dropped(f"not an HTTP answer: {lines[0][:80]!r}") from None
-            if 100 <= status < 200:  # an interim answer (100 Continue): the real one follows
-                continue
-            break
-        fields = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            fields[name.strip().lower()] = value.strip().lower()
-        connection = fields.get(b"connection", b"")
-        keep = b"close" not in connection if version == b"HTTP/1.1" else b"keep-alive" in connection
-        if method == "HEAD" or status in _NO_BODY_STATUS:
-            return status, b"", keep
-        if b"chunked" in fields.get(b"transfer-encoding", b""):
-            return status, await self._chunked(timeout), keep
-        length = fields.get(b"content-length")
-        if length is None:  # up to the close
-            while not self.closed:
-                await self.more(timeout)
-            body, self.data = bytes(self.data), bytearray()
-            return status, body, False
-        try:
-            size = int(length)
-        except ValueError:
-            raise Dropped(f"a bad Content-Length: {length[:40]!r}") from None
-        while len(self.data) < size:
-            await self.more(timeout)
-        body = bytes(self.data[:size])
-        del self.data[:size]
-        return status, body, keep
+    @property
+    def reusable(self) -> bool:
+        """Both sides are done with the last exchange and neither said it closes: ready for another."""
+        if self.closed or self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
+            return False
+        self.h11.start_next_cycle()
+        return True
 
-    async def _chunked(self, timeout: float) -> bytes:
-        parts = []
+    async def exchange(self, request: h11.Request, content: bytes | None, timeout: float) -> tuple[int, bytes]:
+        """Send one request and read its answer: (status, body)."""
+        wire = self.h11.send(request)
+        if content:
+            wire += self.h11.send(h11.Data(data=content))
+        self.transport.write(wire + self.h11.send(h11.EndOfMessage()))
+        status, body = 0, []
         while True:
-            end = self.data.find(b"\r\n")
-            while end < 0:
-                await self.more(timeout)
-                end = self.data.find(b"\r\n")
             try:
-                size = int(bytes(self.data[:end]).split(b";", 1)[0], 16)
-            except ValueError:
-                raise Dropped("a bad chunk size in a chunked answer") from None
-            del self.data[:end + 2]
-            if size == 0:  # the last chunk; then trailers, up to an empty line
-                while True:
-                    end = self.data.find(b"\r\n")
-                    while end < 0:
-                        await self.more(timeout)
-                        end = self.data.find(b"\r\n")
-                    del self.data[:end + 2]
-                    if end == 0:
-                        return b"".join(parts)
-            while len(self.data) < size + 2:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise Dropped(f"not an HTTP answer forkd can read: {exc}") from None
+            if event is h11.NEED_DATA:
                 await self.more(timeout)
-            parts.append(bytes(self.data[:size]))
-            del self.data[:size + 2]
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                body.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return status, b"".join(body)
+            elif isinstance(event, h11.ConnectionClosed):
+                raise Dropped("the server closed the connection before its answer")
+            # an InformationalResponse (100 Continue): the real answer follows
 
 
 def _expire(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_exception(Timeout("no answer in time"))
-
-
-_BAD_TARGET = re.compile("[\x00-\x20\x7f]")  # what http.client refuses in a request target
-_BAD_HEADER = re.compile("[\r\n\x00]")
-
-
-def _checked(text: str, bad: re.Pattern, what: str) -> str:
-    """``text`` unless it would break the request apart (http.client refuses it too)."""
-    if bad.search(text):
-        raise ValueError(f"{what} may not contain control characters or spaces: {text!r}")
-    return text
 
 
 class Pool:
@@ -193,20 +147,22 @@ class Pool:
     async def request(self, method: str, target: str, headers: dict, content: bytes | None,
                       timeout: float) -> tuple[int, bytes]:
         """(status, body) of one exchange. An exception from ``_connect`` means nothing was sent."""
-        head = [f"{method} {_checked(target, _BAD_TARGET, 'a request target')} HTTP/1.1", f"Host: {self._host_header}"]
-        head += [f"{_checked(k, _BAD_HEADER, 'a header name')}: {_checked(str(v), _BAD_HEADER, 'a header value')}"
-                 for k, v in headers.items()]
+        fields = [("Host", self._host_header), *((k, str(v)) for k, v in headers.items())]
         if content or method in _BODY_METHODS:
-            head.append(f"Content-Length: {len(content or b'')}")
-        data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+            fields.append(("Content-Length", str(len(content or b""))))
+        try:
+            request = h11.Request(method=method, target=target, headers=fields)
+        except h11.LocalProtocolError as exc:  # what would break the request apart, as http.client refuses it
+            what = "a request target" if "target" in str(exc) else "a header name or value"
+            raise ValueError(f"{what} may not contain control characters or spaces: {exc}") from None
         async with self._slots:
             conn = await self._take(timeout)
             try:
-                status, body, keep = await conn.exchange(data, content, method, timeout)
+                status, body = await conn.exchange(request, content, timeout)
             except BaseException:  # a cancelled or failed exchange may still be answered: never reused
                 conn.close()
                 raise
-            if keep and not conn.closed and not conn.data and not self.closed:
+            if not self.closed and conn.reusable:
                 self._idle.append(conn)
             else:
                 conn.close()
