@@ -25,7 +25,7 @@ import sys
 import time
 
 from .. import linux
-from ..agent import children, inventory
+from ..agent import children, generators, inventory
 from ..agent.executor import Busy, Executor
 from ..agent.runtime import Runtime
 from ..agent.server import AgentServer
@@ -144,6 +144,10 @@ def prewarm_for_forks() -> None:
     """Load now what every fork would otherwise load (and dirty) on its own, then freeze the heap."""
     if "numpy" in sys.modules:
         import numpy.random  # noqa: F401 - each fork reseeds it
+    # Reseed here once too: what the first reseed frees or settles (numpy's import-time seed
+    # sequence, entropy drawn since the last cell) is then gone before the fork, and each copy's
+    # own reseed only writes new state. The template draws nothing: its copies reseed again.
+    generators.reseed()
     gc.collect()
     gc.freeze()  # a fork's garbage collector then leaves the template's objects (and pages) alone
 
