@@ -23,8 +23,14 @@ made on host 0, so every call below lands there either way.
   machine allows a split; the router's share is the difference), and against one capped host's 20
   alone (``own_cpus_ratio``: what the split would take with each host on CPUs of its own, over one
   host's 40, the router's few ms aside: a projection, not a measurement of two machines); R
-  rounds, each arm first in turn; the ratios of the medians to one host's. Both hosts share this machine's CPUs, so the split can
-  only gain where spawning waits on something else.
+  rounds, each arm first in turn; the ratios of the medians to one host's, and ``paired_ratio`` /
+  ``paired_direct_ratio``: the median of each round's ratio to that round's one host (the steadier
+  figure under load). The direct pair's two calls leave together (a barrier), as the router's two
+  parts do. Both hosts share this machine's CPUs, so the split can only gain where spawning waits on
+  something else. Run as root, ``cpu`` says per arm (medians) what the hosts spent in CPU time
+  (each host's server, templates and sandboxes, in a cgroup of its own: bench/cpu_groups.py), the
+  router's, the hosts' CPU time over the wall time (``hosts_cores``), and how many of the machine's
+  CPUs were busy meanwhile, everyone's work counted (``machine_busy_cores``).
 
 * ``--cross-vm R``: a VM snapshot (``--cross-mem`` MiB of guest RAM holding ``x = 41``, and with
   ``--cross-numpy-mb M`` M MB of random float64s) not yet on the host it is spawned on. Each of R rounds starts afresh: moto's S3 server on loopback as the shared store, two
@@ -67,6 +73,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.cpu_groups import CpuGroups, spent  # noqa: E402
 from forkd_server.client import AsyncController, Controller  # noqa: E402
 from tests.fleet.fleet import fleet  # noqa: E402
 
@@ -133,7 +140,20 @@ def split_run(rounds: int) -> dict:
     against the two capped hosts called directly at once, 20 each (what this machine allows a split
     without the router: the router's own share is the difference)."""
     caps = [["--ForkdApp.max_sandboxes=20"], ["--ForkdApp.max_sandboxes=20"], []]
+    groups = CpuGroups.make("forkd-bench-split")
+    try:
+        return _split_run(rounds, caps, groups)
+    finally:
+        if groups is not None:
+            groups.remove()
+
+
+def _split_run(rounds: int, caps: list[list[str]], groups: CpuGroups | None) -> dict:
     with fleet(3, host_args=caps, router_args=("--heartbeat", "0.5")) as (router, hosts):
+        if groups is not None:  # before the snapshots: each host's templates and sandboxes count to it
+            for name, proc in (("h0", hosts[0].proc), ("h1", hosts[1].proc), ("h2", hosts[2].proc),
+                               ("router", router.proc)):
+                groups.join(name, proc.pid)
         for h in hosts[:2]:
             Controller(h.url, h.token, timeout=300).create_snapshot("split", setup="x = 1")
         Controller(hosts[2].url, hosts[2].token, timeout=300).create_snapshot("alone", setup="x = 1")
@@ -150,8 +170,10 @@ def split_run(rounds: int) -> dict:
 
         def both_direct() -> list[tuple[Conn, list]]:
             got: list = [None, None]
+            start = threading.Barrier(2)  # both calls go out together, as the router sends its two parts
 
             def one(i: int) -> None:
+                start.wait()
                 got[i] = pair[i].call("POST", "/v1/sandboxes", {"snapshot_tag": "split", "n": 20})
             threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
             for t in threads:
@@ -163,10 +185,12 @@ def split_run(rounds: int) -> dict:
             return list(zip(pair, got))
 
         times: dict[str, list[float]] = {"router": [], "alone": [], "pair": [], "half": []}
+        cpu: dict[str, list[dict]] = {arm: [] for arm in times}
         spread = []
         arms = tuple(times)
         for i in range(rounds):
             for which in arms[i % 4:] + arms[:i % 4]:  # each arm first in turn
+                u0 = groups.usage() if groups is not None else None
                 t0 = time.perf_counter()
                 if which == "pair":
                     made = both_direct()
@@ -176,6 +200,8 @@ def split_run(rounds: int) -> dict:
                     conn, tag = (via, "split") if which == "router" else (alone, "alone")
                     made = [(conn, conn.call("POST", "/v1/sandboxes", {"snapshot_tag": tag, "n": 40}))]
                 times[which].append(time.perf_counter() - t0)
+                if groups is not None:
+                    cpu[which].append(spent(u0, groups.usage()))
                 if which == "router":
                     spread.append(sorted(sum(k["host"] == u for k in made[0][1]) for u in capped))
                 for conn, kids in made:
@@ -185,6 +211,10 @@ def split_run(rounds: int) -> dict:
                     room_again()
         clashes = router.output().count("handed out ids in use elsewhere")
     split, single, both, half = times["router"], times["alone"], times["pair"], times["half"]
+
+    def paired(arm: list[float]) -> float:  # round by round against one host's 40 of the same round
+        return round(statistics.median(a / b for a, b in zip(arm, single)), 3)
+
     return {"router_split_median_ms": ms(split), "one_host_median_ms": ms(single),
             "two_hosts_direct_median_ms": ms(both), "one_host_20_median_ms": ms(half),
             "ratio": round(statistics.median(split) / statistics.median(single), 3),
@@ -194,7 +224,22 @@ def split_run(rounds: int) -> dict:
             "own_cpus_ratio": round(statistics.median(half) / statistics.median(single), 3),
             # round 0 begins with the router's split: the fleet's first spawn on both capped hosts
             "first_split_ms": round(split[0] * 1000, 1), "id_clashes_spawned_again": clashes,
-            "split": spread[:3], "n": rounds, "target_ratio": 0.6}
+            "split": spread[:3], "n": rounds, "target_ratio": 0.6,
+            "paired_ratio": paired(split), "paired_direct_ratio": paired(both),
+            **({"cpu": cpu_figures(times, cpu)} if any(cpu.values()) else {})}
+
+
+def cpu_figures(times: dict[str, list[float]], cpu: dict[str, list[dict]]) -> dict:
+    """Per arm, medians: the CPU time the hosts spent (each host's server, templates and sandboxes),
+    the router's, and how many of the machine's CPUs were busy (everyone's work) while it ran."""
+    out = {}
+    for arm, rows in cpu.items():
+        hosts = [sum(v for k, v in r.items() if k.startswith("h")) for r in rows]
+        out[arm] = {"hosts_cpu_ms": ms(hosts), "router_cpu_ms": ms([r["router"] for r in rows]),
+                    "hosts_cores": round(statistics.median(h / t for h, t in zip(hosts, times[arm])), 2),
+                    "machine_busy_cores": round(statistics.median(r["machine_busy"] / t
+                                                                  for r, t in zip(rows, times[arm])), 2)}
+    return out
 
 
 def cross_vm_round(prefix: str, mem_mib: int, numpy_mb: int, push_first: bool = True) -> dict:

@@ -4,7 +4,9 @@ numbered again (``seq``) by the router, plus the router's own: a host going ``do
 
 A reader per up host follows its stream and reconnects while the host is up; events also keep the
 pins current for objects made on a host directly (``on_event``), and each time a stream opens the
-router reads the host's listings (``on_connect``) for what it may have missed.
+router reads the host's listings (``on_connect``) for what it may have missed. While a host's stream
+is open, its snapshot listing stays current until a snapshot event says otherwise (``Host.changed``):
+placement uses it without reading it again.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class EventHub:
                 async with host.control.get(host.url + "/v1/events", timeout=timeout) as resp:
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    host.events_open = True  # from here on no change of its snapshots goes unseen
+                    host.changed()
                     if self.on_connect is not None:  # what happened while it was not followed
                         asyncio.ensure_future(self.on_connect(host))
                     data: list[str] = []
@@ -91,6 +95,9 @@ class EventHub:
                 raise
             except Exception as exc:  # noqa: BLE001 - the host went away or said garbage: follow again
                 log.debug("events of %s: %s", host.url, exc)
+            finally:
+                host.events_open = False
+                host.changed()
             if host.up:
                 await asyncio.sleep(retry)
 

@@ -93,6 +93,12 @@ class Host:
     last_error: str | None = None
     capacity: Capacity | None = None
     listing: list | None = None  # its last snapshot listing (placement's stand-in when it is slow)
+    # Whether ``listing`` is still what the host holds: read while its event stream was open, and
+    # no snapshot event (nor a closing or opening of the stream) since: ``changes`` counts those,
+    # ``listing_changes`` is what it was when the listing was asked for.
+    events_open: bool = False
+    changes: int = 0
+    listing_changes: int | None = None
     since: float = field(default_factory=time.time)  # when the router started watching it
     announced_at: float | None = None  # a host that registers itself: its last announcement (registration.py)
     control: aiohttp.ClientSession | None = None
@@ -116,6 +122,18 @@ class Host:
         for session in (self.control, self.calls):
             if session is not None:
                 await session.close()
+
+    def changed(self) -> None:
+        """Its snapshots may have changed (an event said so, or its stream opened or closed)."""
+        self.changes += 1
+
+    def set_listing(self, listing: list, asked_at: int) -> None:
+        """Its snapshot listing, asked for when ``changes`` was ``asked_at``."""
+        self.listing, self.listing_changes = listing, asked_at
+
+    def kept_listing(self) -> list | None:
+        """Its last snapshot listing if nothing can have changed since it was read, else None."""
+        return self.listing if self.events_open and self.listing_changes == self.changes else None
 
     def full(self) -> None:
         """The host refused a spawn over its cap: count it full until its next heartbeat."""

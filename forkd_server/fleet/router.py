@@ -131,7 +131,7 @@ class Router:
     async def reconcile(self, host: Host) -> set[str] | None:
         """Make the pins of ``host`` what it lists now (sandboxes it ended go, ones made on it
         directly come); the ids of sandboxes that went, None if it did not answer its listings."""
-        listed_at = time.time()
+        listed_at, asked_at = time.time(), host.changes
         try:
             listed = await asyncio.gather(*(host.get_json(path, self.settings.host_timeout)
                                             for path in ("/v1/sandboxes", "/v1/snapshots", "/v1/workspaces")))
@@ -139,7 +139,7 @@ class Router:
             host.last_error = f"answered /healthz but not its listings: {exc.reason}"
             return None
         sandboxes, snapshots, workspaces = (x if isinstance(x, list) else [] for x in listed)
-        host.listing = snapshots
+        host.set_listing(snapshots, asked_at)
         if self.listed is not None:  # under JupyterHub: whose each is (hub.py)
             for kind, items in (("sandbox", sandboxes), ("snapshot", snapshots), ("workspace", workspaces)):
                 self.listed(host.url, kind, items)
@@ -191,6 +191,8 @@ class Router:
     def _learn(self, host: Host, event: dict) -> None:
         """Keep the pins current from a host's events (objects made or ended on it directly)."""
         kind, action = event.get("kind"), event.get("action")
+        if kind == "snapshot":
+            host.changed()  # its kept listing is no longer what it holds
         key = event.get({"sandbox": "id", "snapshot": "tag", "workspace": "name"}.get(kind, ""), None)
         if not isinstance(key, str):
             return
@@ -257,6 +259,7 @@ class Router:
         ``placement_wait`` is not waited for: its last listing stands in (a slow host delays no
         placement by more than that), and without one it takes no part."""
         hosts = self.up_hosts()
+        asked = {h.url: h.changes for h in hosts}
         reads = {asyncio.ensure_future(h.get_json("/v1/snapshots", self.settings.host_timeout)): h for h in hosts}
         if reads:
             _, late = await asyncio.wait(reads, timeout=self.settings.placement_wait)
@@ -266,7 +269,7 @@ class Router:
         for task, host in reads.items():
             listing = task.result() if task.done() and not task.cancelled() and task.exception() is None else None
             if isinstance(listing, list):
-                host.listing = listing
+                host.set_listing(listing, asked[host.url])
             elif host.listing is None:
                 continue
             else:
@@ -289,8 +292,13 @@ class Router:
                                  cap.memory_free if cap else None, cap.free_slots if cap else None))
         return out
 
-    async def plan_spawn(self, tag: str, n: int) -> tuple[list[Part], list[str]]:
-        """The parts of a spawn, and the up hosts holding ``tag`` (a pull's source if it must move)."""
+    async def plan_spawn(self, tag: str, n: int, fresh: bool = False) -> tuple[list[Part], list[str], bool]:
+        """The parts of a spawn, the up hosts holding ``tag`` (a pull's source if it must move), and
+        whether the plan came from the kept listings (``kept_plan``); ``fresh``: read them all now."""
+        if not fresh:
+            kept = self.kept_plan(tag, n)
+            if kept is not None:
+                return (*kept, True)
         held, answered = await self.holders(tag)
         if not held:
             down = [u for u in self.state.hosts_of("snapshot", tag) if self.hosts.get(u) and not self.hosts[u].up]
@@ -303,16 +311,36 @@ class Router:
             status = next(iter(held.values())).get("status")
             raise Refusal(409, f"snapshot `{tag}` is not bootable: status={status}")
         try:
-            return place(tag, n, self.candidates(answered, held), self.rng), list(held)
+            return place(tag, n, self.candidates(answered, held), self.rng), list(held), False
         except NoRoom:
             pass
         # The figures are the last heartbeat's: sandboxes may have ended since. Read them afresh
         # before a refusal stands (each host still refuses what it cannot take, with its own 503).
         await asyncio.gather(*(self.refresh_capacity(h) for h in answered))
         try:
-            return place(tag, n, self.candidates(answered, held), self.rng), list(held)
+            return place(tag, n, self.candidates(answered, held), self.rng), list(held), False
         except NoRoom as exc:
             raise Refusal(exc.status, exc.message, room=exc.room) from None
+
+    def kept_plan(self, tag: str, n: int) -> tuple[list[Part], list[str]] | None:
+        """A spawn's parts from the snapshot listings the router keeps, asking no host: only when
+        every up host's listing is current (``Host.kept_listing``) and hosts holding ``tag`` ready
+        take all ``n``, else None, and placement reads the listings afresh (as it does for anything
+        it would refuse, or move by a pull). A listing can still trail its host by an event in
+        flight: a part its host then refuses (404, 409) is placed again on fresh listings."""
+        hosts = self.up_hosts()
+        listings = [h.kept_listing() for h in hosts]
+        if not hosts or any(listing is None for listing in listings):
+            return None
+        held = {h.url: snap for h, listing in zip(hosts, listings) for snap in listing
+                if isinstance(snap, dict) and snap.get("tag") == tag}
+        if not any(snap.get("status") == "ready" for snap in held.values()):
+            return None
+        try:
+            parts = place(tag, n, self.candidates(hosts, held), self.rng)
+        except NoRoom:
+            return None
+        return None if any(p.pull for p in parts) else (parts, list(held))
 
     async def refresh_capacity(self, host: Host) -> None:
         """The host's capacity block as it is now (its last one stands if it does not answer)."""

@@ -33,7 +33,9 @@ class SandboxesHandler(RouterHandler):
 
     async def post(self) -> None:
         """Spawn: placement (placement.py), a pull first where a VM snapshot must move, the parts
-        side by side; if one part fails the others are killed and its answer is the reply."""
+        side by side; if one part fails the others are killed and its answer is the reply, unless
+        placing again may help: once on fresh listings when a host refused a part of a plan made from
+        the kept ones (404, 409: they trailed the host), once without a host that was full (503)."""
         router = self.router
         body = self.json_body()
         n = _count(body.get("n")) if body else None
@@ -41,8 +43,9 @@ class SandboxesHandler(RouterHandler):
             await self.forward(router.place_new())  # a host says exactly what is wrong with it
             return
         tag = body["snapshot_tag"]
-        for attempt in (1, 2):
-            parts, holders = await router.plan_spawn(tag, n)
+        fresh, full_seen = False, False
+        while True:
+            parts, holders, kept = await router.plan_spawn(tag, n, fresh)
             for part in parts:
                 if part.pull:
                     await router.ensure_pulled(router.hosts[part.host], tag, holders)
@@ -53,7 +56,11 @@ class SandboxesHandler(RouterHandler):
             await asyncio.gather(*(router.kill(router.hosts[p.host], [k["id"] for k in r])
                                    for p, (s, r) in zip(parts, answers) if s == 201))
             part, status, reply = failed
-            if status == 503 and attempt == 1 and router.hosts[part.host].capacity is not None:
+            if kept and status in (404, 409):
+                fresh = True  # a snapshot event was still on its way: place again on what the hosts list now
+                continue
+            if status == 503 and not full_seen and router.hosts[part.host].capacity is not None:
+                full_seen = True
                 router.hosts[part.host].full()  # its figure was stale: place again without it
                 continue
             self.answer(status, reply)
