@@ -8,8 +8,10 @@ And one under load, as issue 11's target states it (p99 <= 50 ms): ping of an id
 
 Method. One data dir, a Controller in this process (the direct calls) and ``forkd serve`` on the
 same data dir (a subprocess, as users run it; it attaches to the same sandbox). Each round times
-every way once, in turn, so the load of a busy machine falls on all ways alike; the overhead is the
-median of the paired differences (REST minus direct), and the p50s are reported too. REST ways:
+every way once, in turn (the direct call first, the REST ways after it rotated round by round:
+which comes first after a pause matters), so the load of a busy machine falls on all ways alike;
+the overhead is the median of the paired differences (REST minus direct), and the p50s are
+reported too. REST ways:
 the client SDK (urllib, a new TCP connection per call: what ``forkd_server.client`` users get),
 one keep-alive connection (http.client: what a long-lived client such as a browser gets) with the
 JSON reply parsed, and for the list also unparsed (the server's share alone).
@@ -235,13 +237,18 @@ def main() -> int:
             return body
 
         def measure(ways: dict, n: int, warmup: int) -> dict:
-            """Interleaved samples (each round runs every way once), so load noise hits all alike."""
+            """Interleaved samples (each round runs every way once), so load noise hits all alike.
+            The direct call goes first and the REST ways follow it in turn, rotated each round: the
+            REST call right after the direct one (the server idle meanwhile) and the one after
+            another REST call differ by ~0.1 ms, either way, so each takes both places as often."""
             for fn in ways.values():
                 for _ in range(warmup):
                     fn()
             samples: dict = {name: [] for name in ways}
-            for _ in range(n):
-                for name, fn in ways.items():
+            first, rest = list(ways.items())[:1], list(ways.items())[1:]
+            for i in range(n):
+                shift = i % len(rest)
+                for name, fn in first + rest[shift:] + rest[:shift]:
                     t0 = time.perf_counter()
                     fn()
                     samples[name].append(time.perf_counter() - t0)

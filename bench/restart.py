@@ -15,6 +15,12 @@ from the start of its process:
 - ``settle_s``: until ``/healthz`` no longer says ``recovering`` (every recorded object settled):
   the restart, whole.
 
+The server's own account of its start (``forkd: listening ... s after the process started (stage
++s, ...)``, forkd_server/startup.py) gives the split by stage of each round's ``listen_s``: the
+interpreter and the CLI, jupyter-server's import, the extension (registry, engines, recovery's
+plan), the web app; ``stages`` has each stage's median and worst over the rounds (``empty_stages``
+the same for the empty starts, ``stages_by_round`` each round's).
+
 Then (untimed) a sandbox of the snapshot is spawned and answers, every sandbox is killed and every
 other snapshot deleted, and the next round starts. With
 ``--stale N`` (process engine) one more restart is timed with N sandboxes whose agents are stopped
@@ -32,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -53,7 +60,7 @@ CALL_TIMEOUT = 120
 
 def start(workdir: str, token_file: str, engine: str) -> Server:
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": os.path.join(workdir, "rt")}
-    return Server("--token-file", token_file, f"--ForkdApp.default_engine={engine}", "--ServerApp.log_level=WARN",
+    return Server("--token-file", token_file, f"--ForkdApp.default_engine={engine}", "--ServerApp.log_level=INFO",
                   data_dir=os.path.join(workdir, "d"), env=env)
 
 
@@ -78,6 +85,25 @@ def timed_start(server: Server) -> tuple[float, float]:
         time.sleep(0.005)
 
 
+STAGES = re.compile(r"forkd: listening ([\d.]+) s after the process started \((.*)\)")
+
+
+def last_start_stages(server: Server) -> dict[str, float]:
+    """The stages of the server's last start, as it logged them (stage -> seconds it took)."""
+    found = STAGES.findall(server.output())
+    if not found:
+        return {}
+    total, parts = found[-1]
+    stages = {name: float(took) for name, took in (part.rsplit(" +", 1) for part in parts.split(", "))}
+    return {**stages, "total (the server's own)": float(total)}
+
+
+def stage_summary(rounds: list[dict[str, float]]) -> dict:
+    names = list(dict.fromkeys(name for r in rounds for name in r))
+    return {name: {"median_s": round(statistics.median(r.get(name, 0.0) for r in rounds), 3),
+                   "worst_s": round(max(r.get(name, 0.0) for r in rounds), 3)} for name in names}
+
+
 def clear(client: Client) -> None:
     """Kill every sandbox and delete every snapshot but ``base``."""
     for sb in client.list_sandboxes():
@@ -100,7 +126,7 @@ def crash_rounds(engine: str, rounds: int, workers: int) -> dict:
         f.write(token)
     server = start(workdir, token_file, engine)
     client = Client(server.url, token, timeout=CALL_TIMEOUT)
-    listen, settle, empty, counts = [], [], [], []
+    listen, settle, empty, counts, stages, stages_empty = [], [], [], [], [], []
     try:
         server.wait_healthy(timeout=120)
         client.create_snapshot("base", engine=engine, setup="value = 41",
@@ -120,25 +146,31 @@ def crash_rounds(engine: str, rounds: int, workers: int) -> dict:
             got = timed_start(server)
             listen.append(got[0])
             settle.append(got[1])
+            stages.append(last_start_stages(server))
             for t in threads:
                 t.join(CALL_TIMEOUT + 5)
             counts.append(len(client.list_sandboxes()))
             (kid,) = client.spawn_sandboxes("base", 1)
             assert client.eval_code(kid["id"], "value")["result"] == "41"
             clear(client)  # what the burst left (kills cut short are re-attached): each round starts alike
-            empty.append(empty_start(engine))
+            empty_s, empty_stages = empty_start(engine)
+            empty.append(empty_s)
+            stages_empty.append(empty_stages)
         cleanup(server.url, token)
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return {"listen": summary(listen), "settle": summary(settle), "empty_listen": summary(empty),
+            "stages": stage_summary(stages), "empty_stages": stage_summary(stages_empty),
+            "stages_by_round": stages,
             "sandboxes_listed_after_restart": counts,
             "targets_met": {f"listen <= {LISTEN_TARGET_S:g} s every round": max(listen) <= LISTEN_TARGET_S,
                             f"worst settle <= {SETTLE_TARGET_S:g} s": max(settle) <= SETTLE_TARGET_S}}
 
 
-def empty_start(engine: str) -> float:
-    """Seconds from starting ``forkd serve`` on an empty data dir until /healthz answers."""
+def empty_start(engine: str) -> tuple[float, dict[str, float]]:
+    """Seconds from starting ``forkd serve`` on an empty data dir until /healthz answers, and its
+    stages as it logged them."""
     workdir = tempfile.mkdtemp(prefix="fkre")
     token_file = os.path.join(workdir, "token")
     with open(token_file, "w") as f:
@@ -147,7 +179,8 @@ def empty_start(engine: str) -> float:
     server = start(workdir, token_file, engine)
     try:
         server.wait_healthy(timeout=120)
-        return time.monotonic() - t0
+        took = time.monotonic() - t0
+        return took, last_start_stages(server)
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -210,6 +243,9 @@ def main() -> int:
         for key, label in (("listen", "start -> /healthz answers"), ("settle", "start -> everything settled"),
                            ("empty_listen", "for scale: an empty data dir -> /healthz")):
             print(f"  {engine:8s} {label:42s} {got[key]['median_s']:7.3f} s / {got[key]['worst_s']:7.3f} s")
+        for key, label in (("stages", "after a crash"), ("empty_stages", "on an empty data dir")):
+            print(f"  {engine:8s} its start by stage {label} (median / worst): " + ", ".join(
+                f"{name} {v['median_s']:.3f} / {v['worst_s']:.3f}" for name, v in got[key].items()))
         print(f"  {engine:8s} targets met: {got['targets_met']}")
     if "stale" in out:
         s = out["stale"]

@@ -193,6 +193,7 @@ def main(argv=None) -> int:
     data_dir = args.data_dir or tempfile.mkdtemp(prefix="fkvb")
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
     engine = VMEngine(os.path.join(data_dir, "vm"), cache_dir=args.cache_dir)
+    engine.warm_up()  # as a server does once it listens: no branch pause pays numpy's import
     try:
         t = time.monotonic()
         image = engine.image()

@@ -131,6 +131,7 @@ def vm_restore(rounds: int, data_dir: str | None = None, log=None) -> dict:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     root = tempfile.mkdtemp(prefix="fkvr", dir=data_dir)
     engine = VMEngine(os.path.join(root, "vm"), cache_dir=os.environ.get("FORKD_VM_CACHE"))
+    engine.warm_up()  # as a server does once it listens: no branch pause pays numpy's import
     try:
         snap = engine.create_snapshot(SnapshotSpec(tag="restore", setup=SETUP, mem_size_mib=256))
         # The first restore faults the snapshot's files into the page cache; from the second spawn

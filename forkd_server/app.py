@@ -21,11 +21,19 @@ from jupyter_server.extension.application import ExtensionApp
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from traitlets import Bool, Float, Int, Unicode, default, validate
 
-from . import __version__
+from . import __version__, startup
 from .controller import default_data_dir
 
 EVENT_SCHEMA_ID = "https://events.jupyter.org/forkd/change/v1"
 EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "change" / "v1.yaml"
+
+
+def default_token(environ=os.environ) -> str:
+    """The remote's token as the SDK finds it (``$FORKD_TOKEN``), else, in a JupyterHub user server,
+    the server's own Hub token (``$JUPYTERHUB_API_TOKEN``), which the forkd service accepts. Here,
+    not in remote.py: jupyter-server reads every trait's default at start-up, and remote.py's
+    aiohttp costs ~0.4 s to import, which a server that runs forkd itself never needs."""
+    return environ.get("FORKD_TOKEN") or environ.get("JUPYTERHUB_API_TOKEN") or ""
 
 
 class Metrics:
@@ -161,7 +169,6 @@ class ForkdApp(ExtensionApp):
 
     @default("remote_token")
     def _default_remote_token(self) -> str:
-        from .remote import default_token
         return default_token()
 
     @validate("remote_url")
@@ -215,6 +222,7 @@ class ForkdApp(ExtensionApp):
         if self.remote_url:
             self._initialize_remote()
             return
+        startup.mark("server configured")
         from .controller import Controller
         from .datadir_lock import DataDirBusy, DataDirLock
 
@@ -226,8 +234,9 @@ class ForkdApp(ExtensionApp):
         from .errors import ForkdError
         options = {k: v for k, v in (("endpoint", self.store_endpoint), ("region", self.store_region)) if v}
         try:
-            # The port listens at once: what outlived the previous server is settled on threads
-            # meanwhile, and calls about an object not settled yet answer 503 (recovery.py).
+            # The port listens first: what outlived the previous server is settled on threads
+            # from then on (listening(), below), and calls about an object not settled yet answer
+            # 503 (recovery.py).
             self.controller = Controller(os.path.expanduser(self.data_dir), branch_concurrency=self.branch_concurrency,
                                          default_engine=self.default_engine, store=self.store or None,
                                          store_options=options, recover_in_background=True,
@@ -250,6 +259,8 @@ class ForkdApp(ExtensionApp):
                                    max_long_calls_per_caller=self.max_long_calls_per_caller,
                                    control_workers=self.control_workers, sandbox_queue_size=self.sandbox_queue_size,
                                    sandbox_queue_timeout=self.sandbox_queue_timeout, registry=self.metrics.registry)
+        from .loop_calls import LoopCalls
+        self.loop_calls = LoopCalls(self.admission, registry=self.metrics.registry)
         self.events = EventHub(self)
         io_loop = getattr(self.serverapp, "io_loop", None)  # the loop the server will run
         self.events.loop = getattr(io_loop, "asyncio_loop", None)
@@ -267,6 +278,7 @@ class ForkdApp(ExtensionApp):
             logger.register_event_schema(EVENT_SCHEMA)
         self.log.info("forkd: data in %s, routes under %s%s", self.controller.data_dir,
                       self.serverapp.base_url, self.route_prefix)
+        startup.mark("extension ready")
 
     def _initialize_remote(self) -> None:
         """Remote mode: no controller, data dir or sandboxes here; calls and events come from the remote."""
@@ -313,6 +325,9 @@ class ForkdApp(ExtensionApp):
         if self.remote is not None:
             self.relay.start()
             return
+        startup.mark("listening")  # the port was bound by the loop's first callback, just before
+        self.controller.listening()  # what outlived the previous server settles from now on (recovery.py)
+        self.log.info("forkd: listening %s", startup.summary())
         prefix = self.route_prefix.rstrip("/")
         self.data_dir_lock.announce(serverapp.connection_url.rstrip("/") + (f"/{prefix}" if prefix else ""))
         if self.register:

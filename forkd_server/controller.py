@@ -15,12 +15,14 @@ orders are its own; the wire shapes of its answers are in wire.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 from typing import Callable
 
 from forkd_engine import EngineError
 
-from . import endings
+from . import endings, startup
 from .branching import BranchManager
 from .capacity import capacity
 from .changes import ChangeFeed
@@ -38,6 +40,8 @@ from .workspaces import WorkspaceManager, state_tag
 
 __all__ = ["Controller", "check_tag", "default_data_dir"]
 
+log = logging.getLogger("forkd.controller")
+
 
 def default_data_dir() -> str:
     """``$FORKD_DATA_DIR``, else ``$XDG_DATA_HOME/forkd``, else ``~/.local/share/forkd``."""
@@ -54,6 +58,7 @@ class Controller:
         previous server on threads meanwhile (calls about an object not settled yet answer 503);
         else return once all of it is settled (recovery.py). ``probe_timeout``: seconds each
         recorded agent has to answer its ping then (default ``recovery.PROBE_TIMEOUT``).
+        The server calls ``listening()`` once its port listens, which starts that settling.
         ``max_sandboxes``: the most sandboxes this host holds at once; a spawn past it is refused
         whole (503); None for no cap."""
         if branch_concurrency < 1:
@@ -64,6 +69,7 @@ class Controller:
         self.data_dir = os.path.realpath(data_dir)
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.registry = Registry(os.path.join(self.data_dir, "registry.sqlite3"))
+        startup.mark("registry opened")
         self.unavailable: dict[str, str] = {}  # engine name -> why this host cannot run it
         self.engines = dict(engines) if engines is not None else self._default_engines()
         self.default_engine = default_engine
@@ -78,6 +84,25 @@ class Controller:
         self.branches.on_ready = self.stores.store_later
         self.recovery = Recovery(self, probe_timeout)  # ends with self.stores.resume()
         self.recovery.start(background=recover_in_background)
+        startup.mark("recovery planned (registry read)")
+        if not recover_in_background:
+            self._warm_up_engines()
+
+    def listening(self) -> None:
+        """The server's port listens: start what waited for it, on threads: the settling of what the
+        previous server left (recovery.py) and each engine's warm-up (imports, host probes)."""
+        self.recovery.go()
+        self._warm_up_engines()
+
+    def _warm_up_engines(self) -> None:
+        def warm(name: str, engine) -> None:
+            try:
+                engine.warm_up()
+            except Exception:  # noqa: BLE001 - an optimisation: what it did not load loads on first use
+                log.exception("forkd: %s engine: warm-up failed", name)
+
+        for name, engine in self.engines.items():
+            threading.Thread(target=warm, args=(name, engine), name=f"forkd-{name}-warm-up", daemon=True).start()
 
     def reconcile(self) -> dict:
         """Settle again, here, everything the registry records, as a start-up does (recovery.py);
@@ -110,6 +135,7 @@ class Controller:
             engines["process"] = ProcessEngine(os.path.join(self.data_dir, "process"))
         except EngineUnavailable as exc:
             self.unavailable["process"] = str(exc)
+        startup.mark("process engine")
         from forkd_engine.vm import VMEngine, qemu_binary
         if qemu_binary() is None:
             self.unavailable["vm"] = "qemu-system-x86_64 is not installed (scripts/setup.sh installs it)"
@@ -119,6 +145,7 @@ class Controller:
                 engines["vm"] = VMEngine(os.path.join(self.data_dir, "vm"))
             except EngineUnavailable as exc:
                 self.unavailable["vm"] = str(exc)
+        startup.mark("vm engine")
         return engines
 
     def close(self) -> None:

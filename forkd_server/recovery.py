@@ -4,9 +4,10 @@ at a time, so that nothing one sandbox, VM or snapshot left behind can stop the 
 Templates and sandboxes outlive ``forkd serve`` by design. When a controller starts it reads the
 registry (milliseconds) and from then on every object it recorded is *settling*: a call about it
 answers 503 "recovering" until it is settled, and a sandbox is not listed. Under the server the
-settling runs on threads while the port already listens (``Controller(recover_in_background=True)``);
-each object is settled on its own, all at once (``SETTLE_WORKERS``), and whatever goes wrong with one
-(an engine error, a VM that will not thaw) fails that object alone, with the reason:
+settling runs on threads from the moment the port listens (``Controller(recover_in_background=True)``
+and ``Controller.listening``); each object is settled on its own, all at once (``SETTLE_WORKERS``),
+and whatever goes wrong with one (an engine error, a VM that will not thaw) fails that object
+alone, with the reason:
 
 - what the previous server was writing (``writing`` snapshots) becomes ``failed``, its leftovers
   ended; a start it did not finish (``starting`` sandboxes) is ended and dropped;
@@ -82,6 +83,7 @@ class Recovery:
         self.started = time.monotonic()
         self.settled_s: float | None = None  # seconds from start to the last object settled
         self.on_done: Callable[[dict], None] | None = None
+        self._waiting: list | None = None  # the jobs of a background run, until go()
 
     # --- what callers ask --------------------------------------------------------------------------
 
@@ -113,7 +115,9 @@ class Recovery:
                              "sandboxes and snapshots are", hint=RETRY, recovering=True)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until everything is settled and swept; True once it is."""
+        """Wait until everything is settled and swept (starting it, if the server has not); True once
+        it is."""
+        self.go()
         return self._finished.wait(timeout)
 
     def result(self) -> dict:
@@ -123,8 +127,11 @@ class Recovery:
     # --- the run -------------------------------------------------------------------------------------
 
     def start(self, background: bool) -> None:
-        """Read what to settle (fast, here), then settle it and sweep: on a thread of its own, or
-        here. With nothing recorded, the settling (workspaces alone) is done here either way."""
+        """Read what to settle (fast, here), then settle it and sweep: here, or (``background``) on a
+        thread of its own from ``go()`` on, which the server calls once its port listens: on a
+        busy host the settling's threads would slow the rest of the start (anything that waits
+        for the recovery calls ``go()`` too). With nothing recorded, the settling (workspaces
+        alone) is done here either way."""
         jobs = self._plan()
         if not background:
             self._settle_all(jobs)
@@ -132,7 +139,14 @@ class Recovery:
             return
         if not jobs:
             self._settle_all(jobs)
-        threading.Thread(target=self._background, args=(jobs,), name="forkd-recovery", daemon=True).start()
+        self._waiting = jobs
+
+    def go(self) -> None:
+        """Start the background settling and sweep (the first call; later ones do nothing)."""
+        with self._lock:
+            jobs, self._waiting = self._waiting, None
+        if jobs is not None:
+            threading.Thread(target=self._background, args=(jobs,), name="forkd-recovery", daemon=True).start()
 
     def _background(self, jobs: list) -> None:
         if not self._settled.is_set():

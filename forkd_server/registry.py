@@ -198,9 +198,13 @@ class Registry:
         with self.tx(durable) as db:
             db.execute(f"UPDATE {table} SET {sets} WHERE {key}=?", (*enc.values(), value))
 
-    def _get(self, table: str, key: str, value: str) -> dict | None:
-        with self._lock:
+    def _get(self, table: str, key: str, value: str, block: bool = True) -> dict | None:
+        if not self._lock.acquire(blocking=block):
+            raise BlockingIOError("the registry is held by another thread (a commit)")
+        try:
             return _decode(self._db.execute(f"SELECT * FROM {table} WHERE {key}=?", (value,)).fetchone())
+        finally:
+            self._lock.release()
 
     def _table(self, table: str, order: str) -> tuple[int, list[dict]]:
         """The decoded table, shared and read-only, with a generation number that changes whenever
@@ -270,8 +274,10 @@ class Registry:
                 db.execute("UPDATE sandboxes SET status='running', handle=? WHERE id=?",
                            (json.dumps(handle), sid))
 
-    def get_sandbox(self, sandbox_id: str) -> dict | None:
-        return self._get("sandboxes", "id", sandbox_id)
+    def get_sandbox(self, sandbox_id: str, block: bool = True) -> dict | None:
+        """The sandbox's row; ``block=False`` (the event loop): ``BlockingIOError`` rather than
+        waiting for another thread's use of the registry (a commit may wait for the disk)."""
+        return self._get("sandboxes", "id", sandbox_id, block)
 
     def list_sandboxes(self) -> list[dict]:
         return self._all("sandboxes", "id")

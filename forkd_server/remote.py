@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 from urllib.parse import parse_qsl, urlencode
 
@@ -40,12 +39,6 @@ HELD_BACK = frozenset({"connection", "keep-alive", "transfer-encoding", "content
                        "server", "date", "set-cookie", "proxy-authenticate", "upgrade", "trailer"})
 SECRET_QUERY = frozenset({"token", "_xsrf"})
 RETRY_MAX = 30.0  # s: the longest wait of the event relay between two attempts
-
-
-def default_token(environ=os.environ) -> str:
-    """The remote's token as the SDK finds it (``$FORKD_TOKEN``), else, in a JupyterHub user server,
-    the server's own Hub token (``$JUPYTERHUB_API_TOKEN``), which the forkd service accepts."""
-    return environ.get("FORKD_TOKEN") or environ.get("JUPYTERHUB_API_TOKEN") or ""
 
 
 class Remote:

@@ -121,18 +121,24 @@ class SandboxManager:
                 engine = self.engines.get(row["engine"])
                 return engine.call(row["handle"], request, timeout=timeout)
         except (AgentUnreachable, EngineError) as exc:
-            if not _timed_out(exc) and engine.wait_exit(row["handle"], EXIT_WAIT):
-                if sandbox_id in self._killing:  # a kill ends it: the kill records that
-                    ended = endings.killed(sandbox_id)
-                elif self.registry.get_sandbox(sandbox_id) is not None:
-                    ended = self.death(row)  # it died during the call: say of what
-                    self.drop(row, ended)
-                else:  # a kill dropped it meanwhile
-                    ended = self.registry.ended_sandbox(sandbox_id) or endings.died(row, [])
-                raise Gone(f"sandbox {sandbox_id} ended during this {what}: {ended['reason']}", hint=ended.get("hint"),
-                           details=ended.get("details"),
-                           ended={"at": time.time(), "reason": ended["reason"], "limit": ended["limit_hit"]}) from exc
-            raise EngineFailure(f"{what}: {exc}") from exc
+            self.agent_failed(row, exc, what)
+
+    def agent_failed(self, row: dict, exc: EngineError, what: str) -> None:
+        """Raise what a failed agent call of the sandbox ``row`` means: 410 if the sandbox ended
+        during it (killed, or died: of what), else 500 saying what failed."""
+        sandbox_id = row["id"]
+        if not _timed_out(exc) and self.engines[row["engine"]].wait_exit(row["handle"], EXIT_WAIT):
+            if sandbox_id in self._killing:  # a kill ends it: the kill records that
+                ended = endings.killed(sandbox_id)
+            elif self.registry.get_sandbox(sandbox_id) is not None:
+                ended = self.death(row)  # it died during the call: say of what
+                self.drop(row, ended)
+            else:  # a kill dropped it meanwhile
+                ended = self.registry.ended_sandbox(sandbox_id) or endings.died(row, [])
+            raise Gone(f"sandbox {sandbox_id} ended during this {what}: {ended['reason']}", hint=ended.get("hint"),
+                       details=ended.get("details"),
+                       ended={"at": time.time(), "reason": ended["reason"], "limit": ended["limit_hit"]}) from exc
+        raise EngineFailure(f"{what}: {exc}") from exc
 
     def spawn(self, snapshot_tag, n=1, *, memory_limit_mib=None, labels=None) -> list[dict]:
         """Fork ``n`` sandboxes from a snapshot, in forkd's check order. Each starts with the

@@ -21,9 +21,13 @@ from jupyter_server.serverapp import ServerApp
 from tornado import web
 from traitlets import default
 
+from .access_log import access_log
 from .app import ForkdApp
 from .controller import default_data_dir
 from .identity import ForkdIdentityProvider
+from .startup import mark
+
+mark("imports of jupyter-server and forkd_server")
 
 PLACEHOLDER_PREFIXES = ("REPLACE_ME", "CHANGE_ME")
 
@@ -61,6 +65,8 @@ class ForkdServerApp(ServerApp):
         # routes are added later, ahead of it. Only a JSON 404 is left there.
         self.web_app.wildcard_router.rules = []
         self.web_app.wildcard_router.add_rules([(r".*", OutsideTheApi)])
+        settings = self.web_app.settings
+        settings["log_function"] = access_log(settings["log_function"], self.record_http_request_metrics)
 
 
 class _StandaloneForkd(ForkdApp):
@@ -242,7 +248,9 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
     if "forkd" not in serverapp.web_app.settings:
         print("forkd serve: the forkd extension failed to load (see the log above)", file=sys.stderr)
         return 1
+    mark("web app built")
     serverapp.start_app()
+    mark("server files written")
     scheme = "https" if tls_cert else "http"
     shown = f"[{host}]" if ":" in host else host
     url = f"{scheme}://{shown}:{serverapp.port}{serverapp.base_url.rstrip('/')}"

@@ -30,6 +30,7 @@ from forkd_engine import ChildSpec, EngineError
 from forkd_engine.store import StoreError, fetch_manifest, push as push_chunks
 
 from .errors import Busy, Conflict, EngineFailure, StoreFailure
+from .sandboxes import running
 from .wire import sandbox_info
 
 if TYPE_CHECKING:
@@ -112,12 +113,43 @@ class TierManager:
         try:
             yield row
         finally:
+            self.leave(sid)
+
+    def enter_now(self, sandbox_id: str) -> dict | None:
+        """``call``'s way in for the event loop, taking nothing it would wait for: the row of a
+        running sandbox, its call counted (``leave`` ends it). ``BlockingIOError`` where ``call``
+        would wait (a move holds the sandbox's lock, another thread the registry or the liveness
+        check); None where it would do more than count (a sandbox unknown, ending, not ``running``,
+        or dead: ``call`` wakes it, or says why). A sandbox's first call goes by ``call``, which
+        makes its lock. 503 while a restart has not settled the sandbox, as ``call``."""
+        self.ctl.recovery.check_sandbox(sandbox_id)
+        with self._guard:
+            lock = self._locks.get(sandbox_id)
+        if lock is None:
+            return None
+        if not lock.acquire(blocking=False):
+            raise BlockingIOError(f"sandbox {sandbox_id} is held by {self._moving.get(sandbox_id, 'a move')}")
+        try:  # read under the lock: a move that held it before has left its row as it is now
+            row = self.registry.get_sandbox(sandbox_id, block=False)
+            if row is None or not running(row) or tier_of(row) != "running":
+                return None
+            engine = self.ctl.engines.get(row["engine"])
+            if engine is None or not engine.alive_many([row["handle"]], block=False)[0]:
+                return None
             with self._guard:
-                left = self._calls.get(sid, 1) - 1
-                if left:
-                    self._calls[sid] = left
-                else:
-                    self._calls.pop(sid, None)
+                self._calls[sandbox_id] = self._calls.get(sandbox_id, 0) + 1
+            return row
+        finally:
+            lock.release()
+
+    def leave(self, sandbox_id: str) -> None:
+        """A call counted by ``call`` or ``enter_now`` returned."""
+        with self._guard:
+            left = self._calls.get(sandbox_id, 1) - 1
+            if left:
+                self._calls[sandbox_id] = left
+            else:
+                self._calls.pop(sandbox_id, None)
 
     def _idle(self, row: dict, move: str) -> None:
         """409 unless the sandbox is idle: no call of ours in it, and its main thread runs nothing

@@ -14,6 +14,8 @@ from ._output import client, console, emit_json
 
 
 def cmd_serve(args) -> int:
+    from .. import startup
+    startup.mark("python and the CLI")
     from ..serve import serve
 
     return serve(host=args.host, port=args.port, data_dir=args.data_dir, token_file=args.token_file,

@@ -33,8 +33,9 @@ Import from here (``from forkd_server.client import Controller, Sandbox, ...``):
 the SDK's one public surface. Its private modules are its rooms, each importing only those below
 it: ``_errors`` and ``_discovery``; ``_core`` (sans-I/O: building requests, reading answers,
 errors, retries, event decoding, the effects an operation asks for) and ``_cells`` (running cells
-over a session, sans-I/O too); ``_sync`` (http.client, pooled) and ``_async`` (aiohttp), the two thin
-transports with their drivers; ``_controller`` (one method per REST route, written once) and
+over a session, sans-I/O too); ``_sync`` (http.client, pooled) and ``_async`` (its pool ``_http1``
+on asyncio; aiohttp for event streams), the two thin transports with their drivers; ``_controller``
+(one method per REST route, written once) and
 ``_objects`` (``Sandbox``, ``Snapshot`` and their async twins, written once). Streaming sessions
 are ``forkd_server.streaming`` (``Controller.session``).
 """

@@ -1,6 +1,6 @@
-"""The async SDK's I/O: a pool of kept-alive connections (aiohttp) and the driver that performs an
-operation's effects (``_core``) by awaiting them. aiohttp is imported on first use, so the sync
-SDK never loads it."""
+"""The async SDK's I/O: a pool of kept-alive connections (``_http1``), aiohttp for event streams,
+and the driver that performs an operation's effects (``_core``) by awaiting them. aiohttp is
+imported on first use, so the sync SDK never loads it."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from ._core import (Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Reques
                     Subscribe, Wait, Wire)
 
 __all__ = ["AsyncEventStream", "AsyncTransport", "run", "stream"]
-
-KEEPALIVE_S = 60.0  # how long an idle kept connection stays open (tornado, the server, keeps it an hour)
 
 
 def _kind(exc: BaseException) -> str:
@@ -29,26 +27,23 @@ def _kind(exc: BaseException) -> str:
 
 
 class AsyncTransport(Wire):
-    """One connection pool per controller (aiohttp), made in the event loop of its first call and
-    kept alive between calls: ``max_connections`` open at most; ``async with`` or ``aclose()``
+    """One connection pool per controller (``_http1``), made in the event loop of its first call
+    and kept alive between calls: ``max_connections`` open at most; ``async with`` or ``aclose()``
     closes them. Used from another event loop, it starts a pool of its own there."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._http = self._loop = None
+        self._pool = self._loop = None
         self._timeouts: dict[float, Any] = {}
 
-    def _client(self):
+    def _connections(self):
         loop = asyncio.get_running_loop()
-        if self._http is None or self._loop is not loop or self._http.closed:
-            import aiohttp
+        if self._pool is None or self._loop is not loop or self._pool.closed:
+            from ._http1 import Pool
 
             self._loop = loop
-            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_S)
-            # no Accept, and identity encoding: the headers forkd's SDK sends (see _core.USER_AGENT)
-            self._http = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                               skip_auto_headers=("Accept", "Content-Type"))
-        return self._http
+            self._pool = Pool(self.base_url, self.max_connections)
+        return self._pool
 
     def _timeout(self, seconds: float):
         timeout = self._timeouts.get(seconds)
@@ -62,9 +57,9 @@ class AsyncTransport(Wire):
 
     async def aclose(self) -> None:
         """Close the kept connections (the controller opens new ones if used again)."""
-        if self._http is not None and self._loop is asyncio.get_running_loop():
-            await self._http.close()
-        self._http = self._loop = None
+        if self._pool is not None and self._loop is asyncio.get_running_loop():
+            await self._pool.aclose()
+        self._pool = self._loop = None
 
     close = aclose
 
@@ -75,31 +70,31 @@ class AsyncTransport(Wire):
         await self.aclose()
 
     async def _exchange(self, request: Request) -> Any:
-        import aiohttp
-        from yarl import URL
+        from ._http1 import Dropped, NotConnected, Timeout
 
-        http = self._client()
-        url = URL(request.url, encoded=True)  # the path as built, as the sync SDK sends it
+        pool = self._connections()
         attempt = 0
         started = time.monotonic()
         while True:
             try:
-                async with http.request(request.method, url, data=request.content, headers=request.headers,
-                                        timeout=self._timeout(request.timeout), allow_redirects=False) as resp:
-                    status, content = resp.status, await resp.read()
-            except asyncio.CancelledError:
-                raise
-            except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
-                error = self.failure(request, _kind(exc), exc, attempt)
-                if error is not None:
-                    raise error from None
-                attempt += 1
-                continue
-            wait = self.ask_again(request, status, content, started)
-            if wait is not None:
-                await asyncio.sleep(wait)
-                continue
-            return self.answer(request, status, content)
+                status, content = await pool.request(request.method, request.target, request.headers,
+                                                     request.content, request.timeout)
+            except NotConnected as exc:
+                kind, reason = "connect", exc
+            except Timeout as exc:
+                kind, reason = "timeout", exc
+            except (Dropped, OSError) as exc:
+                kind, reason = "dropped", exc
+            else:
+                wait = self.ask_again(request, status, content, started)
+                if wait is not None:
+                    await asyncio.sleep(wait)
+                    continue
+                return self.answer(request, status, content)
+            error = self.failure(request, kind, reason, attempt)
+            if error is not None:
+                raise error from None
+            attempt += 1
 
     async def _do(self, step, then=None):
         result = await (self._exchange(step) if isinstance(step, Request) else run(step, self))

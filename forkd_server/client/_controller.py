@@ -458,7 +458,7 @@ class Controller(Calls, SyncTransport):
 
 class AsyncController(Calls, AsyncTransport):
     """``Controller`` for asyncio: the same methods, arguments, answers and errors, each awaited
-    (``await ctl.ping_sandbox(id)``). One pool of kept-alive connections (aiohttp) serves all the
+    (``await ctl.ping_sandbox(id)``). One pool of kept-alive connections (``_http1``) serves all the
     calls a task or many tasks make at once; ``async with AsyncController() as ctl:`` closes it."""
 
     _SESSION = "AsyncSession"

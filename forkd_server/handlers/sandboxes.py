@@ -117,7 +117,8 @@ class PingHandler(ForkdHandler):
     @web.authenticated
     @authorized(action="read")
     async def post(self, sandbox_id: str) -> None:
-        self.send(await self.call(self.controller.ping, sandbox_id, sandbox=sandbox_id))
+        # on the event loop where nothing waits, else on the control pool (loop_calls.py)
+        self.send(await self._answer(self.app.loop_calls.ping(self.controller, sandbox_id), sandbox_id))
 
 
 class ExecHandler(ForkdHandler):

@@ -8,6 +8,7 @@
   not yet): the next start-up finishes it, so no process is left that no record names.
 - An object whose settling raises fails alone (a sandbox ended, a snapshot failed, saying why).
 - A silent agent no record names (a spawn cut short) is killed by the socket it holds.
+- The settling starts only once the server listens (``Controller.listening``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -200,6 +202,39 @@ def test_a_silent_agent_no_record_names_is_killed_by_the_socket_it_holds(short_d
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(sb["pid"], signal.SIGCONT)
+        cleanup(c)
+        c.close()
+    assert wait_gone(engine_processes(short_dir) - before) == set()
+
+
+def test_the_settling_starts_once_the_server_listens(short_dir, monkeypatch):
+    """A background recovery reads the registry at once (the object is pending: calls about it answer
+    503) but starts no thread until ``listening()``: the server's start up to its port is its own.
+    Then the object is settled and taken back."""
+    before = engine_processes(short_dir)
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("s", setup="v = 1")
+        (sb,) = c.spawn("s", 1)
+    finally:
+        c.close()
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(thread):
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    c = Controller(short_dir, recover_in_background=True)
+    try:
+        assert c.recovery.unsettled() == {"s", sb["id"]}
+        assert not [name for name in started if name.startswith(("forkd-recovery", "forkd-settle", "forkd-vm"))]
+        c.listening()
+        until(lambda: c.recovery.pending == 0)
+        assert [s["id"] for s in c.list_sandboxes()] == [sb["id"]]
+        assert ev(c, sb["id"], "v") == "1"
+    finally:
         cleanup(c)
         c.close()
     assert wait_gone(engine_processes(short_dir) - before) == set()

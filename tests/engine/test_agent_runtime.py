@@ -203,3 +203,47 @@ def test_a_waiting_ping_is_answered_on_the_accepting_thread_and_the_rest_on_a_th
         silent.settimeout(30)
         silent.sendall(b'{"action": "ping"}\n')
         assert b'"pong":true' in silent.makefile("rb").readline()
+
+
+def test_call_async_answers_as_call_does_and_never_waits_on_the_loop(served, short_dir):
+    """The event loop's call (the server's pings): the same replies and errors as ``call``, the
+    deadline over the whole exchange; a full listen queue is a ``BlockingIOError`` (``call`` waits
+    for room there), never a wait on the loop."""
+    import asyncio
+
+    from forkd_engine.agent.client import AgentUnavailable
+
+    def listening(name: str, backlog: int) -> tuple[socket.socket, str]:
+        path = os.path.join(short_dir, name)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        s.listen(backlog)
+        return s, path
+
+    async def calls() -> None:
+        client = AgentClient(served)
+        assert (await client.call_async({"action": "ping"}))["pong"] is True
+        assert await client.call_async({"action": "eval", "code": "6*7"}) == client.call({"action": "eval", "code": "6*7"})
+        mute, path = listening("mute.sock", 8)  # accepts (the kernel's queue) and never answers
+        with mute, pytest.raises(AgentUnavailable, match=r"did not answer within 0\.3 s") as late:
+            await AgentClient(path).call_async({"action": "ping"}, timeout=0.3)
+        assert isinstance(late.value.__cause__, TimeoutError)  # what the server tells a timeout by
+        full, path = listening("full.sock", 0)
+        queued = []
+        with full:
+            while True:  # fill its listen queue
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.setblocking(False)
+                queued.append(s)
+                try:
+                    s.connect(path)
+                except BlockingIOError:
+                    break
+            with pytest.raises(BlockingIOError):
+                await AgentClient(path).call_async({"action": "ping"})
+            for s in queued:
+                s.close()
+        with pytest.raises(AgentUnavailable, match="unreachable"):
+            await AgentClient(path).call_async({"action": "ping"})  # its listener closed
+
+    asyncio.run(calls())

@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-from forkd_server.app import ForkdApp
+from forkd_server.app import ForkdApp, default_token
 from forkd_server.client import Controller
-from forkd_server.remote import default_token
 from forkd_server.serve import build_argv
 from tests.serving import free_port, serving
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import ssl
@@ -370,7 +371,8 @@ def test_cli_bench_json(server):
 # --- serve's own rules --------------------------------------------------------------------------
 
 def test_restart_keeps_sandboxes(workdir, token_file):
-    """A server restart re-attaches to the sandboxes (they outlive the server by design)."""
+    """A server restart re-attaches to the sandboxes (they outlive the server by design), and says in
+    its log how long its start took to listen, stage by stage (forkd_server/startup.py)."""
     data = os.path.join(workdir, "restart")
     first = Server("--token-file", token_file, data_dir=data)
     token = open(token_file).read().strip()
@@ -387,6 +389,13 @@ def test_restart_keeps_sandboxes(workdir, token_file):
         assert ctl.eval_code(kid["id"], "kept")["result"] == "'yes'"
         ctl.kill_sandbox(kid["id"])
         ctl.delete_snapshot("keep")
+        line = re.search(r"forkd: listening ([\d.]+) s after the process started \((.*)\)", second.output())
+        assert line, second.output()
+        stages = [part.rsplit(" +", 1)[0] for part in line[2].split(", ")]
+        assert stages[0] == "python and the CLI" and stages[-1] == "listening", stages
+        assert {"registry opened", "recovery planned (registry read)", "web app built"} <= set(stages), stages
+        assert sum(float(part.rsplit(" +", 1)[1]) for part in line[2].split(", ")) == pytest.approx(
+            float(line[1]), abs=0.01)
     finally:
         second.stop()
 

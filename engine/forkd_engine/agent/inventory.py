@@ -258,13 +258,17 @@ def lost(agent_fds: set[int], running: tuple[str, float] | None = None, agent_ad
 
 def fork_plan(agent_fds: set[int]) -> dict:
     """What ``repair_after_fork`` would find in a copy of this process made now: the user's
-    descriptors and writable shared mappings. A template computes it once when it parks: no code
-    of the user's runs in it after its setup, so every copy it makes finds the same (the agent's
-    own descriptors, which it closes, aside), and no copy need read /proc to learn it."""
+    descriptors, writable shared mappings and event loops. A template computes it once when it
+    parks: no code of the user's runs in it after its setup, so every copy it makes finds the same
+    (the agent's own descriptors, which it closes, aside), and no copy need read /proc to learn it."""
+    loops = _known_loops()
     loop_fds = set()
-    for loop in _known_loops():
+    for loop in loops:
         loop_fds |= _loop_fds(loop)
-    return {"descriptors": open_descriptors(agent_fds | loop_fds), "mappings": _shared_mappings()}
+    # The loops too: looking for them walks asyncio's weak set of tasks, Python code each copy would
+    # run (and whose objects' pages it would dirty) to find what the template found.
+    return {"descriptors": open_descriptors(agent_fds | loop_fds), "mappings": _shared_mappings(),
+            "loops": loops}
 
 
 def repair_after_fork(agent_fds: set[int], lossy: bool, plan: dict | None = None) -> list[str]:
@@ -288,7 +292,7 @@ def repair_after_fork(agent_fds: set[int], lossy: bool, plan: dict | None = None
             _repoint_mapping(lo, hi, perms, offset, path)
         except OSError as exc:
             notes.append(f"shared mapping of {path or 'anonymous memory'}: {exc.strerror or exc}")
-    for loop in _known_loops():
+    for loop in plan["loops"]:
         _renew_loop(loop)
     _release_import_locks()
     if lossy:

@@ -192,6 +192,14 @@ class ProcessEngine:
         except AgentUnavailable as exc:
             raise AgentUnreachable(str(exc)) from exc
 
+    async def call_async(self, handle: Handle, request: dict, timeout: float | None = None) -> dict:
+        """``call`` on the running event loop, for a short call (a ping): never blocks the loop;
+        ``BlockingIOError`` where ``call`` would wait (the agent's listen queue is full)."""
+        try:
+            return await AgentClient(handle["socket"], timeout=timeout or 30.0).call_async(request)
+        except AgentUnavailable as exc:
+            raise AgentUnreachable(str(exc)) from exc
+
     def open_session(self, handle: Handle, **options) -> AgentSession:
         """A streaming session with the sandbox's agent (``shell="ipython"`` for the notebook shell)."""
         try:
@@ -202,41 +210,49 @@ class ProcessEngine:
     def alive(self, handle: Handle) -> bool:
         return self.alive_many([handle])[0]
 
-    def alive_many(self, handles: list[Handle]) -> list[bool]:
+    def alive_many(self, handles: list[Handle], block: bool = True) -> list[bool]:
         """Liveness of many processes in one poll(): each is watched through a pidfd, opened once.
 
         The pidfd is kept only if the process it names has the recorded start time, so it stays
-        bound to that exact process even if its pid is later reused.
+        bound to that exact process even if its pid is later reused. ``block=False`` (the event
+        loop): ``BlockingIOError`` rather than waiting while another thread checks its own.
         """
-        with self._pidfd_lock:
-            fds, unwatched = [], {}  # unwatched: index -> liveness read from /proc (no pidfd to be had)
-            for i, h in enumerate(handles):
-                key = (h["pid"], h["start_time"])
-                fd = self._pidfds.get(key)
-                if fd is None:
-                    try:
-                        fd = os.pidfd_open(h["pid"])
-                    except ProcessLookupError:
-                        fd = -1
-                    except OSError:  # out of descriptors, say: that is no death
-                        unwatched[i] = linux.process_start_time(h["pid"]) == h["start_time"]
-                        fds.append(-1)
-                        continue
-                    if fd >= 0 and linux.process_start_time(h["pid"]) != h["start_time"]:
-                        os.close(fd)
-                        fd = -1
-                    if fd >= 0:
-                        self._pidfds[key] = fd
-                fds.append(fd)
-            poller = select.poll()
-            for fd in {f for f in fds if f >= 0}:
-                poller.register(fd, select.POLLIN)
-            exited = {fd for fd, _ in poller.poll(0)}  # a pidfd turns readable when its process exits
-            for key, fd in list(self._pidfds.items()):
-                if fd in exited:
+        if not self._pidfd_lock.acquire(blocking=block):
+            raise BlockingIOError("another thread is checking which processes live")
+        try:
+            return self._alive_held(handles)
+        finally:
+            self._pidfd_lock.release()
+
+    def _alive_held(self, handles: list[Handle]) -> list[bool]:
+        fds, unwatched = [], {}  # unwatched: index -> liveness read from /proc (no pidfd to be had)
+        for i, h in enumerate(handles):
+            key = (h["pid"], h["start_time"])
+            fd = self._pidfds.get(key)
+            if fd is None:
+                try:
+                    fd = os.pidfd_open(h["pid"])
+                except ProcessLookupError:
+                    fd = -1
+                except OSError:  # out of descriptors, say: that is no death
+                    unwatched[i] = linux.process_start_time(h["pid"]) == h["start_time"]
+                    fds.append(-1)
+                    continue
+                if fd >= 0 and linux.process_start_time(h["pid"]) != h["start_time"]:
                     os.close(fd)
-                    del self._pidfds[key]
-            return [unwatched[i] if i in unwatched else fd >= 0 and fd not in exited for i, fd in enumerate(fds)]
+                    fd = -1
+                if fd >= 0:
+                    self._pidfds[key] = fd
+            fds.append(fd)
+        poller = select.poll()
+        for fd in {f for f in fds if f >= 0}:
+            poller.register(fd, select.POLLIN)
+        exited = {fd for fd, _ in poller.poll(0)}  # a pidfd turns readable when its process exits
+        for key, fd in list(self._pidfds.items()):
+            if fd in exited:
+                os.close(fd)
+                del self._pidfds[key]
+        return [unwatched[i] if i in unwatched else fd >= 0 and fd not in exited for i, fd in enumerate(fds)]
 
     def wait_exit(self, handle: Handle, timeout: float) -> bool:
         """Wait up to ``timeout`` s for the process to exit; True once it has."""
@@ -288,6 +304,9 @@ class ProcessEngine:
     def repair(self, handle: Handle) -> list[str]:
         """Nothing to repair: a template or sandbox is whole while its process lives."""
         return []
+
+    def warm_up(self) -> None:
+        """Nothing: what the process engine needs it makes as it starts (all of it cheap)."""
 
     def recover(self, known: list[Handle]) -> list[str]:
         """Files in the run directory no known handle names: starts a previous server never

@@ -25,7 +25,7 @@ import sys
 import time
 
 from .. import linux
-from ..agent import children, inventory
+from ..agent import children, generators, inventory
 from ..agent.executor import Busy, Executor
 from ..agent.runtime import Runtime
 from ..agent.server import AgentServer
@@ -144,6 +144,10 @@ def prewarm_for_forks() -> None:
     """Load now what every fork would otherwise load (and dirty) on its own, then freeze the heap."""
     if "numpy" in sys.modules:
         import numpy.random  # noqa: F401 - each fork reseeds it
+    # Reseed here once too: what the first reseed frees or settles (numpy's import-time seed
+    # sequence, entropy drawn since the last cell) is then gone before the fork, and each copy's
+    # own reseed only writes new state. The template draws nothing: its copies reseed again.
+    generators.reseed()
     gc.collect()
     gc.freeze()  # a fork's garbage collector then leaves the template's objects (and pages) alone
 
@@ -158,6 +162,9 @@ class SandboxProcess:
         self.pidns_fd = -1
         self.server: AgentServer | None = None
         self.fork_plan: dict | None = None  # a parked template's: what each copy repairs (inventory.fork_plan)
+        # A parked template's: each copy's main thread, made once here (made in each copy, it dirtied
+        # the pages of all it touches: private memory of every idle sandbox), unused until then.
+        self.spare_executor: Executor | None = None
 
     def agent_fds(self) -> set[int]:
         fds = children.agent_fds() | ({self.pidns_fd} if self.pidns_fd >= 0 else set())
@@ -188,6 +195,7 @@ class SandboxProcess:
                 for frozen in ("exec", "eval", "run_code", "files"):
                     actions[frozen] = self._frozen
                 self.runtime.executor = None
+                self.spare_executor = Executor()
                 self.fork_plan = inventory.fork_plan(self.agent_fds() | {listen_fd, report_fd})
                 prewarm_for_forks()
                 self.server = AgentServer(self.runtime, listener, actions, threaded=False)
@@ -195,7 +203,8 @@ class SandboxProcess:
                 os.close(report_fd)
                 self.server.serve_forever()
             else:
-                executor = self.runtime.executor = Executor()
+                executor = self.runtime.executor = self.spare_executor or Executor()
+                self.spare_executor = None
                 self.compactor = Compactor(executor, self.runtime.namespace,
                                            huge_pages_mib=int(self.identity.get("huge_pages_mib") or 0))
                 executor.after_user_code = self.compactor.poke

@@ -23,6 +23,7 @@ The agent is the same as the process engine's (``forkd_engine.agent``) over virt
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -38,7 +39,7 @@ from ..store import ChunkCache, Manifest
 from . import branching, durable, recovery, snapshots, spawning
 from . import memory as vmem
 from .channel import AgentChannel, VMSession
-from .host import QEMU, host_tsc_khz, kvm_status, qemu_binary, qemu_version
+from .host import QEMU, kvm_status, qemu_binary, qemu_version
 from .image import Image, ImageError, build_image
 from .qemu import MAX_SOCKET_PATH, STOP_WAIT, Qemu
 from .qmp import QMP, QMPError
@@ -90,9 +91,7 @@ class VMEngine:
         self.restore_timeout = restore_timeout
         self.cgroups = Cgroups(subtree("forkd-vm", self.data_dir))  # this server's own leaves
         self.restore_parallelism = restore_parallelism or len(os.sched_getaffinity(0))
-        self.qemu_version = qemu_version(binary)
-        self.qemu = Qemu(binary, self.run_dir, self.accel, os.environ.get("FORKD_VM_ACCEL_OPTS", ""), smp,
-                         host_tsc_khz())
+        self.qemu = Qemu(binary, self.run_dir, self.accel, os.environ.get("FORKD_VM_ACCEL_OPTS", ""), smp)
         # QEMUs started and loaded ahead for the next children of the last snapshots spawned: one
         # per restore that may run at once ($FORKD_VM_WARM or ``warm`` sets how many, 0: none).
         env_warm = os.environ.get("FORKD_VM_WARM", "")
@@ -107,9 +106,21 @@ class VMEngine:
         self.creating_lock = threading.Lock()
         # A list to record each restore's stages in (perf_counter marks per child): for benchmarks.
         self.restore_trace: list[dict] | None = None
-        threading.Thread(target=vmem.warm, name="forkd-vm-warm", daemon=True).start()
         self.started = time.time()  # what recover() may sweep predates this
         self.started_ticks = linux.boot_ticks()  # the same, in process start times' unit
+
+    @functools.cached_property
+    def qemu_version(self) -> str:
+        """QEMU's version line, which every snapshot records: asked on first use (running QEMU takes
+        0.1-0.5 s on a busy host), not while the server starts."""
+        return qemu_version(self.qemu.binary)
+
+    def warm_up(self) -> None:
+        """What the engine needs soon but a start need not wait for; the server runs it on a thread
+        once its port listens: numpy for the first branch's page scan (~0.4 s of imports), QEMU's
+        version and the host's TSC frequency (a process each)."""
+        vmem.warm()
+        _ = self.qemu_version, self.qemu.tsc_khz
 
     # --- image -----------------------------------------------------------------------------------
 

@@ -24,8 +24,9 @@ np = None  # numpy, for the vectorised pagemap scan: imported by warm(), off the
 
 
 def warm() -> None:
-    """Import numpy now (~0.4 s), so that the first branch's pause does not pay for it. The engine
-    calls it on a thread of its own when it starts; ``private_runs`` falls back to a loop without it."""
+    """Import numpy now (~0.4 s), so that the first branch's pause does not pay for it. The engine's
+    ``warm_up`` calls it once the server listens; ``private_runs`` imports it when it was not, and
+    falls back to a loop without it."""
     global np
     if np is None:
         try:

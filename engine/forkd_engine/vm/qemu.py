@@ -9,6 +9,7 @@ ends QEMU processes the same way, while none of this knows what a snapshot or a 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import time
 
 from .. import linux
 from ..base import EngineError, Handle
+from .host import host_tsc_khz
 from .image import DATA_SERIAL, PACKAGES_SERIAL
 
 MAX_SOCKET_PATH = 107
@@ -46,14 +48,19 @@ def tool(cmd: list[str]) -> None:
 class Qemu:
     """Starts and stops the VMs of one engine: each in its own directory under ``run_dir``."""
 
-    def __init__(self, binary: str, run_dir: str, accel: str, accel_opts: str, smp: int, tsc_khz: int | None):
+    def __init__(self, binary: str, run_dir: str, accel: str, accel_opts: str, smp: int):
         self.binary = binary
         self.run_dir = run_dir
         self.accel = accel
         self.accel_opts = accel_opts
         self.smp = smp
-        self.tsc_khz = tsc_khz
         self.children: dict[int, subprocess.Popen] = {}  # the QEMUs this process started, by pid
+
+    @functools.cached_property
+    def tsc_khz(self) -> int | None:
+        """The host's TSC frequency, which a boot tells the guest; read on first use (it runs
+        ``dmesg``), not while the server starts."""
+        return host_tsc_khz()
 
     def vm_dir(self, name: str) -> str:
         return os.path.join(self.run_dir, hashlib.sha1(name.encode()).hexdigest()[:16])

@@ -1,0 +1,63 @@
+"""Short agent calls answered on the server's event loop: a ping of a running sandbox.
+
+A ping is mostly the hop: a control thread taken and handed back (admission.py) costs the server
+more CPU than the agent's answer, and under many calls at once the threads contend for the GIL.
+So a ping of a running sandbox is answered on the loop: its row read, its call counted (so no move
+down happens under it, tiers.py) and the agent asked over a non-blocking socket, all without
+waiting for another thread. Whatever would wait (a commit holding the registry, a move holding the
+sandbox's lock, another thread checking liveness, a full listen queue at the agent) or is not the
+plain case (a sandbox unknown, ending, frozen, stored, dead, or pinged for the first time) goes
+the usual way, on the control pool, which waits, wakes and says why. A failed exchange is
+explained on the pool too (``SandboxManager.agent_failed``: 410 if the sandbox ended during it).
+The answers and errors are the control pool's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from prometheus_client import CollectorRegistry, Counter
+
+from forkd_engine import EngineError
+
+
+class LoopCalls:
+    def __init__(self, admission, registry: CollectorRegistry | None = None):
+        self.admission = admission
+        self.ways = Counter("forkd_loop_calls", "Short agent calls (ping) by where they were answered: on "
+                            "the event loop, or on the control pool because the loop would have waited",
+                            ["way"], registry=registry if registry is not None else CollectorRegistry())
+        self._on_loop, self._on_pool = self.ways.labels(way="loop"), self.ways.labels(way="pool")
+
+    async def ping(self, controller, sandbox_id: str, timeout: float = 5.0) -> dict:
+        """``controller.ping(sandbox_id)``'s answer, on the loop where nothing waits."""
+        reply = await self._on_loop_or_none(controller, sandbox_id, {"action": "ping"}, "ping", timeout)
+        if reply is None:
+            self._on_pool.inc()
+            return await self.admission.control(functools.partial(controller.ping, sandbox_id, timeout))
+        self._on_loop.inc()
+        return reply
+
+    async def _on_loop_or_none(self, controller, sandbox_id: str, request: dict, what: str,
+                               timeout: float) -> dict | None:
+        """The agent's answer to ``request``, or None: the call must go the usual way."""
+        try:
+            row = controller.tiers.enter_now(sandbox_id)
+        except BlockingIOError:
+            return None
+        if row is None:
+            return None
+        try:
+            call_async = getattr(controller.engines[row["engine"]], "call_async", None)
+            if call_async is None:  # an engine without one (the VM engine's channel)
+                return None
+            try:
+                return await call_async(row["handle"], request, timeout=timeout)
+            except BlockingIOError:
+                return None
+            except EngineError as exc:
+                failure = exc
+        finally:
+            controller.tiers.leave(row["id"])
+        # raises: 410 if the sandbox ended during the call, else 500 saying what failed
+        await self.admission.control(functools.partial(controller.sandboxes.agent_failed, row, failure, what))

@@ -1,0 +1,128 @@
+"""Pings answered on the server's event loop (loop_calls.py): the control pool's answers and errors;
+whatever would make the loop wait for another thread goes to the pool, and the loop goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import pytest
+
+from .test_api import call, sandbox, snap  # noqa: F401 - the fixtures
+
+
+def ways(app) -> dict[str, float]:
+    """How many pings were answered on the loop and how many on the control pool (the counter
+    alone: the app's other metrics read the registry, which a test here holds)."""
+    return {s.labels["way"]: s.value for metric in app.loop_calls.ways.collect() for s in metric.samples
+            if s.name == "forkd_loop_calls_total"}
+
+
+async def ping(jp_fetch, sid: str):
+    return await call(jp_fetch, "POST", "sandboxes", sid, "ping")
+
+
+async def until(condition, what: str, timeout: float = 30) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_running_sandboxs_ping_is_answered_on_the_loop(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    sid = sandbox["id"]
+    code, first = await ping(jp_fetch, sid)  # a sandbox's first call makes its lock, on the pool
+    assert code == 200 and first["pong"] is True and first["sandbox_id"] == sid
+    before = ways(forkd_app)
+    for _ in range(3):
+        code, body = await ping(jp_fetch, sid)
+        assert code == 200 and body.keys() == first.keys() and (body["sandbox_id"], body["pid"]) == (sid, first["pid"])
+    after = ways(forkd_app)
+    # on the loop (one whose registry or liveness check another thread held that instant would
+    # have gone to the pool, which is right too; nothing else runs in this server)
+    assert after["loop"] - before["loop"] >= 1 and after["loop"] + after["pool"] - before["loop"] - before["pool"] == 3
+    assert not forkd_app.controller.tiers._calls  # each call counted, and each done
+    assert await ping(jp_fetch, "sb-nope") == (404, {"error": "sandbox sb-nope not found"})
+
+
+@pytest.mark.parametrize("held", ["registry", "liveness", "sandbox"])
+async def test_what_would_wait_goes_to_the_pool_and_the_loop_goes_on(jp_fetch, forkd_app, sandbox, held):  # noqa: F811
+    """Another thread holds the registry (a commit waiting for the disk), the liveness check, or
+    the sandbox's lock (a move): the ping waits for it on a control thread, not on the loop."""
+    sid = sandbox["id"]
+    ctl = forkd_app.controller
+    assert (await ping(jp_fetch, sid))[0] == 200
+    lock = {"registry": lambda: ctl.registry._lock, "liveness": lambda: ctl.engines["process"]._pidfd_lock,
+            "sandbox": lambda: ctl.tiers._locks[sid]}[held]()
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert taken.wait(30)
+    before = ways(forkd_app)
+    try:
+        pinged = asyncio.ensure_future(ping(jp_fetch, sid))
+        await until(lambda: ways(forkd_app)["pool"] > before["pool"], "the ping handed to the pool")
+        code, version = await call(jp_fetch, "GET", "version", prefix=("forkd",))  # the loop answers meanwhile
+        assert code == 200 and version["api"] == "v1" and not pinged.done()
+    finally:
+        release.set()
+        holder.join(30)
+    code, body = await pinged
+    assert code == 200 and body["pong"] is True
+    assert ways(forkd_app)["loop"] == before["loop"]
+
+
+async def test_a_frozen_sandboxs_ping_wakes_it_on_the_pool(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    sid = sandbox["id"]
+    ctl = forkd_app.controller
+    assert ctl.freeze_sandbox(sid)["tier"] == "frozen"
+    before = ways(forkd_app)
+    code, body = await ping(jp_fetch, sid)
+    assert code == 200 and body["pong"] is True
+    assert ctl.get_sandbox(sid)["tier"] == "running"
+    assert ways(forkd_app)["pool"] == before["pool"] + 1
+
+
+async def test_an_agent_that_dies_during_a_ping_on_the_loop_is_a_410(jp_fetch, forkd_app, sandbox, monkeypatch):  # noqa: F811
+    sid = sandbox["id"]
+    assert (await ping(jp_fetch, sid))[0] == 200
+    engine = forkd_app.controller.engines["process"]
+    call_async = engine.call_async
+
+    async def dying(handle, request, timeout=None):  # the agent is killed as the ping leaves
+        os.kill(handle["pid"], signal.SIGKILL)
+        await asyncio.get_running_loop().run_in_executor(None, engine.wait_exit, handle, 30)
+        return await call_async(handle, request, timeout=timeout)
+
+    monkeypatch.setattr(engine, "call_async", dying)
+    code, body = await ping(jp_fetch, sid)
+    assert code == 410 and body["error"].startswith(f"sandbox {sid} ended during this ping: "), body
+    assert (await ping(jp_fetch, sid))[0] == 404
+    assert not forkd_app.controller.tiers._calls
+
+
+async def test_a_silent_agent_is_the_pools_timeout(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    """A stopped agent (alive, answering nothing): 500 after the ping's 5 s, as on the pool, and the
+    call no longer counted (the sandbox can be frozen)."""
+    sid = sandbox["id"]
+    assert (await ping(jp_fetch, sid))[0] == 200
+    pid = sandbox["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        before = ways(forkd_app)
+        code, body = await ping(jp_fetch, sid)
+        assert code == 500 and body["error"].startswith("ping: agent at ") and "did not answer within 5 s" in \
+            body["error"], body
+        assert ways(forkd_app)["pool"] == before["pool"]  # it was the loop's, explained on the pool
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not forkd_app.controller.tiers._calls
+    assert (await ping(jp_fetch, sid))[0] == 200
