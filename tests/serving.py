@@ -24,6 +24,33 @@ from forkd_server.client import Controller, ControllerError, ServerUnreachable
 FORKD = [sys.executable, "-c", "import sys; from forkd_server.cli import main; sys.exit(main())"]
 
 
+# One process answering many refused command lines: each refusal is checked as the CLI makes it
+# (exit code, stderr), with one interpreter start-up for them all rather than one each.
+_REFUSE = """
+import contextlib, io, json, sys
+from forkd_server.cli import main
+said = []
+for argv in json.loads(sys.stdin.read()):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    said.append([code, err.getvalue()])
+sys.__stdout__.write(json.dumps(said))
+"""
+
+
+def refusals(argvs: list[list[str]], env: dict | None = None, timeout: float = 120) -> list[tuple[int, str]]:
+    """(exit code, stderr) of ``forkd ARGV`` for each of ``argvs``, all in one real process. A line
+    that is not refused goes on to serve and runs into ``timeout``, which fails the caller."""
+    done = subprocess.run([sys.executable, "-c", _REFUSE], input=json.dumps(argvs), capture_output=True, text=True,
+                          env=env, timeout=timeout, check=False)
+    assert done.returncode == 0, done.stderr
+    return [tuple(x) for x in json.loads(done.stdout)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

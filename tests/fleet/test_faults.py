@@ -15,7 +15,27 @@ import pytest
 
 from forkd_server.client import Controller, ControllerError
 
+from ..serving import cleanup
 from .fleet import DOWN_AFTER, fleet
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two hosts and a router, shared by the tests that kill one of them with -9 and start it again
+    (each leaves all three up); what a test made is deleted after it, through the router (its pins
+    go too) and then on each host."""
+    with fleet(2) as (router, hosts):
+        yield router, hosts
+
+
+@pytest.fixture
+def two(pair):
+    router, hosts = pair
+    assert all(h.proc.poll() is None for h in hosts) and router.proc.poll() is None
+    yield pair
+    cleanup(router.url, router.token)
+    for host in hosts:
+        cleanup(host.url, host.token)
 
 
 def wait_for(condition, what: str, timeout: float = 60):
@@ -29,87 +49,87 @@ def wait_for(condition, what: str, timeout: float = 60):
         time.sleep(0.05)
 
 
-def test_a_host_killed_with_9_is_down_its_sandboxes_lost_and_back_when_it_returns():
-    with fleet(2) as (router, hosts):
-        api = Controller(router.url, router.token, timeout=120)
-        direct = [Controller(h.url, h.token, timeout=120) for h in hosts]
-        for ctl in direct:
-            ctl.create_snapshot("twin", setup="x = 1")
-        direct[1].create_snapshot("one", setup="x = 2")
-        on1 = api.spawn_sandboxes("one", 2)
-        assert {k["host"] for k in on1} == {hosts[1].url}
-        ids = {k["id"] for k in on1}
+def test_a_host_killed_with_9_is_down_its_sandboxes_lost_and_back_when_it_returns(two):
+    router, hosts = two
+    api = Controller(router.url, router.token, timeout=120)
+    direct = [Controller(h.url, h.token, timeout=120) for h in hosts]
+    for ctl in direct:
+        ctl.create_snapshot("twin", setup="x = 1")
+    direct[1].create_snapshot("one", setup="x = 2")
+    on1 = api.spawn_sandboxes("one", 2)
+    assert {k["host"] for k in on1} == {hosts[1].url}
+    ids = {k["id"] for k in on1}
 
-        events: list[dict] = []
-        subscribed = threading.Event()
+    events: list[dict] = []
+    subscribed = threading.Event()
 
-        def follow():
-            with api.events(timeout=60) as stream:
-                subscribed.set()
-                for e in stream:
-                    events.append(e)
-                    if e.get("kind") == "host" and e.get("action") == "up":
-                        return
+    def follow():
+        with api.events(timeout=60) as stream:
+            subscribed.set()
+            for e in stream:
+                events.append(e)
+                if e.get("kind") == "host" and e.get("action") == "up":
+                    return
 
-        reader = threading.Thread(target=follow, daemon=True)
-        reader.start()
-        assert subscribed.wait(30)
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    assert subscribed.wait(30)
 
-        hosts[1].crash()  # kill -9: its sandboxes outlive it
-        killed_at = time.monotonic()
-        lost = wait_for(lambda: {s["id"]: s for s in api.list_sandboxes() if s["status"] == "lost"},
-                        "host 1's sandboxes listed lost", timeout=DOWN_AFTER + 30)
-        assert set(lost) == ids and all(s["host"] == hosts[1].url for s in lost.values())
-        assert "down" in lost[next(iter(ids))]["lost"]["reason"]
-        print(f"lost after {time.monotonic() - killed_at:.1f} s (--down-after {DOWN_AFTER} s)")
-        assert router.hosts()[hosts[1].url]["state"] == "down"
-        with pytest.raises(ControllerError) as err:
-            api.eval_code(next(iter(ids)), "x")
-        assert err.value.status == 410 and "lost" in str(err.value) and hosts[1].url in str(err.value)
-        tree = {n["id"]: n for n in api.tree()}
-        assert all(tree[i]["status"] == "lost" for i in ids)
-        assert tree["one"]["status"] == "lost" and tree["one"]["host"] == hosts[1].url  # held only there
-        assert tree["twin"]["status"] == "ready" and tree["twin"]["host"] == hosts[0].url
-        assert {s["tag"]: s["status"] for s in api.list_snapshots()} == {"one": "lost", "twin": "ready"}
-        # new work goes to the host that is up
-        kids = api.spawn_sandboxes("twin", 3)
-        assert {k["host"] for k in kids} == {hosts[0].url}
-        with pytest.raises(ControllerError) as err:  # held only by the host that is down
-            api.spawn_sandboxes("one")
-        assert err.value.status == 410 and hosts[1].url in str(err.value)
+    hosts[1].crash()  # kill -9: its sandboxes outlive it
+    killed_at = time.monotonic()
+    lost = wait_for(lambda: {s["id"]: s for s in api.list_sandboxes() if s["status"] == "lost"},
+                    "host 1's sandboxes listed lost", timeout=DOWN_AFTER + 30)
+    assert set(lost) == ids and all(s["host"] == hosts[1].url for s in lost.values())
+    assert "down" in lost[next(iter(ids))]["lost"]["reason"]
+    print(f"lost after {time.monotonic() - killed_at:.1f} s (--down-after {DOWN_AFTER} s)")
+    assert router.hosts()[hosts[1].url]["state"] == "down"
+    with pytest.raises(ControllerError) as err:
+        api.eval_code(next(iter(ids)), "x")
+    assert err.value.status == 410 and "lost" in str(err.value) and hosts[1].url in str(err.value)
+    tree = {n["id"]: n for n in api.tree()}
+    assert all(tree[i]["status"] == "lost" for i in ids)
+    assert tree["one"]["status"] == "lost" and tree["one"]["host"] == hosts[1].url  # held only there
+    assert tree["twin"]["status"] == "ready" and tree["twin"]["host"] == hosts[0].url
+    assert {s["tag"]: s["status"] for s in api.list_snapshots()} == {"one": "lost", "twin": "ready"}
+    # new work goes to the host that is up
+    kids = api.spawn_sandboxes("twin", 3)
+    assert {k["host"] for k in kids} == {hosts[0].url}
+    with pytest.raises(ControllerError) as err:  # held only by the host that is down
+        api.spawn_sandboxes("one")
+    assert err.value.status == 410 and hosts[1].url in str(err.value)
 
-        hosts[1].start()  # back on the same port and data dir: reconciled, its sandboxes running again
-        hosts[1].wait_healthy()
-        wait_for(lambda: router.hosts()[hosts[1].url]["state"] == "up", "host 1 up again")
-        reader.join(60)
-        assert api.eval_code(next(iter(ids)), "x")["result"] == "2"
-        assert {s["id"] for s in api.list_sandboxes() if s["host"] == hosts[1].url} == ids
-        assert not [s for s in api.list_sandboxes() if s["status"] == "lost"]
-        said = {(e.get("kind"), e.get("action")) for e in events}
-        assert {("host", "down"), ("sandbox", "lost"), ("host", "up")} <= said
-        assert {e["id"] for e in events if e.get("action") == "lost"} == ids
-        for k in kids + on1:
-            api.kill_sandbox(k["id"])
+    hosts[1].start()  # back on the same port and data dir: reconciled, its sandboxes running again
+    hosts[1].wait_healthy()
+    wait_for(lambda: router.hosts()[hosts[1].url]["state"] == "up", "host 1 up again")
+    reader.join(60)
+    assert api.eval_code(next(iter(ids)), "x")["result"] == "2"
+    assert {s["id"] for s in api.list_sandboxes() if s["host"] == hosts[1].url} == ids
+    assert not [s for s in api.list_sandboxes() if s["status"] == "lost"]
+    said = {(e.get("kind"), e.get("action")) for e in events}
+    assert {("host", "down"), ("sandbox", "lost"), ("host", "up")} <= said
+    assert {e["id"] for e in events if e.get("action") == "lost"} == ids
+    for k in kids + on1:
+        api.kill_sandbox(k["id"])
 
 
-def test_a_router_killed_with_9_loses_no_pin():
-    with fleet(2) as (router, hosts):
-        api = Controller(router.url, router.token, timeout=120)
-        Controller(hosts[1].url, hosts[1].token).create_snapshot("kept", setup="x = 3")
-        ids = {k["id"] for k in api.spawn_sandboxes("kept", 2)}
-        router.stop(kill=True)
-        hosts[1].crash()  # the restarted router can only know these from its pins
-        router.start()
-        lost = wait_for(lambda: {s["id"] for s in Controller(router.url, router.token).list_sandboxes()
-                                 if s["status"] == "lost"}, "the pinned sandboxes listed lost", timeout=DOWN_AFTER + 30)
-        assert lost == ids
-        hosts[1].start()
-        hosts[1].wait_healthy()
-        wait_for(lambda: router.hosts()[hosts[1].url]["state"] == "up", "host 1 up again")
-        api = Controller(router.url, router.token, timeout=120)
-        for sid in ids:
-            assert api.eval_code(sid, "x")["result"] == "3"
-            api.kill_sandbox(sid)
+def test_a_router_killed_with_9_loses_no_pin(two):
+    router, hosts = two
+    api = Controller(router.url, router.token, timeout=120)
+    Controller(hosts[1].url, hosts[1].token).create_snapshot("kept", setup="x = 3")
+    ids = {k["id"] for k in api.spawn_sandboxes("kept", 2)}
+    router.stop(kill=True)
+    hosts[1].crash()  # the restarted router can only know these from its pins
+    router.start()
+    lost = wait_for(lambda: {s["id"] for s in Controller(router.url, router.token).list_sandboxes()
+                             if s["status"] == "lost"}, "the pinned sandboxes listed lost", timeout=DOWN_AFTER + 30)
+    assert lost == ids
+    hosts[1].start()
+    hosts[1].wait_healthy()
+    wait_for(lambda: router.hosts()[hosts[1].url]["state"] == "up", "host 1 up again")
+    api = Controller(router.url, router.token, timeout=120)
+    for sid in ids:
+        assert api.eval_code(sid, "x")["result"] == "3"
+        api.kill_sandbox(sid)
 
 
 class Garbage(http.server.BaseHTTPRequestHandler):

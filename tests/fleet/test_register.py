@@ -19,7 +19,7 @@ import pytest
 
 from forkd_server.client import Controller
 
-from ..serving import Server
+from ..serving import Server, cleanup, refusals
 from .fleet import DOWN_AFTER, Router, stop_hosts
 
 
@@ -76,79 +76,103 @@ def registered_fleet(n_hosts: int = 2):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def test_hosts_register_themselves_and_the_router_places_on_them():
-    with registered_fleet() as (router, hosts, quiet, register_token):
-        table = router.hosts()
-        assert {h.url for h in hosts} == set(table)  # the quiet one did not register
-        assert all(table[h.url]["registered"] and table[h.url]["state"] == "up" for h in hosts)
-        direct = Controller(hosts[1].url, hosts[1].token, timeout=120)
-        direct.create_snapshot("reg", setup="where = 1")
-        api = Controller(router.url, router.token, timeout=120)
-        kid = api.spawn_sandboxes("reg", 1)[0]
-        assert kid["host"] == hosts[1].url and api.eval_code(kid["id"], "where")["result"] == "1"
-
-        # only the registration token registers a host; what is not a host's URL is refused
-        endpoint = f"{router.url}/v1/fleet/register"
-        assert post(endpoint, {"url": quiet.url}, None) == (401, {"error": "missing bearer token"})
-        assert post(endpoint, {"url": quiet.url}, router.token) == (401, {"error": "invalid bearer token"})
-        status, body = post(endpoint, {"url": "ftp://x:1"}, register_token)
-        assert status == 400 and "is not a host's URL" in body["error"], body
-        status, body = post(endpoint, {"url": "http://u:p@127.0.0.1:1"}, register_token)
-        assert status == 400 and "no user" in body["error"], body
-        status, body = post(endpoint, b"{not json", register_token, raw=True)
-        assert status == 400 and '{"url"' in body["error"], body
-        assert quiet.url not in router.hosts()
-
-        # a host announced once and then silent goes down after --down-after, its /healthz answering
-        status, body = post(endpoint, {"url": quiet.url}, register_token)
-        assert status == 200 and body["state"] == "up" and body["announce_every"] > 0, body
-        assert body["down_after"] == DOWN_AFTER
-        down = wait_state(router, quiet.url, "down", timeout=DOWN_AFTER + 30)
-        assert "has not announced itself" in down["reason"], down
-        assert quiet.health()["ok"]
-        for h in hosts:  # the others keep announcing
-            assert router.hosts()[h.url]["state"] == "up"
-        status, body = post(endpoint, {"url": quiet.url}, register_token)
-        assert status == 200 and body["state"] == "up", body
-        api.kill_sandbox(kid["id"])
+@pytest.fixture(scope="module")
+def registered():
+    """One registering fleet for the tests below, in either order: each leaves its hosts and router up
+    (the quiet host registered or not); what a test made is deleted after it, on each host."""
+    with registered_fleet() as world:
+        yield world
 
 
-def test_registered_hosts_outlive_a_router_restart():
-    with registered_fleet() as (router, hosts, _, _):
-        api = Controller(router.url, router.token, timeout=120)
-        Controller(hosts[1].url, hosts[1].token, timeout=120).create_snapshot("stay", setup="v = 5")
-        kid = api.spawn_sandboxes("stay", 1)[0]["id"]
-        hosts[1].crash()  # kill -9: no more announcements, no /healthz
-        down = wait_state(router, hosts[1].url, "down", timeout=DOWN_AFTER + 30)
-        assert down["registered"]
-        router.stop()
-        router.start()
-        # the table came from the state file: host 1 is still there, down, its sandbox lost
-        assert router.hosts()[hosts[1].url]["state"] == "down"
-        lost = {s["id"]: s for s in api.list_sandboxes()}
-        assert lost[kid]["status"] == "lost" and lost[kid]["host"] == hosts[1].url
-        wait_state(router, hosts[0].url, "up")
-        hosts[1].start()  # it announces itself again: up, and its sandbox (which outlived it) answers
-        hosts[1].wait_healthy()
-        wait_state(router, hosts[1].url, "up", timeout=60)
-        assert api.eval_code(kid, "v")["result"] == "5"
-        api.kill_sandbox(kid)
+@pytest.fixture
+def fleet_of(registered):
+    router, hosts, quiet, _ = registered
+    assert all(h.proc.poll() is None for h in [*hosts, quiet]) and router.proc.poll() is None
+    yield registered
+    for host in [*hosts, quiet]:
+        cleanup(host.url, host.token)
 
 
-@pytest.mark.parametrize("args, message", [
+def test_hosts_register_themselves_and_the_router_places_on_them(fleet_of):
+    router, hosts, quiet, register_token = fleet_of
+    table = router.hosts()
+    assert {h.url for h in hosts} == set(table)  # the quiet one did not register
+    assert all(table[h.url]["registered"] and table[h.url]["state"] == "up" for h in hosts)
+    direct = Controller(hosts[1].url, hosts[1].token, timeout=120)
+    direct.create_snapshot("reg", setup="where = 1")
+    api = Controller(router.url, router.token, timeout=120)
+    kid = api.spawn_sandboxes("reg", 1)[0]
+    assert kid["host"] == hosts[1].url and api.eval_code(kid["id"], "where")["result"] == "1"
+
+    # only the registration token registers a host; what is not a host's URL is refused
+    endpoint = f"{router.url}/v1/fleet/register"
+    assert post(endpoint, {"url": quiet.url}, None) == (401, {"error": "missing bearer token"})
+    assert post(endpoint, {"url": quiet.url}, router.token) == (401, {"error": "invalid bearer token"})
+    status, body = post(endpoint, {"url": "ftp://x:1"}, register_token)
+    assert status == 400 and "is not a host's URL" in body["error"], body
+    status, body = post(endpoint, {"url": "http://u:p@127.0.0.1:1"}, register_token)
+    assert status == 400 and "no user" in body["error"], body
+    status, body = post(endpoint, b"{not json", register_token, raw=True)
+    assert status == 400 and '{"url"' in body["error"], body
+    assert quiet.url not in router.hosts()
+
+    # a host announced once and then silent goes down after --down-after, its /healthz answering
+    status, body = post(endpoint, {"url": quiet.url}, register_token)
+    assert status == 200 and body["state"] == "up" and body["announce_every"] > 0, body
+    assert body["down_after"] == DOWN_AFTER
+    down = wait_state(router, quiet.url, "down", timeout=DOWN_AFTER + 30)
+    assert "has not announced itself" in down["reason"], down
+    assert quiet.health()["ok"]
+    for h in hosts:  # the others keep announcing
+        assert router.hosts()[h.url]["state"] == "up"
+    status, body = post(endpoint, {"url": quiet.url}, register_token)
+    assert status == 200 and body["state"] == "up", body
+    api.kill_sandbox(kid["id"])
+
+
+def test_registered_hosts_outlive_a_router_restart(fleet_of):
+    router, hosts, _, _ = fleet_of
+    api = Controller(router.url, router.token, timeout=120)
+    Controller(hosts[1].url, hosts[1].token, timeout=120).create_snapshot("stay", setup="v = 5")
+    kid = api.spawn_sandboxes("stay", 1)[0]["id"]
+    hosts[1].crash()  # kill -9: no more announcements, no /healthz
+    down = wait_state(router, hosts[1].url, "down", timeout=DOWN_AFTER + 30)
+    assert down["registered"]
+    router.stop()
+    router.start()
+    # the table came from the state file: host 1 is still there, down, its sandbox lost
+    assert router.hosts()[hosts[1].url]["state"] == "down"
+    lost = {s["id"]: s for s in api.list_sandboxes()}
+    assert lost[kid]["status"] == "lost" and lost[kid]["host"] == hosts[1].url
+    wait_state(router, hosts[0].url, "up")
+    hosts[1].start()  # it announces itself again: up, and its sandbox (which outlived it) answers
+    hosts[1].wait_healthy()
+    wait_state(router, hosts[1].url, "up", timeout=60)
+    assert api.eval_code(kid, "v")["result"] == "5"
+    api.kill_sandbox(kid)
+
+
+REFUSED = [
     (["--register", "http://127.0.0.1:1"], "--register needs --register-token-file"),
     (["--register-token-file", "/nonexistent"], "go with --register"),
     (["--register", "nope", "--register-token-file", "/nonexistent"], "is not a router's URL"),
     (["--host", "0.0.0.0", "--token-file", "{token}", "--register", "http://127.0.0.1:1", "--register-token-file",
       "{token}"], "pass --advertise-url"),
-])
-def test_serve_refuses_registration_options_that_cannot_work(tmp_path, args, message):
-    import subprocess
+]
 
-    from ..serving import FORKD
-    token = tmp_path / "token"
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """What ``forkd serve`` says to each line above ({args: (exit code, stderr)}), all asked of one process."""
+    tmp = tmp_path_factory.mktemp("refused")
+    token = tmp / "token"
     token.write_text(secrets.token_hex(20))
-    argv = [a.replace("{token}", str(token)) for a in args]
-    out = subprocess.run([*FORKD, "serve", "--data-dir", str(tmp_path / "d"), *argv], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 2 and message in out.stderr, out.stderr
+    lines = [["serve", "--data-dir", str(tmp / "d"), *(a.replace("{token}", str(token)) for a in args)]
+             for args, _ in REFUSED]
+    return dict(zip((tuple(args) for args, _ in REFUSED), refusals(lines)))
+
+
+@pytest.mark.parametrize("args, message", REFUSED)
+def test_serve_refuses_registration_options_that_cannot_work(refused, args, message):
+    code, stderr = refused[tuple(args)]
+    assert code == 2 and message in stderr, stderr

@@ -304,20 +304,23 @@ def test_ids_two_hosts_hand_out_alike_are_never_shared():
         print(f"id clashes spawned again: {clashes}")
 
 
-def test_a_host_emptied_since_the_last_heartbeat_takes_the_spawn():
+def test_a_host_emptied_since_the_last_heartbeat_takes_the_spawn(world, tmp_path):
     """The router's figures are its last heartbeat's: a spawn they say does not fit is placed
-    again on the hosts' figures read afresh (sandboxes may have ended since) before it is refused."""
-    with fleet(1, host_args=[[f"--ForkdApp.max_sandboxes={CAP}"]], router=False) as (workdir, hosts):
-        direct = Controller(hosts[0].url, hosts[0].token, timeout=120)
-        direct.create_snapshot("fresh", setup="pass")
-        full = direct.spawn_sandboxes("fresh", CAP)
-        router = Router([hosts[0].url], workdir, "--heartbeat", "600", "--down-after", "1200")
-        try:  # its first heartbeat saw the host full, and it sees nothing more for ten minutes
-            router.wait(lambda h: h["hosts_up"] >= 1, "see the host up")
-            for kid in full:
-                direct.kill_sandbox(kid["id"])
-            api = Controller(router.url, router.token, timeout=120)
-            kids = api.spawn_sandboxes("fresh", CAP)
-            assert len(kids) == CAP and {k["host"] for k in kids} == {hosts[0].url}
-        finally:
-            router.stop()
+    again on the hosts' figures read afresh (sandboxes may have ended since) before it is refused.
+    A router of its own in front of the module's capped host 0 (the module's router stays apart)."""
+    _, hosts = world
+    workdir = str(tmp_path)
+    (tmp_path / "token").write_text(hosts[0].token)  # the hosts' token, which Router reads there
+    direct = Controller(hosts[0].url, hosts[0].token, timeout=120)
+    direct.create_snapshot("fresh", setup="pass")
+    full = direct.spawn_sandboxes("fresh", CAP)
+    router = Router([hosts[0].url], workdir, "--heartbeat", "600", "--down-after", "1200")
+    try:  # its first heartbeat saw the host full, and it sees nothing more for ten minutes
+        router.wait(lambda h: h["hosts_up"] >= 1, "see the host up")
+        for kid in full:
+            direct.kill_sandbox(kid["id"])
+        api = Controller(router.url, router.token, timeout=120)
+        kids = api.spawn_sandboxes("fresh", CAP)
+        assert len(kids) == CAP and {k["host"] for k in kids} == {hosts[0].url}
+    finally:
+        router.stop()

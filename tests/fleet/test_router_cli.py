@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from ..serving import FORKD, Server, free_port
+from ..serving import FORKD, Server, free_port, refusals
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def call(url: str, token_path: str, ctx, method: str, path: str, body=None):
     return json.loads(data) if data else None
 
 
-@pytest.mark.parametrize("args,message", [
+REFUSED = [
     (["--hosts", ""], "or let them register themselves"),
     (["--hosts", "http://a:1", "--hosts-dns", "http://b:1"], "not both"),
     (["--hosts-dns", "forkd-hosts:8889"], "is not a URL of the hosts' name"),
@@ -51,23 +51,37 @@ def call(url: str, token_path: str, ctx, method: str, path: str, body=None):
     (["--hosts", "http://a:1"], "pass --token-file FILE"),
     (["--hosts", "http://a:1", "--host", "0.0.0.0", "--no-token"], "refusing to listen on 0.0.0.0"),
     (["--hosts", "http://a:1", "--no-token", "--tls-cert", "/nope.pem"], "--tls-cert and --tls-key go together"),
-])
-def test_router_refuses(workdir, args, message):
-    done = subprocess.run([*FORKD, "router", "--port", str(free_port()), "--data-dir", workdir, *args],
-                          capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
-
-
-@pytest.mark.parametrize("args,message", [
+]
+HUB_REFUSED = [
     (["--hub", "--no-token"], "--no-token and --hub do not go together"),
     (["--hub"], "--hub needs JUPYTERHUB_API_TOKEN and JUPYTERHUB_SERVICE_NAME in the environment"),
-])
-def test_router_refuses_a_hub_mode_it_cannot_run(workdir, args, message):
+]
+
+
+@pytest.fixture(scope="module")
+def refused():
+    """What ``forkd router`` says to each line above ({args: (exit code, stderr)}), all asked of one
+    process, in an environment without JupyterHub's variables (as a router JupyterHub did not start)."""
+    path = tempfile.mkdtemp(prefix="fkrc")
+    lines = [["--hosts", "http://127.0.0.1:1", *args] for args, _ in HUB_REFUSED] + [args for args, _ in REFUSED]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
-    done = subprocess.run([*FORKD, "router", "--port", str(free_port()), "--data-dir", workdir,
-                           "--hosts", "http://127.0.0.1:1", *args], env=env, capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
+    try:
+        said = refusals([["router", "--port", str(free_port()), "--data-dir", path, *args] for args in lines], env)
+        yield dict(zip(map(tuple, lines), said))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("args,message", REFUSED)
+def test_router_refuses(refused, args, message):
+    code, stderr = refused[tuple(args)]
+    assert code == 2 and message in stderr, stderr
+
+
+@pytest.mark.parametrize("args,message", HUB_REFUSED)
+def test_router_refuses_a_hub_mode_it_cannot_run(refused, args, message):
+    code, stderr = refused[("--hosts", "http://127.0.0.1:1", *args)]
+    assert code == 2 and message in stderr, stderr
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")

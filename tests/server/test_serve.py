@@ -17,7 +17,7 @@ import pytest
 
 from forkd_server.client import Controller, ControllerError, Sandbox, Snapshot
 
-from ..serving import FORKD, Server, free_port
+from ..serving import FORKD, Server, free_port, refusals
 
 @pytest.fixture(scope="module")
 def workdir():
@@ -419,26 +419,39 @@ def test_generated_token_is_shown_once_and_works(workdir):
         srv.stop()
 
 
-@pytest.mark.parametrize("args,message", [
+REFUSED = [
     (["--host", "0.0.0.0"], "refusing to listen on 0.0.0.0"),
     (["--host", "0.0.0.0", "--no-token"], "refusing to listen on 0.0.0.0"),
     (["--tls-cert", "/nope.pem"], "--tls-cert and --tls-key go together"),
-])
-def test_serve_refuses(workdir, args, message):
-    done = subprocess.run([*FORKD, "serve", "--port", str(free_port()), "--data-dir", os.path.join(workdir, "r"),
-                           *args], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and message in done.stderr
+]
+BAD_TOKENS = [("short", "too short"), ("REPLACE_ME-0123456789abcdef", "placeholder"), ("  \n", "is empty")]
 
 
-@pytest.mark.parametrize("content,message", [("short", "too short"), ("REPLACE_ME-0123456789abcdef", "placeholder"),
-                                             ("  \n", "is empty")])
-def test_serve_refuses_bad_token_files(workdir, content, message):
-    path = os.path.join(workdir, "badtoken")
-    with open(path, "w") as f:
-        f.write(content)
-    done = subprocess.run([*FORKD, "serve", "--port", str(free_port()), "--data-dir", os.path.join(workdir, "r"),
-                           "--token-file", path], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and message in done.stderr
+@pytest.fixture(scope="module")
+def refused(workdir):
+    """What ``forkd serve`` says to each line above, and to a token file holding each bad token
+    ({args or content: (exit code, stderr)}), all asked of one process."""
+    lines = {tuple(args): args for args, _ in REFUSED}
+    for i, (content, _) in enumerate(BAD_TOKENS):
+        path = os.path.join(workdir, f"badtoken{i}")
+        with open(path, "w") as f:
+            f.write(content)
+        lines[content] = ["--token-file", path]
+    said = refusals([["serve", "--port", str(free_port()), "--data-dir", os.path.join(workdir, "r"), *args]
+                     for args in lines.values()])
+    return dict(zip(lines, said))
+
+
+@pytest.mark.parametrize("args,message", REFUSED)
+def test_serve_refuses(refused, args, message):
+    code, stderr = refused[tuple(args)]
+    assert code == 2 and message in stderr, stderr
+
+
+@pytest.mark.parametrize("content,message", BAD_TOKENS)
+def test_serve_refuses_bad_token_files(refused, content, message):
+    code, stderr = refused[content]
+    assert code == 2 and message in stderr, stderr
 
 
 def test_non_loopback_bind_with_token(workdir, token_file):
