@@ -114,11 +114,13 @@ class Head:
         anything = "%forkd checkout TAG|SB continues from a snapshot or sandbox (%forkd ls lists them)"
         try:
             snapshots = self.controller.list_snapshots()
+            # the tree's times are exact; a listing's whole seconds would tie a branch and a fork
+            made = {n["id"]: n.get("created_at") or 0 for n in self.controller.tree() if n.get("kind") == "snapshot"}
         except Exception:  # noqa: BLE001 - the server is not answering: say the general way
             return anything, {}
-        # its branches, newest first (a tag's counter breaks ties within a second)
+        # its branches (a fork's snapshot among them), newest first
         branches = sorted((s for s in snapshots if s.get("branched_from") == self.sandbox_id),
-                          key=lambda s: (s.get("created_at_unix", 0), s["tag"]), reverse=True)
+                          key=lambda s: (made.get(s["tag"]) or s.get("created_at_unix", 0), s["tag"]), reverse=True)
         ready = [s["tag"] for s in branches if s.get("status") == "ready"]
         failed = [s["tag"] for s in branches if s.get("status") == "failed"]
         more = {k: ", ".join(v) for k, v in (("branches", ready), ("branches that failed with it", failed)) if v}

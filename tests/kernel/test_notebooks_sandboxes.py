@@ -39,14 +39,16 @@ def test_after_head_is_killed_its_branch_and_forks_go_on_and_nothing_offers_it(k
     dead = head_of(kc)
     kill_9(ctl, dead)
 
-    cell = run(kc, "x")  # the next cell says HEAD is gone, and which branch holds its state
+    # the fork branched HEAD once more, after prekill: its snapshot holds the latest state
+    (forked,) = [s["tag"] for s in ctl.list_snapshots() if s.get("branched_from") == dead and s["tag"] != "prekill"]
+    cell = run(kc, "x")  # the next cell says HEAD is gone, and which branch holds its latest state
     assert cell.content["ename"] == "SandboxGone"
     said = cell.content["evalue"]
     assert f"sandbox {dead} is gone" in said and "nothing was restarted" in said
-    assert "%forkd checkout prekill continues from the latest branch taken of it" in said, said
+    assert f"%forkd checkout {forked} continues from the latest branch taken of it" in said, said
     head = run(kc, "%forkd head")  # says the same: no dead sandbox passed off as HEAD
     assert head.content["ename"] == "UsageError" and f"{dead} is gone" in head.content["evalue"]
-    assert "%forkd checkout prekill" in head.content["evalue"]
+    assert f"%forkd checkout {forked}" in head.content["evalue"]
     assert run(kc, "%forkd log").content["evalue"] == head.content["evalue"].replace("forkd head:", "forkd log:")
 
     moved = run(kc, "%forkd checkout prekill")
