@@ -70,6 +70,7 @@ export class LineageView {
     this.zoom = 1;
     this.state = "live";
     this.busy = false;
+    this.choice = { id: null }; // what the user set in the selected node's actions (count, branch mode)
     this.only = null;
     this.onlyEmpty = "";
     this.root = el("div", { class: `forkd-lineage${opts.fill ? " forkd-fill" : ""}` }, host);
@@ -371,6 +372,8 @@ export class LineageView {
 
   _drawDetails(tree) {
     const d = this.details;
+    // live updates redraw this pane: the control being typed in keeps the focus
+    const focused = d.contains(document.activeElement) ? document.activeElement.dataset.keep : null;
     d.textContent = "";
     const node = this.selected && tree[this.selected];
     if (!node) {
@@ -406,6 +409,7 @@ export class LineageView {
       el("td", {}, tr, v);
     }
     this._actions(d, id, node, tree);
+    if (focused) d.querySelector(`[data-keep="${focused}"]`)?.focus();
   }
 
   _actions(d, id, node, tree) {
@@ -419,16 +423,23 @@ export class LineageView {
       return b;
     };
     const gone = isGone(node);
+    // a redraw (every live update makes one) keeps what the user set here: else a click right after
+    // it would fork one sandbox, or branch live, where the user had asked for another count or mode
+    if (this.choice.id !== id) this.choice = { id };
+    const choice = this.choice;
     if (!gone && node.kind === "sandbox") {
-      const mode = el("select", { class: "forkd-mode", "aria-label": "branch mode", title: "live: pause ~ms, copy while it runs; diff: only changed pages; full: copy all memory in the pause" }, bar);
+      const mode = el("select", { class: "forkd-mode", "data-keep": "mode", "aria-label": "branch mode", title: "live: pause ~ms, copy while it runs; diff: only changed pages; full: copy all memory in the pause" }, bar);
       for (const m of MODES) el("option", { value: m }, mode, m);
+      if (choice.mode) mode.value = choice.mode;
+      mode.addEventListener("change", () => { choice.mode = mode.value; });
       button("Branch", "branch", "Turn this sandbox into a new snapshot (it keeps running)", () => this.opts.act("branch", id, { mode: mode.value }));
       button("Kill", "kill", "Stop this sandbox", async () => {
         const c = await this._confirm(describeKill(tree, id));
         return c.ok ? this.opts.act("kill", id, {}) : null;
       }, true);
     } else if (!gone) {
-      const n = el("input", { type: "number", min: 1, max: 100, value: 1, class: "forkd-n", title: "how many sandboxes", "aria-label": "how many sandboxes" }, bar);
+      const n = el("input", { type: "number", min: 1, max: 100, value: choice.n ?? 1, class: "forkd-n", "data-keep": "n", title: "how many sandboxes", "aria-label": "how many sandboxes" }, bar);
+      n.addEventListener("input", () => { choice.n = n.value; });
       const writing = node.status === "writing";
       const f = button("Fork", "fork", "Start sandboxes from this snapshot", () => this.opts.act("fork", id, { n: Math.max(1, parseInt(n.value, 10) || 1) }));
       if (node.status !== "ready") { f.disabled = true; f.title = `the snapshot is ${node.status}`; }

@@ -369,6 +369,11 @@ def test_panel_actions_branch_fork_kill_zoom_and_the_status_bar(page, lab):
     fields = set(details.locator("th").all_text_contents())
     assert {"status", "engine", "age", "memory", "activity", "lineage"} <= fields, fields  # per-node facts
     page.locator(f"{PANEL} select.forkd-mode").select_option("diff")
+    # every live update redraws the pane: the mode picked stays picked (a click after a redraw
+    # branched live, silently, where the user had asked for diff)
+    bystander = ctl.spawn_sandboxes("act", 1)[0]["id"]
+    row(page, bystander).wait_for(timeout=LIVE_WITHIN)
+    assert page.locator(f"{PANEL} select.forkd-mode").input_value() == "diff"
     page.locator(f"{PANEL} button.forkd-branch").click()
     message = page.locator(f"{PANEL} .forkd-message")
     message.filter(has_text=f"branched {kid} into ").wait_for(timeout=30_000)
@@ -379,6 +384,9 @@ def test_panel_actions_branch_fork_kill_zoom_and_the_status_bar(page, lab):
     row(page, branch["tag"]).click()
     details.filter(has_text=f"snapshot {branch['tag']}").wait_for(timeout=5_000)
     page.locator(f"{PANEL} input.forkd-n").fill("3")
+    ctl.kill_sandbox(bystander)  # a redraw between typing the count and the click: the count stays
+    page.locator(f"{PANEL} .forkd-row[data-id='{bystander}'][data-status='killed']").wait_for(timeout=LIVE_WITHIN)
+    assert page.locator(f"{PANEL} input.forkd-n").input_value() == "3"
     page.locator(f"{PANEL} button.forkd-fork").click()
     message.filter(has_text=f"forked 3 sandboxes from {branch['tag']}").wait_for(timeout=30_000)
     grand = [s["id"] for s in ctl.list_sandboxes() if s["snapshot_tag"] == branch["tag"]]
