@@ -4,6 +4,7 @@ data dir of its own, and a real ``forkd router`` (a subprocess) in front of them
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import secrets
@@ -11,6 +12,7 @@ import shutil
 import sqlite3
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -109,6 +111,22 @@ def count_alike(hosts, value: int = 0) -> None:
         with db:
             db.execute("INSERT OR REPLACE INTO counters(name, value) VALUES ('sandbox', ?)", (value,))
         db.close()
+
+
+@contextlib.contextmanager
+def stand_in_host(handler: type[http.server.BaseHTTPRequestHandler], release: threading.Event | None = None):
+    """A stand-in for a host: ``handler`` served on a free loopback port, on a thread; yields its
+    URL. On exit ``release`` is set first (whatever the handler holds back goes), then it stops."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        if release is not None:
+            release.set()
+        server.shutdown()
+        server.server_close()
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import pytest
 from forkd_server.client import Controller, ControllerError
 
 from ..serving import cleanup
-from .fleet import DOWN_AFTER, fleet
+from .fleet import DOWN_AFTER, fleet, stand_in_host
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +169,7 @@ class Slow(http.server.BaseHTTPRequestHandler):
 def test_a_slow_host_delays_no_spawn_and_lists_leave_it_out():
     Slow.slow.clear()
     Slow.released.clear()
-    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    slow.daemon_threads = True
-    threading.Thread(target=slow.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{slow.server_address[1]}"
-    try:
+    with stand_in_host(Slow, release=Slow.released) as url:
         # the router's reads wait up to 12 s for a host; placement waits 1 s at most
         with fleet(1, extra_hosts=(url,), router_args=("--host-timeout", "12")) as (router, hosts):
             router.wait(lambda h: h["hosts_up"] == 2, "see the slow host up too")
@@ -191,20 +187,13 @@ def test_a_slow_host_delays_no_spawn_and_lists_leave_it_out():
             assert listed == {k["id"] for k in kids} and url in missing and "within 12 s" in missing
             for k in kids:
                 api.kill_sandbox(k["id"])
-    finally:
-        Slow.released.set()
-        slow.shutdown()
-        slow.server_close()
 
 
 def test_hosts_that_never_answer_or_answer_garbage_stall_nobody():
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(64)  # connections complete in the backlog and are never answered
-    garbage = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
-    threading.Thread(target=garbage.serve_forever, daemon=True).start()
-    odd = (f"http://127.0.0.1:{silent.getsockname()[1]}", f"http://127.0.0.1:{garbage.server_address[1]}")
-    try:
+    with socket.socket() as silent, stand_in_host(Garbage) as garbage:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # connections complete in the backlog and are never answered
+        odd = (f"http://127.0.0.1:{silent.getsockname()[1]}", garbage)
         with fleet(1, extra_hosts=odd, router_args=("--host-timeout", "2")) as (router, hosts):
             api = Controller(router.url, router.token, timeout=120)
             Controller(hosts[0].url, hosts[0].token).create_snapshot("fine", setup="pass")
@@ -219,10 +208,6 @@ def test_hosts_that_never_answer_or_answer_garbage_stall_nobody():
             assert {n["id"] for n in api.tree()} == {"fine"} | {k["id"] for k in kids}
             for k in kids:
                 api.kill_sandbox(k["id"])
-    finally:
-        garbage.shutdown()
-        garbage.server_close()
-        silent.close()
 
 
 class Streaming(http.server.BaseHTTPRequestHandler):
@@ -263,11 +248,7 @@ class Streaming(http.server.BaseHTTPRequestHandler):
 
 def test_a_streamed_answer_is_passed_on_as_it_arrives():
     Streaming.go_on.clear()
-    fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Streaming)
-    fake.daemon_threads = True
-    threading.Thread(target=fake.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{fake.server_address[1]}"
-    try:
+    with stand_in_host(Streaming, release=Streaming.go_on) as url:
         with fleet(0, extra_hosts=(url,)) as (router, _):
             router.wait(lambda h: h["hosts_up"] == 1, "see the streaming host up")
             req = urllib.request.Request(f"{router.url}/v1/sandboxes/sb-stream/files?path=/big",
@@ -276,7 +257,3 @@ def test_a_streamed_answer_is_passed_on_as_it_arrives():
                 assert r.readline() == b"first part\n"  # while the host holds the rest back
                 Streaming.go_on.set()
                 assert r.read() == b"second part\n"
-    finally:
-        Streaming.go_on.set()
-        fake.shutdown()
-        fake.server_close()

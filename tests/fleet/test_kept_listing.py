@@ -18,7 +18,7 @@ import pytest
 
 from forkd_server.client import Controller, ControllerError
 
-from .fleet import fleet
+from .fleet import fleet, stand_in_host
 
 
 class FakeHost(http.server.BaseHTTPRequestHandler):
@@ -88,18 +88,9 @@ def fake_fleet():
     FakeHost.gone.clear()
     FakeHost.stop.clear()
     FakeHost.reads = FakeHost.spawns = FakeHost.made = 0
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHost)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        with fleet(0, extra_hosts=(url,)) as (router, _):
-            router.wait(lambda h: h["hosts_up"] == 1, "see the stand-in host up")
-            yield router, Controller(router.url, router.token, timeout=60)
-    finally:
-        FakeHost.stop.set()
-        server.shutdown()
-        server.server_close()
+    with stand_in_host(FakeHost, release=FakeHost.stop) as url, fleet(0, extra_hosts=(url,)) as (router, _):
+        router.wait(lambda h: h["hosts_up"] == 1, "see the stand-in host up")
+        yield router, Controller(router.url, router.token, timeout=60)
 
 
 def kept(api: Controller) -> None:
