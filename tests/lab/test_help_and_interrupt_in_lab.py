@@ -5,7 +5,7 @@ cell's traceback is the user's own code, stopped at their line."""
 from __future__ import annotations
 
 from .test_insert_and_toasts import open_notebook
-from .test_panel import shot
+from .test_panel import set_theme, shot
 
 
 def run_typed(page, code: str, *, then=None) -> str:
@@ -41,10 +41,7 @@ def test_help_and_an_interrupt_in_a_forkd_notebook(page, lab):
     text = run_typed(page, "import time\n\ndef wait():\n    time.sleep(60)\n\nwait()", then=interrupt_once_running)
     assert "KeyboardInterrupt" in text and "----> 4     time.sleep(60)" in text, text
     assert "executor.py" not in text and "forkd_engine" not in text and "_on_sigint" not in text, text
-    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
-    page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=10_000)
-    page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=10_000)
+    set_theme(page, dark=True)
     shot(page, "lab-forkd-interrupt-dark.png")
-    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
-    page.wait_for_function("document.body.dataset.jpThemeLight === 'true'", timeout=10_000)
+    set_theme(page, dark=False)
     page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from .test_panel import PANEL, row, shot
+from .test_panel import PANEL, row, set_theme, shot
 
 
 def open_notebook(page, kernel: str) -> str:
@@ -95,9 +95,7 @@ def test_palette_notifications_are_sentences(page, lab):
     for t in page.locator(".jp-toast-message").all_text_contents():
         assert "Snapshot(" not in t and "Sandbox(" not in t and "[" not in t, t
     shot(page, "lab-palette-toast-light.png")
-    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
-    page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=10_000)
-    page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=10_000)  # the theme's splash
+    set_theme(page, dark=True)
 
     # a failure is a sentence too: the kernel's UsageError without its class name
     page.evaluate("window.jupyterapp.commands.execute('forkd:checkout', {id: 'sb-00000000-0000'})")
@@ -107,6 +105,5 @@ def test_palette_notifications_are_sentences(page, lab):
     assert failed.text_content().startswith("Could not check out sb-00000000-0000: forkd checkout: "), \
         failed.text_content()
     shot(page, "lab-palette-toast-dark.png")
-    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
-    page.wait_for_function("document.body.dataset.jpThemeLight === 'true'", timeout=10_000)
+    set_theme(page, dark=False)
     page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")

@@ -24,6 +24,15 @@ def row(page, key):
     return page.locator(f"{PANEL} .forkd-row[data-key='{key}']")
 
 
+def set_theme(page, dark: bool) -> None:
+    """JupyterLab's dark or light theme, applied: the body says which, and the splash it shows while
+    the theme loads is gone."""
+    name = "JupyterLab Dark" if dark else "JupyterLab Light"
+    page.evaluate(f"window.jupyterapp.commands.execute('apputils:change-theme', {{theme: '{name}'}})")
+    page.wait_for_function(f"document.body.dataset.jpThemeLight === '{'false' if dark else 'true'}'", timeout=10_000)
+    page.locator("#jupyterlab-splash").wait_for(state="detached", timeout=10_000)
+
+
 def shot(page, name):
     SHOTS.mkdir(parents=True, exist_ok=True)
     path = SHOTS / name
@@ -148,12 +157,9 @@ def test_sixty_nodes_fit_with_groups_folded_light_and_dark(page, lab):
     page.locator(f"{PANEL} .forkd-details", has_text="snapshot exp-a").wait_for(timeout=2_000)
     page.mouse.move(900, 450)
     light = shot(page, "lab-panel-light.png")
-    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
-    page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=10_000)
-    page.wait_for_timeout(300)  # the theme's stylesheet has been applied once the attribute changed; let it paint
+    set_theme(page, dark=True)
     dark = shot(page, "lab-panel-dark.png")
-    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
-    page.wait_for_function("document.body.dataset.jpThemeLight === 'true'", timeout=10_000)
+    set_theme(page, dark=False)
     assert light.read_bytes() != dark.read_bytes()
 
 

@@ -19,7 +19,7 @@ from forkd_server.client import Controller
 
 from ..fleet.fleet import fleet
 from .conftest import new_lab
-from .test_panel import LIVE_WITHIN, PANEL, row, shot
+from .test_panel import LIVE_WITHIN, PANEL, row, set_theme, shot
 
 POLL_EVERY = 15_000  # ms: the panel re-reads the tree this often on its own; a change seen sooner came as an event
 
@@ -97,12 +97,9 @@ def test_the_panel_names_each_node_host_behind_a_router(browser, fleet_lab):
         assert page.locator(f"{PANEL} .forkd-head").text_content().startswith("2 snapshots · 7 sandboxes · 2 hosts")
 
         light = shot(page, "lab-panel-hosts-light.png")
-        page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
-        page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=10_000)
-        page.wait_for_timeout(300)  # the theme's stylesheet has been applied once the attribute changed; let it paint
+        set_theme(page, dark=True)
         dark = shot(page, "lab-panel-hosts-dark.png")
-        page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Light'})")
-        page.wait_for_function("document.body.dataset.jpThemeLight === 'true'", timeout=10_000)
+        set_theme(page, dark=False)
         assert light.read_bytes() != dark.read_bytes()
     finally:
         context.close()
