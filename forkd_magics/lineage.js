@@ -36,6 +36,29 @@ const TIER_TITLES = {
   stored: "its state is in the store, no process and no RAM; the next call wakes it, same id"
 };
 
+// Put `fresh` (elements, each with its `_sig`: its drawing when built) into `parent`, keeping an
+// element already there under the same key whose drawing is the same. Every live update redraws
+// the view, and a control replaced between the press and the release of a click loses the click.
+function reconcile(parent, fresh, keyOf) {
+  const old = new Map();
+  for (const c of parent.children) if (c._sig !== undefined) old.set(keyOf(c), c);
+  const next = fresh.map((f) => { const o = old.get(keyOf(f)); return o && o._sig === f._sig ? o : f; });
+  const keep = new Set(next);
+  // what it did not draw stays (the widget's confirmation box, open under the details)
+  for (const c of [...parent.children]) if (c._sig !== undefined && !keep.has(c)) c.remove();
+  let at = parent.firstElementChild;
+  for (const e of next) {
+    if (e === at) at = at.nextElementSibling;
+    else parent.insertBefore(e, at);
+  }
+  return next;
+}
+
+function signed(e) {
+  e._sig = e.outerHTML;
+  return e;
+}
+
 function svgEl(tag, attrs, parent) {
   const e = document.createElementNS("http://www.w3.org/2000/svg", tag);
   for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
@@ -205,6 +228,9 @@ export class LineageView {
 
   _drawState() {
     const line = this.stateLine;
+    const sig = `${this.state}|${this.stateText}|${!!this.reconnect}`;
+    if (line._sig === sig) return; // its Reconnect button stays the one under the pointer
+    line._sig = sig;
     line.textContent = "";
     line.dataset.state = this.state;
     if (this.state === "live" && !this.stateText) { line.hidden = true; return; }
@@ -221,37 +247,36 @@ export class LineageView {
 
   _drawRows(tree, rs) {
     const focused = this.list.contains(document.activeElement) ? document.activeElement.dataset.key : null;
-    this.list.textContent = "";
     this.edges.textContent = "";
-    const now = Date.now() / 1000;
     const H = ROW - 6;
-    rs.forEach((r, i) => {
+    this.list.querySelector(".forkd-empty")?.remove();
+    const fresh = rs.map((r, i) => {
       const key = r.type === "node" ? r.id : r.key;
-      const row = el("div", {
-        class: "forkd-row", role: "treeitem", "aria-level": r.depth + 1, tabindex: "-1", "data-key": key,
-        style: `top:${i * ROW}px;left:${r.depth * INDENT}px`,
-      }, this.list);
+      const row = el("div", { class: "forkd-row", role: "treeitem", "aria-level": r.depth + 1, tabindex: "-1", "data-key": key });
       if (r.up >= 0) {
         const up = rs[r.up];
         const x = up.depth * INDENT + 9, y0 = r.up * ROW + H, y = i * ROW + H / 2;
         svgEl("path", { d: `M${x},${y0} V${y} H${r.depth * INDENT}`, class: "forkd-edge" }, this.edges);
       }
       if (r.type === "group") this._groupRow(row, r, tree);
-      else this._nodeRow(row, r.id, tree[r.id], now);
+      else this._nodeRow(row, r.id, tree[r.id]);
       row.addEventListener("focus", () => this._roving(row));
+      return signed(row);
     });
+    const shown = reconcile(this.list, fresh, (c) => c.dataset.key);
+    // where a row sits is not part of its drawing: a row added above moves it, and keeps it
+    shown.forEach((row, i) => { row.style.top = `${i * ROW}px`; row.style.left = `${rs[i].depth * INDENT}px`; });
+    this._tick();
     const height = rs.length * ROW;
     this.list.style.height = `${height}px`;
     this.edges.setAttribute("height", String(height));
     this.edges.setAttribute("width", String(Math.max(...rs.map((r) => r.depth * INDENT + 20), 20)));
-    const target = [...this.list.children].find((c) => c.dataset.key === (focused || this.selected)) || this.list.firstElementChild;
-    if (target && target.classList.contains("forkd-row")) {
-      target.tabIndex = 0;
-      if (focused) target.focus({ preventScroll: true });
-    }
+    const target = shown.find((c) => c.dataset.key === (focused || this.selected)) || shown[0];
+    for (const c of shown) c.tabIndex = c === target ? 0 : -1;
+    if (target && focused && document.activeElement !== target) target.focus({ preventScroll: true });
   }
 
-  _nodeRow(row, id, node, now) {
+  _nodeRow(row, id, node) {
     const gone = isGone(node);
     row.classList.add("forkd-node", node.kind, `status-${node.status}`);
     if (gone) row.classList.add("forkd-gone");
@@ -287,7 +312,7 @@ export class LineageView {
     if (node.busy !== undefined && !gone && !tier) bits.push(node.busy ? "busy" : "idle");
     if (node.engine) bits.push(node.engine);
     if (node.created !== undefined && node.created !== null && !node.ghost) {
-      el("span", { class: "forkd-age", "data-created": node.created, title: "age" }, meta, "· " + age(node.created, now));
+      el("span", { class: "forkd-age", "data-created": node.created, "data-lead": "· ", title: "age" }, meta); // _tick fills it
     }
     el("span", { class: "forkd-meta" }, meta, (bits.length ? "· " + bits.join(" · ") : ""));
     row.addEventListener("click", () => this.select(this.selected === id ? null : id));
@@ -365,16 +390,26 @@ export class LineageView {
     this.canvas.addEventListener("pointercancel", end);
   }
 
+  // ages change every second: drawn here, not in a row's or the details' drawing (which a redraw keeps when unchanged)
   _tick() {
     const now = Date.now() / 1000;
-    for (const t of this.list.querySelectorAll(".forkd-age")) t.textContent = "· " + age(Number(t.dataset.created), now);
+    for (const t of this.root.querySelectorAll(".forkd-age")) t.textContent = (t.dataset.lead || "") + age(Number(t.dataset.created), now);
   }
 
+  // The pane is drawn afresh on every render, and each of its parts (title, facts, actions) replaces
+  // the one shown only when it differs: the controls the user is on stay, their value and focus too.
   _drawDetails(tree) {
     const d = this.details;
-    // live updates redraw this pane: the control being typed in keeps the focus
     const focused = d.contains(document.activeElement) ? document.activeElement.dataset.keep : null;
-    d.textContent = "";
+    const fresh = el("div");
+    this._details(fresh, tree);
+    const parts = [...fresh.children].map((c, i) => { c.dataset.part = `${i}`; return signed(c); });
+    reconcile(d, parts, (c) => c.dataset.part);
+    this._tick();
+    if (focused && !d.contains(document.activeElement)) d.querySelector(`[data-keep="${focused}"]`)?.focus();
+  }
+
+  _details(d, tree) {
     const node = this.selected && tree[this.selected];
     if (!node) {
       el("div", { class: "forkd-hint" }, d, "Select a snapshot or sandbox (click, or arrows and Enter) for its details and actions.");
@@ -382,12 +417,16 @@ export class LineageView {
     }
     const id = this.selected;
     const info = node.info || {};
-    const now = Date.now() / 1000;
     el("div", { class: "forkd-details-title" }, d, `${node.ghost ? "gone " : ""}${node.kind} ${id}`);
     const table = el("table", {}, d);
     const rowsT = [["status", (node.history || [node.status]).join(" → ")], ["parent", node.parent || "—"]];
     if (node.ghost) rowsT.push(["note", "no longer exists; drawn so the lineage below it stays connected"]);
-    if (node.created) rowsT.push(["age", `${age(node.created, now)} (${new Date(node.created * 1000).toLocaleString()})`]);
+    if (node.created) {
+      rowsT.push(["age", (td) => {
+        el("span", { class: "forkd-age", "data-created": node.created }, td); // _tick fills it
+        td.append(` (${new Date(node.created * 1000).toLocaleString()})`);
+      }]);
+    }
     if (node.engine) rowsT.push(["engine", node.engine]);
     if (node.hosts && node.hosts.length > 1) rowsT.push(["hosts", node.hosts.join(", ")]);
     else if (node.host) rowsT.push(["host", node.host]);
@@ -406,13 +445,14 @@ export class LineageView {
     for (const [k, v] of rowsT) {
       const tr = el("tr", {}, table);
       el("th", {}, tr, k);
-      el("td", {}, tr, v);
+      if (typeof v === "function") v(el("td", {}, tr));
+      else el("td", {}, tr, v);
     }
-    this._actions(d, id, node, tree);
-    if (focused) d.querySelector(`[data-keep="${focused}"]`)?.focus();
+    this._actions(d, id, node);
   }
 
-  _actions(d, id, node, tree) {
+  // Handlers look the tree up when clicked: a redraw may keep these buttons across many updates.
+  _actions(d, id, node) {
     const bar = el("div", { class: "forkd-actions" }, d);
     const off = this.state !== "live";
     const why = off ? "not connected" : "";
@@ -434,17 +474,18 @@ export class LineageView {
       mode.addEventListener("change", () => { choice.mode = mode.value; });
       button("Branch", "branch", "Turn this sandbox into a new snapshot (it keeps running)", () => this.opts.act("branch", id, { mode: mode.value }));
       button("Kill", "kill", "Stop this sandbox", async () => {
-        const c = await this._confirm(describeKill(tree, id));
+        const c = await this._confirm(describeKill(this.shownTree(), id));
         return c.ok ? this.opts.act("kill", id, {}) : null;
       }, true);
     } else if (!gone) {
-      const n = el("input", { type: "number", min: 1, max: 100, value: choice.n ?? 1, class: "forkd-n", "data-keep": "n", title: "how many sandboxes", "aria-label": "how many sandboxes" }, bar);
+      const n = el("input", { type: "number", min: 1, max: 100, class: "forkd-n", "data-keep": "n", title: "how many sandboxes", "aria-label": "how many sandboxes" }, bar);
+      n.value = choice.n ?? 1; // the property, not the attribute: typing does not make the drawing differ
       n.addEventListener("input", () => { choice.n = n.value; });
       const writing = node.status === "writing";
       const f = button("Fork", "fork", "Start sandboxes from this snapshot", () => this.opts.act("fork", id, { n: Math.max(1, parseInt(n.value, 10) || 1) }));
       if (node.status !== "ready") { f.disabled = true; f.title = `the snapshot is ${node.status}`; }
       const del = button("Delete", "delete", "Delete this snapshot", async () => {
-        const c = await this._confirm(describeDelete(tree, id));
+        const c = await this._confirm(describeDelete(this.shownTree(), id));
         return c.ok ? this.opts.act("delete", id, { cascade: !!c.option }) : null;
       }, true);
       if (writing) { del.disabled = true; del.title = "being written: wait until it is ready or failed"; }

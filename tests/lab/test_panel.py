@@ -313,6 +313,24 @@ def test_the_panels_fork_then_check_out_gets_the_notebooks_limit_and_a_dead_head
     page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
 
 
+def test_a_click_that_spans_a_live_update_still_acts(page, lab):
+    """Every live update redraws the panel. A press on Fork, a live update, then the release: the
+    fork happens (a redraw that replaced the button under the pointer lost the click)."""
+    ctl = lab.controller()
+    ctl.create_snapshot("span", setup="x = 1")
+    row(page, "span").wait_for(timeout=LIVE_WITHIN)
+    row(page, "span").click()
+    fork = page.locator(f"{PANEL} button.forkd-fork")
+    box = fork.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    bystander = ctl.spawn_sandboxes("span", 1)[0]["id"]
+    row(page, bystander).wait_for(timeout=LIVE_WITHIN)  # drawn: the update came between press and release
+    page.mouse.up()
+    page.locator(f"{PANEL} .forkd-message", has_text="forked 1 sandbox from span").wait_for(timeout=30_000)
+    assert len([s for s in ctl.list_sandboxes() if s["snapshot_tag"] == "span"]) == 2
+
+
 def test_panel_recovers_after_a_server_restart(page, lab):
     ctl = lab.controller()
     ctl.create_snapshot("rs", setup="x = 1")
