@@ -11,7 +11,6 @@ import socket
 import threading
 
 import pytest
-
 from forkd_engine.agent.client import AgentClient, AgentUnavailable
 from forkd_engine.agent.kept import KeptConnections
 from forkd_engine.agent.runtime import Runtime

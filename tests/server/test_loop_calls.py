@@ -20,6 +20,18 @@ def ways(app) -> dict[str, float]:
             if s.name == "forkd_loop_calls_total"}
 
 
+def stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` stopped: until then, one may still answer."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return all(state in ("T", "t") for state in states)
+
+
 async def ping(jp_fetch, sid: str):
     return await call(jp_fetch, "POST", "sandboxes", sid, "ping")
 
@@ -123,6 +135,7 @@ async def test_a_silent_agent_is_the_pools_timeout(jp_fetch, forkd_app, sandbox)
     pid = sandbox["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
+        await until(lambda: stopped(pid), "every thread of the agent stopped")  # a stop takes each in turn
         before = ways(forkd_app)
         code, body = await ping(jp_fetch, sid)
         assert code == 500 and body["error"].startswith("ping: agent at ") and "did not answer within 5 s" in \

@@ -79,11 +79,13 @@ class _Lines:
         else:
             self.open.move_to_end(key)
         reply = conn.send(encode_line(request))
+        timer = self.loop.call_later(timeout, _expire, reply, timeout)  # (a plain timer: asyncio.timeout costs more)
         try:
-            line = await within(timeout, reply)
-        except asyncio.TimeoutError:  # said as call() says it (a TimeoutError its cause)
-            raise AgentUnavailable(f"agent at {path} did not answer within {timeout:g} s") \
-                from TimeoutError(f"{timeout:g} s passed")
+            line = await reply
+        except TimeoutError as exc:  # said as call() says it (a TimeoutError its cause)
+            raise AgentUnavailable(f"agent at {path} did not answer within {timeout:g} s") from exc
+        finally:
+            timer.cancel()
         return json.loads(line)
 
     def _connect(self, key, path: str) -> _Connection:
@@ -130,13 +132,9 @@ class _Lines:
                 conn.close()
 
 
-async def within(seconds: float, awaitable):
-    """``awaitable``'s result, or ``asyncio.TimeoutError`` after ``seconds``."""
-    timeout = getattr(asyncio, "timeout", None)  # Python 3.11+; wait_for (a task more) before it
-    if timeout is None:
-        return await asyncio.wait_for(awaitable, seconds)
-    async with timeout(seconds):
-        return await awaitable
+def _expire(reply: asyncio.Future, seconds: float) -> None:
+    if not reply.done():  # its reply, when it comes, is dropped in its turn
+        reply.set_exception(TimeoutError(f"{seconds:g} s passed"))
 
 
 class _Connection(asyncio.Protocol):
