@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -193,15 +194,20 @@ def test_deleting_a_snapshot_keeps_a_sandbox_whose_main_thread_ended(short_dir):
     try:
         c.create_snapshot("z", setup="v = 7")
         sb = c.spawn("z", 1)[0]
-        end_main_thread = (
-            "import ctypes, signal, threading\n"
-            "signal.signal(signal.SIGUSR1, lambda *_: ctypes.CDLL(None).syscall(60, 0))  # SYS_exit\n"
-            "threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1)).start()\n")
-        assert c.run_code(sb["id"], end_main_thread)["error"] is None
-        deadline = time.monotonic() + 20
+        on_usr1_end_main_thread = ("import ctypes, signal\n"
+                                   "signal.signal(signal.SIGUSR1, lambda *_: ctypes.CDLL(None).syscall(60, 0))  # SYS_exit\n")
+        assert c.run_code(sb["id"], on_usr1_end_main_thread)["error"] is None
+        # Signalled only now that the cell is answered: a main thread that ends during its cell
+        # never answers it. Sent to the main thread itself (its tid is the pid), again until it has
+        # ended: a signal that lands just before the thread blocks waiting for its next job wakes
+        # nothing, and the Python handler waits for that next job (the agent's interrupt insists
+        # the same way).
+        tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+        deadline = time.monotonic() + 30
         while open(f"/proc/{sb['pid']}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             assert time.monotonic() < deadline, "the sandbox's main thread did not end"
-            time.sleep(0.01)
+            tgkill(sb["pid"], sb["pid"], signal.SIGUSR1)
+            time.sleep(0.1)
         c.delete_snapshot("z")
         assert c.ping(sb["id"])["pong"] is True
         assert [s["id"] for s in c.list_sandboxes()] == [sb["id"]]
