@@ -194,8 +194,9 @@ def test_deleting_a_snapshot_keeps_a_sandbox_whose_main_thread_ended(short_dir):
     try:
         c.create_snapshot("z", setup="v = 7")
         sb = c.spawn("z", 1)[0]
-        on_usr1_end_main_thread = ("import ctypes, signal\n"
-                                   "signal.signal(signal.SIGUSR1, lambda *_: ctypes.CDLL(None).syscall(60, 0))  # SYS_exit\n")
+        on_usr1_end_main_thread = (
+            "import ctypes, signal\n"
+            "signal.signal(signal.SIGUSR1, lambda *_: ctypes.CDLL(None).syscall(60, 0))  # SYS_exit\n")
         assert c.run_code(sb["id"], on_usr1_end_main_thread)["error"] is None
         # Signalled only now that the cell is answered: a main thread that ends during its cell
         # never answers it. Sent to the main thread itself (its tid is the pid), again until it has
