@@ -8,6 +8,11 @@ import asyncio
 from .test_api import call, sandbox, snap  # noqa: F401 - fixtures
 
 
+async def busy_of(jp_fetch, sandbox_id: str):
+    _, nodes = await call(jp_fetch, "GET", "tree", params={"busy": "true"})
+    return next(n["busy"] for n in nodes if n["id"] == sandbox_id)
+
+
 async def test_tree_carries_lineage_and_memory_on_request(jp_fetch, forkd_app, sandbox):  # noqa: F811
     ctl = forkd_app.controller
     branch = ctl.branch(sandbox["id"], tag="tb", mode="full")
@@ -29,18 +34,16 @@ async def test_tree_carries_lineage_and_memory_on_request(jp_fetch, forkd_app, s
 
     code, nodes = await call(jp_fetch, "GET", "tree", params={"memory": "true", "busy": "true"})
     assert code == 200 and {n["id"]: n.get("busy", "absent") for n in nodes if n["kind"] == "sandbox"} == {kid["id"]: None}
-    # while a cell runs, the sandbox says what it runs
+    # while a cell runs, the sandbox says what it runs; the cell runs until interrupted, so a
+    # loaded host that starts it late or answers the tree slowly cannot miss it
     loop = asyncio.get_running_loop()
-    cell = loop.run_in_executor(None, ctl.run_code, kid["id"], "import time\ntime.sleep(1.5)")
-    busy = None
-    for _ in range(100):  # bounded: the cell starts within a few ms
-        _, nodes = await call(jp_fetch, "GET", "tree", params={"busy": "true"})
-        busy = next(n["busy"] for n in nodes if n["id"] == kid["id"])
-        if busy:
-            break
+    cell = loop.run_in_executor(None, ctl.run_code, kid["id"], "import time\ntime.sleep(60)")
+    deadline = loop.time() + 30
+    while (busy := await busy_of(jp_fetch, kid["id"])) != "a cell":  # not None, nor a ping that timed out
+        assert loop.time() < deadline, f"the tree never showed the cell running (busy: {busy!r})"
         await asyncio.sleep(0.02)
-    assert busy and isinstance(busy, str)
-    await cell
+    assert (await call(jp_fetch, "POST", "sandboxes", kid["id"], "interrupt"))[1]["interrupted"] is True
+    assert (await cell)["error"]["ename"] == "KeyboardInterrupt"
 
     code, body = await call(jp_fetch, "GET", "tree", params={"memory": "yes"})
     assert code == 400 and "memory" in body["error"]
