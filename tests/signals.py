@@ -1,9 +1,13 @@
 """What a sandbox's agent does with signals, read from /proc: for the message of a test about
-interrupts, so a failure says where the SIGINT went (pending, blocked, ignored, which thread)."""
+interrupts, so a failure says where the SIGINT went (pending, blocked, ignored, which thread);
+and a signal for its main thread, sent until it has acted."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import time
+from typing import Callable
 
 
 def _fields(path: str, names: tuple[str, ...]) -> str:
@@ -38,3 +42,18 @@ def signal_report(pid: int | None) -> str:
         lines.append(f"  thread {tid} {_read(task + '/comm')!r}: syscall [{_read(task + '/syscall')}] "
                      + _fields(task + "/status", ("State", "SigPnd", "SigBlk")))
     return "\n".join(lines)
+
+
+def signal_main_thread_until(pid: int, sig: int, done: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    """Send ``sig`` to the main thread of ``pid`` (tgkill: its tid is its pid, and no other thread
+    can take the signal), again every 0.1 s until ``done()``. Once is not enough: a signal that
+    lands just before the thread blocks waiting for its next job wakes nothing, and Python runs a
+    handler only on the main thread (the agent's interrupt insists for the same reason). For a
+    handler a test's cell installed, signalled once the cell is answered: a thread set to act on a
+    timer instead may act before the answer is sent on a loaded host."""
+    tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}\n{signal_report(pid)}"
+        tgkill(pid, pid, sig)
+        time.sleep(0.1)

@@ -43,12 +43,17 @@ def request(session, kind: str, on_event: Callable | None = None, timeout: float
 def stream(session, code: str, timeout: float | None = None, **options) -> Iterator:
     """Run a cell, emitting its events as they come; the last is its ``execute_reply`` (whose
     content is returned). After ``timeout`` the cell is interrupted; if it has not stopped 2 s
-    later, ``TimeoutError``. If the caller gives up (an exception thrown in: a cancelled task,
-    Ctrl-C, a loop left early, a callback that raised), the cell is interrupted too, and its end
-    awaited for a few seconds, so the sandbox is free again when the caller goes on."""
+    later, ``TimeoutError``. A cell the sandbox has not started by then (its main thread was slow
+    to take it, or runs something else) is interrupted as soon as it starts, if that is within
+    those 2 s: an interrupt sent earlier finds nothing to stop, and the cell would run its full
+    course. If the caller gives up (an exception thrown in: a cancelled task, Ctrl-C, a loop left
+    early, a callback that raised), the cell is interrupted too, and its end awaited for a few
+    seconds, so the sandbox is free again when the caller goes on."""
     rid = session.new_id()
     yield Send(session, {"type": "execute", "id": rid, "code": code, **options})
     deadline = None if timeout is None else time.monotonic() + timeout
+    started = False      # the sandbox said it runs the cell (its busy status): an interrupt reaches it
+    overdue = False      # the timeout passed before it started
     interrupted = False
     try:
         while True:
@@ -56,15 +61,28 @@ def stream(session, code: str, timeout: float | None = None, **options) -> Itera
             try:
                 event = yield Recv(session, left)
             except TimeoutError:
-                if interrupted or deadline is None:
+                if deadline is None:
+                    raise
+                if interrupted:
                     raise TimeoutError(f"the cell in {session.sandbox_id} ran past {timeout:g} s and did not stop "
                                        f"when interrupted") from None
-                interrupted = True
-                yield Send(session, {"type": "interrupt", "id": session.new_id()})
-                deadline = time.monotonic() + INTERRUPT_GRACE
+                if overdue:
+                    raise TimeoutError(f"the cell in {session.sandbox_id} did not start within {timeout:g} s and "
+                                       f"{INTERRUPT_GRACE:g} s more (its main thread is busy with something "
+                                       f"else, or the host is overloaded)") from None
+                overdue, deadline = True, time.monotonic() + INTERRUPT_GRACE
+                if started:
+                    interrupted = True
+                    yield Send(session, {"type": "interrupt", "id": session.new_id()})
                 continue
             if event is None:
                 raise SessionClosed(f"the session with {session.sandbox_id} ended during the cell")
+            if (event.get("type") == "status" and event.get("id") == rid
+                    and event.get("execution_state") == "busy" and not started):
+                started = True
+                if overdue:  # past its timeout already: stopped now that an interrupt reaches it
+                    interrupted, deadline = True, time.monotonic() + INTERRUPT_GRACE
+                    yield Send(session, {"type": "interrupt", "id": session.new_id()})
             yield Emit(event)
             if event.get("type") == "execute_reply" and event.get("id") == rid:
                 return event.get("content") or {}

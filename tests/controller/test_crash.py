@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from forkd_server.controller import Controller
 from forkd_server.errors import Conflict, NotFound
 
 from ..conftest import engine_processes, requires_root, wait_gone
+from ..signals import signal_main_thread_until
 from .conftest import cleanup, ev
 
 pytestmark = requires_root
@@ -185,6 +185,11 @@ def test_killing_sandboxes_releases_the_engines_watchers(short_dir):
         c.close()
 
 
+def main_thread_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_deleting_a_snapshot_keeps_a_sandbox_whose_main_thread_ended(short_dir):
     """A process whose main thread has ended while its other threads run shows as a zombie ("Z").
     Deleting its snapshot must not take it along (nor may anything that misjudges it for dead).
@@ -193,15 +198,13 @@ def test_deleting_a_snapshot_keeps_a_sandbox_whose_main_thread_ended(short_dir):
     try:
         c.create_snapshot("z", setup="v = 7")
         sb = c.spawn("z", 1)[0]
-        end_main_thread = (
-            "import ctypes, signal, threading\n"
-            "signal.signal(signal.SIGUSR1, lambda *_: ctypes.CDLL(None).syscall(60, 0))  # SYS_exit\n"
-            "threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1)).start()\n")
-        assert c.run_code(sb["id"], end_main_thread)["error"] is None
-        deadline = time.monotonic() + 20
-        while open(f"/proc/{sb['pid']}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-            assert time.monotonic() < deadline, "the sandbox's main thread did not end"
-            time.sleep(0.01)
+        on_usr1_end_main_thread = (
+            "import ctypes, signal\n"
+            "signal.signal(signal.SIGUSR1, lambda *_: ctypes.CDLL(None).syscall(60, 0))  # SYS_exit\n")
+        assert c.run_code(sb["id"], on_usr1_end_main_thread)["error"] is None
+        # only now that the cell is answered: a main thread that ends during its cell never answers it
+        signal_main_thread_until(sb["pid"], signal.SIGUSR1, lambda: main_thread_state(sb["pid"]) == "Z",
+                                 "the sandbox's main thread ends")
         c.delete_snapshot("z")
         assert c.ping(sb["id"])["pong"] is True
         assert [s["id"] for s in c.list_sandboxes()] == [sb["id"]]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 from forkd_server.errors import Gone, NotFound
 
 from ..conftest import requires_root
+from ..signals import signal_main_thread_until
 from .conftest import ev, sh
 
 pytestmark = requires_root
@@ -81,10 +83,13 @@ def test_a_sandbox_killed_by_its_memory_limit_says_so(ctl, snap):
 def test_a_sandbox_that_dies_between_calls_says_why_at_its_next_one(ctl, snap):
     sb = ctl.spawn(snap, 1, memory_limit_mib=64)[0]["id"]
     row = ctl.registry.get_sandbox(sb)
-    # a thread grows past the limit after the call has answered
-    ctl.run_code(sb, "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), "
-                     "b'x' * (200 * 2**20))).start()")
-    assert ctl.engines["process"].wait_exit(row["handle"], 30)
+    # a thread grows past the limit after the call has answered: when the test signals it
+    grow = ("import signal, threading\ngo = threading.Event()\nsignal.signal(signal.SIGUSR1, lambda *_: go.set())\n"
+            "threading.Thread(target=lambda: go.wait() and b'x' * (200 * 2**20), daemon=True).start()")
+    assert ctl.run_code(sb, grow)["error"] is None
+    engine = ctl.engines["process"]
+    signal_main_thread_until(row["handle"]["pid"], signal.SIGUSR1, lambda: engine.wait_exit(row["handle"], 0.1),
+                             "the sandbox dies of its memory limit")
     with pytest.raises(NotFound, match=r"it died of its memory limit \(64 MiB\)") as said:
         ctl.ping(sb)
     assert "memory limit was reached (64 MiB)" in said.value.details["kernel"]

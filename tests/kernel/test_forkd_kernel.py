@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 
 import pytest
@@ -12,7 +11,7 @@ from jupyter_client.manager import start_new_kernel
 
 from forkd_server.client import Controller
 
-from .cells import head_of, run
+from .cells import head_of, printed, run, run_interrupted
 
 
 def test_branch_fork_checkout_and_back(kernel):
@@ -54,10 +53,8 @@ def test_forks_of_the_notebook_draw_their_own_random_numbers(kernel):
 def test_interrupt_stops_a_sleeping_cell_and_keeps_the_state(kernel):
     km, kc = kernel
     assert run(kc, "state = 'kept'").ok
-    interrupter = threading.Timer(1.0, km.interrupt_kernel)
-    interrupter.start()
     t0 = time.monotonic()
-    cell = run(kc, "import time\ntime.sleep(60)", timeout=30)
+    cell = run_interrupted(km, kc, "import time\nprint('sleeping', flush=True)\ntime.sleep(60)", printed("sleeping"))
     assert time.monotonic() - t0 < 30  # the sleep was cut short (how soon: bench/kernel.py, "interrupt")
     assert cell.content["status"] == "error" and cell.content["ename"] == "KeyboardInterrupt"
     assert run(kc, "state").result == "'kept'"
@@ -201,10 +198,11 @@ def test_forkd_run_streams_and_interrupt_stops_every_sandbox(kernel):
     km, kc = kernel
     assert run(kc, "import time").ok
     assert run(kc, "kids = %forkd fork -n 3").ok
-    interrupter = threading.Timer(2.0, km.interrupt_kernel)
-    interrupter.start()
     t0 = time.monotonic()
-    cell = run(kc, "%%forkd run kids\nprint('started', flush=True)\ntime.sleep(60)", timeout=40)
+    # interrupted once every column shows 'started': each of the three runs its cell by then
+    cell = run_interrupted(km, kc, "%%forkd run kids\nprint('started', flush=True)\ntime.sleep(60)",
+                           lambda msg: msg["content"].get("data", {}).get("text/plain", "").count("started") == 3,
+                           timeout=40)
     assert time.monotonic() - t0 < 40
     assert cell.content["status"] == "error" and "failed in 3 of 3 sandboxes" in cell.content["evalue"]
     assert "KeyboardInterrupt" in cell.content["evalue"]

@@ -4,14 +4,13 @@ an interrupt's traceback (the user's frames only), and a ``%forkd`` line's user 
 from __future__ import annotations
 
 import re
-import threading
 
 from jupyter_client.manager import start_new_kernel
 
-from .cells import run
+from .cells import printed, run, run_interrupted
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-SLEEPER = "import time\n\ndef wait():\n    time.sleep(60)\n\nwait()"
+SLEEPER = "import time\nprint('sleeping', flush=True)\ndef wait():\n    time.sleep(60)\n\nwait()"
 
 
 def frames(traceback: list[str]) -> list[str]:
@@ -23,8 +22,7 @@ def frames(traceback: list[str]) -> list[str]:
 
 def interrupted(km, kc) -> dict:
     assert run(kc, "started = True").ok  # the kernel is up (the forkd kernel's sandbox made)
-    threading.Timer(1.5, km.interrupt_kernel).start()
-    cell = run(kc, SLEEPER, timeout=30)
+    cell = run_interrupted(km, kc, SLEEPER, printed("sleeping"))
     assert cell.content["status"] == "error" and cell.content["ename"] == "KeyboardInterrupt"
     return cell.content
 

@@ -17,7 +17,9 @@ from forkd_server.checks import host_memory_mib
 from .conftest import SHOTS
 
 PANEL = "#forkd-lineage"
-LIVE_WITHIN = 2000  # ms: a change made through REST shows in the panel, without a reload
+# ms: a change made through REST shows in the panel from its event, well before the panel's own
+# re-read (every 15 s); a bound for a loaded CI machine, not a speed target
+LIVE_WITHIN = 5000
 
 
 def row(page, key):
@@ -47,11 +49,9 @@ def test_changes_through_rest_show_live(page, lab):
     ctl.create_snapshot("py", setup="import random")
     row(page, "py").wait_for(timeout=LIVE_WITHIN)
     kids = [k["id"] for k in ctl.spawn_sandboxes("py", 3)]
-    t0 = time.monotonic()
     page.wait_for_function(
         f"{kids!r}.every(id => document.querySelector(`{PANEL} .forkd-row[data-id='${{id}}'][data-status='running']`))",
         timeout=LIVE_WITHIN)
-    assert time.monotonic() - t0 < LIVE_WITHIN / 1000
     assert page.locator(f"{PANEL} .forkd-head").text_content().startswith("1 snapshot · 3 sandboxes")
 
     ctl.kill_sandbox(kids[1])

@@ -87,6 +87,28 @@ def test_timeout_interrupts_the_cell(ctl, snap):
     assert sb.ping()["busy"] is None  # the main thread is free again
 
 
+def test_a_timeout_before_the_cell_starts_interrupts_no_other_cell(ctl, snap):
+    """A cell queued behind another session's cell (a notebook's, say) that is still waiting when
+    its timeout passes is not interrupted before it starts: an interrupt then would stop the other
+    session's cell. It times out saying it never started, and the other cell runs on."""
+    sb = snap.fork(1)[0]
+    ready = threading.Event()
+    first: dict = {}
+    code = "print('ready', flush=True)\nwhile not os.path.exists('/tmp/go'):\n    time.sleep(0.01)\n'finished'"
+    holder = threading.Thread(target=lambda: first.update(out=sb.run_code(
+        code, timeout=120, on_stdout=lambda text: ready.set())))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(TimeoutError, match=r"did not start within 1 s and 2 s more"):
+            sb.run_code("time.sleep(60)", timeout=1)
+    finally:
+        sb.files.write("/tmp/go", "")
+        holder.join(30)
+    assert first["out"].error is None and first["out"].text == "'finished'"  # not interrupted
+    sb.kill()
+
+
 def test_input_round_trip(ctl, snap):
     sb = snap.fork(1)[0]
     prompts = []

@@ -90,13 +90,19 @@ def test_store_on_the_process_engine_is_a_409_saying_why_and_what_to_use(sandbox
 
 def test_a_move_down_while_a_call_runs_is_a_409_and_the_call_finishes(ctl, sandbox):
     done = {}
-    cell = threading.Thread(target=lambda: done.update(out=sandbox.run_code("import time\ntime.sleep(3)\nx")))
+    # the cell runs until the test lets it end: however slow the host, the freeze finds it running
+    code = "import os, time\nwhile not os.path.exists('/tmp/go'):\n    time.sleep(0.01)\nx"
+    cell = threading.Thread(target=lambda: done.update(out=sandbox.run_code(code)))
     cell.start()
     deadline = time.monotonic() + 30
-    while not ctl.ping_sandbox(sandbox.id).get("busy") and time.monotonic() < deadline:
+    while not ctl.ping_sandbox(sandbox.id).get("busy"):
+        assert time.monotonic() < deadline, "the cell did not start within 30 s"
         time.sleep(0.02)
-    with pytest.raises(ControllerError) as err:
-        sandbox.freeze()
+    try:
+        with pytest.raises(ControllerError) as err:
+            sandbox.freeze()
+    finally:
+        sandbox.files.write("/tmp/go", "")
     assert err.value.status == 409 and "is running" in err.value.what
     cell.join(60)
     assert done["out"].error is None and done["out"].text == "41"
