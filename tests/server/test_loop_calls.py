@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from ..signals import stopped
 from .test_api import call, sandbox, snap  # noqa: F401 - the fixtures
 
 
@@ -18,18 +19,6 @@ def ways(app) -> dict[str, float]:
     alone: the app's other metrics read the registry, which a test here holds)."""
     return {s.labels["way"]: s.value for metric in app.loop_calls.ways.collect() for s in metric.samples
             if s.name == "forkd_loop_calls_total"}
-
-
-def stopped(pid: int) -> bool:
-    """Every thread of process ``pid`` stopped: until then, one may still answer."""
-    states = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:  # a thread that ended meanwhile
-            pass
-    return all(state in ("T", "t") for state in states)
 
 
 async def ping(jp_fetch, sid: str):
