@@ -35,6 +35,18 @@ def listening(path: str, backlog: int = 8, cls=socket.socket) -> socket.socket:
     return s
 
 
+def run(kept: KeptConnections, calls) -> None:
+    """``calls()`` on a loop of its own, then its kept connections closed on it."""
+    async def then_close() -> None:
+        try:
+            await calls()
+        finally:
+            kept.close()
+            await asyncio.sleep(0)  # (a transport closes on the loop's next turn)
+
+    asyncio.run(then_close())
+
+
 @pytest.fixture
 def agent(tmp_path, short_dir):
     """A real agent server on a thread: (its socket path, its listener)."""
@@ -62,7 +74,7 @@ def test_replies_are_calls_and_a_gathered_batch_shares_one_connection(agent):
         assert [r["result"] for r in replies] == [str(i * 2) for i in range(50)]
         assert kept.open_count() == 1
 
-    asyncio.run(calls())
+    run(kept, calls)
     assert listener.accepted == 2  # the kept connection, and the one AgentClient.call made
 
 
@@ -95,7 +107,8 @@ def test_errors_are_calls(short_dir):
         with pytest.raises(AgentUnavailable, match="unreachable"):
             await kept.call((full_path, 1, 1), full_path, {"action": "ping"}, 5)  # its listener closed
 
-    asyncio.run(calls())
+    run(kept, calls)
+    assert kept.open_count() == 0
 
 
 class StandIn:
@@ -155,7 +168,7 @@ def test_a_late_reply_is_dropped_in_its_turn(short_dir):
         assert await second == {"agent": "slow", "n": 2}
 
     try:
-        asyncio.run(calls())
+        run(kept, calls)
     finally:
         agent.die()
 
@@ -199,7 +212,7 @@ def test_a_connection_ends_with_its_agent_and_another_process_gets_its_own(short
             await asyncio.sleep(0.01)
 
     try:
-        asyncio.run(calls())
+        run(kept, calls)
     finally:
         first.die()
 
@@ -223,7 +236,7 @@ def test_idle_connections_past_the_bound_are_closed_least_recently_used_first(sh
         assert [key[0] for key in lines.open] == [agents[1][0], agents[2][0]]
 
     try:
-        asyncio.run(calls())
+        run(kept, calls)
     finally:
         for _, listener in agents:
             listener.close()

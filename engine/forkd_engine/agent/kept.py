@@ -51,7 +51,8 @@ class KeptConnections:
     def close(self) -> None:
         """Close every connection (from any thread: each on its own loop, if that still runs)."""
         for loop, lines in list(self._by_loop.items()):
-            if loop.is_closed():
+            if loop.is_closed():  # its transports can no longer close: their sockets are closed here
+                lines.abandon()
                 continue
             try:
                 running = asyncio.get_running_loop()
@@ -99,7 +100,7 @@ class _Lines:
         except OSError as exc:
             s.close()
             raise AgentUnavailable(f"agent at {path} unreachable: {exc.strerror or exc}") from exc
-        conn = self.open[key] = _Connection(path, lambda: self._forget(key, conn))
+        conn = self.open[key] = _Connection(path, s, lambda: self._forget(key, conn))
         # the transport is made on the loop's next turn; what is sent meanwhile waits in conn
         task = self.loop.create_task(self._attach(conn, s))
         self._attaching.add(task)
@@ -122,6 +123,13 @@ class _Lines:
         for conn in list(self.open.values()):
             conn.fail(AgentUnavailable(f"agent at {conn.path}: the connection was closed"))
 
+    def abandon(self) -> None:
+        """Close the sockets of a loop that is closed."""
+        for conn in list(self.open.values()):
+            conn.closed = True
+            conn.sock.close()
+        self.open.clear()
+
     def _trim(self) -> None:
         """Close idle connections, the least recently used first, while more than ``kept`` are open."""
         for key in list(self.open):
@@ -140,8 +148,9 @@ def _expire(reply: asyncio.Future, seconds: float) -> None:
 class _Connection(asyncio.Protocol):
     """One kept connection: requests out, reply lines in, matched in order."""
 
-    def __init__(self, path: str, forget):
+    def __init__(self, path: str, sock: socket.socket, forget):
         self.path = path
+        self.sock = sock
         self._forget = forget
         self.transport: asyncio.Transport | None = None
         self._unsent: list[bytes] = []  # lines not yet written (this turn's, or before the transport)
