@@ -240,3 +240,28 @@ def test_idle_connections_past_the_bound_are_closed_least_recently_used_first(sh
     finally:
         for _, listener in agents:
             listener.close()
+
+
+def test_past_the_bound_while_all_are_busy_a_new_connection_still_answers(short_dir):
+    rt = Runtime({"id": "sb-b", "lineage": ["snap", "sb-b"]})
+    free_path = os.path.join(short_dir, "free.sock")
+    listener = listening(free_path)
+    threading.Thread(target=AgentServer(rt, listener).serve_forever, daemon=True).start()
+    busy_path = os.path.join(short_dir, "busy.sock")
+    busy = StandIn(busy_path, "busy")
+    kept = KeptConnections(kept=1)
+
+    async def calls() -> None:
+        waiting = asyncio.ensure_future(kept.call((busy_path, 1, 1), busy_path, {"action": "ping", "n": 1}, 30))
+        conn = await _in_thread(busy.accept)
+        await _in_thread(busy.read_lines, conn, 1)  # asked, not answered: its connection is busy
+        assert (await kept.call((free_path, 1, 1), free_path, {"action": "ping"}, 30))["sandbox_id"] == "sb-b"
+        assert kept.open_count() == 2
+        busy.answer(conn, {"n": 1})
+        assert await waiting == {"agent": "busy", "n": 1}
+
+    try:
+        run(kept, calls)
+    finally:
+        busy.die()
+        listener.close()

