@@ -13,6 +13,7 @@ import logging
 from typing import Callable
 
 from jupyter_server.prometheus.log_functions import prometheus_log_method
+from tornado.log import access_log as tornado_access_log
 
 
 def level_of(status: int) -> int:
@@ -42,7 +43,11 @@ def access_log(log_request: Callable, record_metrics: bool) -> Callable:
     else only the metric (if ``record_metrics``)."""
 
     def log(handler) -> None:
-        if written(handler.log, level_of(handler.get_status())):
+        # a plain tornado handler (serve.py's OutsideTheApi) has no .log: tornado's access logger,
+        # as jupyter_server's log_request falls back to (an error here would print the request's
+        # URL, its ?token= included, in a traceback)
+        logger = getattr(handler, "log", None) or tornado_access_log
+        if written(logger, level_of(handler.get_status())):
             log_request(handler)
         elif record_metrics:
             prometheus_log_method(handler)
