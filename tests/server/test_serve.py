@@ -384,6 +384,7 @@ def test_restart_keeps_sandboxes(workdir, token_file):
     second = Server("--token-file", token_file, data_dir=data)
     try:
         second.wait_healthy()
+        second.wait_settled()  # it listens first; a sandbox is listed once it is settled (recovery.py)
         ctl = Controller(f"http://127.0.0.1:{second.port}", token)
         assert [s["id"] for s in ctl.list_sandboxes()] == [kid["id"]]
         assert ctl.eval_code(kid["id"], "kept")["result"] == "'yes'"

@@ -32,8 +32,16 @@ async def test_tree_carries_lineage_and_memory_on_request(jp_fetch, forkd_app, s
     assert mem[kid["id"]]["uss_kib"] > 0 and mem[kid["id"]]["rss_kib"] >= mem[kid["id"]]["uss_kib"]
     assert "memory" not in {k for n in nodes if n["kind"] == "snapshot" for k in n}
 
-    code, nodes = await call(jp_fetch, "GET", "tree", params={"memory": "true", "busy": "true"})
-    assert code == 200 and {n["id"]: n.get("busy", "absent") for n in nodes if n["kind"] == "sandbox"} == {kid["id"]: None}
+    # idle says None; a loaded host may let the tree's 1 s ping run out ("not answering"): asked again
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        code, nodes = await call(jp_fetch, "GET", "tree", params={"memory": "true", "busy": "true"})
+        busy = {n["id"]: n.get("busy", "absent") for n in nodes if n["kind"] == "sandbox"}
+        assert code == 200 and set(busy) == {kid["id"]}, busy
+        if busy[kid["id"]] is None:
+            break
+        assert busy[kid["id"]].startswith("not answering"), busy
+        assert asyncio.get_running_loop().time() < deadline, f"the idle sandbox never showed idle: {busy}"
     # while a cell runs, the sandbox says what it runs; the cell runs until interrupted, so a
     # loaded host that starts it late or answers the tree slowly cannot miss it
     loop = asyncio.get_running_loop()
@@ -62,19 +70,24 @@ async def test_frozen_agents_show_as_not_answering_and_never_hold_a_control_thre
     for k in frozen:
         os.kill(k["pid"], signal.SIGSTOP)
     try:
-        t0 = time.monotonic()
-        tree = asyncio.ensure_future(call(jp_fetch, "GET", "tree", params={"busy": "true"}))
-        listing = await call(jp_fetch, "GET", "sandboxes")  # a control call, while the pings wait
-        assert listing[0] == 200 and len(listing[1]) == 4
-        code, nodes = await tree
-        took = time.monotonic() - t0
-        assert code == 200
-        busy = {n["id"]: n["busy"] for n in nodes if n["kind"] == "sandbox"}
-        assert busy[kids[3]["id"]] is None                  # the one that answers is idle
-        for k in frozen:
-            assert busy[k["id"]].startswith("not answering: no reply to a ping within 1 s"), busy
-        assert took < 10, took                               # bounds a hang only (5 s a ping before, 1 s now)
-        assert forkd_app.admission.control_running == 0
+        deadline = time.monotonic() + 30
+        while True:
+            t0 = time.monotonic()
+            tree = asyncio.ensure_future(call(jp_fetch, "GET", "tree", params={"busy": "true"}))
+            listing = await call(jp_fetch, "GET", "sandboxes")  # a control call, while the pings wait
+            assert listing[0] == 200 and len(listing[1]) == 4
+            code, nodes = await tree
+            took = time.monotonic() - t0
+            assert code == 200
+            busy = {n["id"]: n["busy"] for n in nodes if n["kind"] == "sandbox"}
+            for k in frozen:
+                assert busy[k["id"]].startswith("not answering: no reply to a ping within 1 s"), busy
+            assert took < 10, took                           # bounds a hang only (5 s a ping before, 1 s now)
+            assert forkd_app.admission.control_running == 0
+            if busy[kids[3]["id"]] is None:                  # the one that answers is idle
+                break
+            # a loaded host may let even its 1 s ping run out: asked again
+            assert busy[kids[3]["id"]].startswith("not answering") and time.monotonic() < deadline, busy
     finally:
         for k in frozen:
             os.kill(k["pid"], signal.SIGCONT)
