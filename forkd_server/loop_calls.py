@@ -3,8 +3,8 @@
 A ping is mostly the hop: a control thread taken and handed back (admission.py) costs the server
 more CPU than the agent's answer, and under many calls at once the threads contend for the GIL.
 So a ping of a running sandbox is answered on the loop: its row read, its call counted (so no move
-down happens under it, tiers.py) and the agent asked over a non-blocking socket, all without
-waiting for another thread. Whatever would wait (a commit holding the registry, a move holding the
+down happens under it, tiers.py) and the agent asked on the connection kept to it (agent/kept.py),
+all without waiting for another thread. Whatever would wait (a commit holding the registry, a move holding the
 sandbox's lock, another thread checking liveness, a full listen queue at the agent) or is not the
 plain case (a sandbox unknown, ending, frozen, stored, dead, or pinged for the first time) goes
 the usual way, on the control pool, which waits, wakes and says why. A failed exchange is

@@ -1,6 +1,6 @@
 """What a sandbox's agent does with signals, read from /proc: for the message of a test about
 interrupts, so a failure says where the SIGINT went (pending, blocked, ignored, which thread);
-and a signal for its main thread, sent until it has acted."""
+a signal for its main thread, sent until it has acted; and whether a stop has reached every thread."""
 
 from __future__ import annotations
 
@@ -57,3 +57,16 @@ def signal_main_thread_until(pid: int, sig: int, done: Callable[[], bool], what:
         assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}\n{signal_report(pid)}"
         tgkill(pid, pid, sig)
         time.sleep(0.1)
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` stopped (SIGSTOP): a stop takes each thread in turn, and one
+    not yet reached may still answer a request."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return all(state in ("T", "t") for state in states)

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import h11
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
+REQUESTS_KEPT = 64  # h11 requests kept for reuse (an event is immutable: it can be sent again)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # sent with Content-Length: 0 when empty, as http.client
 
 
@@ -140,6 +141,9 @@ class Pool:
         self._host_header = host if self._port == default_port else f"{host}:{self._port}"
         self._ssl = ssl.create_default_context() if self._https else None
         self._idle: list[_Connection] = []
+        # h11's form of the requests sent lately: it checks every header of a new one (a fifth of the
+        # client's CPU a ping), and the same request comes again and again (polls, gathered pings)
+        self._requests: dict[tuple, h11.Request] = {}
         self._slots = asyncio.Semaphore(size)
         self._size = size
         self.closed = False
@@ -150,11 +154,17 @@ class Pool:
         fields = [("Host", self._host_header), *((k, str(v)) for k, v in headers.items())]
         if content or method in _BODY_METHODS:
             fields.append(("Content-Length", str(len(content or b""))))
-        try:
-            request = h11.Request(method=method, target=target, headers=fields)
-        except h11.LocalProtocolError as exc:  # what would break the request apart, as http.client refuses it
-            what = "a request target" if "target" in str(exc) else "a header name or value"
-            raise ValueError(f"{what} may not contain control characters or spaces: {exc}") from None
+        key = (method, target, *fields)
+        request = self._requests.get(key)
+        if request is None:
+            try:
+                request = h11.Request(method=method, target=target, headers=fields)
+            except h11.LocalProtocolError as exc:  # what would break the request apart, as http.client refuses it
+                what = "a request target" if "target" in str(exc) else "a header name or value"
+                raise ValueError(f"{what} may not contain control characters or spaces: {exc}") from None
+            if len(self._requests) >= REQUESTS_KEPT:
+                del self._requests[next(iter(self._requests))]  # the oldest
+            self._requests[key] = request
         async with self._slots:
             conn = await self._take(timeout)
             try:

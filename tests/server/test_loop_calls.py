@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from ..signals import stopped
 from .test_api import call, sandbox, snap  # noqa: F401 - the fixtures
 
 
@@ -81,14 +82,20 @@ async def test_what_would_wait_goes_to_the_pool_and_the_loop_goes_on(jp_fetch, f
 
 
 async def test_a_frozen_sandboxs_ping_wakes_it_on_the_pool(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    """... and the loop's connection kept to its agent, made before the freeze, serves it again."""
     sid = sandbox["id"]
     ctl = forkd_app.controller
+    for _ in range(2):
+        assert (await ping(jp_fetch, sid))[0] == 200
     assert ctl.freeze_sandbox(sid)["tier"] == "frozen"
     before = ways(forkd_app)
     code, body = await ping(jp_fetch, sid)
     assert code == 200 and body["pong"] is True
     assert ctl.get_sandbox(sid)["tier"] == "running"
     assert ways(forkd_app)["pool"] == before["pool"] + 1
+    code, body = await ping(jp_fetch, sid)
+    assert code == 200 and body["sandbox_id"] == sid
+    assert kept(forkd_app) == 1  # (on the loop, unless another thread held the registry that instant)
 
 
 async def test_an_agent_that_dies_during_a_ping_on_the_loop_is_a_410(jp_fetch, forkd_app, sandbox, monkeypatch):  # noqa: F811
@@ -117,6 +124,7 @@ async def test_a_silent_agent_is_the_pools_timeout(jp_fetch, forkd_app, sandbox)
     pid = sandbox["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
+        await until(lambda: stopped(pid), "every thread of the agent stopped")  # a stop takes each in turn
         before = ways(forkd_app)
         code, body = await ping(jp_fetch, sid)
         assert code == 500 and body["error"].startswith("ping: agent at ") and "did not answer within 5 s" in \
@@ -126,3 +134,50 @@ async def test_a_silent_agent_is_the_pools_timeout(jp_fetch, forkd_app, sandbox)
         os.kill(pid, signal.SIGCONT)
     assert not forkd_app.controller.tiers._calls
     assert (await ping(jp_fetch, sid))[0] == 200
+
+
+def kept(app) -> int:
+    """Connections the server keeps to agents for the loop's calls (agent/kept.py)."""
+    return app.controller.engines["process"].kept.open_count()
+
+
+async def test_a_sandboxs_loop_pings_share_one_connection_that_ends_with_its_agent(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    """A sandbox's pings on the loop go over one connection kept to its agent; the sandbox's end
+    closes it (it never waits there for whatever comes next), and the sandbox spawned after it
+    answers for itself on a connection of its own."""
+    sid = sandbox["id"]
+    for _ in range(3):
+        code, body = await ping(jp_fetch, sid)
+        assert code == 200 and body["sandbox_id"] == sid
+    assert kept(forkd_app) == 1
+    assert (await call(jp_fetch, "DELETE", "sandboxes", sid))[0] == 204
+    await until(lambda: kept(forkd_app) == 0, "the killed sandbox's connection closed")
+    assert (await ping(jp_fetch, sid))[0] == 404
+    new = forkd_app.controller.spawn("py", 1)[0]["id"]
+    for _ in range(3):
+        code, body = await ping(jp_fetch, new)
+        assert code == 200 and body["sandbox_id"] == new
+    assert kept(forkd_app) == 1
+
+
+async def test_a_branch_takes_no_copy_of_the_kept_connection(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    """A branch forks the sandbox's agent, connections and all: its copy of the server's kept
+    connection is closed, so the source's end still closes the connection (a copy held open would
+    leave it waiting for an answer nobody gives), and the branch's own sandboxes answer for
+    themselves."""
+    sid = sandbox["id"]
+    for _ in range(2):
+        assert (await ping(jp_fetch, sid))[0] == 200
+    code, branch = await call(jp_fetch, "POST", "sandboxes", sid, "branch", body={"tag": "kept-b"})
+    assert code == 201 and not branch.get("warnings"), branch  # the agent's own connection: nothing lost
+    code, body = await ping(jp_fetch, sid)
+    assert code == 200 and body["sandbox_id"] == sid
+    child = forkd_app.controller.spawn("kept-b", 1)[0]["id"]
+    for _ in range(2):
+        code, body = await ping(jp_fetch, child)
+        assert code == 200 and body["sandbox_id"] == child
+    assert kept(forkd_app) == 2
+    assert (await call(jp_fetch, "DELETE", "sandboxes", sid))[0] == 204
+    await until(lambda: kept(forkd_app) == 1, "the source's connection closed")
+    code, body = await ping(jp_fetch, child)
+    assert code == 200 and body["sandbox_id"] == child

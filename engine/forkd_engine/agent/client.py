@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import asyncio
 import json
 import socket
 import threading
@@ -53,59 +52,11 @@ class AgentClient:
             raise AgentUnavailable(f"agent at {self.path} unreachable: {exc.strerror or exc}") from exc
         return self._reply(chunks)
 
-    async def call_async(self, request: dict, timeout: float | None = None) -> dict:
-        """``call`` on the running event loop, never blocking it: the same reply and errors, the
-        deadline over the whole exchange. For short calls that pass no descriptors (a ping).
-        ``BlockingIOError`` if the agent's listen queue is full (``call`` waits for room there)."""
-        deadline = self.timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.setblocking(False)
-                s.connect(self.path)  # a Unix socket connects at once, or says EAGAIN: its queue is full
-                chunks = await _within(deadline, self._exchange(loop, s, encode_line(request)))
-        except BlockingIOError:
-            raise
-        except asyncio.TimeoutError:  # said as call() says it (a TimeoutError its cause)
-            raise AgentUnavailable(f"agent at {self.path} did not answer within {deadline:g} s") \
-                from TimeoutError(f"{deadline:g} s passed")
-        except OSError as exc:
-            if isinstance(exc, AgentUnavailable):
-                raise
-            raise AgentUnavailable(f"agent at {self.path} unreachable: {exc.strerror or exc}") from exc
-        return self._reply(chunks)
-
-    @staticmethod
-    async def _exchange(loop: asyncio.AbstractEventLoop, s: socket.socket, data: bytes) -> list[bytes]:
-        await loop.sock_sendall(s, data)
-        s.shutdown(socket.SHUT_WR)
-        chunks = []
-        size = 0
-        while True:
-            chunk = await loop.sock_recv(s, 1 << 20)
-            if not chunk:
-                return chunks
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_LINE:
-                raise AgentUnavailable(f"agent reply larger than {MAX_LINE} bytes")
-            if chunk.endswith(b"\n"):
-                return chunks
-
     def _reply(self, chunks: list[bytes]) -> dict:
         raw = b"".join(chunks)
         if not raw.strip():
             raise AgentUnavailable(f"agent at {self.path} closed the connection without a reply")
         return json.loads(raw)
-
-
-async def _within(seconds: float, awaitable):
-    """``awaitable``'s result, or ``asyncio.TimeoutError`` after ``seconds``."""
-    timeout = getattr(asyncio, "timeout", None)  # Python 3.11+; wait_for (a task more) before it
-    if timeout is None:
-        return await asyncio.wait_for(awaitable, seconds)
-    async with timeout(seconds):
-        return await awaitable
 
 
 class AgentSession:

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import linux
 from ..agent.client import AgentClient, AgentSession, AgentUnavailable
+from ..agent.kept import KeptConnections
 from ..base import (AgentUnreachable, BranchResult, Cancelled, ChildSpec, EngineError, EngineUnavailable, ExitStatus,
                     Handle, InvalidSpec, LimitHit, LimitReached, LossyFork, PROBE_PARALLELISM, SnapshotSpec,
                     ping_problem)
@@ -131,6 +132,7 @@ class ProcessEngine:
         self.started = time.time()  # what recover() may end predates this
         self._creating: dict[str, Setup] = {}  # tag -> its setup, while it runs
         self._creating_lock = threading.Lock()
+        self.kept = KeptConnections()  # the event loop's connections to agents, for short calls
 
     # --- sockets and reports ---------------------------------------------------------------------
 
@@ -193,10 +195,12 @@ class ProcessEngine:
             raise AgentUnreachable(str(exc)) from exc
 
     async def call_async(self, handle: Handle, request: dict, timeout: float | None = None) -> dict:
-        """``call`` on the running event loop, for a short call (a ping): never blocks the loop;
-        ``BlockingIOError`` where ``call`` would wait (the agent's listen queue is full)."""
+        """``call`` on the running event loop, for a short call (a ping), on the connection kept
+        for this agent process (agent/kept.py): never blocks the loop; ``BlockingIOError`` where
+        ``call`` would wait (the agent's listen queue is full)."""
+        key = (handle["socket"], handle["pid"], handle["start_time"])
         try:
-            return await AgentClient(handle["socket"], timeout=timeout or 30.0).call_async(request)
+            return await self.kept.call(key, handle["socket"], request, timeout or 30.0)
         except AgentUnavailable as exc:
             raise AgentUnreachable(str(exc)) from exc
 
@@ -761,6 +765,7 @@ class ProcessEngine:
     def close(self) -> None:
         """Templates and sandboxes outlive the server by design: only our watchers are closed, and
         our cgroup leaves and group removed where empty."""
+        self.kept.close()
         with self._pidfd_lock:
             for fd in self._pidfds.values():
                 os.close(fd)
