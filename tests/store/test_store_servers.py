@@ -23,7 +23,7 @@ from ..serving import FORKD, serving
 from ..vm.conftest import requires_qemu
 from .s3 import S3_ENV, moto_s3
 
-pytestmark = requires_qemu
+pytestmark = [requires_qemu, pytest.mark.slow]  # servers on the VM engine (TCG): ~30-40 s, started early under -n
 
 SETUP = """
 import numpy as np
