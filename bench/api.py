@@ -142,6 +142,30 @@ def ping_while_stuck(client, port: int, token: str, idle: str, stuck_count: int,
             "target_met": percentile(samples, 0.99) <= 50.0}
 
 
+def serve_over(data: str) -> tuple[subprocess.Popen, str, str, Client]:
+    """``forkd serve`` over the data dir ``data`` (made by an in-process Controller) with a fresh
+    token: (its process, URL, token, a client), once it has settled what the data dir holds (it
+    listens first, and lists a sandbox only once that sandbox is settled)."""
+    token = secrets.token_hex(20)
+    token_file = os.path.join(data, "token")
+    with open(token_file, "w") as f:
+        f.write(token)
+    port = free_port()
+    server = subprocess.Popen([*FORKD, "serve", "--port", str(port), "--data-dir", data,
+                               "--token-file", token_file, "--ServerApp.log_level=WARN"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    client = Client(url, token)
+    client.wait_ready(60)
+    deadline = time.monotonic() + 60
+    while client.healthz().get("recovering"):
+        if time.monotonic() > deadline:
+            server.kill()
+            raise SystemExit("forkd serve did not settle the bench's data dir within 60 s")
+        time.sleep(0.05)
+    return server, url, token, client
+
+
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far, all its threads."""
     with open(f"/proc/{pid}/stat") as f:
@@ -215,16 +239,8 @@ def main() -> int:
         ctl = Controller(data)
         ctl.create_snapshot("bench", setup="x = 1")
         sid = ctl.spawn("bench", 1)[0]["id"]
-        token = secrets.token_hex(20)
-        token_file = os.path.join(data, "token")
-        with open(token_file, "w") as f:
-            f.write(token)
-        port = free_port()
-        server = subprocess.Popen([*FORKD, "serve", "--port", str(port), "--data-dir", data,
-                                   "--token-file", token_file, "--ServerApp.log_level=WARN"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = Client(f"http://127.0.0.1:{port}", token)
-        client.wait_ready(60)
+        server, url, token, client = serve_over(data)
+        port = int(url.rsplit(":", 1)[1])
         assert [s["id"] for s in client.list_sandboxes()] == [sid], "the server does not see the sandbox"
         conn = http.client.HTTPConnection("127.0.0.1", port)
         headers = {"Authorization": f"Bearer {token}"}

@@ -16,21 +16,18 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.api import process_cpu_s
+from bench.api import process_cpu_s, serve_over
 from forkd_server.client import AsyncController
 from forkd_server.client import Controller as Client
 from forkd_server.controller import Controller
-from tests.serving import FORKD, free_port
 
 ROUND = 200
 
@@ -69,17 +66,7 @@ def main() -> int:
     try:
         ctl.create_snapshot("bench", setup="x = 1")
         sid = ctl.spawn("bench", 1)[0]["id"]
-        token = secrets.token_hex(20)
-        token_file = os.path.join(data, "token")
-        with open(token_file, "w") as f:
-            f.write(token)
-        port = free_port()
-        server = subprocess.Popen([*FORKD, "serve", "--port", str(port), "--data-dir", data,
-                                   "--token-file", token_file, "--ServerApp.log_level=WARN"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        client = Client(url, token)
-        client.wait_ready(60)
+        server, url, token, client = serve_over(data)
         pids = {"server": server.pid, "client": os.getpid(),
                 "agent": ctl.registry.get_sandbox(sid)["handle"]["pid"]}
         out = asyncio.run(rounds(url, token, client, sid, args.mode, args.seconds, pids))
