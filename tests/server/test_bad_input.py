@@ -104,8 +104,10 @@ async def test_nested_session_message_is_an_error_reply(jp_fetch, jp_ws_fetch, s
 
 async def test_a_run_past_its_timeout_is_interrupted_not_a_500(jp_fetch, sandbox):  # noqa: F811
     sid = sandbox["id"]
+    # 2 s: a run may wait half its timeout for the main thread to take the cell (else a 409, busy);
+    # 0.25 s of it was too little on a loaded host for an idle sandbox's hand-over
     code, reply = await call(jp_fetch, "POST", "sandboxes", sid, "run",
-                             body={"code": "import time\nwhile True: time.sleep(0.01)", "timeout": 0.5})
+                             body={"code": "import time\nwhile True: time.sleep(0.01)", "timeout": 2})
     assert code == 200 and reply["timed_out"] is True and reply["exit_code"] == 1
     assert reply["error"]["ename"] == "TimeoutError" and "was interrupted" in reply["error"]["evalue"]
     code, reply = await call(jp_fetch, "POST", "sandboxes", sid, "run", body={"code": "6 * 7"})
