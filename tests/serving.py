@@ -51,10 +51,27 @@ def refusals(argvs: list[list[str]], env: dict | None = None, timeout: float = 1
     return [tuple(x) for x in json.loads(done.stdout)]
 
 
+# Ports for the servers tests start: below the kernel's ephemeral range (32768 and up), which
+# port 0 binds draw from (Jupyter kernels' ZeroMQ ports, every client socket), so a port handed out
+# here cannot be taken by one of those between the check and the server's own bind; each xdist
+# worker takes its own residue class, and a port is handed out once per process.
+PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    mine = [p for p in PORTS if p % workers == worker % workers and p not in _handed_out]
+    for port in random.sample(mine, len(mine)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port left in {PORTS.start}-{PORTS.stop - 1} for this worker")
 
 
 class Server:

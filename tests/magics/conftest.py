@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,10 +22,8 @@ from IPython.utils.capture import capture_output
 from forkd_magics._scope import Scope
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..serving import free_port
+
 
 @dataclass
 class ForkdServer:
