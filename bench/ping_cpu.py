@@ -16,15 +16,13 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import signal
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.api import process_cpu_s, serve_over
+from bench.api import process_cpu_s, serve_over, stop_and_clean
 from forkd_server.client import AsyncController
 from forkd_server.client import Controller as Client
 from forkd_server.controller import Controller
@@ -71,15 +69,7 @@ def main() -> int:
                 "agent": ctl.registry.get_sandbox(sid)["handle"]["pid"]}
         out = asyncio.run(rounds(url, token, client, sid, args.mode, args.seconds, pids))
     finally:
-        if server is not None:
-            server.send_signal(signal.SIGTERM)
-            server.wait(30)
-        for sb in ctl.list_sandboxes():  # nothing may outlive the bench
-            ctl.kill_sandbox(sb["id"])
-        for snap in ctl.list_snapshots():
-            ctl.delete_snapshot(snap["tag"])
-        ctl.close()
-        shutil.rmtree(data, ignore_errors=True)
+        stop_and_clean(server, ctl, data)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
