@@ -218,6 +218,7 @@ export class LineageView {
     this.shownRows = rows(tree, { expanded: this.expanded, query: this.query, keep, only: this.only });
     this._drawRows(tree, this.shownRows);
     this._drawDetails(tree);
+    this._tick(); // the ages of the rows and details just drawn
     if (!this.shownRows.length) {
       const why = !all.length ? this.opts.empty || "No snapshots yet."
         : this.query.trim() ? `Nothing matches “${this.query.trim()}”.` : this.onlyEmpty || "Nothing to show.";
@@ -266,7 +267,6 @@ export class LineageView {
     const shown = reconcile(this.list, fresh, (c) => c.dataset.key);
     // where a row sits is not part of its drawing: a row added above moves it, and keeps it
     shown.forEach((row, i) => { row.style.top = `${i * ROW}px`; row.style.left = `${rs[i].depth * INDENT}px`; });
-    this._tick();
     const height = rs.length * ROW;
     this.list.style.height = `${height}px`;
     this.edges.setAttribute("height", String(height));
@@ -405,7 +405,6 @@ export class LineageView {
     this._details(fresh, tree);
     const parts = [...fresh.children].map((c, i) => { c.dataset.part = `${i}`; return signed(c); });
     reconcile(d, parts, (c) => c.dataset.part);
-    this._tick();
     if (focused && !d.contains(document.activeElement)) d.querySelector(`[data-keep="${focused}"]`)?.focus();
   }
 
