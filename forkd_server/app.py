@@ -356,6 +356,18 @@ class ForkdApp(ExtensionApp):
             self.mcp_mount.start()
         return self.mcp_mount
 
+    def _forget_forkd_kernels(self) -> None:
+        """Forget the HEADs of this server's forkd kernels: they stop with it. jupyter_server stops
+        listening, then its extensions, then its kernels, so their shutdown cannot reach forkd to kill
+        what they started and forget their HEAD; the record stayed, and after a restart the panel marked
+        a sandbox HEAD of a kernel that was gone, beside the HEAD of the notebook's next kernel. Their
+        sandboxes keep running, as after a kernel's crash, labelled with their notebook."""
+        manager = getattr(self.serverapp, "kernel_manager", None)
+        running = set(manager.list_kernel_ids()) if manager is not None else set()
+        for kernel in self.kernels.list():
+            if kernel["kernel_id"] in running:
+                self.kernels.forget(kernel["kernel_id"])
+
     async def stop_extension(self) -> None:
         if self.announcer is not None:
             await self.announcer.stop()
@@ -370,6 +382,7 @@ class ForkdApp(ExtensionApp):
             return
         if self.controller is None:
             return
+        self._forget_forkd_kernels()
         self.events.close()
         self.sessions.close_all()
         self._unsubscribe()

@@ -347,6 +347,26 @@ def test_panel_recovers_after_a_server_restart(page, lab):
     row(page, kid2).wait_for(timeout=LIVE_WITHIN)
 
 
+def test_a_server_restart_marks_no_head_of_a_kernel_it_stopped(page, lab):
+    """The server stops its kernels after forkd stopped answering them, so a forkd kernel cannot
+    forget its HEAD then: forkd forgets it as it stops. After the restart no row is HEAD of the gone
+    kernel (the panel marked it beside the HEAD of the notebook's next kernel), and the sandbox it
+    ran in still runs with the notebook's state."""
+    ctl = lab.controller()
+    page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'forkd-python'})")
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
+    chip = page.locator(f"{PANEL} .forkd-node:has(.forkd-head-chip)")
+    chip.wait_for(timeout=90_000)
+    head = chip.get_attribute("data-id")
+    assert run_cell(page, "x = 41; x") == "41"
+    lab.restart()
+    assert lab.controller().list_kernels() == []
+    page.locator(f"{PANEL} .forkd-state[data-state='reconnecting']").wait_for(state="hidden", timeout=15_000)
+    page.locator(f"{PANEL} .forkd-row[data-id='{head}'][data-status='running']").wait_for(timeout=LIVE_WITHIN)
+    assert page.locator(f"{PANEL} .forkd-head-chip").count() == 0
+    assert ctl.eval_code(head, "x")["result"] == "41"
+
+
 def test_panel_rides_through_a_restart_that_is_still_settling(page, lab):
     """Right after a restart the server has not settled every sandbox (503 "recovering" about it):
     the panel shows such a sandbox as recovering, and a branch asked of it meanwhile waits and is
