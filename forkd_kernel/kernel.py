@@ -140,6 +140,7 @@ class ForkdKernel(Kernel):
                               log=lambda text: self.log.warning("%s", text))
         self.head.before_request = self.idle.awake  # a frozen or stored HEAD wakes before any request
         self.stack: list[str] = []     # where %forkd checkout - goes back to
+        self.moved = False              # HEAD was checked out elsewhere at least once
         self.own: set[str] = set()      # sandboxes this kernel started (HEADs it moved through)
         self._parents: dict[str, dict] = {}  # request id -> the Jupyter message it serves
         self._last_parent: dict = {}
@@ -229,7 +230,8 @@ class ForkdKernel(Kernel):
             while self.stack and not self.is_running(self.stack[-1]):
                 skipped.append(self.stack.pop())
             if not self.stack:
-                gone = f": {', '.join(skipped)} {'is' if len(skipped) == 1 else 'are'} gone" if skipped else " (no checkout yet)"
+                gone = (f": {', '.join(skipped)} {'is' if len(skipped) == 1 else 'are'} gone" if skipped
+                        else " (no checkout left to go back from)" if self.moved else " (no checkout yet)")
                 raise UsageError(f"forkd checkout -: there is nowhere to go back to{gone}\n"
                                  f"%forkd checkout TAG|SB moves the notebook (%forkd ls lists what there is)")
             info, back = self.controller.get_sandbox(self.stack[-1]), True
@@ -244,6 +246,7 @@ class ForkdKernel(Kernel):
             self.head.attach(new, info.get("snapshot_tag"))
         except (ControllerError, ServerUnreachable) as exc:
             raise UsageError(f"forkd checkout: could not attach to {new}: {getattr(exc, 'message', exc)}") from None
+        self.moved = True
         left = old is not None and old != new and self.is_running(old)
         if back:
             self.stack.pop()

@@ -38,6 +38,11 @@ def test_branch_fork_checkout_and_back(kernel):
     assert run(kc, "%forkd checkout -").ok
     assert run(kc, "%forkd checkout -").ok
     assert run(kc, "x").result == "21"
+    # gone back through both checkouts: said so, not that there was none
+    back = run(kc, "%forkd checkout -")
+    assert back.content["evalue"] == ("forkd checkout -: there is nowhere to go back to (no checkout left to go "
+                                      "back from)\n%forkd checkout TAG|SB moves the notebook (%forkd ls lists what "
+                                      "there is)")
 
 
 def test_forks_of_the_notebook_draw_their_own_random_numbers(kernel):
