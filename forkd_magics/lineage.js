@@ -481,7 +481,13 @@ export class LineageView {
       n.value = choice.n ?? 1; // the property, not the attribute: typing does not make the drawing differ
       n.addEventListener("input", () => { choice.n = n.value; });
       const writing = node.status === "writing";
-      const f = button("Fork", "fork", "Start sandboxes from this snapshot", () => this.opts.act("fork", id, { n: Math.max(1, parseInt(n.value, 10) || 1) }));
+      const f = button("Fork", "fork", "Start sandboxes from this snapshot", () => {
+        const count = Number(n.value); // "" when the field holds no number
+        if (!Number.isInteger(count) || count < 1 || count > Number(n.max)) { // never a count other than the one asked
+          throw new Error(`how many sandboxes? a whole number from 1 to ${n.max}, not ${n.value || "nothing"}`);
+        }
+        return this.opts.act("fork", id, { n: count });
+      });
       if (node.status !== "ready") { f.disabled = true; f.title = `the snapshot is ${node.status}`; }
       const del = button("Delete", "delete", "Delete this snapshot", async () => {
         const c = await this._confirm(describeDelete(this.shownTree(), id));

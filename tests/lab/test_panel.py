@@ -427,6 +427,13 @@ def test_panel_actions_branch_fork_kill_zoom_and_the_status_bar(page, lab):
 
     row(page, branch["tag"]).click()
     details.filter(has_text=f"snapshot {branch['tag']}").wait_for(timeout=5_000)
+    # a count that is not one it can fork is refused, saying so, never taken as 1 (as 0 and -2 were)
+    for bad in ("0", "-2", "2.5", "101"):
+        page.locator(f"{PANEL} input.forkd-n").fill(bad)
+        page.locator(f"{PANEL} button.forkd-fork").click()
+        message.filter(has_text=f"error: fork {branch['tag']}: how many sandboxes? a whole number from 1 to 100, "
+                                f"not {bad}").wait_for(timeout=5_000)
+    assert not [s for s in ctl.list_sandboxes() if s["snapshot_tag"] == branch["tag"]]
     page.locator(f"{PANEL} input.forkd-n").fill("3")
     ctl.kill_sandbox(bystander)  # a redraw between typing the count and the click: the count stays
     page.locator(f"{PANEL} .forkd-row[data-id='{bystander}'][data-status='killed']").wait_for(timeout=LIVE_WITHIN)
