@@ -430,9 +430,10 @@ export class LineageView {
     if (node.hosts && node.hosts.length > 1) rowsT.push(["hosts", node.hosts.join(", ")]);
     else if (node.host) rowsT.push(["host", node.host]);
     if (node.pause_ms !== null && node.pause_ms !== undefined) rowsT.push(["pause", fmtMs(node.pause_ms)]);
-    if (node.memory) rowsT.push(["memory", ["uss", "pss", "rss"].filter((k) => node.memory[`${k}_kib`] !== undefined).map((k) => `${k === "uss" ? "private" : k} ${fmtKib(node.memory[`${k}_kib`])}`).join(" · ")]);
-    if (node.busy !== undefined && !(node.tier && node.tier !== "running")) rowsT.push(["activity", node.busy ? `busy${typeof node.busy === "string" ? `: ${node.busy}` : ""}` : "idle"]);
-    if (node.kind === "sandbox" && node.tier) rowsT.push(["tier", `${node.tier}${TIER_TITLES[node.tier] ? ` (${TIER_TITLES[node.tier]})` : ""}`]);
+    const live = !isGone(node); // a tombstone's memory, activity and tier were those of a sandbox that ended
+    if (node.memory && live) rowsT.push(["memory", ["uss", "pss", "rss"].filter((k) => node.memory[`${k}_kib`] !== undefined).map((k) => `${k === "uss" ? "private" : k} ${fmtKib(node.memory[`${k}_kib`])}`).join(" · ")]);
+    if (node.busy !== undefined && live && !(node.tier && node.tier !== "running")) rowsT.push(["activity", node.busy ? `busy${typeof node.busy === "string" ? `: ${node.busy}` : ""}` : "idle"]);
+    if (node.kind === "sandbox" && node.tier && live) rowsT.push(["tier", `${node.tier}${TIER_TITLES[node.tier] ? ` (${TIER_TITLES[node.tier]})` : ""}`]);
     if (node.stored) rowsT.push(["stored", `${node.stored.digest} (${node.stored.remote ? "local and remote store" : "local store"})`]);
     if (node.heads && node.heads.length) rowsT.push(["HEAD of", node.heads.join(", ")]);
     for (const [k, v] of Object.entries(node.labels || {})) rowsT.push([`label ${k}`, v]);

@@ -71,6 +71,16 @@ def test_changes_through_rest_show_live(page, lab):
     status = page.locator(".forkd-status")
     status.filter(has_text="forkd: 2 snapshots · 2 sandboxes").wait_for(timeout=5_000)
 
+    # a killed sandbox's details keep its story, not the figures of when it ran (idle, tier running)
+    row(page, kids[0]).click()
+    details = page.locator(f"{PANEL} .forkd-details")
+    details.locator("th", has_text="activity").wait_for(timeout=5_000)
+    ctl.kill_sandbox(kids[0])
+    page.locator(f"{PANEL} .forkd-row[data-id='{kids[0]}'][data-status='killed']").wait_for(timeout=LIVE_WITHIN)
+    details.locator("td", has_text="running → killed").wait_for(timeout=5_000)
+    fields = set(details.locator("th").all_text_contents())
+    assert not fields & {"memory", "activity", "tier"}, fields
+
 
 def test_delete_asks_first_and_says_what_else_goes(page, lab):
     ctl = lab.controller()
