@@ -227,10 +227,17 @@ class ForkdMagics(Magics):
         """The memory limit of copies of the notebook (``fork -n`` of HEAD); None: the server's default."""
         return None
 
+    # what the forkd kernel gives the notebook, for each subcommand that needs it (fork and branch
+    # also take a sandbox; checkout, head and log are about the notebook itself)
+    _ON_THE_KERNEL = {"fork": "fork itself, or name a sandbox", "branch": "branch itself, or name a sandbox",
+                      "checkout": "run in a sandbox (here, %%forkd run SB runs a cell in one)",
+                      "head": "run in a sandbox (%forkd ls lists the ones this notebook made)",
+                      "log": "run in a sandbox (%forkd ls lists the ones this notebook made)"}
+
     def _needs_kernel(self, what: str) -> UsageError:
         return UsageError(f"forkd {what}: this notebook runs in a plain kernel, not in a sandbox\nuse the "
-                          f"\"Python 3 (forkd)\" kernel (Kernel > Change Kernel) for the notebook to {what} "
-                          f"itself, or name a sandbox")
+                          f"\"Python 3 (forkd)\" kernel (Kernel > Change Kernel) for the notebook to "
+                          f"{self._ON_THE_KERNEL[what]}")
 
     def _one_sandbox(self, name: str, sub: str) -> str:
         ids = self._sandbox_ids([name], sub)

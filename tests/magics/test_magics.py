@@ -115,7 +115,15 @@ def test_delete_snapshot(ip, forkd):
     ("fork -n 2", 'UsageError: forkd fork: this notebook runs in a plain kernel, not in a sandbox\nuse the '
                   '"Python 3 (forkd)" kernel'),
     ("branch --live", 'UsageError: forkd branch: this notebook runs in a plain kernel'),
-    ("checkout sb-x", 'UsageError: forkd checkout: this notebook runs in a plain kernel'),
+    ("checkout sb-x", 'UsageError: forkd checkout: this notebook runs in a plain kernel, not in a sandbox\nuse the '
+                      '"Python 3 (forkd)" kernel (Kernel > Change Kernel) for the notebook to run in a sandbox '
+                      '(here, %%forkd run SB runs a cell in one)\n'),
+    ("head", 'UsageError: forkd head: this notebook runs in a plain kernel, not in a sandbox\nuse the '
+             '"Python 3 (forkd)" kernel (Kernel > Change Kernel) for the notebook to run in a sandbox '
+             '(%forkd ls lists the ones this notebook made)\n'),
+    ("log", 'UsageError: forkd log: this notebook runs in a plain kernel, not in a sandbox\nuse the '
+            '"Python 3 (forkd)" kernel (Kernel > Change Kernel) for the notebook to run in a sandbox '
+            '(%forkd ls lists the ones this notebook made)\n'),
     ("branch sb-x --diff --live", "UsageError: forkd branch: --diff and --live exclude each other"),
     ("run sb-x", "UsageError: forkd run is a cell magic"),
     ("exec sb-x", "UsageError: forkd exec: give a command"),
