@@ -268,7 +268,10 @@ class KernelMagics(ForkdMagics):  # no @magics_class: it would drop the inherite
         """``%forkd keep``: the notebook moves into the winner before its siblings go (one of them
         may be HEAD now), as ``%forkd checkout`` moves it."""
         if winner != self.kernel.head_id():
-            self.kernel.checkout(winner)
+            try:
+                self.kernel.checkout(winner)
+            except UsageError as exc:  # said as the line the user ran
+                raise UsageError(re.sub(r"^forkd checkout:", "forkd keep:", str(exc))) from None
 
     def _checkout(self, args, cell):
         target = args.target

@@ -28,3 +28,17 @@ def test_keep_checks_the_winner_out_then_drops_its_siblings(kernel, forkd_server
     assert ids[2] in running and not running & {ids[0], ids[1]} and before in running
     assert run(kc, "%forkd checkout -").ok  # back where the notebook was before the fork
     assert run(kc, "x").result == "21" and run(kc, "'mine' in dir()").result == "False"
+
+
+def test_keep_of_a_sandbox_that_is_gone_says_keep(kernel, forkd_server):
+    """The notebook moves into the winner first (a checkout), but the error is said as what the user
+    ran: ``forkd keep: ...``, not ``forkd checkout: ...``."""
+    _, kc = kernel
+    ctl = Controller(forkd_server.url, forkd_server.token)
+    assert run(kc, "kids = %forkd fork -n 2").ok
+    gone = [s["id"] for s in ctl.list_sandboxes() if s["labels"].get("fork_tree_id")][0]
+    ctl.kill_sandbox(gone)
+    kept = run(kc, f"%forkd keep {gone}")
+    assert kept.content["ename"] == "UsageError"
+    assert kept.content["evalue"].startswith(f"forkd keep: sandbox {gone} not found: it was killed"), kept.content
+    assert run(kc, "%forkd kill kids").content["ename"] == "UsageError"  # one of them gone: said, the other killed
