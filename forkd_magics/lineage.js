@@ -204,7 +204,8 @@ export class LineageView {
   render() {
     const tree = this.shownTree();
     const all = Object.values(tree);
-    const s = summary(tree);
+    // the counts are of what the host's filter lets through ("this notebook"), not of nodes it hides
+    const s = summary(this.only ? Object.fromEntries(Object.entries(tree).filter(([id, n]) => this.only(id, n))) : tree);
     this.hosts = hostsOf(tree);
     this.head.textContent = `${plural(s.snapshots, "snapshot")} · ${plural(s.sandboxes, "sandbox", "sandboxes")}` +
       (this.hosts.length > 1 ? ` · ${this.hosts.length} hosts` : "") + (s.memory_kib !== null ? ` · ${fmtKib(s.memory_kib)}` : "");

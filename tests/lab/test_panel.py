@@ -216,8 +216,11 @@ def test_insert_code_copy_id_and_checkout_needs_the_forkd_kernel(page, lab):
     # "this notebook": nothing carries its labels yet, and the panel says what it looked for
     page.locator(f"{PANEL} select.forkd-filter").select_option("notebook")
     page.locator(f"{PANEL} .forkd-empty", has_text=f"labelled with {name}").wait_for(timeout=5_000)
+    # and the counts above the tree are this notebook's, not the server's it does not show
+    assert page.locator(f"{PANEL} .forkd-head").text_content().startswith("0 snapshots · 0 sandboxes")
     page.locator(f"{PANEL} select.forkd-filter").select_option("all")
     row(page, kid).wait_for(timeout=5_000)
+    assert page.locator(f"{PANEL} .forkd-head").text_content().startswith("1 snapshot · 1 sandbox")
     page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
 
 
