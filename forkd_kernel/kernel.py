@@ -26,6 +26,7 @@ from traitlets import Float, Integer, List, Unicode, default
 
 from forkd_magics._complete import install as install_completer
 from forkd_magics._errors import Explained, details_bundle, explained
+from forkd_magics._names import sandbox_ids
 from forkd_magics._scope import Scope, kernel_id, notebook_path
 from forkd_server.checks import host_memory_mib
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
@@ -385,9 +386,14 @@ class ForkdKernel(Kernel):
         m = re.match(r"name '(\w+)' is not defined", content.get("evalue", ""))
         if content.get("ename") == "NameError" and m and m.group(1) in self.local.user_ns:
             name = m.group(1)
+            try:  # %%forkd run is a way to use sandboxes only
+                sandbox_ids([name], self.local.user_ns, "run")
+                example = f" (e.g. %%forkd run {name})"
+            except UsageError:
+                example = ""
             self._send_iopub("stream", {"name": "stderr", "text": (
                 f"forkd: {name!r} was bound by a %forkd line, so it lives in the kernel, not in the notebook's "
-                f"sandbox: use it in %forkd / %%forkd lines (e.g. %%forkd run {name}), or pass what you need "
+                f"sandbox: use it in %forkd / %%forkd lines{example}, or pass what you need "
                 f"into the sandbox as a value ({name} = {self.local.user_ns[name]!r:.200}).\n")}, parent)
 
     def _run_local(self, code: str, silent: bool, parent: dict, user_expressions: dict) -> dict:

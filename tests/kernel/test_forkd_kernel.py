@@ -43,6 +43,9 @@ def test_branch_fork_checkout_and_back(kernel):
     assert back.content["evalue"] == ("forkd checkout -: there is nowhere to go back to (no checkout left to go "
                                       "back from)\n%forkd checkout TAG|SB moves the notebook (%forkd ls lists what "
                                       "there is)")
+    assert run(kc, "h = %forkd head").ok  # no sandbox: %%forkd run is no way to use it
+    used = run(kc, "h")
+    assert "forkd: 'h' was bound by a %forkd line" in used.text and "%%forkd run h" not in used.text, used.text
 
 
 def test_forks_of_the_notebook_draw_their_own_random_numbers(kernel):
