@@ -242,6 +242,7 @@ class ForkdKernel(Kernel):
         if new == old and self.head.ended is None:
             return f"HEAD is already {new}"
         notes = [] if new in self.own else make_ours(self.controller, info, self.labels, self.memory_limit_mib)
+        notes += self._shared_with(new)
         self._close_sandbox_comms()
         try:
             self.head.attach(new, info.get("snapshot_tag"))
@@ -262,6 +263,22 @@ class ForkdKernel(Kernel):
         for note in notes:
             print(note, file=sys.stderr)
         return None
+
+    def _shared_with(self, sandbox: str) -> list[str]:
+        """A warning when ``sandbox`` is another kernel's HEAD too: both notebooks' cells would run in one
+        namespace. Said, not refused: that kernel may have ended without a word (kill -9), its record
+        left behind."""
+        try:
+            others = [k for k in self.controller.list_kernels()
+                      if k.get("head") == sandbox and k.get("kernel_id") != self.kernel_id]
+        except (ControllerError, ServerUnreachable):
+            return []
+        if not others:
+            return []
+        names = ", ".join(k.get("notebook") or f"kernel {k['kernel_id']}" for k in others)
+        return [f"forkd: warning: {sandbox} is also the HEAD of {names}, whose cells run there too: the two notebooks "
+                f"share its variables now (a cell in either changes them for both). For a copy of your own: "
+                f"kids = %forkd fork {sandbox} -n 1, then %forkd checkout kids[0]."]
 
     def _find(self, target: str) -> dict:
         """The sandbox ``target`` names, or a fresh child of the snapshot it names."""

@@ -9,6 +9,8 @@ import os
 import re
 import signal
 
+from jupyter_client.manager import start_new_kernel
+
 from forkd_engine import linux
 from forkd_kernel.ownership import make_ours
 from forkd_magics._scope import KERNEL_ID
@@ -139,3 +141,23 @@ def test_after_a_restart_kill_all_frees_the_old_heads(kernel, forkd_server):
     running = {s["id"] for s in ctl.list_sandboxes()}
     assert first not in running and outside not in running and fresh in running  # HEAD itself stays
     assert re.match(r"killed [2-9]\d* sandboxes", killed.text)
+
+
+def test_checking_out_another_notebooks_head_warns_that_they_share_it(kernel, forkd_server):
+    """Two notebooks in one sandbox share its variables: a cell in either changes them for both. The
+    checkout goes on (the other kernel may be gone without a word) but says so, and how to get a copy."""
+    _, kc = kernel
+    km2, other = start_new_kernel(kernel_name="forkd-python")
+    try:
+        assert run(other, "x = 'theirs'").ok
+        theirs = head_of(other)
+        moved = run(kc, f"%forkd checkout {theirs}")
+        assert moved.ok, moved.text
+        warned = "".join(c["text"] for c in moved.of("stream") if c["name"] == "stderr")
+        assert warned.startswith(f"forkd: warning: {theirs} is also the HEAD of kernel "), warned
+        assert "the two notebooks share its variables now" in warned, warned
+        assert f"kids = %forkd fork {theirs} -n 1, then %forkd checkout kids[0]" in warned, warned
+        assert run(kc, "x").result == "'theirs'"
+    finally:
+        other.stop_channels()
+        km2.shutdown_kernel(now=False)
