@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import urllib.error
 import warnings
+from urllib.parse import urlsplit
 from typing import Any
 
 
@@ -40,7 +41,13 @@ class ControllerError(Exception):
     def message(self) -> str:
         if isinstance(self.body, dict) and "error" in self.body:
             return str(self.body["error"])
-        return str(self.body) if self.body else "(empty body)"
+        if self.body:
+            return str(self.body)
+        if self.status == 404:  # forkd's answer to a path it has no route for
+            return (f"{urlsplit(self.url).path} is not a route of this server\n"
+                    f"point FORKD_URL (--url, base_url) at the server's base URL, without /v1: "
+                    f"http://HOST:8889 for forkd serve, http://HOST:8888/forkd inside Jupyter")
+        return "(empty body)"
 
     @property
     def what(self) -> str:
@@ -62,6 +69,11 @@ class ControllerError(Exception):
     def lost(self) -> list[str]:
         """For a refused lossy fork (409): what it would have lost, one item each; else []."""
         return list(self.body.get("lost") or []) if isinstance(self.body, dict) else []
+
+
+class BadServerURL(ValueError):
+    """The server's URL (``base_url``, ``$FORKD_URL``, ``--url``) cannot name a server: no scheme,
+    no host, a port that is not a number."""
 
 
 class ServerUnreachable(urllib.error.URLError):

@@ -215,3 +215,19 @@ def test_a_503_recovering_is_asked_again_until_the_object_is_settled(first, aske
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8889", "localhost:8889", "ftp://127.0.0.1:8889", "http://", "http://h:port"])
+def test_a_url_without_scheme_or_host_is_refused_saying_how_to_write_one(url, monkeypatch):
+    monkeypatch.delenv("FORKD_TOKEN", raising=False)
+    with pytest.raises(ValueError) as info:
+        Controller(url)
+    assert repr(url) in str(info.value) and "http://127.0.0.1:8889" in str(info.value)
+
+
+def test_an_empty_404_names_the_path_and_how_to_set_the_url(ctl):
+    Recorder.reply = (404, b"")  # what forkd answers for a path it has no route for, e.g. FORKD_URL ending in /v1
+    with pytest.raises(ControllerError) as info:
+        ctl.list_sandboxes()
+    assert info.value.what == "/v1/sandboxes is not a route of this server"
+    assert "without /v1" in info.value.hint and info.value.body == {}
