@@ -127,7 +127,7 @@ def cmd_kill(args) -> int:
         emit_json({"killed": killed, "failed": failed})
     else:
         out = console()
-        out.print(f"killed {len(killed)} sandbox(es)" + (f": {', '.join(killed)}" if len(killed) <= 5 else ""))
+        out.print(f"killed {len(killed)} sandbox(es)" + (f": {', '.join(killed)}" if 0 < len(killed) <= 5 else ""))
         for sid, why in failed.items():
             out.print(f"[red]{sid}: {why}[/]")
     return 1 if failed else 0

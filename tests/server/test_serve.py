@@ -317,7 +317,7 @@ def test_cli_errors_are_one_line_and_a_status(server, ctl):
     said = one_line(cli(server, "spawn", "-t", "nope", "-n", "0", check=False))  # 400
     assert said == "forkd spawn: n must be at least 1 (HTTP 400)\n"
     said = one_line(cli(server, "ping", "sb-nope", check=False))  # 404
-    assert said == "forkd ping: sandbox sb-nope not found (HTTP 404)\n"
+    assert said == "forkd ping: sandbox sb-nope not found (HTTP 404); check the name: forkd ls lists the sandboxes\n"
     snap = ctl.create_snapshot("cli-err")
     (sb,) = ctl.spawn_sandboxes("cli-err", 1)
     ctl.run_code(sb["id"], "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()")
@@ -353,6 +353,34 @@ def test_cli_errors_are_one_line_and_a_status(server, ctl):
     assert "--from-sandbox" in one_line(cli(server, "snapshot", "--tag", "x", "--no-wait", check=False))
     done = cli(server, "kill", "sb-nope", check=False)
     assert done.returncode == 1 and "sandbox sb-nope not found" in done.stdout
+
+
+def test_cli_says_what_to_do_about_forkds_bare_messages(server, ctl):
+    """forkd's wire keeps its messages word for word ('snapshot X not found', '... DELETE first'); the
+    CLI adds what to do, in its own words."""
+    said = one_line(cli(server, "spawn", "-t", "no-such-tag", check=False))
+    assert said == ("forkd spawn: snapshot no-such-tag not found (HTTP 404); check the name: forkd ls --snapshots "
+                    "lists the snapshots\n")
+    said = one_line(cli(server, "workspace", "delete", "no-such-ws", check=False))
+    assert said.endswith("(HTTP 404); check the name: forkd workspace list lists the workspaces\n")
+    ctl.create_snapshot("cli-taken")
+    said = one_line(cli(server, "snapshot", "--tag", "cli-taken", "--setup", "x = 1", check=False))
+    assert said == ("forkd snapshot: snapshot cli-taken already exists (HTTP 400); choose another tag, or delete that "
+                    "snapshot first: forkd rmi cli-taken\n")
+    ctl.delete_snapshot("cli-taken")
+
+
+def test_cli_mistakes_in_arguments_and_url_exit_2(server):
+    """README: status 2 when no server answers or an argument is wrong, a command's own checks included."""
+    for args in (["kill"], ["exec", "sb-x"], ["rmi", "x", "--cascade", "--force"], ["fork"]):
+        done = cli(server, *args, check=False)
+        assert done.returncode == 2 and one_line(done).startswith(f"forkd {args[0]}: "), (args, done.stderr)
+    done = cli(server, "ls", url=server.url.split("://", 1)[1], check=False)  # no scheme
+    assert done.returncode == 2 and one_line(done).startswith("forkd ls: not a forkd server's URL: ")
+    done = cli(server, "ls", url=server.url + "/v1", check=False)  # forkd's empty 404 for a path it has no route for
+    assert one_line(done) == ("forkd ls: /v1/v1/sandboxes is not a route of this server (HTTP 404); point FORKD_URL "
+                              "(--url, base_url) at the server's base URL, without /v1: http://HOST:8889 for forkd "
+                              "serve, http://HOST:8888/forkd inside Jupyter\n")
 
 
 def test_cli_doctor_json(server):
