@@ -119,6 +119,13 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         raise ServeError("--tls-cert and --tls-key go together")
     if max_sandboxes is not None and max_sandboxes < 0:
         raise ServeError(f"--max-sandboxes must be 0 or more (0: this host takes no new sandboxes), got {max_sandboxes}")
+    if store:
+        from forkd_engine.store.errors import StoreError
+        from forkd_engine.store.remote import check_url
+        try:
+            check_url(store)
+        except StoreError as exc:
+            raise ServeError(f"--store: {exc}") from None
     for path in (tls_cert, tls_key):
         if path and not os.path.isfile(path):
             raise ServeError(f"TLS file not found: {path}")

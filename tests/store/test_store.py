@@ -193,6 +193,15 @@ def test_unreachable_and_denied_stores_are_named_without_secret(tmp_path, monkey
         RemoteStore("s3://key:secret@bucket/x")
 
 
+@pytest.mark.parametrize("url, said", [("s3:/bucket", "names no bucket: use s3://BUCKET/prefix"),
+                                        ("gs://", "names no bucket"),
+                                        ("file://srv/store", "absolute path after three slashes"),
+                                        ("file:relative", "absolute path after three slashes")])
+def test_a_store_url_that_names_no_store_is_refused_before_it_is_opened(url, said):
+    with pytest.raises(StoreError, match=said):
+        RemoteStore(url)
+
+
 def test_two_hosts_pushing_the_same_snapshot_at_once_make_one_manifest(tmp_path, monkeypatch):
     import threading
     for k, v in S3_ENV.items():

@@ -58,18 +58,31 @@ def s3_options_from_env(env=os.environ) -> dict:
     return opts
 
 
+def check_url(url: str) -> None:
+    """Refuse, before anything is opened, a store URL that names no store: an unknown scheme,
+    credentials in it, a cloud store without its bucket, a file:// store without an absolute path
+    (``file://srv/x`` would be read as the path ``/x`` on the host ``srv``)."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise StoreError(f"store {url!r}: unknown scheme {parts.scheme!r}; use s3://bucket/prefix, gs://bucket/prefix, "
+                         f"az://container/prefix, file:///path or memory://")
+    if parts.username or parts.password:
+        raise StoreError("a store URL carries no credentials: give them in AWS_ACCESS_KEY_ID and "
+                         "AWS_SECRET_ACCESS_KEY (or the cloud's own variables)")
+    if parts.scheme in ("s3", "gs", "az", "abfs") and not parts.hostname:
+        raise StoreError(f"store {url!r} names no bucket: use {parts.scheme}://BUCKET/prefix")
+    if parts.scheme == "file" and (parts.netloc or not parts.path.startswith("/")):
+        raise StoreError(f"store {url!r}: a file store takes an absolute path after three slashes, e.g. "
+                         f"file:///srv/forkd-store")
+
+
 class RemoteStore:
     """One store URL. ``options`` (S3: endpoint, region, access_key_id, secret_access_key, token,
     allow_http) override what the environment says."""
 
     def __init__(self, url: str, **options):
+        check_url(url)
         parts = urlsplit(url)
-        if parts.scheme not in SCHEMES:
-            raise StoreError(f"store {url!r}: unknown scheme {parts.scheme!r}; use s3://bucket/prefix, gs://bucket/prefix, "
-                             f"az://container/prefix, file:///path or memory://")
-        if parts.username or parts.password:
-            raise StoreError("a store URL carries no credentials: give them in AWS_ACCESS_KEY_ID and "
-                             "AWS_SECRET_ACCESS_KEY (or the cloud's own variables)")
         self.url = url.rstrip("/")
         self._secrets = [v for k, v in options.items() if v and k in ("secret_access_key", "token")]
         self.store = self._open(parts, options)
