@@ -11,14 +11,15 @@ from ._output import client, console, emit_json
 
 @contextlib.contextmanager
 def _bar(args, what: str):
-    """A progress callback drawing a bar of bytes done, or None with --json."""
-    if args.json:
+    """A progress callback drawing a bar of bytes done on a terminal, else (or with --json) None."""
+    err = console(stderr=True)
+    if args.json or not err.is_terminal:  # off a terminal the bar would leave an empty line
         yield None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=console(stderr=True), transient=True) as bar:
+                  console=err, transient=True) as bar:
         task = bar.add_task(what, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 

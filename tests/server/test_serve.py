@@ -391,6 +391,14 @@ def test_cli_mistakes_in_arguments_and_url_exit_2(server):
                               "serve, http://HOST:8888/forkd inside Jupyter\n")
 
 
+def test_cli_push_and_pull_fail_in_one_line_off_a_terminal(server):
+    """Their progress bar is drawn only on a terminal: off one it left an empty line before the error."""
+    for args in (["push", "nope"], ["pull", "nope"], ["kill", "sb-a", "sb-b"]):
+        done = cli(server, *args, check=False)
+        assert done.returncode == 1 and not done.stderr.startswith("\n"), (args, done.stderr)
+    assert "this server has no remote store" in one_line(cli(server, "push", "nope", check=False))
+
+
 def test_cli_doctor_json(server):
     rows = json.loads(cli(server, "doctor", "--json", "--data-dir", server.data_dir).stdout)
     checks = {r["check"]: r for r in rows}
