@@ -333,7 +333,7 @@ class ForkdApp(ExtensionApp):
         if self.register:
             from .announce import Announcer
             from .serve import read_token_file
-            self.announcer = Announcer(self.register, read_token_file(self.register_token_file), self.advertise_url,
+            self.announcer = Announcer(self.register, read_token_file(self.register_token_file, "--register-token-file"), self.advertise_url,
                                        self.log)
             self.announcer.start()
 

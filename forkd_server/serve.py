@@ -88,15 +88,16 @@ def is_loopback(host: str) -> bool:
             return False
 
 
-def read_token_file(path: str) -> str:
-    """forkd's rules: trimmed, non-empty, at least 16 bytes, not a placeholder."""
+def read_token_file(path: str, option: str = "--token-file") -> str:
+    """forkd's rules: trimmed, non-empty, at least 16 bytes, not a placeholder. ``option``: the
+    flag that named the file, as the refusal says it."""
     try:
         with open(path, encoding="utf-8") as f:
             token = f.read().strip()
     except OSError as exc:
-        raise ServeError(f"cannot read --token-file {path}: {exc.strerror}") from None
+        raise ServeError(f"cannot read {option} {path}: {exc.strerror}") from None
     if not token:
-        raise ServeError(f"--token-file {path} is empty")
+        raise ServeError(f"{option} {path} is empty")
     if len(token.encode()) < 16:
         raise ServeError(f"the token in {path} is too short: use at least 16 bytes "
                          f"(e.g. `python3 -c 'import secrets; print(secrets.token_hex(24))' > {path}`)")
@@ -199,7 +200,7 @@ def registration_argv(host: str, port: int, scheme: str, base_url: str | None, r
     if not token_file:
         raise ServeError("--register needs --register-token-file FILE: the token the router was started with "
                          "(forkd router --register-token-file)")
-    read_token_file(token_file)
+    read_token_file(token_file, "--register-token-file")
     if advertise_url:
         own = urlsplit(advertise_url)
         if own.scheme not in ("http", "https") or not own.hostname or own.path not in ("", "/"):

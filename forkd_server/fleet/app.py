@@ -116,8 +116,8 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
         for path in (tls_cert, tls_key, settings and settings.hosts_ca):
             if path and not os.path.isfile(path):
                 raise RouterError(f"TLS file not found: {path}")
-        host_token = read_token_file(hosts_token_file) if hosts_token_file else None
-        register_token = read_token_file(register_token_file) if register_token_file else None
+        host_token = read_token_file(hosts_token_file, "--hosts-token-file") if hosts_token_file else None
+        register_token = read_token_file(register_token_file, "--register-token-file") if register_token_file else None
         if token_file:
             token = read_token_file(token_file)
         elif hub:
@@ -158,6 +158,11 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
               f"{len(router.hosts)} hosts ({up} up{', found through ' + hosts_dns if hosts_dns else ''}"
               f"{'; hosts may register themselves at /v1/fleet/register' if registrations else ''}); "
               f"state in {state_dir}", file=sys.stderr, flush=True)
+        for h in router.hosts.values():
+            if not h.up:  # say why now: a router that cannot read a host would otherwise just lack it
+                why = h.reason or h.last_error or "no answer yet"
+                fix = "; pass --hosts-token-file FILE, the token the hosts were started with" if "answered 401" in why else ""
+                print(f"forkd router: host {h.url} is not up: {why}{fix}", file=sys.stderr, flush=True)
         if hub:
             gate = server.request_callback.settings["forkd_hub"].gate
             print(f"forkd router: JupyterHub authenticates every request (a Hub token with "
