@@ -59,7 +59,7 @@ def _in_cli_words(status: int, what: str, hint: str) -> tuple[str, str]:
     taken tag says how to free it, rather than REST's 'DELETE first'."""
     if hint:
         return what, hint
-    missing = re.fullmatch(r"(sandbox|snapshot|workspace) \S+ not found", what)
+    missing = re.fullmatch(r"(sandbox|snapshot|workspace) \S+ not found( on any host of the fleet)?", what)
     if status == 404 and missing:
         return what, f"check the name: {LISTED_BY[missing[1]]}"
     taken = re.fullmatch(r"snapshot (\S+) already exists; DELETE first", what)

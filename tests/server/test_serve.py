@@ -378,6 +378,14 @@ def test_cli_says_what_to_do_about_forkds_bare_messages(server, ctl):
     ctl.delete_snapshot("cli-taken")
 
 
+def test_cli_hint_for_the_fleets_not_found(capsys):
+    from forkd_server.cli._errors import report
+    error = ControllerError(404, {"error": "sandbox sb-x not found on any host of the fleet"}, "http://r/v1/sandboxes/sb-x")
+    assert report("ping", error, debug=False, as_json=False) == 1
+    assert capsys.readouterr().err == ("forkd ping: sandbox sb-x not found on any host of the fleet (HTTP 404); check "
+                                       "the name: forkd ls lists the sandboxes\n")
+
+
 def test_cli_mistakes_in_arguments_and_url_exit_2(server):
     """README: status 2 when no server answers or an argument is wrong, a command's own checks included."""
     for args in (["kill"], ["exec", "sb-x"], ["rmi", "x", "--cascade", "--force"], ["fork"]):
