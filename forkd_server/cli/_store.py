@@ -30,9 +30,12 @@ def cmd_push(args) -> int:
         if args.json:
             emit_json(out)
             return 0
+        waiting = out.get("waiting_chunks") or 0
         console().print(f"deleted {args.tag} ({out['digest']}) from {out['store']}\n"
                         f"  {out['removed_chunks']} chunks removed, {out['kept_chunks']} kept (other snapshots list "
-                        f"them)", soft_wrap=True)
+                        f"them)" + (f", {waiting} left for now: no snapshot lists them, but they are younger than "
+                                    f"the store's grace period (a push may be writing them); a later delete sweeps "
+                                    f"them" if waiting else ""), soft_wrap=True)
         return 0
     with _bar(args, f"pushing {args.tag}") as progress:
         out = client(args).push_snapshot(args.tag, progress=progress)

@@ -386,6 +386,20 @@ def test_cli_hint_for_the_fleets_not_found(capsys):
                                        "the name: forkd ls lists the sandboxes\n")
 
 
+def test_cli_push_delete_says_what_the_grace_period_left(monkeypatch, capsys):
+    from forkd_server.cli import _store, main
+
+    class Stub:
+        def delete_remote_snapshot(self, tag):
+            return {"digest": "sha256:" + "ab" * 32, "store": "file:///s", "removed_chunks": 0, "kept_chunks": 2,
+                    "waiting_chunks": 36}
+    monkeypatch.setattr(_store, "client", lambda args: Stub())
+    assert main(["push", "--delete", "np"]) == 0
+    out = capsys.readouterr().out
+    assert "0 chunks removed, 2 kept (other snapshots list them), 36 left for now: no snapshot lists them, but they " \
+           "are younger than the store's grace period" in " ".join(out.split())
+
+
 def test_cli_mistakes_in_arguments_and_url_exit_2(server):
     """README: status 2 when no server answers or an argument is wrong, a command's own checks included."""
     for args in (["kill"], ["exec", "sb-x"], ["rmi", "x", "--cascade", "--force"], ["fork"]):
