@@ -400,6 +400,24 @@ def test_cli_push_delete_says_what_the_grace_period_left(monkeypatch, capsys):
            "are younger than the store's grace period" in " ".join(out.split())
 
 
+def test_cli_exec_takes_its_options_after_the_id_and_says_what_to_do(server, ctl):
+    ctl.create_snapshot("cli-exec")
+    (sb,) = ctl.spawn_sandboxes("cli-exec", 1)
+    try:  # before: --timeout-secs ran as the command ("No such file or directory: '--timeout-secs'")
+        done = cli(server, "exec", sb["id"], "--timeout-secs", "1", "--", "sleep", "5", check=False)
+        assert "timed out after 1 seconds; give it longer with --timeout-secs (it was 1 s)" in done.stderr, done.stderr
+        assert json.loads(cli(server, "exec", sb["id"], "--json", "--", "echo", "hi").stdout)["stdout"] == "hi\n"
+        done = cli(server, "exec", sb["id"], "--", "no-such-command", check=False)
+        assert done.returncode == 1 and done.stderr.startswith("forkd exec: no-such-command: no such command in the "
+                                                                "sandbox (FileNotFoundError: "), done.stderr
+        assert "run it through a shell: forkd exec ID -- sh -c '...'" in done.stderr
+        done = cli(server, "exec", sb["id"], "--bogus", "--", "ls", check=False)
+        assert done.returncode == 2 and "unrecognized arguments: --bogus" in one_line(done)
+    finally:
+        ctl.kill_sandbox(sb["id"])
+        ctl.delete_snapshot("cli-exec")
+
+
 def test_cli_mistakes_in_arguments_and_url_exit_2(server):
     """README: status 2 when no server answers or an argument is wrong, a command's own checks included."""
     for args in (["kill"], ["exec", "sb-x"], ["rmi", "x", "--cascade", "--force"], ["fork"]):
