@@ -36,6 +36,9 @@ USER_AGENT = "Python-urllib/%d.%d" % sys.version_info[:2]
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 CLIENT_HEADER = "X-Forkd-Client"
 RECOVERING_POLL = 0.1  # s between asks about an object a restarted server has not settled yet
+# s for a new connection: the TCP connect and, over https, the TLS handshake. A server answers both
+# at once; past this nothing is going to (an https URL of a plain-http server waits for ever).
+CONNECT_TIMEOUT = 15.0
 
 
 class Request:

@@ -86,11 +86,26 @@ class ServerUnreachable(urllib.error.URLError):
 
     @property
     def what(self) -> str:
+        if "CERTIFICATE_VERIFY_FAILED" in str(self.reason):
+            return f"the server at {self.url} has a certificate this host does not trust ({self.reason})"
         return f"no forkd server answers at {self.url} ({self.reason})"
 
     @property
     def hint(self) -> str:
+        why, scheme = str(self.reason), urlsplit(self.url).scheme
+        if "CERTIFICATE_VERIFY_FAILED" in why:  # a server answered, with a certificate this host does not trust
+            return ("set SSL_CERT_FILE to the CA certificate that signed the server's (for forkd serve --tls-cert "
+                    "with a self-signed one, that certificate file)")
+        if scheme == "https" and ("handshake" in why or "WRONG_VERSION_NUMBER" in why or "record layer" in why):
+            return f"the server may speak plain http: try {self._with_scheme('http')}"
+        if scheme == "http" and ("reset by peer" in why or "closed connection without response" in why
+                                 or "not an HTTP answer" in why):
+            return (f"start one with `forkd serve`; if the server serves TLS (forkd serve --tls-cert), use "
+                    f"{self._with_scheme('https')}")
         return "start one with `forkd serve`, or point FORKD_URL (and FORKD_TOKEN) at a running one"
+
+    def _with_scheme(self, scheme: str) -> str:
+        return scheme + self.url[self.url.index(":"):]
 
     @property
     def details(self) -> dict:
