@@ -257,6 +257,8 @@ def test_cli_snapshot_limits_and_labels(server, ctl):
     slow = cli(server, "snapshot", "--tag", "cli-slow", "--setup", "import time; time.sleep(600)",
                "--setup-timeout-secs", "2", check=False)
     assert slow.returncode == 1 and "did not finish within 2 s" in slow.stderr, slow.stderr
+    assert one_line(slow).endswith("; nothing was created: give it longer with setup_timeout_secs, and create the "
+                                   "snapshot again: --setup-timeout-secs S\n")
     big = cli(server, "snapshot", "--tag", "cli-big", "--setup", "blob = bytearray(400 * 2**20)",
               "--memory-limit-mib", "128", check=False)
     assert big.returncode == 1 and "memory limit was reached" in big.stderr and "128 MiB" in big.stderr, big.stderr
