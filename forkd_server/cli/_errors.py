@@ -69,6 +69,13 @@ def _in_cli_words(status: int, what: str, hint: str) -> tuple[str, str]:
     return what, hint
 
 
+def item_failed(command: str, key: str, exc) -> None:
+    """One item of a bulk command (kill IDS, rmi TAGS) that failed, said on stderr as a failure is:
+    ``forkd COMMAND: KEY: what; what to do``."""
+    what, hint = _in_cli_words(exc.status, exc.what, exc.hint)
+    print(f"forkd {command}: {key}: {what}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+
+
 def report(command: str, exc: BaseException, *, debug: bool, as_json: bool) -> int:
     """Say ``exc`` as ``forkd COMMAND`` failing; returns the exit status."""
     from ..client import ControllerError, ServerUnreachable

@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 
+from ._errors import item_failed
 from ._output import add_label_option, ago, busy, client, console, emit_json, labels_arg, progress, table
 from ._snapshots import SNAPSHOT_COLUMNS, snapshot_rows
 
@@ -72,7 +73,8 @@ def cmd_promote(args) -> int:
     for kept in result["kept"]:
         out.print(f"kept {kept['kind']} {kept['id']}: {kept['reason']}")
     for failed in result["failed"]:
-        out.print(f"[red]could not kill {failed['id']}: {failed['error']}; forkd kill {failed['id']}[/]")
+        print(f"forkd promote: could not kill {failed['id']}: {failed['error']}; forkd kill {failed['id']}",
+              file=sys.stderr)
     return 1 if result["failed"] else 0
 
 
@@ -121,15 +123,14 @@ def cmd_kill(args) -> int:
                 ctl.kill_sandbox(sid)
                 killed.append(sid)
             except ControllerError as exc:
-                failed[sid] = exc.what
+                failed[sid] = exc
             bar.advance(task)
     if args.json:
-        emit_json({"killed": killed, "failed": failed})
+        emit_json({"killed": killed, "failed": {sid: exc.what for sid, exc in failed.items()}})
     else:
-        out = console()
-        out.print(f"killed {len(killed)} sandbox(es)" + (f": {', '.join(killed)}" if 0 < len(killed) <= 5 else ""))
-        for sid, why in failed.items():
-            out.print(f"[red]{sid}: {why}[/]")
+        console().print(f"killed {len(killed)} sandbox(es)" + (f": {', '.join(killed)}" if 0 < len(killed) <= 5 else ""))
+        for sid, exc in failed.items():
+            item_failed("kill", sid, exc)
     return 1 if failed else 0
 
 

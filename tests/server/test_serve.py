@@ -361,8 +361,13 @@ def test_cli_errors_are_one_line_and_a_status(server, ctl):
     done = cli(server, "snapshot", "--from-sandbox", "sb-x", "--diff", "--live", check=False)
     assert done.returncode == 2 and "not allowed with" in one_line(done)
     assert "--from-sandbox" in one_line(cli(server, "snapshot", "--tag", "x", "--no-wait", check=False))
-    done = cli(server, "kill", "sb-nope", check=False)
-    assert done.returncode == 1 and "sandbox sb-nope not found" in done.stdout
+    done = cli(server, "kill", "sb-nope", check=False)  # a bulk command's failed item: on stderr, as any failure
+    assert done.returncode == 1 and done.stdout == "killed 0 sandbox(es)\n"
+    assert done.stderr == ("forkd kill: sb-nope: sandbox sb-nope not found; check the name: forkd ls lists the "
+                           "sandboxes\n")
+    done = cli(server, "rmi", "no-such-tag", check=False)
+    assert done.returncode == 1 and done.stdout == "" and done.stderr.startswith(
+        "forkd rmi: no-such-tag: snapshot no-such-tag not found; check the name: forkd ls --snapshots")
 
 
 def test_cli_says_what_to_do_about_forkds_bare_messages(server, ctl):
