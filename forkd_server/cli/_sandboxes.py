@@ -171,7 +171,9 @@ def cmd_eval(args) -> int:
     if args.json:
         emit_json(reply)
     elif reply.get("error"):
-        print(reply["error"], file=sys.stderr)
+        hint = ("; eval takes one expression: run statements with forkd run ID CODE"
+                if reply["error"].startswith("SyntaxError:") and "(<eval>" in reply["error"] else "")
+        print(reply["error"] + hint, file=sys.stderr)
     else:
         print(reply.get("result"))
     return 0 if not reply.get("error") else 1

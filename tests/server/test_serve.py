@@ -418,6 +418,9 @@ def test_cli_exec_takes_its_options_after_the_id_and_says_what_to_do(server, ctl
         assert done.returncode == 1 and done.stderr.startswith("forkd exec: no-such-command: no such command in the "
                                                                 "sandbox (FileNotFoundError: "), done.stderr
         assert "run it through a shell: forkd exec ID -- sh -c '...'" in done.stderr
+        done = cli(server, "eval", sb["id"], "import os", check=False)  # a statement where an expression goes
+        assert done.returncode == 1 and done.stderr == ("SyntaxError: invalid syntax (<eval>, line 1); eval takes one "
+                                                         "expression: run statements with forkd run ID CODE\n")
         done = cli(server, "exec", sb["id"], "--bogus", "--", "ls", check=False)
         assert done.returncode == 2 and "unrecognized arguments: --bogus" in one_line(done)
     finally:
