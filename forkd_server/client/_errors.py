@@ -26,6 +26,10 @@ def warn_lossy(info: dict, lead: str) -> dict:
     return info
 
 
+URL_HINT = ("point FORKD_URL (--url, base_url) at the server's base URL, without /v1: http://HOST:8889 for forkd "
+            "serve, http://HOST:8888/forkd inside Jupyter")
+
+
 class ControllerError(Exception):
     """A non-2xx answer. ``body`` is the parsed JSON (``{"error": ...}``), else the text, else ``{}``.
 
@@ -41,13 +45,13 @@ class ControllerError(Exception):
     def message(self) -> str:
         if isinstance(self.body, dict) and "error" in self.body:
             return str(self.body["error"])
-        if self.body:
-            return str(self.body)
-        if self.status == 404:  # forkd's answer to a path it has no route for
-            return (f"{urlsplit(self.url).path} is not a route of this server\n"
-                    f"point FORKD_URL (--url, base_url) at the server's base URL, without /v1: "
-                    f"http://HOST:8889 for forkd serve, http://HOST:8888/forkd inside Jupyter")
-        return "(empty body)"
+        path = urlsplit(self.url).path
+        page = isinstance(self.body, str) and self.body.lstrip()[:9].lower() in ("<!doctype", "<html>")
+        if self.status == 404 and (not self.body or page):  # forkd's (empty) or Jupyter's (a page): no such route
+            return f"{path} is not a route of this server\n{URL_HINT}"
+        if page:  # a web server, not forkd's API: the page itself says nothing to a client (and may hold a token)
+            return f"the server answered {path} with a web page ({self.status}), not forkd's JSON\n{URL_HINT}"
+        return str(self.body) if self.body else "(empty body)"
 
     @property
     def what(self) -> str:

@@ -225,6 +225,19 @@ def test_a_url_without_scheme_or_host_is_refused_saying_how_to_write_one(url, mo
     assert repr(url) in str(info.value) and "http://127.0.0.1:8889" in str(info.value)
 
 
+def test_a_jupyter_page_names_the_path_and_how_to_set_the_url_not_the_page(ctl):
+    page = b'<!DOCTYPE HTML>\n<html><body data-jupyter-api-token="secret-token">404 : Not Found</body></html>'
+    Recorder.reply = (404, page)  # Jupyter's answer to FORKD_URL=http://host:8888 (without /forkd)
+    with pytest.raises(ControllerError) as info:
+        ctl.list_sandboxes()
+    assert info.value.what == "/v1/sandboxes is not a route of this server" and "/forkd inside Jupyter" in info.value.hint
+    assert "secret-token" not in str(info.value) and "<html>" not in str(info.value)
+    Recorder.reply = (403, page)
+    with pytest.raises(ControllerError) as info:
+        ctl.list_sandboxes()
+    assert info.value.what == "the server answered /v1/sandboxes with a web page (403), not forkd's JSON"
+
+
 def test_an_empty_404_names_the_path_and_how_to_set_the_url(ctl):
     Recorder.reply = (404, b"")  # what forkd answers for a path it has no route for, e.g. FORKD_URL ending in /v1
     with pytest.raises(ControllerError) as info:
