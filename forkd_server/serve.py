@@ -10,6 +10,7 @@ are compared in constant time (identity.py).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import secrets
@@ -74,6 +75,19 @@ class _StandaloneForkd(ForkdApp):
 
     load_other_extensions = False
     serverapp_class = ForkdServerApp
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether something else listens at host:port (jupyter-server's refusal then says only that the
+    port is not available, in its log)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host.strip("[]"), port))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def is_loopback(host: str) -> bool:
@@ -252,7 +266,15 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
         print(f"forkd serve: {exc}", file=sys.stderr)
         return 2
     os.makedirs(argv_value(argv, "--ForkdApp.data_dir"), mode=0o700, exist_ok=True)
-    serverapp = _StandaloneForkd.initialize_server(argv=argv + list(extra_args or []))
+    try:
+        serverapp = _StandaloneForkd.initialize_server(argv=argv + list(extra_args or []))
+    except SystemExit:
+        if not _port_in_use(host, port):
+            raise
+        shown = f"[{host}]" if ":" in host else host
+        print(f"forkd serve: {shown}:{port} is already in use by another process: pass --port N (if it is another "
+              f"forkd serve, `forkd ls --url http://{shown}:{port}` reaches it)", file=sys.stderr)
+        return 2
     if "forkd" not in serverapp.web_app.settings:
         print("forkd serve: the forkd extension failed to load (see the log above)", file=sys.stderr)
         return 1

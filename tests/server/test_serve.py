@@ -6,6 +6,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import shutil
 import ssl
 import subprocess
@@ -215,6 +216,19 @@ def test_a_store_url_that_names_no_store_is_one_line_before_the_server_starts(st
                            "--store", store], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith(f"forkd serve: --store: store {store!r}") and said in done.stderr
     assert "Traceback" not in done.stderr and "listening" not in done.stderr
+
+
+def test_a_port_in_use_is_one_line_saying_what_to_do(workdir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run([*FORKD, "serve", "--port", str(port), "--data-dir", os.path.join(workdir, "portinuse")],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == (f"forkd serve: 127.0.0.1:{port} is already in use by another process: pass "
+                                            f"--port N (if it is another forkd serve, `forkd ls --url "
+                                            f"http://127.0.0.1:{port}` reaches it)")
 
 
 # --- the CLI ------------------------------------------------------------------------------------
