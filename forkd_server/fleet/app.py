@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -67,9 +68,14 @@ async def start(router: Router, token: str | None, host: str, port: int, ssl_opt
                 base_url: str = "/", **settings) -> HTTPServer:
     """Start the router's heartbeat and listen; returns the server (its port in ``.port``)."""
     app = make_app(router, token, hub=hub, base_url=base_url, **settings)  # first: hub.py hooks the router
-    await router.start()
+    sockets = bind_sockets(port, host)  # before the heartbeat: a port in use is refused with nothing started
+    try:
+        await router.start()
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     server = HTTPServer(app, ssl_options=ssl_options, max_body_size=MAX_BODY, xheaders=False)
-    sockets = bind_sockets(port, host)
     server.add_sockets(sockets)
     server.port = sockets[0].getsockname()[1]
     return server
@@ -183,5 +189,12 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
             await registrations.stop()
         await router.stop()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        shown = f"[{host}]" if ":" in host else host
+        print(f"forkd router: {shown}:{port} is already in use by another process: pass --port N", file=sys.stderr)
+        return 2
     return 0

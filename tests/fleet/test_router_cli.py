@@ -156,3 +156,17 @@ def test_a_host_the_router_cannot_read_is_named_with_the_fix(workdir):
             router.terminate()
             router.wait(30)
         host.stop()
+
+
+def test_a_port_in_use_is_one_line_and_starts_nothing(workdir):
+    """Before: '[Errno 98] Address already in use', then aiohttp's warnings of the heartbeat's unclosed
+    sessions (the heartbeat had started before the bind)."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run([*FORKD, "router", "--hosts", "http://127.0.0.1:1", "--no-token", "--port", str(port),
+                               "--data-dir", workdir], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr == (f"forkd router: 127.0.0.1:{port} is already in use by another "
+                                                    f"process: pass --port N\n"), done.stderr
