@@ -333,8 +333,8 @@ class ForkdApp(ExtensionApp):
         if self.register:
             from .announce import Announcer
             from .serve import read_token_file
-            self.announcer = Announcer(self.register, read_token_file(self.register_token_file, "--register-token-file"), self.advertise_url,
-                                       self.log)
+            token = read_token_file(self.register_token_file, "--register-token-file")
+            self.announcer = Announcer(self.register, token, self.advertise_url, self.log)
             self.announcer.start()
 
     announcer = None  # this host announcing itself to a fleet's router (announce.py), with --register

@@ -128,7 +128,8 @@ def cmd_kill(args) -> int:
     if args.json:
         emit_json({"killed": killed, "failed": {sid: exc.what for sid, exc in failed.items()}})
     else:
-        console().print(f"killed {len(killed)} sandbox(es)" + (f": {', '.join(killed)}" if 0 < len(killed) <= 5 else ""))
+        listed = f": {', '.join(killed)}" if 0 < len(killed) <= 5 else ""
+        console().print(f"killed {len(killed)} sandbox(es){listed}")
         for sid, exc in failed.items():
             item_failed("kill", sid, exc)
     return 1 if failed else 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import urllib.error
 import warnings
-from urllib.parse import urlsplit
 from typing import Any
+from urllib.parse import urlsplit
 
 
 class ForkWarning(UserWarning):

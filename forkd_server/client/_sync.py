@@ -18,8 +18,8 @@ import urllib.request
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-from ._core import (CONNECT_TIMEOUT, Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder, Sleep,
-                    Subscribe, Wait, Wire)
+from ._core import (CONNECT_TIMEOUT, Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder,
+                    Sleep, Subscribe, Wait, Wire)
 from ._errors import ServerUnreachable
 
 __all__ = ["EventStream", "SyncTransport", "run", "stream"]

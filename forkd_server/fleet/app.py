@@ -167,7 +167,8 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
         for h in router.hosts.values():
             if not h.up:  # say why now: a router that cannot read a host would otherwise just lack it
                 why = h.reason or h.last_error or "no answer yet"
-                fix = "; pass --hosts-token-file FILE, the token the hosts were started with" if "answered 401" in why else ""
+                fix = ("; pass --hosts-token-file FILE, the token the hosts were started with"
+                       if "answered 401" in why else "")
                 print(f"forkd router: host {h.url} is not up: {why}{fix}", file=sys.stderr, flush=True)
         if hub:
             gate = server.request_callback.settings["forkd_hub"].gate

@@ -179,7 +179,8 @@ def test_serve_refuses_registration_options_that_cannot_work(refused, args, mess
 
 
 @pytest.mark.parametrize("status, body, fix", [
-    (401, b'{"error": "invalid bearer token"}', "--register-token-file must hold the token the router was started with"),
+    (401, b'{"error": "invalid bearer token"}',
+     "--register-token-file must hold the token the router was started with"),
     (404, b"", "is --register the router's URL, and was it started with --register-token-file?"),
 ])
 def test_a_refused_registration_says_what_to_fix(status, body, fix):

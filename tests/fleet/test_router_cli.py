@@ -149,7 +149,8 @@ def test_a_host_the_router_cannot_read_is_named_with_the_fix(workdir):
         with pytest.raises(urllib.error.HTTPError) as info:
             call(f"http://127.0.0.1:{port}", router_token, None, "POST", "/v1/sandboxes", {"snapshot_tag": "py"})
         error = json.loads(info.value.read())["error"]
-        assert info.value.code == 404 and error.startswith("snapshot py not found on any host of the fleet that is up\n")
+        assert info.value.code == 404
+        assert error.startswith("snapshot py not found on any host of the fleet that is up\n")
         assert f"1 of 1 hosts are not up, so were not asked: {host.url}: " in error and "--hosts-token-file" in error
     finally:
         if router is not None:

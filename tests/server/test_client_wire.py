@@ -230,7 +230,8 @@ def test_a_jupyter_page_names_the_path_and_how_to_set_the_url_not_the_page(ctl):
     Recorder.reply = (404, page)  # Jupyter's answer to FORKD_URL=http://host:8888 (without /forkd)
     with pytest.raises(ControllerError) as info:
         ctl.list_sandboxes()
-    assert info.value.what == "/v1/sandboxes is not a route of this server" and "/forkd inside Jupyter" in info.value.hint
+    assert info.value.what == "/v1/sandboxes is not a route of this server"
+    assert "/forkd inside Jupyter" in info.value.hint
     assert "secret-token" not in str(info.value) and "<html>" not in str(info.value)
     Recorder.reply = (403, page)
     with pytest.raises(ControllerError) as info:

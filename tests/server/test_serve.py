@@ -214,7 +214,8 @@ def test_allow_host_network_reaches_the_extension():
 def test_a_store_url_that_names_no_store_is_one_line_before_the_server_starts(store, said, workdir):
     done = subprocess.run([*FORKD, "serve", "--port", str(free_port()), "--data-dir", os.path.join(workdir, "badstore"),
                            "--store", store], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.startswith(f"forkd serve: --store: store {store!r}") and said in done.stderr
+    assert done.returncode == 2 and done.stderr.startswith(f"forkd serve: --store: store {store!r}")
+    assert said in done.stderr
     assert "Traceback" not in done.stderr and "listening" not in done.stderr
 
 
