@@ -474,6 +474,16 @@ def test_cli_doctor_json(server):
     assert all(r["fix"] for r in rows if r["status"] in ("warn", "fail"))
 
 
+def test_cli_doctor_checks_the_host_whatever_the_url(server):
+    rows = json.loads(cli(server, "doctor", "--json", "--data-dir", server.data_dir, "--url", "localhost:1").stdout)
+    checks = {r["check"]: r for r in rows}
+    assert {"namespaces", "cgroups", "free disk"} <= set(checks)  # the host's own rows are all there
+    assert checks["server"]["status"] == "warn" and checks["server"]["detail"].startswith("not a forkd server's URL")
+    rows = json.loads(cli(server, "doctor", "--json", "--data-dir", server.data_dir, "--url", server.url + "/v1").stdout)
+    server_row = next(r for r in rows if r["check"] == "server")
+    assert "\n" not in server_row["detail"] and "without /v1" in server_row["fix"]
+
+
 def test_cli_bench_json(server):
     figures = json.loads(cli(server, "bench", "--n", "3", "--json").stdout)
     for key in ("snapshot_ms", "spawn_n1_ms", "exec_ms", "ping_ms", "branch_full_ms", "fanout_ms", "cleanup_ms"):
