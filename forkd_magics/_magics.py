@@ -24,7 +24,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_exp
 from IPython.utils.text import DollarFormatter
 from IPython.display import display
 
-from forkd_server.client import (CommandResult, Controller, ControllerError, Sandbox, ServerUnreachable,
+from forkd_server.client import (BadServerURL, CommandResult, Controller, ControllerError, Sandbox, ServerUnreachable,
                                  Snapshot)
 
 from ._args import SUBCOMMANDS, full_help, plain_help, strip_comment, unquote
@@ -179,7 +179,7 @@ class ForkdMagics(Magics):
             args.command = [command.strip()]
         try:
             return getattr(self, f"_{sub}")(args, cell)
-        except (ControllerError, ServerUnreachable, TimeoutError, RuntimeError) as exc:
+        except (ControllerError, ServerUnreachable, BadServerURL, TimeoutError, RuntimeError) as exc:
             said = self.explained(exc)
             error = UsageError(f"forkd {sub}: {said}")  # two lines: what, and what to do
             error.details = said.details

@@ -131,6 +131,15 @@ def test_errors_are_two_lines_at_most_not_a_traceback(ip, line, message):
     assert out.stderr.count("\n") <= 2 and "Traceback" not in out.stderr + out.stdout
 
 
+def test_a_url_that_names_no_server_is_one_line(shell, monkeypatch):
+    monkeypatch.setenv("FORKD_TOKEN", "t" * 32)
+    shell.register_magics(ForkdMagics(shell))
+    res, out = cell(shell, "%forkd connect localhost:8889")  # no scheme: was a traceback
+    assert not res.success
+    assert out.stderr.startswith("UsageError: forkd connect: not a forkd server's URL: 'localhost:8889'")
+    assert "Traceback" not in out.stderr + out.stdout
+
+
 def test_unreachable_server_is_one_line(shell, monkeypatch):
     monkeypatch.setenv("FORKD_URL", "http://127.0.0.1:9")
     shell.register_magics(ForkdMagics(shell))
