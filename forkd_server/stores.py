@@ -279,7 +279,9 @@ class StoreManager:
         try:
             manifest = fetch_manifest(remote, tag=tag, digest=digest)
         except NotInStore as exc:
-            raise NotFound(str(exc)) from None
+            raise NotFound(str(exc), hint="push it there first, from a server of the same store that has it",
+                           details={"cli": f"forkd push {tag or 'TAG'}", "rest": "POST /v1/snapshots/{tag}/push",
+                                    "sdk": "push_snapshot(tag)"}) from None
         except StoreError as exc:
             raise StoreFailure(f"pull: {exc}") from None
         name = tag or manifest.meta.get("tag")
