@@ -209,6 +209,15 @@ def test_allow_host_network_reaches_the_extension():
     assert not any("allow_host_network" in a for a in build_argv(no_token=True)[0])
 
 
+def test_store_timeout_reaches_the_extension_and_a_bad_one_is_refused():
+    from forkd_server.serve import ServeError, build_argv
+    assert "--ForkdApp.store_timeout=300.0" in build_argv(no_token=True, store_timeout=300.0)[0]
+    assert not any("store_timeout" in a for a in build_argv(no_token=True)[0])
+    for bad in (0.0, -5.0, float("nan")):
+        with pytest.raises(ServeError, match="--store-timeout must be a number of seconds above 0"):
+            build_argv(no_token=True, store_timeout=bad)
+
+
 # --- the CLI ------------------------------------------------------------------------------------
 
 def test_cli_round_trip(server, ctl):
