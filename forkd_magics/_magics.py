@@ -32,8 +32,8 @@ from ._args import SUBCOMMANDS, full_help, plain_help, strip_comment, unquote
 from ._errors import Explained, explained, show_details
 from ._names import UndefinedName, sandbox_ids, snapshot_tag
 from ._scope import Scope, kernel_bases, sandboxes_of, snapshots_of
-from ._tiers import tier_line
 from ._static import host_label
+from ._tiers import tier_line
 
 __all__ = ["ForkdMagics", "ExecResult", "Listing"]
 
