@@ -26,7 +26,7 @@ alone, with the reason:
   ended), and is dropped, saying why, when that state is gone;
 - an object whose settling raised is marked so: a snapshot ``failed``, a sandbox ended and
   dropped ("lost"), the reason in its record;
-- nothing of a snapshot that failed here runs on: its template is ended as a delete would end it
+- nothing of a process snapshot that failed here runs on: its template is ended as a delete would end it
   (``_end_template``), which leaves the sandboxes spawned from it running (their pid namespace is
   held by the template's init, not by its agent);
 - workspaces then settle on what is left (``WorkspaceManager.reconcile``; workspace calls answer
@@ -347,13 +347,14 @@ class Recovery:
 
     @staticmethod
     def _end_template(engine, row: dict) -> str:
-        """End what runs for a snapshot that failed here, as deleting it would, and say so. Its
-        sandboxes do not depend on it: on the process engine this ends the template's agent, while
-        its forkd-init holds the pid namespace the sandboxes spawned from it are nested in and exits
-        after the last of them (a template from before forkd-init is asked to retire, and never
-        forced while forks of it live); a VM snapshot has no template process (its pre-started
-        QEMUs end, its files go: each child holds its own link to the disk and its own mapping of
-        the memory)."""
+        """End the template process of a snapshot that failed here, as deleting it would, and say
+        so. Its sandboxes do not depend on it: this ends the template's agent, while its forkd-init
+        holds the pid namespace the sandboxes spawned from it are nested in and exits after the last
+        of them (a template from before forkd-init is asked to retire, and never forced while forks
+        of it live). A snapshot made of files (the VM engine) runs nothing here, and its files stay
+        until the user deletes it: they are the saved state, and what failed may be mended."""
+        if not getattr(engine, "snapshots_are_processes", False):
+            return "delete the snapshot to remove its files"
         try:
             engine.delete_snapshot(row["handle"])
         except Exception as exc:  # noqa: BLE001 - the snapshot is failed all the same; a delete tries again
