@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import math
 import os
 import secrets
 import socket
@@ -126,12 +127,15 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
                allow_host_network: bool = False, store: str | None = None, store_endpoint: str | None = None,
                store_region: str | None = None, max_sandboxes: int | None = None, hub: bool = False,
                base_url: str | None = None, register: str | None = None, register_token_file: str | None = None,
-               advertise_url: str | None = None) -> tuple[list[str], str | None, bool]:
+               advertise_url: str | None = None, store_timeout: float | None = None) -> tuple[list[str], str | None, bool]:
     """Validate the options; returns (server argv, token or None, whether the token was generated).
     ``hub``: JupyterHub authenticates every request (forkd_server/hub/); the token, if any, is an
     operator's."""
     if bool(tls_cert) != bool(tls_key):
         raise ServeError("--tls-cert and --tls-key go together")
+    if store_timeout is not None and not 0 < store_timeout < math.inf:
+        raise ServeError(f"--store-timeout must be a number of seconds above 0 (each request to the store has that long), "
+                         f"got {store_timeout:g}")
     if max_sandboxes is not None and max_sandboxes < 0:
         raise ServeError(f"--max-sandboxes must be 0 or more (0: this host takes no new sandboxes), got {max_sandboxes}")
     if store:
@@ -189,7 +193,8 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         argv.append("--ForkdApp.allow_host_network=True")
     if max_sandboxes is not None:
         argv.append(f"--ForkdApp.max_sandboxes={max_sandboxes}")
-    for name, value in (("store", store), ("store_endpoint", store_endpoint), ("store_region", store_region)):
+    for name, value in (("store", store), ("store_endpoint", store_endpoint), ("store_region", store_region),
+                        ("store_timeout", store_timeout)):
         if value:
             argv.append(f"--ForkdApp.{name}={value}")
     argv += registration_argv(host, port, "https" if tls_cert else "http", base_url, register, register_token_file,
@@ -237,7 +242,8 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
           no_token: bool = False, branch_concurrency: int | None = None, allow_host_network: bool = False,
           store: str | None = None, store_endpoint: str | None = None, store_region: str | None = None,
           max_sandboxes: int | None = None, hub: bool | None = None, extra_args: list[str] | None = None,
-          register: str | None = None, register_token_file: str | None = None, advertise_url: str | None = None) -> int:
+          register: str | None = None, register_token_file: str | None = None, advertise_url: str | None = None,
+          store_timeout: float | None = None) -> int:
     """``hub``: None turns it on when JupyterHub started this process as a service (hub/__init__.py);
     the Hub's environment then also gives the address and the URL prefix, unless given here."""
     from .hub import hub_settings, managed_by_hub
@@ -261,7 +267,7 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
                                             branch_concurrency, allow_host_network, store, store_endpoint,
                                             store_region, max_sandboxes, hub=hub, base_url=where.get("base_url"),
                                             register=register, register_token_file=register_token_file,
-                                            advertise_url=advertise_url)
+                                            advertise_url=advertise_url, store_timeout=store_timeout)
     except ServeError as exc:
         print(f"forkd serve: {exc}", file=sys.stderr)
         return 2

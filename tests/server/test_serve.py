@@ -232,6 +232,15 @@ def test_a_port_in_use_is_one_line_saying_what_to_do(workdir):
                                             f"http://127.0.0.1:{port}` reaches it)")
 
 
+def test_store_timeout_reaches_the_extension_and_a_bad_one_is_refused():
+    from forkd_server.serve import ServeError, build_argv
+    assert "--ForkdApp.store_timeout=300.0" in build_argv(no_token=True, store_timeout=300.0)[0]
+    assert not any("store_timeout" in a for a in build_argv(no_token=True)[0])
+    for bad in (0.0, -5.0, float("nan")):
+        with pytest.raises(ServeError, match="--store-timeout must be a number of seconds above 0"):
+            build_argv(no_token=True, store_timeout=bad)
+
+
 # --- the CLI ------------------------------------------------------------------------------------
 
 def test_cli_round_trip(server, ctl):
