@@ -38,6 +38,14 @@ from ._tiers import tier_line
 __all__ = ["ForkdMagics", "ExecResult", "Listing"]
 
 
+class Interrupted(KeyboardInterrupt):
+    """An interrupt while a ``%forkd`` line waited for the server: said in its two lines, what was
+    stopped and where to look, as IPython shows an exception that renders itself."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {self}"]
+
+
 class ExecResult(CommandResult):
     """A ``CommandResult`` that shows as the command's output (stdout, stderr, exit code)."""
 
@@ -187,6 +195,13 @@ class ForkdMagics(Magics):
             error.details = said.details
             show_details(self.shell, said.details)      # the rest, collapsed under the error
             raise error from None
+        except Interrupted:
+            raise
+        except KeyboardInterrupt:  # stopped waiting, mostly in the SDK's socket read: its frames mean nothing here
+            where = ("%forkd head says where the notebook is now" if sub in ("checkout", "keep")
+                     else "%forkd ls lists what there is now")
+            raise Interrupted(f"forkd {sub}: interrupted while waiting for the server, which may still finish it\n"
+                              f"{where}") from None
 
     def _expand(self, line: str) -> str:
         """``{expr}`` and ``$name``, as IPython expands a magic's line: in the namespace of the code

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from IPython.lib.pretty import pretty
 
@@ -9,7 +11,7 @@ from forkd_magics._magics import SUBCOMMANDS, ExecResult, ForkdMagics, Listing
 from forkd_magics._render import RunResults
 from forkd_server.client import Sandbox, Snapshot
 
-from .conftest import cell
+from .conftest import cell, magics
 
 
 def test_load_ext_registers_line_and_cell_magic_idempotently(shell):
@@ -204,3 +206,20 @@ def test_help_is_plain_text_from_magic_arguments(ip):
     assert usage == "%forkd branch [--tag TAG] [--diff] [--live] [--no-wait] [--lossy] [sandbox]"
     _, out = cell(ip, "%forkd run --help")
     assert out.stdout.startswith("%%forkd run [--tag TAG]")
+
+
+def test_an_interrupt_while_the_server_works_is_said_not_a_traceback_of_ours(ip, forkd, monkeypatch):
+    """Interrupt while a %forkd line waits for the server stops the wait inside the HTTP client: the
+    user sees what was interrupted and where to look (the server may finish it), not its frames."""
+    ip.run_line_magic("forkd", "snapshot -t intr")
+
+    def stuck_in_recv(*args, **kwargs):
+        raise KeyboardInterrupt  # as SIGINT lands in the client's socket read
+
+    monkeypatch.setattr(magics(ip).controller, "spawn_sandboxes", stuck_in_recv)
+    res, out = cell(ip, "kids = %forkd fork -t intr -n 3")
+    assert isinstance(res.error_in_exec, KeyboardInterrupt)
+    said = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr)  # IPython's colours
+    assert "Traceback" not in said and "stuck_in_recv" not in said, said
+    assert "KeyboardInterrupt: forkd fork: interrupted while waiting for the server, which may still finish it\n" \
+           "%forkd ls lists what there is now" in said, said
