@@ -26,6 +26,7 @@ from traitlets import Float, Integer, List, Unicode, default
 
 from forkd_magics._complete import install as install_completer
 from forkd_magics._errors import Explained, details_bundle, explained
+from forkd_magics._magics import spawn_when_written
 from forkd_magics._names import sandbox_ids
 from forkd_magics._scope import Scope, kernel_id, notebook_path
 from forkd_server.checks import host_memory_mib
@@ -172,8 +173,8 @@ class ForkdKernel(Kernel):
         """A sandbox of the notebook's: its labels, and its memory limit, a limit of its own, not the
         server's default, since memcg charges a page to whoever wrote it first, so the pages the
         notebook shares with every branch it keeps stay charged to it (docs/design/kernel.md)."""
-        sandbox = self.controller.spawn_sandboxes(tag, 1, memory_limit_mib=self.memory_limit_mib,
-                                                  labels=self.labels)[0]["id"]
+        sandbox = spawn_when_written(self.controller, tag, 1, memory_limit_mib=self.memory_limit_mib,
+                                     labels=self.labels)[0]["id"]
         self.own.add(sandbox)
         return sandbox
 

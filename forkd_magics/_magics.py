@@ -38,6 +38,19 @@ from ._tiers import tier_line
 __all__ = ["ForkdMagics", "ExecResult", "Listing"]
 
 
+def spawn_when_written(controller, tag: str, n: int, **options) -> list[dict]:
+    """``n`` sandboxes of snapshot ``tag``. One still being written (a ``branch --no-wait``, a creation
+    still in its setup), which the server refuses to spawn from, is waited for first, as the SDK's
+    ``Snapshot.fork`` waits."""
+    try:
+        return controller.spawn_sandboxes(tag, n, **options)
+    except ControllerError as exc:
+        if exc.status != 409 or controller.snapshot_info(tag).get("status") != "writing":
+            raise
+    controller.wait_snapshot(tag)
+    return controller.spawn_sandboxes(tag, n, **options)
+
+
 class Interrupted(KeyboardInterrupt):
     """An interrupt while a ``%forkd`` line waited for the server: said in its two lines, what was
     stopped and where to look, as IPython shows an exception that renders itself."""
@@ -296,8 +309,8 @@ class ForkdMagics(Magics):
             if args.sandbox is not None:
                 raise UsageError("forkd fork: give a sandbox (a fork tree of it) or --tag (children of a snapshot), "
                                  "not both")
-            infos = self.controller.spawn_sandboxes(self._tag(args.tag, "fork"), args.n, memory_limit_mib=limit,
-                                                    labels=labels)
+            infos = spawn_when_written(self.controller, self._tag(args.tag, "fork"), args.n, memory_limit_mib=limit,
+                                       labels=labels)
             return [Sandbox(i, self.controller) for i in infos]
         if args.sandbox is not None:
             source = self._one_sandbox(args.sandbox, "fork")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -116,6 +117,25 @@ def test_checkout_of_a_tag_is_a_fresh_child_holding_its_state(kernel, forkd_serv
     wrong = run(kc, "%forkd checkout nosuch[0]")
     assert wrong.content["ename"] == "UsageError" and "name 'nosuch' is not defined" in wrong.content["evalue"]
 
+
+def test_checkout_of_a_tag_still_being_written_waits_until_it_is_ready(kernel, forkd_server):
+    """``%forkd checkout TAG`` of a snapshot asked for a moment ago (``branch --no-wait``, a creation
+    still in its setup) waits until it is ready: it failed, 'not bootable: status=writing'."""
+    _, kc = kernel
+    ctl = Controller(forkd_server.url, forkd_server.token)
+    made = threading.Thread(target=ctl.create_snapshot, args=("slow-tag",),
+                            kwargs={"setup": "import time; time.sleep(3); x = 7"})
+    made.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any(s["tag"] == "slow-tag" for s in ctl.list_snapshots()):  # asked for: being written
+            assert time.monotonic() < deadline, "the snapshot was never listed"
+            time.sleep(0.05)
+        moved = run(kc, "%forkd checkout slow-tag")
+        assert moved.ok, moved.text
+        assert run(kc, "x").result == "7"
+    finally:
+        made.join()
 
 def test_branch_no_wait_and_diff_of_head(kernel, forkd_server):
     _, kc = kernel

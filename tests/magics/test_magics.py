@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import pytest
 from IPython.lib.pretty import pretty
@@ -223,3 +225,23 @@ def test_an_interrupt_while_the_server_works_is_said_not_a_traceback_of_ours(ip,
     assert "Traceback" not in said and "stuck_in_recv" not in said, said
     assert "KeyboardInterrupt: forkd fork: interrupted while waiting for the server, which may still finish it\n" \
            "%forkd ls lists what there is now" in said, said
+
+
+def test_fork_of_a_snapshot_still_being_written_waits_until_it_is_ready(ip, forkd):
+    """``%forkd fork -t TAG`` of a snapshot asked for a moment ago (a ``branch --no-wait``, a creation
+    still in its setup) waits until it is ready, as the SDK's ``Snapshot.fork`` does: it failed with
+    'snapshot `TAG` is not bootable: status=writing'."""
+    ctl = forkd.controller()
+    made = threading.Thread(target=ctl.create_snapshot, args=("slow",),
+                            kwargs={"setup": "import time; time.sleep(3); x = 7"})
+    made.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any(s["tag"] == "slow" for s in ctl.list_snapshots()):  # asked for: being written
+            assert time.monotonic() < deadline, "the snapshot was never listed"
+            time.sleep(0.05)
+        res, out = cell(ip, "kids = %forkd fork -t slow -n 1")
+        assert res.success, out.stderr
+        assert ctl.eval_code(ip.user_ns["kids"][0].id, "x")["result"] == "7"
+    finally:
+        made.join()
