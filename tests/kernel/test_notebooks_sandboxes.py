@@ -161,3 +161,16 @@ def test_checking_out_another_notebooks_head_warns_that_they_share_it(kernel, fo
     finally:
         other.stop_channels()
         km2.shutdown_kernel(now=False)
+
+
+def test_display_works_in_a_checked_out_sandbox_of_a_plain_snapshot(kernel, forkd_server):
+    """A snapshot made outside the kernel (``%forkd snapshot``, the SDK) ran its setup without the
+    notebook's shell; checked out, its ``display()`` showed nothing at all (the setup runner's own
+    display was left in the namespace, sending to a runner long gone)."""
+    _, kc = kernel
+    ctl = Controller(forkd_server.url, forkd_server.token)
+    ctl.create_snapshot("plain-setup", setup="y = 2")
+    assert run(kc, "%forkd checkout plain-setup").ok
+    shown = run(kc, "display('shown'); y")
+    assert [c["data"]["text/plain"] for c in shown.of("display_data")] == ["'shown'"], shown.text
+    assert shown.result == "2"

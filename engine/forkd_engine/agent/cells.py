@@ -118,6 +118,9 @@ class NoStdin(RuntimeError):
     """input() in a cell whose caller cannot answer it."""
 
 
+_ABSENT = object()
+
+
 class PlainRunner:
     """Cells in the runtime's namespace: statements, then the last expression's value."""
 
@@ -148,6 +151,9 @@ class PlainRunner:
             out.flush()
             return input_fn(str(prompt), False)
 
+        # for this cell only, as input below: left in the namespace, it shadowed IPython's display in
+        # the notebook shell a checkout later puts on it, and sent to this cell's ended stream
+        before = self.namespace.get("display", _ABSENT)
         self.namespace["display"] = display
         original_input = builtins.input
         builtins.input = ask
@@ -173,6 +179,11 @@ class PlainRunner:
             reply.update(status="error", **error)
         finally:
             builtins.input = original_input
+            if self.namespace.get("display") is display:  # unless the cell bound a display of its own
+                if before is _ABSENT:
+                    del self.namespace["display"]
+                else:
+                    self.namespace["display"] = before
             out.flush()
             err.flush()
         for name, expr in (user_expressions or {}).items():
