@@ -224,7 +224,8 @@ class Log:
             if name in self.snapshots or not name.startswith("sb-"):
                 info = self.snapshots.get(name) or {}
                 pause = info.get("pause_ms")
-                out.append(f"  snapshot {name}" + (f"  (paused its source {pause} ms)" if pause is not None else ""))
+                out.append(f"  snapshot {name}" + (f"  (paused its source {pause} ms)" if pause is not None else "")
+                           + ("" if name in self.snapshots else "  (deleted)"))
                 continue
             out.append(f"* {name}" + ("  ← HEAD" if name == self.head else "  (gone)" if name in self.gone else ""))
             for c in by_sandbox.get(name, []):

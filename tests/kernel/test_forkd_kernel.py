@@ -360,3 +360,15 @@ def test_a_forkd_url_that_names_no_server_is_said_under_the_first_cell():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)
+
+
+def test_the_log_marks_a_deleted_snapshot_of_the_lineage(kernel):
+    """%forkd log marks the sandboxes of the lineage that are gone; a snapshot deleted since is
+    marked too, not listed as if it were there to check out."""
+    _, kc = kernel
+    assert run(kc, "x = 1").ok
+    assert run(kc, "%forkd branch -t log-br").ok
+    assert run(kc, "%forkd checkout log-br").ok
+    assert run(kc, "%forkd delete log-br").ok
+    log = run(kc, "%forkd log").result
+    assert "  snapshot log-br  (deleted)" in log.splitlines(), log
