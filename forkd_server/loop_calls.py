@@ -60,4 +60,4 @@ class LoopCalls:
         finally:
             controller.tiers.leave(row["id"])
         # raises: 410 if the sandbox ended during the call, else 500 saying what failed
-        await self.admission.control(functools.partial(controller.sandboxes.agent_failed, row, failure, what))
+        await self.admission.control(functools.partial(controller.sandboxes.agent_failed, dict(row), failure, what))
