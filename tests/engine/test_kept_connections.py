@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import threading
@@ -14,7 +15,7 @@ import pytest
 from forkd_engine.agent.client import AgentClient, AgentUnavailable
 from forkd_engine.agent.kept import KeptConnections
 from forkd_engine.agent.runtime import Runtime
-from forkd_engine.agent.server import AgentServer
+from forkd_engine.agent.server import AgentServer, encode_line
 
 
 class CountingListener(socket.socket):
@@ -166,6 +167,35 @@ def test_a_late_reply_is_dropped_in_its_turn(short_dir):
         for request in requests:
             agent.answer(conn, request)
         assert await second == {"agent": "slow", "n": 2}
+
+    try:
+        run(kept, calls)
+    finally:
+        agent.die()
+
+
+def test_an_encoded_request_goes_as_it_is_and_replies_read_as_json_reads_them(short_dir):
+    """A request already encoded (``encode_line``: a ping, encoded once) is sent byte for byte;
+    a reply is what ``json.loads`` makes of its line, NaN and integers past 64 bits included."""
+    path = os.path.join(short_dir, "raw.sock")
+    agent = StandIn(path, "raw")
+    kept = KeptConnections()
+    line = encode_line({"action": "ping", "n": 1})
+    odd = rb'{"x": NaN, "big": 123456789012345678901234567890, "s": "\u00e9t\u00e9"}'
+
+    async def calls() -> None:
+        key = (path, 1, 1)
+        first = asyncio.ensure_future(kept.call(key, path, line, 30))
+        second = asyncio.ensure_future(kept.call(key, path, {"action": "ping", "n": 2}, 30))
+        conn = await _in_thread(agent.accept)
+        got = await _in_thread(conn.recv, 65536)
+        while got.count(b"\n") < 2:
+            got += await _in_thread(conn.recv, 65536)
+        assert got == line + encode_line({"action": "ping", "n": 2})
+        conn.sendall(b'{"pong": true, "n": 1}\n' + odd + b"\n")
+        assert await first == {"pong": True, "n": 1}
+        reply = await second
+        assert math.isnan(reply.pop("x")) and reply == {"big": 123456789012345678901234567890, "s": "\u00e9t\u00e9"}
 
     try:
         run(kept, calls)

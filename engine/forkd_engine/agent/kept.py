@@ -23,6 +23,8 @@ import json
 import socket
 import weakref
 
+import orjson
+
 from .client import AgentUnavailable
 from .server import MAX_LINE, encode_line
 
@@ -36,8 +38,10 @@ class KeptConnections:
         self.kept = kept
         self._by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    async def call(self, key, path: str, request: dict, timeout: float) -> dict:
-        """The agent's reply to ``request``, on the connection kept for ``key`` (opened if none)."""
+    async def call(self, key, path: str, request: dict | bytes, timeout: float) -> dict:
+        """The agent's reply to ``request``, on the connection kept for ``key`` (opened if none).
+        ``request`` may be its line already encoded (``encode_line``): a call made again and
+        again (a ping) is encoded once."""
         loop = asyncio.get_running_loop()
         lines = self._by_loop.get(loop)
         if lines is None:
@@ -73,13 +77,13 @@ class _Lines:
         self.open: collections.OrderedDict = collections.OrderedDict()
         self._attaching: set[asyncio.Task] = set()  # held: the loop keeps only weak references
 
-    async def call(self, key, path: str, request: dict, timeout: float) -> dict:
+    async def call(self, key, path: str, request: dict | bytes, timeout: float) -> dict:
         conn = self.open.get(key)
         if conn is None:
             conn = self._connect(key, path)
         else:
             self.open.move_to_end(key)
-        reply = conn.send(encode_line(request))
+        reply = conn.send(request if isinstance(request, bytes) else encode_line(request))
         timer = self.loop.call_later(timeout, _expire, reply, timeout)  # (a plain timer: asyncio.timeout costs more)
         try:
             line = await reply
@@ -87,7 +91,7 @@ class _Lines:
             raise AgentUnavailable(f"agent at {path} did not answer within {timeout:g} s") from exc
         finally:
             timer.cancel()
-        return json.loads(line)
+        return _decode(line)
 
     def _connect(self, key, path: str) -> _Connection:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -139,6 +143,15 @@ class _Lines:
             conn = self.open[key]
             if key != but and not conn.waiting:
                 conn.close()
+
+
+def _decode(line: bytes) -> dict:
+    """A reply line, as ``json.loads`` reads it: by orjson, six times faster, and by json where
+    orjson refuses what json takes (NaN, an integer past 64 bits)."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return json.loads(line)
 
 
 def _expire(reply: asyncio.Future, seconds: float) -> None:
