@@ -174,6 +174,39 @@ def test_a_late_reply_is_dropped_in_its_turn(short_dir):
         agent.die()
 
 
+def test_each_call_ends_at_its_own_deadline_on_one_connection(short_dir):
+    """The connection's one timer serves every deadline: a short call sent after a long one ends
+    at its own (within the test's generous bound, long before the long one's), the long one is
+    still answered, and a call made after the timer fired gets a deadline too."""
+    path = os.path.join(short_dir, "deadlines.sock")
+    agent = StandIn(path, "slow")
+    kept = KeptConnections()
+
+    async def calls() -> None:
+        key = (path, 1, 1)
+        long = asyncio.ensure_future(kept.call(key, path, {"action": "ping", "n": 1}, 3600))
+        short = asyncio.ensure_future(kept.call(key, path, {"action": "ping", "n": 2}, 0.3))
+        conn = await _in_thread(agent.accept)
+        requests = await _in_thread(agent.read_lines, conn, 2)
+        with pytest.raises(AgentUnavailable, match=r"did not answer within 0\.3 s"):
+            await asyncio.wait_for(short, 30)
+        assert not long.done()
+        with pytest.raises(AgentUnavailable, match=r"did not answer within 0\.2 s"):
+            await asyncio.wait_for(kept.call(key, path, {"action": "ping", "n": 3}, 0.2), 30)
+        requests += await _in_thread(agent.read_lines, conn, 1)
+        for request in requests:  # 2 and 3 come after their callers gave up: dropped in their turn
+            agent.answer(conn, request)
+        assert await long == {"agent": "slow", "n": 1}
+        fourth = asyncio.ensure_future(kept.call(key, path, {"action": "ping", "n": 4}, 30))
+        agent.answer(conn, (await _in_thread(agent.read_lines, conn, 1))[0])
+        assert await fourth == {"agent": "slow", "n": 4}
+
+    try:
+        run(kept, calls)
+    finally:
+        agent.die()
+
+
 def test_an_encoded_request_goes_as_it_is_and_replies_read_as_json_reads_them(short_dir):
     """A request already encoded (``encode_line``: a ping, encoded once) is sent byte for byte;
     a reply is what ``json.loads`` makes of its line, NaN and integers past 64 bits included."""
