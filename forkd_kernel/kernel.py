@@ -28,7 +28,8 @@ from forkd_magics._complete import install as install_completer
 from forkd_magics._errors import Explained, details_bundle, explained
 from forkd_magics._scope import Scope, kernel_id, notebook_path
 from forkd_server.checks import host_memory_mib
-from forkd_server.client import Controller, ControllerError, ServerUnreachable
+from forkd_server.client import BadServerURL, Controller, ControllerError, ServerUnreachable
+from forkd_server.client._core import DEFAULT_URL
 
 from . import __version__
 from .base import BaseSnapshot
@@ -126,7 +127,11 @@ class ForkdKernel(Kernel):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.controller = Controller()
+        self._bad_url: BadServerURL | None = None
+        try:
+            self.controller = Controller()
+        except BadServerURL as exc:  # a $FORKD_URL that names no server: said under the first cell (_start)
+            self.controller, self._bad_url = Controller(DEFAULT_URL), exc
         self.base = BaseSnapshot(self.controller, engine=self.engine, setup=self.setup, packages=self.packages,
                                  tag=self.base_snapshot)
         self.head = Head(self.controller, self._on_other)
@@ -172,6 +177,8 @@ class ForkdKernel(Kernel):
 
     def _start(self) -> None:
         try:
+            if self._bad_url is not None:
+                raise self._bad_url
             # the limit is read here, so a bad $FORKD_KERNEL_MEMORY_LIMIT_MIB is said under the first cell
             base = self.base.ensure(self.memory_limit_mib)
             self._notice = self.base.notice

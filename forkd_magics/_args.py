@@ -153,6 +153,19 @@ SUBCOMMANDS = {
                 "the server lacks are fetched, each verified. Returns a Snapshot.",
         A("tag", nargs="?", default=None, help="the snapshot's tag in the store"),
         A("--digest", default=None, help="the snapshot's digest, sha256:...")),
+    "freeze": _parser(
+        "freeze", "Pause a sandbox: its memory kept, no CPU used (tier frozen). Any call wakes it (a cell "
+                  "run in it, exec, branch), same id, state intact.",
+        A("sandbox", help="the sandbox id (or a variable holding a Sandbox)")),
+    "store": _parser(
+        "store", "Write a VM sandbox's state to the store and end its process (tier stored: no process, no "
+                 "RAM; pushed too when the server has a remote store). Any call wakes it, same id, state "
+                 "intact. On the process engine frozen is the deepest tier.",
+        A("sandbox", help="the sandbox id (or a variable holding a Sandbox)")),
+    "wake": _parser(
+        "wake", "Make a frozen or stored sandbox run again now (any call would wake it) and say how long it "
+                "took; from stored, split into fetch, decompress and restore.",
+        A("sandbox", help="the sandbox id (or a variable holding a Sandbox)")),
     "connect": _parser(
         "connect", "Use another server (default: $FORKD_URL, else the server found on this host). The "
                    "token comes from $FORKD_TOKEN, else a prompt that does not echo: never from the line, "
@@ -171,6 +184,7 @@ HELP = """Fork-on-write Python sandboxes from a notebook.
   %forkd ls | kill (SB ... | -t TAG | --all | --everyone) | delete (TAG ... | --all | --everyone)
   %forkd exec SB -- cmd | tree | connect URL
   %forkd push TAG | pull (TAG | --digest D)               -> a remote store (forkd serve --store URL)
+  %forkd freeze SB | store SB | wake SB                   -> tiers: no CPU, then no RAM; a call wakes it
   %%forkd run (SB ... | -t TAG | --all)                   -> runs the cell in each, side by side
 
 ls, tree and --all mean this notebook's snapshots and sandboxes (labelled with its path and kernel

@@ -52,6 +52,15 @@ def explained(exc: BaseException, server: str) -> Explained:
         if _NO_ANSWER.search(what):
             return Explained(what, "the sandbox may be busy with an earlier cell or stuck: give it more time "
                                    "(--timeout), interrupt it, or kill it", details)
+        taken = re.fullmatch(r"snapshot (\S+) already exists; DELETE first", what)  # forkd's words, kept on its wire
+        if taken:
+            return Explained(f"snapshot {taken[1]} already exists",
+                             f"choose another tag, or delete that snapshot first: %forkd delete {taken[1]}", details)
+        missing = re.fullmatch(r"(sandbox|snapshot) \S+ not found( on any host of the fleet)?", what)
+        if exc.status == 404 and missing and not hint:
+            kinds = {"sandbox": "sandboxes", "snapshot": "snapshots"}[missing[1]]
+            return Explained(what, f"check the name: %forkd ls lists this notebook's {kinds} "
+                                   f"(--everyone: the server's)", details)
         if exc.status >= 500 and not hint:
             return Explained(f"{what} (the forkd server failed, not your code)",
                              "run this again, and if it fails again, restart the server (its log says more)", details)

@@ -1,4 +1,5 @@
-"""``%forkd`` / ``%%forkd``: snapshot, fork, keep, branch, list, kill, exec, tree and run-in-parallel.
+"""``%forkd`` / ``%%forkd``: snapshot, fork, keep, branch, list, kill, exec, tree, run-in-parallel,
+push/pull and the tiers (freeze, store, wake).
 
 Every subcommand talks to the server through the client SDK and returns SDK objects
 (``Snapshot``, ``[Sandbox]``, ``CommandResult``...), so ``kids = %forkd fork -t py -n 4`` works.
@@ -24,7 +25,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_exp
 from IPython.utils.text import DollarFormatter
 from IPython.display import display
 
-from forkd_server.client import (CommandResult, Controller, ControllerError, Sandbox, ServerUnreachable,
+from forkd_server.client import (BadServerURL, CommandResult, Controller, ControllerError, Sandbox, ServerUnreachable,
                                  Snapshot)
 
 from ._args import SUBCOMMANDS, full_help, plain_help, strip_comment, unquote
@@ -32,6 +33,7 @@ from ._errors import Explained, explained, show_details
 from ._names import UndefinedName, sandbox_ids, snapshot_tag
 from ._scope import Scope, kernel_bases, sandboxes_of, snapshots_of
 from ._static import host_label
+from ._tiers import tier_line
 
 __all__ = ["ForkdMagics", "ExecResult", "Listing"]
 
@@ -179,7 +181,7 @@ class ForkdMagics(Magics):
             args.command = [command.strip()]
         try:
             return getattr(self, f"_{sub}")(args, cell)
-        except (ControllerError, ServerUnreachable, TimeoutError, RuntimeError) as exc:
+        except (ControllerError, ServerUnreachable, BadServerURL, TimeoutError, RuntimeError) as exc:
             said = self.explained(exc)
             error = UsageError(f"forkd {sub}: {said}")  # two lines: what, and what to do
             error.details = said.details
@@ -374,6 +376,20 @@ class ForkdMagics(Magics):
             print(f"pulled {info['tag']}: {figures['fetched_chunks']} of {figures['chunks']} chunks fetched "
                   f"({figures['fetched_bytes'] / 1e6:.1f} MB), the rest were on the server")
         return Snapshot(info, self.controller)
+
+    def _freeze(self, args, cell):
+        self._move("freeze", self.controller.freeze_sandbox, args)
+
+    def _store(self, args, cell):
+        self._move("store", self.controller.store_sandbox, args)
+
+    def _wake(self, args, cell):
+        self._move("wake", self.controller.wake_sandbox, args)
+
+    def _move(self, sub: str, move, args) -> None:
+        """A sandbox's tier by hand: one line saying where it is now (and how long a wake took)."""
+        info = move(self._one_sandbox(args.sandbox, sub))
+        print(tier_line(info))
 
     def _delete(self, args, cell):
         sweep = args.all or args.everyone

@@ -53,7 +53,12 @@ class Announcer:
             body = None
         if reply.code != 200 or not isinstance(body, dict):
             why = body.get("error") if isinstance(body, dict) else (reply.error or f"answer {reply.code}")
-            return self._say(f"the router at {self.endpoint} refused the registration ({reply.code}): {why}", ok=False)
+            fix = {401: "; --register-token-file must hold the token the router was started with (forkd router "
+                        "--register-token-file)",
+                   404: "; is --register the router's URL, and was it started with --register-token-file?"}.get(
+                reply.code, "")
+            return self._say(f"the router at {self.endpoint} refused the registration ({reply.code}): {why}{fix}",
+                             ok=False)
         every = body.get("announce_every")
         if isinstance(every, (int, float)) and not isinstance(every, bool):
             self.every = min(max(float(every), PACE[0]), PACE[1])

@@ -143,6 +143,9 @@ class ForkdApp(ExtensionApp):
                                           "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ALLOW_HTTP.")
     store_endpoint = Unicode("", config=True, help="S3-compatible endpoint of the store (default: $AWS_ENDPOINT_URL).")
     store_region = Unicode("", config=True, help="S3 region of the store (default: $AWS_REGION).")
+    store_timeout = Float(120.0, config=True, help="Seconds each request to the store (one 4 MiB chunk, a manifest, "
+                                                   "a tag) has to finish before it fails (retried 3 times within 20 "
+                                                   "s) and the push or pull fails with 502 saying so.")
     sse_keepalive = Int(15, config=True, help="Seconds between SSE keep-alive comments on /v1/events.")
     max_sessions = Int(256, config=True, help="Streaming sessions (kernels, streamed cells) open at once.")
     recovery_probe_timeout = Float(5.0, config=True, help="Seconds each sandbox and template recorded by the "
@@ -233,6 +236,7 @@ class ForkdApp(ExtensionApp):
             self.serverapp.exit(1)  # as jupyter_server refuses root without --allow-root
         from .errors import ForkdError
         options = {k: v for k, v in (("endpoint", self.store_endpoint), ("region", self.store_region)) if v}
+        options["timeout"] = self.store_timeout
         try:
             # The port listens first: what outlived the previous server is settled on threads
             # from then on (listening(), below), and calls about an object not settled yet answer
@@ -333,8 +337,8 @@ class ForkdApp(ExtensionApp):
         if self.register:
             from .announce import Announcer
             from .serve import read_token_file
-            self.announcer = Announcer(self.register, read_token_file(self.register_token_file), self.advertise_url,
-                                       self.log)
+            token = read_token_file(self.register_token_file, "--register-token-file")
+            self.announcer = Announcer(self.register, token, self.advertise_url, self.log)
             self.announcer.start()
 
     announcer = None  # this host announcing itself to a fleet's router (announce.py), with --register

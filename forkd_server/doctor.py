@@ -202,6 +202,7 @@ def check_reflink(data_dir: str) -> dict:
 
 def check_server(url: str | None, token: str | None) -> dict:
     from .client import Controller, ControllerError, ServerUnreachable
+    from .client._errors import BadServerURL
 
     try:
         ctl = Controller(url, token, timeout=2)
@@ -210,9 +211,11 @@ def check_server(url: str | None, token: str | None) -> dict:
         return _row("server", "ok", f"{ctl.base_url} answers (api {version.get('api')}, version {version.get('version')})")
     except ServerUnreachable as exc:
         return _row("server", "info", f"no server answers at {exc.url}", "start one with `forkd serve`")
+    except BadServerURL as exc:  # the rest of the host is still checked
+        return _row("server", "warn", str(exc).split("; ")[0], "give --url (or FORKD_URL) as http://HOST:PORT")
     except ControllerError as exc:
-        return _row("server", "warn", f"{exc.url}: {exc.message} (HTTP {exc.status})",
-                    "set FORKD_TOKEN to the server's token" if exc.status == 401 else "")
+        return _row("server", "warn", f"{exc.url}: {exc.what} (HTTP {exc.status})",
+                    "set FORKD_TOKEN to the server's token" if exc.status == 401 else exc.hint)
 
 
 def run_checks(data_dir: str, url: str | None = None, token: str | None = None) -> list[dict]:

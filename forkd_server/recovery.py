@@ -19,14 +19,16 @@ alone, with the reason:
   lost (a reboot) answers from the local store and stays ``ready`` (stores.py). A process snapshot
   whose template is gone is ``lost``, saying why: a parked process cannot be written to files, so
   it does not outlive a reboot. A snapshot whose template is silent, or whose files are gone with
-  no copy in the store, becomes ``failed`` with the reason (a silent template is left running: its
-  sandboxes live in its pid namespace; deleting the snapshot ends it). A sandbox that is gone is
+  no copy in the store, becomes ``failed`` with the reason. A sandbox that is gone is
   dropped, one alive but silent is ended and dropped, its ``killed`` event saying why;
 - a frozen sandbox (tiers.py) is thawed for its ping and frozen again; a stored one has no process
   to ping: it stays stored while its stored state is whole (a VM a store cut short left running is
   ended), and is dropped, saying why, when that state is gone;
 - an object whose settling raised is marked so: a snapshot ``failed``, a sandbox ended and
   dropped ("lost"), the reason in its record;
+- nothing of a process snapshot that failed here runs on: its template is ended as a delete would end it
+  (``_end_template``), which leaves the sandboxes spawned from it running (their pid namespace is
+  held by the template's init, not by its agent);
 - workspaces then settle on what is left (``WorkspaceManager.reconcile``; workspace calls answer
   503 until then); then, while calls go on, the stores resume what the previous server left
   (``StoreManager.resume``: snapshots not stored yet, pushes cut short) and each engine ends and
@@ -331,9 +333,8 @@ class Recovery:
         """(the finding, ``failed`` or ``lost``) for a snapshot that did not answer."""
         status = "failed"
         if engine.alive(row["handle"]):
-            # Alive but silent: left running, since its sandboxes may live inside it.
             warning = (f"snapshot is not bootable: its template did not answer when the server started "
-                       f"({reason}); delete the snapshot to end it")
+                       f"({reason}); {self._end_template(engine, row)}")
         else:
             ended = endings.how(engine.exit_status(row["handle"]))
             if not hasattr(engine, "store_snapshot"):  # a parked process, no files: gone for good
@@ -343,6 +344,23 @@ class Recovery:
             engine.delete_snapshot(row["handle"])  # releases what the engine held for it
         self.ctl.fail_snapshot(row["tag"], warning, status)
         return f"snapshot {row['tag']}: {warning}", status
+
+    @staticmethod
+    def _end_template(engine, row: dict) -> str:
+        """End the template process of a snapshot that failed here, as deleting it would, and say
+        so. Its sandboxes do not depend on it: this ends the template's agent, while its forkd-init
+        holds the pid namespace the sandboxes spawned from it are nested in and exits after the last
+        of them (a template from before forkd-init is asked to retire, and never forced while forks
+        of it live). A snapshot made of files (the VM engine) runs nothing here, and its files stay
+        until the user deletes it: they are the saved state, and what failed may be mended."""
+        if not getattr(engine, "snapshots_are_processes", False):
+            return "delete the snapshot to remove its files"
+        try:
+            engine.delete_snapshot(row["handle"])
+        except Exception as exc:  # noqa: BLE001 - the snapshot is failed all the same; a delete tries again
+            log.warning("forkd: the template of snapshot %s would not end: %s", row["tag"], exc)
+            return f"its template would not end ({type(exc).__name__}: {exc}): delete the snapshot to end it"
+        return "its template was ended (sandboxes spawned from it run on); delete the snapshot to remove it"
 
     def _drop_sandbox(self, engine, row: dict, reason: str) -> str:
         if engine.alive(row["handle"]):
@@ -354,6 +372,9 @@ class Recovery:
 
     def _lose_snapshot(self, row: dict, why: str) -> None:
         warning = f"snapshot is not bootable: it could not be recovered when the server started ({why})"
+        engine = self.engines[row["engine"]]
+        if row["handle"]:
+            warning += f"; {self._end_template(engine, row)}"
         self.ctl.fail_snapshot(row["tag"], warning)
         self._count("snapshots_failed")
         self._found(f"snapshot {row['tag']}: {warning}")

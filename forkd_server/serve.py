@@ -10,7 +10,9 @@ are compared in constant time (identity.py).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import math
 import os
 import secrets
 import socket
@@ -76,6 +78,19 @@ class _StandaloneForkd(ForkdApp):
     serverapp_class = ForkdServerApp
 
 
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether something else listens at host:port (jupyter-server's refusal then says only that the
+    port is not available, in its log)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host.strip("[]"), port))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
+
+
 def is_loopback(host: str) -> bool:
     if host in ("localhost", "ip6-localhost"):
         return True
@@ -88,15 +103,16 @@ def is_loopback(host: str) -> bool:
             return False
 
 
-def read_token_file(path: str) -> str:
-    """forkd's rules: trimmed, non-empty, at least 16 bytes, not a placeholder."""
+def read_token_file(path: str, option: str = "--token-file") -> str:
+    """forkd's rules: trimmed, non-empty, at least 16 bytes, not a placeholder. ``option``: the
+    flag that named the file, as the refusal says it."""
     try:
         with open(path, encoding="utf-8") as f:
             token = f.read().strip()
     except OSError as exc:
-        raise ServeError(f"cannot read --token-file {path}: {exc.strerror}") from None
+        raise ServeError(f"cannot read {option} {path}: {exc.strerror}") from None
     if not token:
-        raise ServeError(f"--token-file {path} is empty")
+        raise ServeError(f"{option} {path} is empty")
     if len(token.encode()) < 16:
         raise ServeError(f"the token in {path} is too short: use at least 16 bytes "
                          f"(e.g. `python3 -c 'import secrets; print(secrets.token_hex(24))' > {path}`)")
@@ -111,14 +127,24 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
                allow_host_network: bool = False, store: str | None = None, store_endpoint: str | None = None,
                store_region: str | None = None, max_sandboxes: int | None = None, hub: bool = False,
                base_url: str | None = None, register: str | None = None, register_token_file: str | None = None,
-               advertise_url: str | None = None) -> tuple[list[str], str | None, bool]:
+               advertise_url: str | None = None, store_timeout: float | None = None) -> tuple[list[str], str | None, bool]:
     """Validate the options; returns (server argv, token or None, whether the token was generated).
     ``hub``: JupyterHub authenticates every request (forkd_server/hub/); the token, if any, is an
     operator's."""
     if bool(tls_cert) != bool(tls_key):
         raise ServeError("--tls-cert and --tls-key go together")
+    if store_timeout is not None and not 0 < store_timeout < math.inf:
+        raise ServeError(f"--store-timeout must be a number of seconds above 0 (each request to the store has that long), "
+                         f"got {store_timeout:g}")
     if max_sandboxes is not None and max_sandboxes < 0:
         raise ServeError(f"--max-sandboxes must be 0 or more (0: this host takes no new sandboxes), got {max_sandboxes}")
+    if store:
+        from forkd_engine.store.errors import StoreError
+        from forkd_engine.store.remote import check_url
+        try:
+            check_url(store)
+        except StoreError as exc:
+            raise ServeError(f"--store: {exc}") from None
     for path in (tls_cert, tls_key):
         if path and not os.path.isfile(path):
             raise ServeError(f"TLS file not found: {path}")
@@ -167,7 +193,8 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         argv.append("--ForkdApp.allow_host_network=True")
     if max_sandboxes is not None:
         argv.append(f"--ForkdApp.max_sandboxes={max_sandboxes}")
-    for name, value in (("store", store), ("store_endpoint", store_endpoint), ("store_region", store_region)):
+    for name, value in (("store", store), ("store_endpoint", store_endpoint), ("store_region", store_region),
+                        ("store_timeout", store_timeout)):
         if value:
             argv.append(f"--ForkdApp.{name}={value}")
     argv += registration_argv(host, port, "https" if tls_cert else "http", base_url, register, register_token_file,
@@ -192,7 +219,7 @@ def registration_argv(host: str, port: int, scheme: str, base_url: str | None, r
     if not token_file:
         raise ServeError("--register needs --register-token-file FILE: the token the router was started with "
                          "(forkd router --register-token-file)")
-    read_token_file(token_file)
+    read_token_file(token_file, "--register-token-file")
     if advertise_url:
         own = urlsplit(advertise_url)
         if own.scheme not in ("http", "https") or not own.hostname or own.path not in ("", "/"):
@@ -215,7 +242,8 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
           no_token: bool = False, branch_concurrency: int | None = None, allow_host_network: bool = False,
           store: str | None = None, store_endpoint: str | None = None, store_region: str | None = None,
           max_sandboxes: int | None = None, hub: bool | None = None, extra_args: list[str] | None = None,
-          register: str | None = None, register_token_file: str | None = None, advertise_url: str | None = None) -> int:
+          register: str | None = None, register_token_file: str | None = None, advertise_url: str | None = None,
+          store_timeout: float | None = None) -> int:
     """``hub``: None turns it on when JupyterHub started this process as a service (hub/__init__.py);
     the Hub's environment then also gives the address and the URL prefix, unless given here."""
     from .hub import hub_settings, managed_by_hub
@@ -239,12 +267,20 @@ def serve(host: str | None = None, port: int | None = None, data_dir: str | None
                                             branch_concurrency, allow_host_network, store, store_endpoint,
                                             store_region, max_sandboxes, hub=hub, base_url=where.get("base_url"),
                                             register=register, register_token_file=register_token_file,
-                                            advertise_url=advertise_url)
+                                            advertise_url=advertise_url, store_timeout=store_timeout)
     except ServeError as exc:
         print(f"forkd serve: {exc}", file=sys.stderr)
         return 2
     os.makedirs(argv_value(argv, "--ForkdApp.data_dir"), mode=0o700, exist_ok=True)
-    serverapp = _StandaloneForkd.initialize_server(argv=argv + list(extra_args or []))
+    try:
+        serverapp = _StandaloneForkd.initialize_server(argv=argv + list(extra_args or []))
+    except SystemExit:
+        if not _port_in_use(host, port):
+            raise
+        shown = f"[{host}]" if ":" in host else host
+        print(f"forkd serve: {shown}:{port} is already in use by another process: pass --port N (if it is another "
+              f"forkd serve, `forkd ls --url http://{shown}:{port}` reaches it)", file=sys.stderr)
+        return 2
     if "forkd" not in serverapp.web_app.settings:
         print("forkd serve: the forkd extension failed to load (see the log above)", file=sys.stderr)
         return 1

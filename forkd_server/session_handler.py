@@ -21,9 +21,10 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web, websocket
 
 from .errors import ForkdError
-from .handlers.base import ScrubbedLog, caller_of
+from .handlers.base import caller_of
 from .hub.identity import HubUser
 from .hub.ownership import Caller
+from .scrub import ScrubbedLog
 
 
 class SessionHandler(ScrubbedLog, WebSocketMixin, websocket.WebSocketHandler, ExtensionHandlerMixin, JupyterHandler):

@@ -19,6 +19,7 @@ _CODE = re.compile(r"setup code failed: (.*)", re.S)
 _COMMAND = re.compile(r"setup command (.*?) (?:exited|failed: exit) (-?\d+): ?(.*)", re.S)
 _VM_CODE = re.compile(r"setup failed: (.*)", re.S)  # the VM engine's: the exception's type and message
 _CELL_LINE = re.compile(r'File "<cell>", line (\d+)')
+_LATE = re.compile(r"did not finish within \S+ s \(setup_timeout_secs")  # either engine's words
 
 
 def setup_refusal(tag: str, text: str) -> BadRequest:
@@ -51,6 +52,9 @@ def _said(tag: str, text: str, details: dict) -> tuple[str, str | None]:
         details["traceback"] = trace
         return (f"snapshot {tag}: your setup code raised {error}" + (f" (setup line {where[-1]})" if where else ""),
                 "fix the setup and create the snapshot again")
+    if _LATE.search(text):
+        details.update(sdk="setup_timeout_secs=", cli="--setup-timeout-secs S")
+        return text.strip(), "give it longer with setup_timeout_secs, and create the snapshot again"
     command = _COMMAND.search(text)
     if command:
         if command.group(3).strip():

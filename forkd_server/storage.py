@@ -11,7 +11,7 @@ import errno
 import shutil
 import sqlite3
 
-from .errors import InsufficientStorage
+from .errors import InsufficientStorage, StoreFailure
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _FULL_TEXT = ("No space left on device", "database or disk is full", "Disk quota exceeded")
@@ -27,7 +27,11 @@ def _chain(exc: BaseException | None):
 
 
 def is_disk_full(exc: BaseException | None) -> bool:
-    """True if ``exc``, or anything it was raised from, says the disk is full."""
+    """True if ``exc``, or anything it was raised from, says the disk is full. A remote store's
+    failure is the store's, never this host's, even when it says "No space left on device" (a full
+    ``file://`` store): it stays a 502 naming the store."""
+    if isinstance(exc, StoreFailure):
+        return False
     for exc in _chain(exc):
         if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
             return True

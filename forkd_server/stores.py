@@ -46,8 +46,9 @@ class StoreManager:
         self.remote = None
         self.grace_seconds = float(os.environ.get("FORKD_STORE_DELETE_GRACE") or DELETE_GRACE)
         if store_url:
+            options = dict(store_options or {})
             try:
-                self.remote = RemoteStore(store_url, **(store_options or {}))
+                self.remote = RemoteStore(store_url, timeout=options.pop("timeout", None), **options)
             except StoreError as exc:
                 raise BadRequest(str(exc)) from None
         self._queue: queue.Queue[tuple[str, str] | None] = queue.Queue()  # ("store" | "push", tag)
@@ -208,7 +209,10 @@ class StoreManager:
         try:
             result = push_chunks(engine.store, remote, stored["digest"], tag=tag, progress=self._progress(tag, "push"))
         except StoreError as exc:
-            raise StoreFailure(f"push of {tag}: {exc}") from None
+            # chunks are whole or absent and the manifest goes last: nothing a pull would use is half there
+            raise StoreFailure(f"push of {tag}: {exc}",
+                               hint=f"{tag} is unharmed here, and the store holds no manifest of it until a push "
+                                    f"completes; pushing again uploads only the chunks the store lacks") from None
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(marker)
@@ -279,7 +283,9 @@ class StoreManager:
         try:
             manifest = fetch_manifest(remote, tag=tag, digest=digest)
         except NotInStore as exc:
-            raise NotFound(str(exc)) from None
+            raise NotFound(str(exc), hint="push it there first, from a server of the same store that has it",
+                           details={"cli": f"forkd push {tag or 'TAG'}", "rest": "POST /v1/snapshots/{tag}/push",
+                                    "sdk": "push_snapshot(tag)"}) from None
         except StoreError as exc:
             raise StoreFailure(f"pull: {exc}") from None
         name = tag or manifest.meta.get("tag")

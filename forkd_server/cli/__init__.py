@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from . import _host, _mcp, _sandboxes, _snapshots, _store, _tiers, _workspaces
 from ._errors import Parser, add_debug_option, debug_wanted, report
@@ -65,5 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except SystemExit as exc:  # a command's own refusal of its arguments: status 2, as argparse's
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - every failure is one line (report); --debug adds the traceback
         return report(_name(args), exc, debug=debug_wanted(args), as_json=bool(getattr(args, "json", False)))

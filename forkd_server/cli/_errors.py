@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 
-UNREACHABLE = 2  # the server is not there: the command could not even ask
+UNREACHABLE = 2  # the server is not there (or its URL names none): the command could not even ask
 FAILED = 1
 
 
@@ -48,15 +49,44 @@ def _said(exc: BaseException) -> tuple[str, str, dict]:
     return f"{type(exc).__name__}: {exc}", "run it again with --debug for the traceback", {}
 
 
+# forkd's own messages, which its wire keeps word for word: what to do about each, in CLI words
+LISTED_BY = {"sandbox": "forkd ls lists the sandboxes", "snapshot": "forkd ls --snapshots lists the snapshots",
+             "workspace": "forkd workspace list lists the workspaces"}
+
+
+def _in_cli_words(status: int, what: str, hint: str) -> tuple[str, str]:
+    """(what, hint) for a server's bare message: an unknown name says where the names are listed; a
+    taken tag says how to free it, rather than REST's 'DELETE first'."""
+    if hint:
+        return what, hint
+    missing = re.fullmatch(r"(sandbox|snapshot|workspace) \S+ not found( on any host of the fleet)?", what)
+    if status == 404 and missing:
+        return what, f"check the name: {LISTED_BY[missing[1]]}"
+    taken = re.fullmatch(r"snapshot (\S+) already exists; DELETE first", what)
+    if taken:
+        return (f"snapshot {taken[1]} already exists",
+                f"choose another tag, or delete that snapshot first: forkd rmi {taken[1]}")
+    return what, hint
+
+
+def item_failed(command: str, key: str, exc) -> None:
+    """One item of a bulk command (kill IDS, rmi TAGS) that failed, said on stderr as a failure is:
+    ``forkd COMMAND: KEY: what; what to do``."""
+    what, hint = _in_cli_words(exc.status, exc.what, exc.hint)
+    print(f"forkd {command}: {key}: {what}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+
+
 def report(command: str, exc: BaseException, *, debug: bool, as_json: bool) -> int:
     """Say ``exc`` as ``forkd COMMAND`` failing; returns the exit status."""
     from ..client import ControllerError, ServerUnreachable
+    from ..client._errors import BadServerURL
 
     what, hint, details = _said(exc)
     if hint and details.get("cli"):  # the fix in this front end's own words
         hint += f": {details['cli']}"
     status = getattr(exc, "status", None) if isinstance(exc, ControllerError) else None
     if status is not None:
+        what, hint = _in_cli_words(status, what, hint)
         what += f" (HTTP {status})"
         if status == 401 and not hint:
             hint = "set FORKD_TOKEN (or --token) to the server's token"
@@ -69,4 +99,4 @@ def report(command: str, exc: BaseException, *, debug: bool, as_json: bool) -> i
             text = value if isinstance(value, str) else json.dumps(value)
             print(f"  {key}: " + "\n    ".join(text.splitlines() or [""]), file=sys.stderr)
         traceback.print_exception(exc, file=sys.stderr)
-    return UNREACHABLE if isinstance(exc, ServerUnreachable) else FAILED
+    return UNREACHABLE if isinstance(exc, (ServerUnreachable, BadServerURL)) else FAILED

@@ -23,7 +23,8 @@ def cmd_serve(args) -> int:
                  branch_concurrency=args.branch_concurrency, allow_host_network=args.allow_host_network,
                  store=args.store, store_endpoint=args.store_endpoint, store_region=args.store_region,
                  max_sandboxes=args.max_sandboxes, hub=args.hub, extra_args=args.jupyter_args,
-                 register=args.register, register_token_file=args.register_token_file, advertise_url=args.advertise_url)
+                 register=args.register, register_token_file=args.register_token_file, advertise_url=args.advertise_url,
+                 store_timeout=args.store_timeout)
 
 
 def cmd_router(args) -> int:
@@ -128,6 +129,9 @@ def add_serve_command(sub) -> None:
     p.add_argument("--store-endpoint", default=None,
                    help="S3-compatible endpoint URL (default: $AWS_ENDPOINT_URL)")
     p.add_argument("--store-region", default=None, help="S3 region (default: $AWS_REGION)")
+    p.add_argument("--store-timeout", type=float, default=os.environ.get("FORKD_STORE_TIMEOUT"), metavar="SECONDS",
+                   help="seconds each request to the store (a 4 MiB chunk, a manifest) has to finish before the push "
+                        "or pull fails saying so (default: $FORKD_STORE_TIMEOUT, else 120)")
     p.add_argument("--register", default=os.environ.get("FORKD_REGISTER"), metavar="ROUTER_URL",
                    help="register this host with a fleet's router (forkd router --register-token-file) and keep "
                         "announcing it at the router's heartbeat (default: $FORKD_REGISTER)")

@@ -52,10 +52,13 @@ def table(title: str, columns: list[str], rows: list[list]):
 
 
 def progress(total: int, description: str, enabled: bool):
+    """A bar on stderr, only where a person watches it: off a terminal a transient bar still leaves
+    an empty line, which would come before the one line a failure is said in."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    err = console(stderr=True)
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console(stderr=True), transient=True, disable=not enabled)
+                   console=err, transient=True, disable=not (enabled and err.is_terminal))
     return bar, description, total
 
 

@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 
+from ._errors import item_failed
 from ._output import add_label_option, ago, busy, client, console, emit_json, labels_arg, progress, table
 from ._snapshots import SNAPSHOT_COLUMNS, snapshot_rows
 
@@ -72,7 +73,8 @@ def cmd_promote(args) -> int:
     for kept in result["kept"]:
         out.print(f"kept {kept['kind']} {kept['id']}: {kept['reason']}")
     for failed in result["failed"]:
-        out.print(f"[red]could not kill {failed['id']}: {failed['error']}; forkd kill {failed['id']}[/]")
+        print(f"forkd promote: could not kill {failed['id']}: {failed['error']}; forkd kill {failed['id']}",
+              file=sys.stderr)
     return 1 if result["failed"] else 0
 
 
@@ -121,32 +123,48 @@ def cmd_kill(args) -> int:
                 ctl.kill_sandbox(sid)
                 killed.append(sid)
             except ControllerError as exc:
-                failed[sid] = exc.what
+                failed[sid] = exc
             bar.advance(task)
     if args.json:
-        emit_json({"killed": killed, "failed": failed})
+        emit_json({"killed": killed, "failed": {sid: exc.what for sid, exc in failed.items()}})
     else:
-        out = console()
-        out.print(f"killed {len(killed)} sandbox(es)" + (f": {', '.join(killed)}" if len(killed) <= 5 else ""))
-        for sid, why in failed.items():
-            out.print(f"[red]{sid}: {why}[/]")
+        listed = f": {', '.join(killed)}" if 0 < len(killed) <= 5 else ""
+        console().print(f"killed {len(killed)} sandbox(es){listed}")
+        for sid, exc in failed.items():
+            item_failed("kill", sid, exc)
     return 1 if failed else 0
 
 
 def cmd_exec(args) -> int:
-    ctl = client(args)
-    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    argv = args.argv
+    if "--" in argv:  # options between the id and "--" are exec's own (ID --timeout-secs 5 -- cmd), not the command
+        split = argv.index("--")
+        if split:
+            args.exec_parser.parse_args([*argv[:split], args.id], namespace=args)
+        argv = argv[split + 1:]
     if not argv:
         raise SystemExit("forkd exec: give a command after the sandbox id, e.g. forkd exec ID -- ls -l")
-    reply = ctl.exec_command(args.id, argv, args.timeout_secs)
+    reply = client(args).exec_command(args.id, argv, args.timeout_secs)
     if args.json:
         emit_json(reply)
     else:
         sys.stdout.write(reply.get("stdout", ""))
         sys.stderr.write(reply.get("stderr", ""))
         if reply.get("error"):
-            sys.stderr.write(f"forkd exec: {reply['error']}\n")
+            sys.stderr.write(f"forkd exec: {_exec_failure(reply['error'], argv, args.timeout_secs)}\n")
     return int(reply.get("exit_code", 1)) & 0xFF
+
+
+def _exec_failure(error: str, argv: list[str], timeout: float) -> str:
+    """The agent's failure (``<Type>: <message>``, as forkd words it) with what to do about it."""
+    if error.startswith("FileNotFoundError:"):
+        return (f"{argv[0]}: no such command in the sandbox ({error}); give its full path, or run it through a "
+                f"shell: forkd exec ID -- sh -c '...'")
+    if error.startswith("PermissionError:"):
+        return f"{argv[0]}: cannot be run in the sandbox ({error}); is it an executable file?"
+    if error.startswith("TimeoutExpired:"):
+        return f"{error}; give it longer with --timeout-secs (it was {timeout:g} s)"
+    return error
 
 
 def cmd_eval(args) -> int:
@@ -154,7 +172,9 @@ def cmd_eval(args) -> int:
     if args.json:
         emit_json(reply)
     elif reply.get("error"):
-        print(reply["error"], file=sys.stderr)
+        hint = ("; eval takes one expression: run statements with forkd run ID CODE"
+                if reply["error"].startswith("SyntaxError:") and "(<eval>" in reply["error"] else "")
+        print(reply["error"] + hint, file=sys.stderr)
     else:
         print(reply.get("result"))
     return 0 if not reply.get("error") else 1
@@ -230,7 +250,7 @@ def add_commands(sub, options) -> None:
     p.add_argument("id")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="command")  # not "command": that names the subcommand
     p.add_argument("--timeout-secs", type=float, default=30)
-    p.set_defaults(func=cmd_exec)
+    p.set_defaults(func=cmd_exec, exec_parser=p)
 
     p = sub.add_parser("eval", parents=[options], help="evaluate a Python expression in a sandbox")
     p.add_argument("id")

@@ -6,6 +6,7 @@ import json
 import shlex
 import warnings
 
+from ._errors import item_failed
 from ._output import add_label_option, ago, busy, client, console, emit_json, labels_arg, table
 
 SNAPSHOT_COLUMNS = ["tag", "status", "engine", "branched from", "pause", "created", "warning"]
@@ -87,15 +88,15 @@ def cmd_rmi(args) -> int:
             ctl.delete_snapshot(tag, cascade=args.cascade, force=args.force)
             removed.append(tag)
         except ControllerError as exc:
-            failed[tag] = exc.what
+            failed[tag] = exc
     if args.json:
-        emit_json({"removed": removed, "failed": failed})
+        emit_json({"removed": removed, "failed": {tag: exc.what for tag, exc in failed.items()}})
     else:
         out = console()
         for tag in removed:
             out.print(f"removed {tag}")
-        for tag, why in failed.items():
-            out.print(f"[red]{tag}: {why}[/]")
+        for tag, exc in failed.items():
+            item_failed("rmi", tag, exc)
     return 1 if failed else 0
 
 

@@ -11,14 +11,15 @@ from ._output import client, console, emit_json
 
 @contextlib.contextmanager
 def _bar(args, what: str):
-    """A progress callback drawing a bar of bytes done, or None with --json."""
-    if args.json:
+    """A progress callback drawing a bar of bytes done on a terminal, else (or with --json) None."""
+    err = console(stderr=True)
+    if args.json or not err.is_terminal:  # off a terminal the bar would leave an empty line
         yield None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=console(stderr=True), transient=True) as bar:
+                  console=err, transient=True) as bar:
         task = bar.add_task(what, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
@@ -29,9 +30,12 @@ def cmd_push(args) -> int:
         if args.json:
             emit_json(out)
             return 0
+        waiting = out.get("waiting_chunks") or 0
         console().print(f"deleted {args.tag} ({out['digest']}) from {out['store']}\n"
                         f"  {out['removed_chunks']} chunks removed, {out['kept_chunks']} kept (other snapshots list "
-                        f"them)", soft_wrap=True)
+                        f"them)" + (f", {waiting} left for now: no snapshot lists them, but they are younger than "
+                                    f"the store's grace period (a push may be writing them); a later delete sweeps "
+                                    f"them" if waiting else ""), soft_wrap=True)
         return 0
     with _bar(args, f"pushing {args.tag}") as progress:
         out = client(args).push_snapshot(args.tag, progress=progress)

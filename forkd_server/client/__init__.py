@@ -45,10 +45,10 @@ from __future__ import annotations
 from ._async import AsyncEventStream
 from ._controller import AsyncController, Controller
 from ._discovery import discover_server
-from ._errors import ControllerError, ForkWarning, ServerTimeout, ServerUnreachable, SessionClosed
+from ._errors import BadServerURL, ControllerError, ForkWarning, ServerTimeout, ServerUnreachable, SessionClosed
 from ._objects import AsyncSandbox, AsyncSnapshot, CommandResult, Execution, Sandbox, Snapshot
 from ._sync import EventStream
 
-__all__ = ["AsyncController", "AsyncEventStream", "AsyncSandbox", "AsyncSnapshot", "CommandResult", "Controller",
-           "ControllerError", "EventStream", "Execution", "ForkWarning", "Sandbox", "ServerTimeout",
+__all__ = ["AsyncController", "AsyncEventStream", "AsyncSandbox", "AsyncSnapshot", "BadServerURL", "CommandResult",
+           "Controller", "ControllerError", "EventStream", "Execution", "ForkWarning", "Sandbox", "ServerTimeout",
            "ServerUnreachable", "SessionClosed", "Snapshot", "discover_server"]

@@ -233,7 +233,8 @@ class Calls:
         """Delete a snapshot from the server's remote store, by ``tag`` (the store's tag index) or
         ``digest``: its manifest and the tags naming it go, then every chunk no other manifest lists
         (mark and sweep; chunks written within the store's grace period stay). Returns ``{"digest",
-        "store", "removed_chunks", "kept_chunks"}``. Snapshots on the server itself stay."""
+        "store", "removed_chunks", "kept_chunks", "waiting_chunks"}`` (waiting: unlisted chunks the
+        grace period keeps for now). Snapshots on the server itself stay."""
         return self._request("DELETE", f"/v1/store/snapshots/{tag if tag is not None else digest}", timeout=timeout)
 
     # -- tiers: running, frozen (paused, no CPU), stored (in the store, no process); a call wakes it --

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 from urllib.parse import urlencode, urlsplit
 
 from ._discovery import discover_server
-from ._errors import ControllerError, ServerTimeout, ServerUnreachable
+from ._errors import BadServerURL, ControllerError, ServerTimeout, ServerUnreachable
 
 try:  # optional: parses a large listing several times faster; the standard library is enough
     from orjson import loads as _loads
@@ -36,6 +36,9 @@ USER_AGENT = "Python-urllib/%d.%d" % sys.version_info[:2]
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 CLIENT_HEADER = "X-Forkd-Client"
 RECOVERING_POLL = 0.1  # s between asks about an object a restarted server has not settled yet
+# s for a new connection: the TCP connect and, over https, the TLS handshake. A server answers both
+# at once; past this nothing is going to (an https URL of a plain-http server waits for ever).
+CONNECT_TIMEOUT = 15.0
 
 
 class Request:
@@ -147,6 +150,20 @@ def label_query(labels: dict[str, str] | None) -> dict | None:
     return {"label": [f"{k}={v}" for k, v in labels.items()]} if labels else None
 
 
+def check_url(url: str) -> str:
+    """``url`` if it names a server (http or https, a host, a numeric port), else a ValueError saying
+    how to write one: ``127.0.0.1:8889`` alone would otherwise fail deep in the HTTP client."""
+    split = urlsplit(url)
+    try:
+        split.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        split = None
+    if split is None or split.scheme not in ("http", "https") or not split.hostname:
+        raise BadServerURL(f"not a forkd server's URL: {url!r}; give its scheme, host and port, e.g. "
+                         f"http://127.0.0.1:8889 (in --url, $FORKD_URL or base_url)")
+    return url
+
+
 class Wire:
     """Where the server is (``base_url``, else ``$FORKD_URL``, else a running server found from
     Jupyter's runtime files, else ``http://127.0.0.1:8889``), its token (``token``, else
@@ -162,7 +179,7 @@ class Wire:
         if not url:
             found = discover_server()
             url, found_token = found if found else (DEFAULT_URL, None)
-        self.base_url = url.rstrip("/")
+        self.base_url = check_url(url).rstrip("/")
         self.token = token if token is not None else (os.environ.get("FORKD_TOKEN") or found_token)
         self.timeout = timeout
         if max_connections < 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import urllib.error
 import warnings
 from typing import Any
+from urllib.parse import urlsplit
 
 
 class ForkWarning(UserWarning):
@@ -25,6 +26,10 @@ def warn_lossy(info: dict, lead: str) -> dict:
     return info
 
 
+URL_HINT = ("point FORKD_URL (--url, base_url) at the server's base URL, without /v1: http://HOST:8889 for forkd "
+            "serve, http://HOST:8888/forkd inside Jupyter")
+
+
 class ControllerError(Exception):
     """A non-2xx answer. ``body`` is the parsed JSON (``{"error": ...}``), else the text, else ``{}``.
 
@@ -40,6 +45,12 @@ class ControllerError(Exception):
     def message(self) -> str:
         if isinstance(self.body, dict) and "error" in self.body:
             return str(self.body["error"])
+        path = urlsplit(self.url).path
+        page = isinstance(self.body, str) and self.body.lstrip()[:9].lower() in ("<!doctype", "<html>")
+        if self.status == 404 and (not self.body or page):  # forkd's (empty) or Jupyter's (a page): no such route
+            return f"{path} is not a route of this server\n{URL_HINT}"
+        if page:  # a web server, not forkd's API: the page itself says nothing to a client (and may hold a token)
+            return f"the server answered {path} with a web page ({self.status}), not forkd's JSON\n{URL_HINT}"
         return str(self.body) if self.body else "(empty body)"
 
     @property
@@ -64,6 +75,11 @@ class ControllerError(Exception):
         return list(self.body.get("lost") or []) if isinstance(self.body, dict) else []
 
 
+class BadServerURL(ValueError):
+    """The server's URL (``base_url``, ``$FORKD_URL``, ``--url``) cannot name a server: no scheme,
+    no host, a port that is not a number."""
+
+
 class ServerUnreachable(urllib.error.URLError):
     """No server answers at the URL (a ``URLError``, as forkd's SDK raises, with a helpful message:
     ``what``, ``hint`` and ``details`` as a ``ControllerError`` has them)."""
@@ -74,11 +90,26 @@ class ServerUnreachable(urllib.error.URLError):
 
     @property
     def what(self) -> str:
+        if "CERTIFICATE_VERIFY_FAILED" in str(self.reason):
+            return f"the server at {self.url} has a certificate this host does not trust ({self.reason})"
         return f"no forkd server answers at {self.url} ({self.reason})"
 
     @property
     def hint(self) -> str:
+        why, scheme = str(self.reason), urlsplit(self.url).scheme
+        if "CERTIFICATE_VERIFY_FAILED" in why:  # a server answered, with a certificate this host does not trust
+            return ("set SSL_CERT_FILE to the CA certificate that signed the server's (for forkd serve --tls-cert "
+                    "with a self-signed one, that certificate file)")
+        if scheme == "https" and ("handshake" in why or "WRONG_VERSION_NUMBER" in why or "record layer" in why):
+            return f"the server may speak plain http: try {self._with_scheme('http')}"
+        if scheme == "http" and ("reset by peer" in why or "closed connection without response" in why
+                                 or "not an HTTP answer" in why):
+            return (f"start one with `forkd serve`; if the server serves TLS (forkd serve --tls-cert), use "
+                    f"{self._with_scheme('https')}")
         return "start one with `forkd serve`, or point FORKD_URL (and FORKD_TOKEN) at a running one"
+
+    def _with_scheme(self, scheme: str) -> str:
+        return scheme + self.url[self.url.index(":"):]
 
     @property
     def details(self) -> dict:

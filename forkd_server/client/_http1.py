@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import h11
 
+from ._core import CONNECT_TIMEOUT
+
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
 REQUESTS_KEPT = 64  # h11 requests kept for reuse (an event is immutable: it can be sent again)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # sent with Content-Length: 0 when empty, as http.client
@@ -191,9 +193,10 @@ class Pool:
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(
                 lambda: _Connection(loop), self._host, self._port, ssl=self._ssl,
-                server_hostname=self._host if self._ssl else None), timeout)
+                server_hostname=self._host if self._ssl else None), min(timeout, CONNECT_TIMEOUT))
         except asyncio.TimeoutError:
-            raise NotConnected(f"no connection to {self._host}:{self._port} within {timeout:g} s") from None
+            raise NotConnected(f"no connection to {self._host}:{self._port} within {min(timeout, CONNECT_TIMEOUT):g} s"
+                               + (" (the TLS handshake had no answer)" if self._ssl else "")) from None
         except OSError as exc:
             raise NotConnected(str(exc)) from exc
         return conn

@@ -18,8 +18,8 @@ import urllib.request
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-from ._core import (Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder, Sleep,
-                    Subscribe, Wait, Wire)
+from ._core import (CONNECT_TIMEOUT, Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder,
+                    Sleep, Subscribe, Wait, Wire)
 from ._errors import ServerUnreachable
 
 __all__ = ["EventStream", "SyncTransport", "run", "stream"]
@@ -112,7 +112,9 @@ class SyncTransport(Wire):
             try:
                 kind = "connect"
                 if conn.sock is None:
+                    conn.timeout = min(CONNECT_TIMEOUT, request.timeout)
                     conn.connect()
+                    conn.sock.settimeout(request.timeout)
                 kind = "dropped"
                 conn.request(request.method, request.target, body=request.content, headers=request.headers)
                 resp = conn.getresponse()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -67,9 +68,14 @@ async def start(router: Router, token: str | None, host: str, port: int, ssl_opt
                 base_url: str = "/", **settings) -> HTTPServer:
     """Start the router's heartbeat and listen; returns the server (its port in ``.port``)."""
     app = make_app(router, token, hub=hub, base_url=base_url, **settings)  # first: hub.py hooks the router
-    await router.start()
+    sockets = bind_sockets(port, host)  # before the heartbeat: a port in use is refused with nothing started
+    try:
+        await router.start()
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     server = HTTPServer(app, ssl_options=ssl_options, max_body_size=MAX_BODY, xheaders=False)
-    sockets = bind_sockets(port, host)
     server.add_sockets(sockets)
     server.port = sockets[0].getsockname()[1]
     return server
@@ -116,8 +122,8 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
         for path in (tls_cert, tls_key, settings and settings.hosts_ca):
             if path and not os.path.isfile(path):
                 raise RouterError(f"TLS file not found: {path}")
-        host_token = read_token_file(hosts_token_file) if hosts_token_file else None
-        register_token = read_token_file(register_token_file) if register_token_file else None
+        host_token = read_token_file(hosts_token_file, "--hosts-token-file") if hosts_token_file else None
+        register_token = read_token_file(register_token_file, "--register-token-file") if register_token_file else None
         if token_file:
             token = read_token_file(token_file)
         elif hub:
@@ -158,6 +164,12 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
               f"{len(router.hosts)} hosts ({up} up{', found through ' + hosts_dns if hosts_dns else ''}"
               f"{'; hosts may register themselves at /v1/fleet/register' if registrations else ''}); "
               f"state in {state_dir}", file=sys.stderr, flush=True)
+        for h in router.hosts.values():
+            if not h.up:  # say why now: a router that cannot read a host would otherwise just lack it
+                why = h.reason or h.last_error or "no answer yet"
+                fix = ("; pass --hosts-token-file FILE, the token the hosts were started with"
+                       if "answered 401" in why else "")
+                print(f"forkd router: host {h.url} is not up: {why}{fix}", file=sys.stderr, flush=True)
         if hub:
             gate = server.request_callback.settings["forkd_hub"].gate
             print(f"forkd router: JupyterHub authenticates every request (a Hub token with "
@@ -178,5 +190,12 @@ def run_router(hosts: str | None, hosts_token_file: str | None, host: str | None
             await registrations.stop()
         await router.stop()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        shown = f"[{host}]" if ":" in host else host
+        print(f"forkd router: {shown}:{port} is already in use by another process: pass --port N", file=sys.stderr)
+        return 2
     return 0

@@ -234,10 +234,21 @@ class Router:
         raise self.unknown(kind, key)
 
     def unknown(self, kind: str, key: str) -> Refusal:
-        """The 404 for an id no host has (and, under JupyterHub, for one the caller may not see)."""
-        down = [h.url for h in self.hosts.values() if h.state == "down"]
-        return Refusal(404, f"{kind} {key} not found on any host of the fleet"
-                       + (f" (hosts down: {', '.join(down)})" if down else ""))
+        """The 404 for an id no host has (and, under JupyterHub, for one the caller may not see).
+        Hosts that are not up were not asked: the message names them and why, since what they hold
+        is the likely answer (a host the router cannot read, e.g. without --hosts-token-file, is never up)."""
+        return Refusal(404, f"{kind} {key} not found on any host of the fleet" + self.not_up_note())
+
+    def not_up_note(self) -> str:
+        """'' when every host is up, else the hosts that are not, with why, and what to do."""
+        out = [h for h in self.hosts.values() if not h.up]
+        if not out:
+            return ""
+        why = "; ".join(f"{h.url}: {h.reason or h.last_error or 'not answered yet'}" for h in out)
+        fix = (" (start the router with --hosts-token-file FILE, the token the hosts were started with)"
+               if any("answered 401" in (h.reason or h.last_error or "") for h in out) else "")
+        return (f" that is up\n{len(out)} of {len(self.hosts)} hosts are not up, so were not asked: {why}{fix}; "
+                f"GET /v1/fleet/hosts shows each")
 
     async def _ask_all(self, path: str) -> tuple[list[tuple[Host, Any]], list[tuple[int, Any]]]:
         hosts = self.up_hosts()
@@ -306,7 +317,7 @@ class Router:
                 raise Refusal(410, f"snapshot {tag} is lost: its host {down[0]} is down "
                                    f"({self.hosts[down[0]].reason})\nspawn from a snapshot another host holds",
                               lost={"host": down[0], "reason": self.hosts[down[0]].reason})
-            raise Refusal(404, f"snapshot {tag} not found on any host of the fleet")
+            raise self.unknown("snapshot", tag)
         if not any(s.get("status") == "ready" for s in held.values()):
             status = next(iter(held.values())).get("status")
             raise Refusal(409, f"snapshot `{tag}` is not bootable: status={status}")

@@ -12,13 +12,14 @@ import json
 from tornado import httpclient, web, websocket
 
 from ..relay import WebSocketRelay
+from ..scrub import ScrubbedLog
 from .handlers import check_token, host_query
 from .router import Refusal, Router
 
 PASSED_HEADERS = ("X-Forkd-Client", "User-Agent")
 
 
-class SessionProxy(WebSocketRelay, websocket.WebSocketHandler):
+class SessionProxy(ScrubbedLog, WebSocketRelay, websocket.WebSocketHandler):
     # under JupyterHub (hub.py): any user's, about a sandbox they see
     auth_resource, for_users, admin_only, owned, changes, stamps, checks_labels, body_owns, creates = \
         "forkd:server", True, None, "sandbox", (), (), (), (), ()

@@ -16,17 +16,16 @@ import functools
 import hashlib
 import json
 import math
-import re
 
 import orjson
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
-from tornado.log import app_log, gen_log
 
 from ..errors import ForkdError, Gone, NotFound
 from ..hub.identity import HubUser
 from ..hub.ownership import Caller, Refused
+from ..scrub import ScrubbedLog, scrub  # noqa: F401 - the names this module's users import
 from ..storage import full_disk_error, is_disk_full
 from ..wire import label_filter
 
@@ -37,31 +36,6 @@ def dumps(obj) -> bytes:
         return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:
         return json.dumps(obj).encode()
-
-
-_SECRET_PARAM = re.compile(r"(?i)([?&](?:token|_xsrf)=)[^&#]*")
-
-
-def scrub(uri: str) -> str:
-    """A request URI fit for a log: the values of ``?token=`` and ``?_xsrf=`` replaced."""
-    return _SECRET_PARAM.sub(r"\1[secret]", uri)
-
-
-class ScrubbedLog:
-    """The one way every forkd route (REST and WebSocket alike) puts a request in the log: its URI
-    with ``?token=`` scrubbed. tornado's own ``_request_summary`` and ``log_exception`` write the
-    URI in clear with every 4xx; jupyter_server's access log scrubs it on its own."""
-
-    def _request_summary(self) -> str:
-        return f"{self.request.method} {scrub(self.request.uri)} ({self.request.remote_ip})"
-
-    def log_exception(self, typ, value, tb) -> None:
-        if isinstance(value, web.HTTPError):
-            if value.log_message:
-                gen_log.warning("%d %s: %s", value.status_code, self._request_summary(),
-                                value.log_message % value.args)
-        else:
-            app_log.error("Uncaught exception %s", self._request_summary(), exc_info=(typ, value, tb))
 
 
 CLIENT_HEADER = "X-Forkd-Client"  # the SDK sends a random id per client object

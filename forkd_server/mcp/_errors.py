@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 
 from mcp.server.mcpserver.exceptions import ToolError
 
@@ -34,6 +35,10 @@ def describe(exc: BaseException) -> str:
         mcp = exc.details.get("mcp")  # the server's fix in this server's own words (its tools), when it gave one
         if isinstance(mcp, str) and mcp:
             return f"{exc.what}\n{mcp}"
+        taken = re.fullmatch(r"snapshot (\S+) already exists; DELETE first", exc.what)  # forkd's words, on its wire
+        if taken:
+            return (f"snapshot {taken[1]} already exists\n"
+                    f"choose another tag, or delete that one first with delete_snapshot")
         return exc.message if exc.hint else f"{exc.what}\n{_hint_for_status(exc.status)}"
     if isinstance(exc, ServerUnreachable):
         return str(exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -215,8 +216,9 @@ def test_deleting_a_snapshot_keeps_a_sandbox_whose_main_thread_ended(short_dir):
 
 def test_restart_marks_what_is_alive_but_does_not_answer(short_dir, monkeypatch):
     """A process that lives but never answers (here: stopped) is not re-attached as ready or
-    running: its snapshot becomes failed with the reason (the template is left alone, its
-    sandboxes live in its pid namespace), a silent sandbox is ended and dropped."""
+    running: its snapshot becomes failed with the reason and its template is ended (its init
+    holds the pid namespace its sandboxes live in: they run on), a silent sandbox is ended and
+    dropped."""
     c = Controller(short_dir)
     try:
         c.create_snapshot("quiet", setup="v = 1")
@@ -234,6 +236,7 @@ def test_restart_marks_what_is_alive_but_does_not_answer(short_dir, monkeypatch)
         found = "\n".join(c.recovered["findings"])
         quiet = c.get_snapshot("quiet")
         assert quiet["status"] == "failed" and "did not answer" in quiet["warning"], quiet
+        assert "its template was ended" in quiet["warning"] and wait_gone({template}) == set(), quiet
         assert f"sandbox {silent['id']}: it did not answer" in found
         assert wait_gone({silent["pid"]}) == set()
         assert {s["id"] for s in c.list_sandboxes()} == {healthy["id"], child_of_quiet["id"]}
@@ -242,7 +245,8 @@ def test_restart_marks_what_is_alive_but_does_not_answer(short_dir, monkeypatch)
         assert c.recovered["snapshots_failed"] == 1 and c.recovered["sandboxes_dropped"] == 1
         assert_consistent(c)
     finally:
-        os.kill(template, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(template, signal.SIGCONT)
         cleanup(c)
         c.close()
 

@@ -143,7 +143,9 @@ def test_a_kill_cut_short_by_a_crash_is_finished_at_start_up(short_dir, when):
 
 def test_an_object_that_cannot_be_recovered_fails_alone(short_dir, monkeypatch):
     """Whatever one object's settling raises (here: its engine's repair), the start-up goes on: that
-    sandbox is ended and dropped saying why, that snapshot failed saying why, the rest re-attached."""
+    sandbox is ended and dropped saying why, that snapshot failed saying why and its template ended
+    (its init holds the pid namespace of the sandboxes spawned from it: they run on), the rest
+    re-attached."""
     from forkd_engine.process.engine import ProcessEngine
 
     before = engine_processes(short_dir)
@@ -152,7 +154,9 @@ def test_an_object_that_cannot_be_recovered_fails_alone(short_dir, monkeypatch):
         c.create_snapshot("good", setup="v = 1")
         c.create_snapshot("bad", setup="v = 2")
         broken, fine = c.spawn("good", 2)
-        doomed = {broken["pid"], c.registry.get_snapshot("bad")["handle"]["pid"]}
+        (child_of_bad,) = c.spawn("bad", 1)
+        bad_template = c.registry.get_snapshot("bad")["handle"]["pid"]
+        doomed = {broken["pid"], bad_template}
     finally:
         c.close()
 
@@ -169,8 +173,11 @@ def test_an_object_that_cannot_be_recovered_fails_alone(short_dir, monkeypatch):
             c.get_sandbox(broken["id"])
         bad = c.get_snapshot("bad")
         assert bad["status"] == "failed" and "no one foresaw" in bad["warning"], bad
-        assert [s["id"] for s in c.list_sandboxes()] == [fine["id"]]
+        assert "its template was ended" in bad["warning"], bad
+        assert wait_gone({bad_template}) == set()  # nothing of a failed snapshot runs on
+        assert {s["id"] for s in c.list_sandboxes()} == {fine["id"], child_of_bad["id"]}
         assert ev(c, fine["id"], "v") == "1"
+        assert ev(c, child_of_bad["id"], "v") == "2"  # a sandbox outlives its template's end
         assert c.get_snapshot("good")["status"] == "ready"
     finally:
         cleanup(c)

@@ -1,14 +1,19 @@
 """A VM snapshot moves to where there is room: two ``forkd serve`` hosts on the VM engine sharing a
-store (moto's S3 on loopback), host 0 capped at one sandbox. A spawn of 3 from a snapshot host 0
-made and never pushed places one child there and two on host 1, which pulled the snapshot after
-host 0 pushed it on demand; a live branch on host 1 stays on host 1."""
+store (moto's S3 on loopback), each capped at two sandboxes. A snapshot created through the router
+lands on one host (the holder), which has not pushed it; a spawn of 3 places two children there and
+one on the other host, which pulls it (every chunk fetched once) after the holder pushed it on
+demand. A live branch of that child stays on its host, and so does the branch's first child; with
+that host full, the next child of the branch goes to the holder, which downloads only the chunks
+of the branch it lacks."""
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 
+from forkd_engine.store import RemoteStore, fetch_manifest
 from forkd_server.client import Controller
 
 from ..store.s3 import S3_ENV, moto_s3
@@ -16,6 +21,17 @@ from ..vm.conftest import requires_qemu
 from .fleet import fleet
 
 pytestmark = [requires_qemu, pytest.mark.slow]
+STORE = "s3://forkd/fleet"
+
+
+def _chunks(log: list[tuple[str, str]], method: str, since: int = 0) -> Counter:
+    """How often each chunk (by its name) was asked of the store with ``method``, from ``log[since:]``."""
+    return Counter(path.rsplit("/", 1)[1] for m, path in log[since:] if m == method and "/fleet/chunks/" in path)
+
+
+def _objects(tag: str) -> set[str]:
+    """The stored objects of the manifest the store holds under ``tag``."""
+    return set(fetch_manifest(RemoteStore(STORE), tag=tag).chunks())
 
 
 def test_a_vm_snapshot_spills_over_by_push_and_pull():
@@ -23,28 +39,51 @@ def test_a_vm_snapshot_spills_over_by_push_and_pull():
         env = {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
         os.environ.update(env)  # the hosts inherit it (fleet() passes os.environ)
         try:
-            store = ["--store", "s3://forkd/fleet"]
-            with fleet(2, host_args=[[*store, "--ForkdApp.max_sandboxes=1"], store]) as (router, hosts):
+            host_args = ["--store", STORE, "--ForkdApp.max_sandboxes=2"]
+            with fleet(2, host_args=[host_args, host_args]) as (router, hosts):
                 api = Controller(router.url, router.token, timeout=600)
-                h0, h1 = (Controller(h.url, h.token, timeout=600) for h in hosts)
-                h0.create_snapshot("vmbase", engine="vm", mem_size_mib=256, setup="x = 41")
-                assert "vmbase" not in {s["tag"] for s in h1.list_snapshots()}
+                made = api.create_snapshot("vmbase", engine="vm", mem_size_mib=256, setup="x = 41")
+                holder = next(h for h in hosts if h.url == made["host"])
+                other = next(h for h in hosts if h is not holder)
+                assert "vmbase" not in {s["tag"] for s in Controller(other.url, other.token).list_snapshots()}
+                assert _chunks(log, "PUT") == Counter()  # not pushed yet
+
+                # over the holder's cap: the rest goes to the other host, which pulls it
+                before = len(log)
                 kids = api.spawn_sandboxes("vmbase", 3)
                 where = [k["host"] for k in kids]
-                assert where.count(hosts[0].url) == 1 and where.count(hosts[1].url) == 2
-                assert h1.snapshot_info("vmbase")["stored"]["remote"] is True  # pulled from the store
-                assert any(m == "PUT" for m, _ in log)  # host 0 pushed it on demand
-                on1 = [k["id"] for k in kids if k["host"] == hosts[1].url]
+                assert where.count(holder.url) == 2 and where.count(other.url) == 1
+                assert Controller(other.url, other.token).snapshot_info("vmbase")["stored"]["remote"] is True
+                base = _objects("vmbase")
+                pushed, fetched = _chunks(log, "PUT", before), _chunks(log, "GET", before)
+                assert set(pushed) == base and max(pushed.values()) == 1  # the holder pushed it on demand
+                assert set(fetched) == base and max(fetched.values()) == 1  # each chunk fetched once
                 assert [api.eval_code(k["id"], "x + 1")["result"] for k in kids] == ["42"] * 3
-                api.run_code(on1[0], "x = 99")
-                snap = api.branch_sandbox(on1[0], "vmbase-99", mode="live")
-                assert snap["host"] == hosts[1].url
+
+                # a live branch on the other host stays there, and so does its first child
+                moved = next(k["id"] for k in kids if k["host"] == other.url)
+                api.run_code(moved, "x = 99")
+                snap = api.branch_sandbox(moved, "vmbase-99", mode="live")
+                assert snap["host"] == other.url
                 api.wait_snapshot("vmbase-99", timeout=600)
                 grandkid = api.spawn_sandboxes("vmbase-99")[0]
-                assert grandkid["host"] == hosts[1].url
+                assert grandkid["host"] == other.url
                 assert api.eval_code(grandkid["id"], "x")["result"] == "99"
-                for k in kids + [grandkid]:
-                    api.kill_sandbox(k["id"])
+
+                # the other host is full (2 of 2): the next child goes to the holder, once it has room,
+                # and the holder downloads only the branch's chunks that it lacks
+                stay = next(k for k in kids if k["host"] == holder.url)
+                api.kill_sandbox(next(k["id"] for k in kids if k["host"] == holder.url and k is not stay))
+                before = len(log)
+                last = api.spawn_sandboxes("vmbase-99")[0]
+                assert last["host"] == holder.url
+                assert api.eval_code(last["id"], "x")["result"] == "99"
+                fetched = _chunks(log, "GET", before)
+                branch = _objects("vmbase-99")
+                assert set(fetched) == branch - base and max(fetched.values()) == 1
+                assert 0 < len(fetched) < len(branch)  # the base's chunks came from the holder's own cache
+                for sid in (stay["id"], moved, grandkid["id"], last["id"]):
+                    api.kill_sandbox(sid)
         finally:
             for name in env:
                 os.environ.pop(name, None)

@@ -176,3 +176,44 @@ def refused(tmp_path_factory):
 def test_serve_refuses_registration_options_that_cannot_work(refused, args, message):
     code, stderr = refused[tuple(args)]
     assert code == 2 and message in stderr, stderr
+
+
+@pytest.mark.parametrize("status, body, fix", [
+    (401, b'{"error": "invalid bearer token"}',
+     "--register-token-file must hold the token the router was started with"),
+    (404, b"", "is --register the router's URL, and was it started with --register-token-file?"),
+])
+def test_a_refused_registration_says_what_to_fix(status, body, fix):
+    """A wrong registration token (or a router that takes no registrations) is said in the host's log
+    with the flag to fix, not only the router's status."""
+    import asyncio
+    import logging
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from forkd_server.announce import Announcer
+
+    class Refusing(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    said = []
+    log = logging.getLogger("test-announce")
+    log.addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: said.append(r.getMessage())})())
+    try:
+        ok = asyncio.run(Announcer(f"http://127.0.0.1:{server.server_port}", "t" * 32, "http://127.0.0.1:1",
+                                   log).announce())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert ok is False and len(said) == 1 and f"refused the registration ({status})" in said[0], said
+    assert fix in said[0], said

@@ -10,6 +10,7 @@ import shutil
 import ssl
 import subprocess
 import tempfile
+import urllib.error
 import urllib.request
 
 import pytest
@@ -51,6 +52,8 @@ REFUSED = [
     (["--hosts", "http://a:1"], "pass --token-file FILE"),
     (["--hosts", "http://a:1", "--host", "0.0.0.0", "--no-token"], "refusing to listen on 0.0.0.0"),
     (["--hosts", "http://a:1", "--no-token", "--tls-cert", "/nope.pem"], "--tls-cert and --tls-key go together"),
+    (["--hosts", "http://a:1", "--no-token", "--hosts-token-file", "/nope-token"],
+     "cannot read --hosts-token-file /nope-token"),  # the flag the user gave, not --token-file
 ]
 HUB_REFUSED = [
     (["--hub", "--no-token"], "--no-token and --hub do not go together"),
@@ -122,3 +125,49 @@ def test_tls_to_the_router_and_to_its_hosts(workdir):
             router.terminate()
             router.wait(30)
         host.stop()
+
+
+def test_a_host_the_router_cannot_read_is_named_with_the_fix(workdir):
+    """Hosts started with a token, a router without --hosts-token-file: the host never comes up. Its
+    start says so and why, and a call that finds nothing names the host it could not ask and the fix,
+    rather than a bare 'not found on any host of the fleet'."""
+    host = Server("--token-file", token_file(workdir, "h"), data_dir=os.path.join(workdir, "host"))
+    router_token = token_file(workdir, "r")
+    port = free_port()
+    router = None
+    try:
+        host.wait_healthy()
+        router = subprocess.Popen([*FORKD, "router", "--hosts", host.url, "--token-file", router_token, "--port",
+                                   str(port), "--data-dir", workdir], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+        lines = []
+        while not any("clients use it" in x for x in lines) and router.poll() is None:
+            lines.append(router.stdout.readline())
+        said = "".join(lines)
+        assert "(0 up)" in said and f"forkd router: host {host.url} is not up: " in said, said
+        assert "answered 401" in said and "pass --hosts-token-file FILE" in said, said
+        with pytest.raises(urllib.error.HTTPError) as info:
+            call(f"http://127.0.0.1:{port}", router_token, None, "POST", "/v1/sandboxes", {"snapshot_tag": "py"})
+        error = json.loads(info.value.read())["error"]
+        assert info.value.code == 404
+        assert error.startswith("snapshot py not found on any host of the fleet that is up\n")
+        assert f"1 of 1 hosts are not up, so were not asked: {host.url}: " in error and "--hosts-token-file" in error
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        host.stop()
+
+
+def test_a_port_in_use_is_one_line_and_starts_nothing(workdir):
+    """Before: '[Errno 98] Address already in use', then aiohttp's warnings of the heartbeat's unclosed
+    sessions (the heartbeat had started before the bind)."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run([*FORKD, "router", "--hosts", "http://127.0.0.1:1", "--no-token", "--port", str(port),
+                               "--data-dir", workdir], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr == (f"forkd router: 127.0.0.1:{port} is already in use by another "
+                                                    f"process: pass --port N\n"), done.stderr

@@ -319,3 +319,16 @@ def test_the_memory_limit_is_configurable_and_a_bad_value_says_so(forkd_server, 
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)
+
+
+def test_a_forkd_url_that_names_no_server_is_said_under_the_first_cell():
+    """$FORKD_URL without its scheme: the kernel starts and says so, rather than dying at start."""
+    km, kc = start_new_kernel(kernel_name="forkd-python", env={**os.environ, "FORKD_URL": "localhost:8889"})
+    try:
+        cell = run(kc, "1 + 1")
+        assert cell.content["ename"] == "ForkdKernelError"
+        assert "could not start its sandbox: not a forkd server's URL: 'localhost:8889'" in cell.content["evalue"]
+        assert "restart the kernel" in cell.content["evalue"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)

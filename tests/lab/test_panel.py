@@ -331,11 +331,20 @@ def test_a_click_that_spans_a_live_update_still_acts(page, lab):
     assert len([s for s in ctl.list_sandboxes() if s["snapshot_tag"] == "span"]) == 2
 
 
+def close_connection_lost_dialogs(page) -> None:
+    """While the server restarts, JupyterLab's own requests fail and it may put up its "Server
+    Connection Error" dialog (under load the restart is long enough), which then takes every click
+    until it is closed: close it as a user would, whenever it shows."""
+    dialog = page.locator(".jp-Dialog", has_text="Server Connection Error")
+    page.add_locator_handler(dialog, lambda d: d.get_by_role("button", name="Close").click())
+
+
 def test_panel_recovers_after_a_server_restart(page, lab):
     ctl = lab.controller()
     ctl.create_snapshot("rs", setup="x = 1")
     kid = ctl.spawn_sandboxes("rs", 1)[0]["id"]
     row(page, kid).wait_for(timeout=5_000)
+    close_connection_lost_dialogs(page)
     lab.stop()
     page.locator(f"{PANEL} .forkd-state[data-state='reconnecting']").wait_for(timeout=10_000)
     assert "reconnecting" in page.locator(f"{PANEL} .forkd-state").text_content()
@@ -355,6 +364,7 @@ def test_panel_rides_through_a_restart_that_is_still_settling(page, lab):
     ctl.create_snapshot("settling", setup="x = 1")
     kid = ctl.spawn_sandboxes("settling", 1)[0]
     row(page, kid["id"]).wait_for(timeout=5_000)
+    close_connection_lost_dialogs(page)
     lab.stop()
     os.kill(kid["pid"], signal.SIGSTOP)  # alive and silent: its start-up ping waits
     try:

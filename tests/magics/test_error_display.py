@@ -68,3 +68,19 @@ def test_details_of_a_magic_run_from_code_do_not_land_under_the_next_cell(dying)
     assert raised.value.details["limit"] == "huge_pages" and raised.value.details["limit_mib"] == 64
     res, out = cell(dying, "1 + 1")
     assert res.success and out.outputs == [] and out.stderr == ""
+
+
+@pytest.mark.parametrize("body, said", [
+    ({"error": "snapshot py already exists; DELETE first"},
+     "snapshot py already exists\nchoose another tag, or delete that snapshot first: %forkd delete py"),
+    ({"error": "snapshot py2 not found"},
+     "snapshot py2 not found\ncheck the name: %forkd ls lists this notebook's snapshots (--everyone: the server's)"),
+    ({"error": "sandbox sb-1 not found on any host of the fleet"},
+     "sandbox sb-1 not found on any host of the fleet\ncheck the name: %forkd ls lists this notebook's sandboxes "
+     "(--everyone: the server's)"),
+])
+def test_forkds_bare_words_get_what_to_do_in_the_notebooks(body, said):
+    """forkd's wire keeps these messages word for word, without a hint; the notebook says what to do."""
+    from forkd_magics._errors import explain
+    status = 400 if "exists" in body["error"] else 404
+    assert explain(ControllerError(status, body, f"{URL}/v1/x"), URL) == said

@@ -108,6 +108,34 @@ def test_delete_snapshot(ip, forkd):
     assert forkd.controller().list_snapshots() == []
 
 
+def test_freeze_wake_and_store_move_a_sandbox_down_the_tiers(ip, forkd):
+    ip.run_line_magic("forkd", 'snapshot -t tier --setup "x = 41"')
+    (kid,) = ip.run_line_magic("forkd", "fork -t tier")
+    ip.user_ns["kid"] = kid
+    _, out = cell(ip, "%forkd freeze kid")
+    assert out.stdout == f"{kid.id}: frozen\n"
+    assert forkd.controller().get_sandbox(kid.id)["tier"] == "frozen"
+    _, out = cell(ip, f"%forkd wake {kid.id}")
+    assert out.stdout.startswith(f"{kid.id}: running (woken from frozen in ") and out.stdout.endswith(" ms)\n")
+    _, out = cell(ip, "%forkd wake kid")
+    assert out.stdout == f"{kid.id}: running (it was running: nothing to wake)\n"
+    _, out = cell(ip, "%forkd freeze kid")
+    res, _ = cell(ip, "%%forkd run kid\nx + 1")  # any call wakes it
+    assert res.result[kid.id].text == "42" and forkd.controller().get_sandbox(kid.id)["tier"] == "running"
+    # the process engine's deepest tier is frozen: store says so, in two lines
+    res, out = cell(ip, "%forkd store kid")
+    assert not res.success and out.stderr.startswith("UsageError: forkd store: "), out.stderr
+    assert "freeze" in out.stderr and "vm" in out.stderr and out.stderr.count("\n") <= 2, out.stderr
+
+
+def test_a_wake_from_stored_is_said_with_its_split():
+    from forkd_magics._tiers import tier_line
+    woke = {"id": "sb-1", "tier": "running", "wake": {"from": "stored", "ms": 812.4, "fetch_ms": 3.2,
+                                                       "decompress_ms": 640.0, "restore_ms": 169.1}}
+    assert tier_line(woke) == "sb-1: running (woken from stored in 812 ms: fetch 3, decompress 640, restore 169 ms)"
+    assert tier_line({"id": "sb-1", "tier": "stored"}) == "sb-1: stored"
+
+
 @pytest.mark.parametrize("line, message", [
     ("fork -t nope", "UsageError: forkd fork: snapshot nope not found\n"),
     ("kill sb-nope", "UsageError: forkd kill: sb-nope: no such sandbox is running (killed already, or a wrong id)"),
@@ -119,6 +147,8 @@ def test_delete_snapshot(ip, forkd):
     ("branch sb-x --diff --live", "UsageError: forkd branch: --diff and --live exclude each other"),
     ("run sb-x", "UsageError: forkd run is a cell magic"),
     ("exec sb-x", "UsageError: forkd exec: give a command"),
+    ("wake sb-nope", "UsageError: forkd wake: sandbox sb-nope not found"),
+    ("freeze two", "UsageError: forkd freeze: two names 2 sandboxes; give exactly one"),
     ("branch two", "UsageError: forkd branch: two names 2 sandboxes; give exactly one"),
     ("snapshot -t pk --engine process --package python3-numpy", "UsageError: forkd snapshot: packages need engine vm"),
     ("snapshot -t pk --package Bad_Name", "UsageError: forkd snapshot: 'Bad_Name' is not a Debian package name"),
@@ -129,6 +159,15 @@ def test_errors_are_two_lines_at_most_not_a_traceback(ip, line, message):
     assert not res.success
     assert out.stderr.startswith(message), out.stderr
     assert out.stderr.count("\n") <= 2 and "Traceback" not in out.stderr + out.stdout
+
+
+def test_a_url_that_names_no_server_is_one_line(shell, monkeypatch):
+    monkeypatch.setenv("FORKD_TOKEN", "t" * 32)
+    shell.register_magics(ForkdMagics(shell))
+    res, out = cell(shell, "%forkd connect localhost:8889")  # no scheme: was a traceback
+    assert not res.success
+    assert out.stderr.startswith("UsageError: forkd connect: not a forkd server's URL: 'localhost:8889'")
+    assert "Traceback" not in out.stderr + out.stdout
 
 
 def test_unreachable_server_is_one_line(shell, monkeypatch):

@@ -215,3 +215,111 @@ def test_a_503_recovering_is_asked_again_until_the_object_is_settled(first, aske
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8889", "localhost:8889", "ftp://127.0.0.1:8889", "http://", "http://h:port"])
+def test_a_url_without_scheme_or_host_is_refused_saying_how_to_write_one(url, monkeypatch):
+    monkeypatch.delenv("FORKD_TOKEN", raising=False)
+    with pytest.raises(ValueError) as info:
+        Controller(url)
+    assert repr(url) in str(info.value) and "http://127.0.0.1:8889" in str(info.value)
+
+
+def test_a_jupyter_page_names_the_path_and_how_to_set_the_url_not_the_page(ctl):
+    page = b'<!DOCTYPE HTML>\n<html><body data-jupyter-api-token="secret-token">404 : Not Found</body></html>'
+    Recorder.reply = (404, page)  # Jupyter's answer to FORKD_URL=http://host:8888 (without /forkd)
+    with pytest.raises(ControllerError) as info:
+        ctl.list_sandboxes()
+    assert info.value.what == "/v1/sandboxes is not a route of this server"
+    assert "/forkd inside Jupyter" in info.value.hint
+    assert "secret-token" not in str(info.value) and "<html>" not in str(info.value)
+    Recorder.reply = (403, page)
+    with pytest.raises(ControllerError) as info:
+        ctl.list_sandboxes()
+    assert info.value.what == "the server answered /v1/sandboxes with a web page (403), not forkd's JSON"
+
+
+def test_an_empty_404_names_the_path_and_how_to_set_the_url(ctl):
+    Recorder.reply = (404, b"")  # what forkd answers for a path it has no route for, e.g. FORKD_URL ending in /v1
+    with pytest.raises(ControllerError) as info:
+        ctl.list_sandboxes()
+    assert info.value.what == "/v1/sandboxes is not a route of this server"
+    assert "without /v1" in info.value.hint and info.value.body == {}
+
+
+@pytest.fixture(scope="module")
+def tls_recorder(tmp_path_factory):
+    """The recorder over TLS, with a self-signed certificate (the file is its own CA)."""
+    import shutil
+    import ssl
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl to make a certificate")
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = str(where / "cert.pem"), str(where / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days",
+                    "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, cert
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_certificate_not_trusted_here_says_so_and_how_to_trust_it(tls_recorder, monkeypatch):
+    server, cert = tls_recorder
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    url = f"https://127.0.0.1:{server.server_port}"
+    with pytest.raises(ServerUnreachable) as info:
+        Controller(url, "t").list_sandboxes()
+    assert info.value.what.startswith(f"the server at {url} has a certificate this host does not trust (")
+    assert info.value.hint.startswith("set SSL_CERT_FILE to the CA certificate that signed the server's")
+    monkeypatch.setenv("SSL_CERT_FILE", cert)  # what the hint says: then it answers
+    Recorder.reply = (200, b"[]")
+    assert Controller(url, "t").list_sandboxes() == []
+
+
+def test_http_to_a_tls_server_suggests_https(tls_recorder):
+    server, _ = tls_recorder
+    with pytest.raises(ServerUnreachable) as info:
+        Controller(f"http://127.0.0.1:{server.server_port}", "t", timeout=10).list_sandboxes()
+    assert info.value.hint.endswith(f"use https://127.0.0.1:{server.server_port}"), info.value.hint
+
+
+def test_https_to_a_plain_http_server_gives_up_at_the_connect_timeout_and_suggests_http(monkeypatch):
+    """A plain-http server waits for a request line that a TLS ClientHello never completes: the
+    handshake has no answer, so the connection gives up after CONNECT_TIMEOUT, not the call's timeout."""
+    import socket
+    from forkd_server.client import _sync
+    monkeypatch.setattr(_sync, "CONNECT_TIMEOUT", 0.5)
+    with socket.socket() as listener:  # accepts (the kernel does), never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        with pytest.raises(ServerUnreachable) as info:
+            Controller(f"https://127.0.0.1:{port}", "t", timeout=5).list_sandboxes()
+    assert type(info.value) is ServerUnreachable  # not ServerTimeout: nothing was ever sent
+    assert info.value.hint == f"the server may speak plain http: try http://127.0.0.1:{port}"
+
+
+def test_the_async_client_gives_up_at_the_connect_timeout_too(monkeypatch):
+    import asyncio
+    import socket
+    from forkd_server.client import AsyncController, _http1
+    monkeypatch.setattr(_http1, "CONNECT_TIMEOUT", 0.5)
+
+    async def ask(port):
+        async with AsyncController(f"https://127.0.0.1:{port}", "t", timeout=5) as ctl:
+            await ctl.list_sandboxes()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        with pytest.raises(ServerUnreachable) as info:
+            asyncio.run(ask(port))
+    assert "within 0.5 s (the TLS handshake had no answer)" in info.value.what
+    assert info.value.hint == f"the server may speak plain http: try http://127.0.0.1:{port}"

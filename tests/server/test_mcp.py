@@ -295,6 +295,14 @@ def test_errors_say_what_failed_and_what_to_do():
     assert "FORKD_URL" in text
 
 
+def test_a_taken_tag_says_which_tool_frees_it():
+    from forkd_server.client import ControllerError
+    from forkd_server.mcp._errors import describe
+    taken = ControllerError(400, {"error": "snapshot py already exists; DELETE first"}, "http://h/v1/snapshots")
+    assert describe(taken) == ("snapshot py already exists\nchoose another tag, or delete that one first with "
+                               "delete_snapshot")  # not REST's 'DELETE first', nor 'fix the arguments'
+
+
 # --- streamable HTTP in the jupyter server, with its token ---------------------------------------
 
 def _http(url: str, token: str | None, scheme: str = "token"):

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import shutil
 import ssl
 import subprocess
@@ -209,6 +210,37 @@ def test_allow_host_network_reaches_the_extension():
     assert not any("allow_host_network" in a for a in build_argv(no_token=True)[0])
 
 
+@pytest.mark.parametrize("store, said", [("ftp://host/x", "unknown scheme 'ftp'"), ("s3:/bucket", "names no bucket")])
+def test_a_store_url_that_names_no_store_is_one_line_before_the_server_starts(store, said, workdir):
+    done = subprocess.run([*FORKD, "serve", "--port", str(free_port()), "--data-dir", os.path.join(workdir, "badstore"),
+                           "--store", store], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith(f"forkd serve: --store: store {store!r}")
+    assert said in done.stderr
+    assert "Traceback" not in done.stderr and "listening" not in done.stderr
+
+
+def test_a_port_in_use_is_one_line_saying_what_to_do(workdir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run([*FORKD, "serve", "--port", str(port), "--data-dir", os.path.join(workdir, "portinuse")],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == (f"forkd serve: 127.0.0.1:{port} is already in use by another process: pass "
+                                            f"--port N (if it is another forkd serve, `forkd ls --url "
+                                            f"http://127.0.0.1:{port}` reaches it)")
+
+
+def test_store_timeout_reaches_the_extension_and_a_bad_one_is_refused():
+    from forkd_server.serve import ServeError, build_argv
+    assert "--ForkdApp.store_timeout=300.0" in build_argv(no_token=True, store_timeout=300.0)[0]
+    assert not any("store_timeout" in a for a in build_argv(no_token=True)[0])
+    for bad in (0.0, -5.0, float("nan")):
+        with pytest.raises(ServeError, match="--store-timeout must be a number of seconds above 0"):
+            build_argv(no_token=True, store_timeout=bad)
+
+
 # --- the CLI ------------------------------------------------------------------------------------
 
 def test_cli_round_trip(server, ctl):
@@ -249,6 +281,8 @@ def test_cli_snapshot_limits_and_labels(server, ctl):
     slow = cli(server, "snapshot", "--tag", "cli-slow", "--setup", "import time; time.sleep(600)",
                "--setup-timeout-secs", "2", check=False)
     assert slow.returncode == 1 and "did not finish within 2 s" in slow.stderr, slow.stderr
+    assert one_line(slow).endswith("; nothing was created: give it longer with setup_timeout_secs, and create the "
+                                   "snapshot again: --setup-timeout-secs S\n")
     big = cli(server, "snapshot", "--tag", "cli-big", "--setup", "blob = bytearray(400 * 2**20)",
               "--memory-limit-mib", "128", check=False)
     assert big.returncode == 1 and "memory limit was reached" in big.stderr and "128 MiB" in big.stderr, big.stderr
@@ -317,7 +351,7 @@ def test_cli_errors_are_one_line_and_a_status(server, ctl):
     said = one_line(cli(server, "spawn", "-t", "nope", "-n", "0", check=False))  # 400
     assert said == "forkd spawn: n must be at least 1 (HTTP 400)\n"
     said = one_line(cli(server, "ping", "sb-nope", check=False))  # 404
-    assert said == "forkd ping: sandbox sb-nope not found (HTTP 404)\n"
+    assert said == "forkd ping: sandbox sb-nope not found (HTTP 404); check the name: forkd ls lists the sandboxes\n"
     snap = ctl.create_snapshot("cli-err")
     (sb,) = ctl.spawn_sandboxes("cli-err", 1)
     ctl.run_code(sb["id"], "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()")
@@ -351,8 +385,92 @@ def test_cli_errors_are_one_line_and_a_status(server, ctl):
     done = cli(server, "snapshot", "--from-sandbox", "sb-x", "--diff", "--live", check=False)
     assert done.returncode == 2 and "not allowed with" in one_line(done)
     assert "--from-sandbox" in one_line(cli(server, "snapshot", "--tag", "x", "--no-wait", check=False))
-    done = cli(server, "kill", "sb-nope", check=False)
-    assert done.returncode == 1 and "sandbox sb-nope not found" in done.stdout
+    done = cli(server, "kill", "sb-nope", check=False)  # a bulk command's failed item: on stderr, as any failure
+    assert done.returncode == 1 and done.stdout == "killed 0 sandbox(es)\n"
+    assert done.stderr == ("forkd kill: sb-nope: sandbox sb-nope not found; check the name: forkd ls lists the "
+                           "sandboxes\n")
+    done = cli(server, "rmi", "no-such-tag", check=False)
+    assert done.returncode == 1 and done.stdout == "" and done.stderr.startswith(
+        "forkd rmi: no-such-tag: snapshot no-such-tag not found; check the name: forkd ls --snapshots")
+
+
+def test_cli_says_what_to_do_about_forkds_bare_messages(server, ctl):
+    """forkd's wire keeps its messages word for word ('snapshot X not found', '... DELETE first'); the
+    CLI adds what to do, in its own words."""
+    said = one_line(cli(server, "spawn", "-t", "no-such-tag", check=False))
+    assert said == ("forkd spawn: snapshot no-such-tag not found (HTTP 404); check the name: forkd ls --snapshots "
+                    "lists the snapshots\n")
+    said = one_line(cli(server, "workspace", "delete", "no-such-ws", check=False))
+    assert said.endswith("(HTTP 404); check the name: forkd workspace list lists the workspaces\n")
+    ctl.create_snapshot("cli-taken")
+    said = one_line(cli(server, "snapshot", "--tag", "cli-taken", "--setup", "x = 1", check=False))
+    assert said == ("forkd snapshot: snapshot cli-taken already exists (HTTP 400); choose another tag, or delete that "
+                    "snapshot first: forkd rmi cli-taken\n")
+    ctl.delete_snapshot("cli-taken")
+
+
+def test_cli_hint_for_the_fleets_not_found(capsys):
+    from forkd_server.cli._errors import report
+    error = ControllerError(404, {"error": "sandbox sb-x not found on any host of the fleet"}, "http://r/v1/sandboxes/sb-x")
+    assert report("ping", error, debug=False, as_json=False) == 1
+    assert capsys.readouterr().err == ("forkd ping: sandbox sb-x not found on any host of the fleet (HTTP 404); check "
+                                       "the name: forkd ls lists the sandboxes\n")
+
+
+def test_cli_push_delete_says_what_the_grace_period_left(monkeypatch, capsys):
+    from forkd_server.cli import _store, main
+
+    class Stub:
+        def delete_remote_snapshot(self, tag):
+            return {"digest": "sha256:" + "ab" * 32, "store": "file:///s", "removed_chunks": 0, "kept_chunks": 2,
+                    "waiting_chunks": 36}
+    monkeypatch.setattr(_store, "client", lambda args: Stub())
+    assert main(["push", "--delete", "np"]) == 0
+    out = capsys.readouterr().out
+    assert "0 chunks removed, 2 kept (other snapshots list them), 36 left for now: no snapshot lists them, but they " \
+           "are younger than the store's grace period" in " ".join(out.split())
+
+
+def test_cli_exec_takes_its_options_after_the_id_and_says_what_to_do(server, ctl):
+    ctl.create_snapshot("cli-exec")
+    (sb,) = ctl.spawn_sandboxes("cli-exec", 1)
+    try:  # before: --timeout-secs ran as the command ("No such file or directory: '--timeout-secs'")
+        done = cli(server, "exec", sb["id"], "--timeout-secs", "1", "--", "sleep", "5", check=False)
+        assert "timed out after 1 seconds; give it longer with --timeout-secs (it was 1 s)" in done.stderr, done.stderr
+        assert json.loads(cli(server, "exec", sb["id"], "--json", "--", "echo", "hi").stdout)["stdout"] == "hi\n"
+        done = cli(server, "exec", sb["id"], "--", "no-such-command", check=False)
+        assert done.returncode == 1 and done.stderr.startswith("forkd exec: no-such-command: no such command in the "
+                                                                "sandbox (FileNotFoundError: "), done.stderr
+        assert "run it through a shell: forkd exec ID -- sh -c '...'" in done.stderr
+        done = cli(server, "eval", sb["id"], "import os", check=False)  # a statement where an expression goes
+        assert done.returncode == 1 and done.stderr == ("SyntaxError: invalid syntax (<eval>, line 1); eval takes one "
+                                                         "expression: run statements with forkd run ID CODE\n")
+        done = cli(server, "exec", sb["id"], "--bogus", "--", "ls", check=False)
+        assert done.returncode == 2 and "unrecognized arguments: --bogus" in one_line(done)
+    finally:
+        ctl.kill_sandbox(sb["id"])
+        ctl.delete_snapshot("cli-exec")
+
+
+def test_cli_mistakes_in_arguments_and_url_exit_2(server):
+    """README: status 2 when no server answers or an argument is wrong, a command's own checks included."""
+    for args in (["kill"], ["exec", "sb-x"], ["rmi", "x", "--cascade", "--force"], ["fork"]):
+        done = cli(server, *args, check=False)
+        assert done.returncode == 2 and one_line(done).startswith(f"forkd {args[0]}: "), (args, done.stderr)
+    done = cli(server, "ls", url=server.url.split("://", 1)[1], check=False)  # no scheme
+    assert done.returncode == 2 and one_line(done).startswith("forkd ls: not a forkd server's URL: ")
+    done = cli(server, "ls", url=server.url + "/v1", check=False)  # forkd's empty 404 for a path it has no route for
+    assert one_line(done) == ("forkd ls: /v1/v1/sandboxes is not a route of this server (HTTP 404); point FORKD_URL "
+                              "(--url, base_url) at the server's base URL, without /v1: http://HOST:8889 for forkd "
+                              "serve, http://HOST:8888/forkd inside Jupyter\n")
+
+
+def test_cli_push_and_pull_fail_in_one_line_off_a_terminal(server):
+    """Their progress bar is drawn only on a terminal: off one it left an empty line before the error."""
+    for args in (["push", "nope"], ["pull", "nope"], ["kill", "sb-a", "sb-b"]):
+        done = cli(server, *args, check=False)
+        assert done.returncode == 1 and not done.stderr.startswith("\n"), (args, done.stderr)
+    assert "this server has no remote store" in one_line(cli(server, "push", "nope", check=False))
 
 
 def test_cli_doctor_json(server):
@@ -363,6 +481,16 @@ def test_cli_doctor_json(server):
     assert all(r["status"] in ("ok", "warn", "fail", "info") for r in rows)
     assert checks["server"]["status"] == "ok" and server.url in checks["server"]["detail"]
     assert all(r["fix"] for r in rows if r["status"] in ("warn", "fail"))
+
+
+def test_cli_doctor_checks_the_host_whatever_the_url(server):
+    rows = json.loads(cli(server, "doctor", "--json", "--data-dir", server.data_dir, "--url", "localhost:1").stdout)
+    checks = {r["check"]: r for r in rows}
+    assert {"namespaces", "cgroups", "free disk"} <= set(checks)  # the host's own rows are all there
+    assert checks["server"]["status"] == "warn" and checks["server"]["detail"].startswith("not a forkd server's URL")
+    rows = json.loads(cli(server, "doctor", "--json", "--data-dir", server.data_dir, "--url", server.url + "/v1").stdout)
+    server_row = next(r for r in rows if r["check"] == "server")
+    assert "\n" not in server_row["detail"] and "without /v1" in server_row["fix"]
 
 
 def test_cli_bench_json(server):

@@ -26,6 +26,8 @@ async def test_the_extension_trait_names_the_store(jp_fetch, forkd_app, remote_d
     assert forkd_app.controller.stores.remote.url == f"file://{remote_dir}"
     status, body = await call(jp_fetch, "POST", "snapshots", "pull", body={"tag": "nope"})
     assert status == 404 and f"store file://{remote_dir} has no snapshot tagged 'nope'" in body["error"]
+    assert body["error"].endswith("\npush it there first, from a server of the same store that has it")
+    assert body["details"]["cli"] == "forkd push nope"
     status, body = await call(jp_fetch, "POST", "snapshots", "pull", body={"digest": "sha256:" + "ab" * 32})
     assert status == 404 and "holds no snapshot" in body["error"]
     status, body = await call(jp_fetch, "POST", "snapshots", "pull", body={"digest": "sha256:xyz"})

@@ -155,6 +155,18 @@ def test_remote_delete_keeps_chunks_other_manifests_use(tmp_path):
         fetch_manifest(remote, tag="a")
 
 
+def test_remote_delete_counts_the_young_chunks_it_leaves(tmp_path):
+    """Chunks no manifest lists but younger than the grace period stay (a push may be writing them);
+    the answer says how many, so '0 removed, 0 kept' does not hide a store that still holds them."""
+    remote = RemoteStore(f"file://{tmp_path}/remote")
+    cache = ChunkCache(str(tmp_path / "c"))
+    a = persist(cache, files_of(tmp_path, "a", 7), REQUIRES, {"tag": "a"})
+    push(cache, remote, a.digest, tag="a")
+    out = delete(remote, a.digest)  # the default grace: an hour
+    assert (out["removed_chunks"], out["kept_chunks"], out["waiting_chunks"]) == (0, 0, len(set(a.chunks())))
+    assert len(remote.list("chunks/")) == len(set(a.chunks()))
+
+
 def test_s3_push_pull_and_tamper(tmp_path, monkeypatch):
     for k, v in S3_ENV.items():
         monkeypatch.setenv(k, v)
@@ -191,6 +203,15 @@ def test_unreachable_and_denied_stores_are_named_without_secret(tmp_path, monkey
         RemoteStore("ftp://host/x")
     with pytest.raises(StoreError, match="no credentials"):
         RemoteStore("s3://key:secret@bucket/x")
+
+
+@pytest.mark.parametrize("url, said", [("s3:/bucket", "names no bucket: use s3://BUCKET/prefix"),
+                                        ("gs://", "names no bucket"),
+                                        ("file://srv/store", "absolute path after three slashes"),
+                                        ("file:relative", "absolute path after three slashes")])
+def test_a_store_url_that_names_no_store_is_refused_before_it_is_opened(url, said):
+    with pytest.raises(StoreError, match=said):
+        RemoteStore(url)
 
 
 def test_two_hosts_pushing_the_same_snapshot_at_once_make_one_manifest(tmp_path, monkeypatch):

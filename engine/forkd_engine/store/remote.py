@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import re
 from urllib.parse import urlsplit
@@ -30,7 +31,12 @@ SCHEMES = ("s3", "gs", "az", "abfs", "file", "memory")
 RETRIES = {"max_retries": 3, "retry_timeout": datetime.timedelta(seconds=20),
            "backoff": {"init_backoff": datetime.timedelta(milliseconds=100),
                        "max_backoff": datetime.timedelta(seconds=2), "base": 2}}
-CLIENT = {"connect_timeout": "5s", "timeout": "120s"}
+CONNECT_TIMEOUT = 5.0    # s to open a connection to the store
+REQUEST_TIMEOUT = 120.0  # s a request (one chunk, manifest or tag) has to finish: forkd serve --store-timeout
+# What a store says when it has no room: a folder's file system (ENOSPC, EDQUOT), an S3-compatible
+# server (MinIO, Ceph), HTTP 507
+FULL = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122", "XMinioStorageFull",
+        "QuotaExceeded", "Insufficient Storage")
 # Where each cloud's store takes its settings and credentials from (said when they are missing or refused)
 SETTINGS = {
     "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
@@ -58,18 +64,38 @@ def s3_options_from_env(env=os.environ) -> dict:
     return opts
 
 
+def check_url(url: str) -> None:
+    """Refuse, before anything is opened, a store URL that names no store: an unknown scheme,
+    credentials in it, a cloud store without its bucket, a file:// store without an absolute path
+    (``file://srv/x`` would be read as the path ``/x`` on the host ``srv``)."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise StoreError(f"store {url!r}: unknown scheme {parts.scheme!r}; use s3://bucket/prefix, gs://bucket/prefix, "
+                         f"az://container/prefix, file:///path or memory://")
+    if parts.username or parts.password:
+        raise StoreError("a store URL carries no credentials: give them in AWS_ACCESS_KEY_ID and "
+                         "AWS_SECRET_ACCESS_KEY (or the cloud's own variables)")
+    if parts.scheme in ("s3", "gs", "az", "abfs") and not parts.hostname:
+        raise StoreError(f"store {url!r} names no bucket: use {parts.scheme}://BUCKET/prefix")
+    if parts.scheme == "file" and (parts.netloc or not parts.path.startswith("/")):
+        raise StoreError(f"store {url!r}: a file store takes an absolute path after three slashes, e.g. "
+                         f"file:///srv/forkd-store")
+
+
 class RemoteStore:
     """One store URL. ``options`` (S3: endpoint, region, access_key_id, secret_access_key, token,
-    allow_http) override what the environment says."""
+    allow_http) override what the environment says. ``timeout``: seconds each request has to finish
+    (``REQUEST_TIMEOUT`` by default), for every kind of store that is reached over the network."""
 
-    def __init__(self, url: str, **options):
+    def __init__(self, url: str, timeout: float | None = None, **options):
+        check_url(url)
+        try:
+            self.timeout = REQUEST_TIMEOUT if timeout is None else float(timeout)
+        except (TypeError, ValueError):
+            self.timeout = math.nan
+        if not 0 < self.timeout < math.inf:
+            raise StoreError(f"store {url}: a request timeout of {timeout!r}: give a number of seconds above 0")
         parts = urlsplit(url)
-        if parts.scheme not in SCHEMES:
-            raise StoreError(f"store {url!r}: unknown scheme {parts.scheme!r}; use s3://bucket/prefix, gs://bucket/prefix, "
-                             f"az://container/prefix, file:///path or memory://")
-        if parts.username or parts.password:
-            raise StoreError("a store URL carries no credentials: give them in AWS_ACCESS_KEY_ID and "
-                             "AWS_SECRET_ACCESS_KEY (or the cloud's own variables)")
         self.url = url.rstrip("/")
         self._secrets = [v for k, v in options.items() if v and k in ("secret_access_key", "token")]
         self.store = self._open(parts, options)
@@ -77,12 +103,16 @@ class RemoteStore:
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"
 
+    def _client(self) -> dict:
+        return {"connect_timeout": datetime.timedelta(seconds=CONNECT_TIMEOUT),
+                "timeout": datetime.timedelta(seconds=self.timeout)}
+
     def _open(self, parts, options: dict):
         try:
             if parts.scheme == "s3":
                 opts = {**s3_options_from_env(), **{k: v for k, v in options.items() if v is not None}}
                 self._secrets = [opts[k] for k in ("secret_access_key", "token") if opts.get(k)]
-                client = dict(CLIENT)
+                client = self._client()
                 if opts.pop("allow_http", False):
                     client["allow_http"] = True
                 return obs.S3Store(parts.netloc, prefix=parts.path.strip("/") or None,
@@ -97,7 +127,7 @@ class RemoteStore:
                 raise StoreError(f"store {self.url}: {', '.join(given)} (--store-{given[0]}) is a setting of s3:// "
                                  f"stores; a {parts.scheme}:// store takes its settings from {SETTINGS[parts.scheme]}")
             self._secrets = [os.environ[k] for k in SECRET_VARIABLES if os.environ.get(k)]
-            return obs.from_url(self.url, client_options=CLIENT, retry_config=RETRIES)
+            return obs.from_url(self.url, client_options=self._client(), retry_config=RETRIES)
         except StoreError:
             raise
         except Exception as exc:
@@ -118,6 +148,20 @@ class RemoteStore:
             text = text.replace(secret, "***")
         return text[:500]
 
+    def _why(self, exc: BaseException) -> str | None:
+        """What a person can act on, for the failures a store gives no clear words for: it is full,
+        or it did not answer in time (obstore says only "error sending request")."""
+        full = str(exc)
+        if any(sign in full for sign in FULL):
+            return ("the store is full; free space in it (or raise its quota), or use another store "
+                    "(forkd serve --store)")
+        if "kind: Timeout" in full:
+            if "Connect" in full.split("kind: Timeout", 1)[1]:
+                return f"no connection within {CONNECT_TIMEOUT:g} s; check that the store is up and reachable from this host"
+            return (f"the store did not answer within {self.timeout:g} s (the request timeout); check that it is up, "
+                    f"or give it longer (forkd serve --store-timeout SECONDS, c.ForkdApp.store_timeout)")
+        return None
+
     def _settings(self) -> str:
         return SETTINGS.get(urlsplit(self.url).scheme, "the store's own variables")
 
@@ -130,10 +174,10 @@ class RemoteStore:
         except (obx.PermissionDeniedError, obx.UnauthenticatedError, PermissionError) as exc:
             raise StoreError(f"store {self.url}: {what}: access denied ({self._clean(exc)}); check the "
                              f"credentials ({self._settings()}) and the bucket's policy") from None
-        except obx.BaseError as exc:
-            raise StoreError(f"store {self.url}: {what} failed: {self._clean(exc)}") from None
-        except OSError as exc:
-            raise StoreError(f"store {self.url}: {what} failed: {self._clean(exc)}") from None
+        except (obx.BaseError, OSError) as exc:
+            why = self._why(exc)
+            raise StoreError(f"store {self.url}: {what} failed: " + (f"{why} ({self._clean(exc)})" if why else
+                                                                     self._clean(exc))) from None
 
     # --- objects ---------------------------------------------------------------------------------
 

@@ -221,7 +221,8 @@ def _chunk_sizes(manifest: Manifest) -> dict[str, int]:
 def delete(remote: RemoteStore, digest: str, grace_seconds: float = 3600.0) -> dict:
     """Delete a snapshot's manifest from ``remote`` (and the tags naming it), then sweep: remove
     every chunk no remaining manifest lists, unless younger than ``grace_seconds`` (a push under way
-    writes its chunks before its manifest). Mark-and-sweep: chunks another manifest uses stay."""
+    writes its chunks before its manifest): those are counted as ``waiting_chunks``, for a later
+    delete to sweep. Mark-and-sweep: chunks another manifest uses stay."""
     import datetime
 
     hexd = parse_digest(digest)
@@ -239,13 +240,17 @@ def delete(remote: RemoteStore, digest: str, grace_seconds: float = 3600.0) -> d
         except NotInStore:  # deleted since the listing (another delete at once): its chunks are no one's
             continue
     cutoff = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=grace_seconds)
-    removed = 0
+    removed = waiting = 0
     for meta in remote.list("chunks/"):
         name = meta["path"].rsplit("/", 1)[1]
-        if name not in marked and meta["last_modified"] < cutoff:
-            try:
-                remote.delete(meta["path"])
-            except NotInStore:  # swept meanwhile by another delete
-                continue
-            removed += 1
-    return {"removed_chunks": removed, "kept_chunks": len(marked)}
+        if name in marked:
+            continue
+        if meta["last_modified"] >= cutoff:
+            waiting += 1  # listed by no manifest, but young enough to be a push's under way
+            continue
+        try:
+            remote.delete(meta["path"])
+        except NotInStore:  # swept meanwhile by another delete
+            continue
+        removed += 1
+    return {"removed_chunks": removed, "kept_chunks": len(marked), "waiting_chunks": waiting}

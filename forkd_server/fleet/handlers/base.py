@@ -15,6 +15,7 @@ from tornado.iostream import StreamClosedError
 from ...hub.ownership import Caller
 from ...identity import same_secret
 from ...relay import UpstreamCall
+from ...scrub import ScrubbedLog
 from ..hosts import HOP_BY_HOP, Host, HostError
 from ..router import Refusal, Router
 
@@ -44,7 +45,7 @@ def check_token(handler: web.RequestHandler, expected: str | None) -> None:
         raise Refusal(401, "invalid bearer token" if token else "missing bearer token")
 
 
-class RouterHandler(UpstreamCall, web.RequestHandler):
+class RouterHandler(ScrubbedLog, UpstreamCall, web.RequestHandler):
     public = False
     # Under JupyterHub (fleet/hub.py): what a user (not an admin) may do here. ``for_users``: the
     # route keeps each user to their own objects (else admins only); ``admin_only``: why not, said in

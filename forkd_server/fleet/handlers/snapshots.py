@@ -16,7 +16,7 @@ async def _holder(router: Router, tag: str, engine: str | None = None) -> Host:
     if engine:
         held = {u: s for u, s in held.items() if s.get("engine") == engine} or held
     if not held:
-        raise Refusal(404, f"snapshot {tag} not found on any host of the fleet")
+        raise router.unknown("snapshot", tag)
     pinned = [u for u in router.state.hosts_of("snapshot", tag) if u in held]
     return router.hosts[(pinned or list(held))[0]]
 
@@ -71,7 +71,7 @@ class SnapshotHandler(RouterHandler):
         """Delete on every host that holds it."""
         held, _ = await self.router.holders(tag)
         if not held:
-            raise Refusal(404, f"snapshot {tag} not found on any host of the fleet")
+            raise self.router.unknown("snapshot", tag)
         answers = await asyncio.gather(*(self.call(self.router.hosts[u]) for u in held))
         for url, (status, _) in zip(held, answers):
             if status in (204, 404):
