@@ -26,9 +26,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.api import serve_over, stop_and_clean  # noqa: E402
-from forkd_server.client import AsyncController  # noqa: E402
-from forkd_server.controller import Controller  # noqa: E402
+from bench.api import serve_over, stop_and_clean
+from forkd_server.client import AsyncController
+from forkd_server.controller import Controller
 
 ROUND = 200
 ON, OFF = signal.SIGRTMIN + 3, signal.SIGRTMIN + 4  # jupyter_server takes SIGUSR1 for itself
