@@ -142,16 +142,17 @@ def ping_while_stuck(client, port: int, token: str, idle: str, stuck_count: int,
             "target_met": percentile(samples, 0.99) <= 50.0}
 
 
-def serve_over(data: str) -> tuple[subprocess.Popen, str, str, Client]:
+def serve_over(data: str, command: list[str] = FORKD) -> tuple[subprocess.Popen, str, str, Client]:
     """``forkd serve`` over the data dir ``data`` (made by an in-process Controller) with a fresh
     token: (its process, URL, token, a client), once it has settled what the data dir holds (it
-    listens first, and lists a sandbox only once that sandbox is settled)."""
+    listens first, and lists a sandbox only once that sandbox is settled). ``command`` runs the
+    ``forkd`` CLI (bench/ping_calls.py's runs it under a profiler)."""
     token = secrets.token_hex(20)
     token_file = os.path.join(data, "token")
     with open(token_file, "w") as f:
         f.write(token)
     port = free_port()
-    server = subprocess.Popen([*FORKD, "serve", "--port", str(port), "--data-dir", data,
+    server = subprocess.Popen([*command, "serve", "--port", str(port), "--data-dir", data,
                                "--token-file", token_file, "--ServerApp.log_level=WARN"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

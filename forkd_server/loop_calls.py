@@ -19,6 +19,9 @@ import functools
 from prometheus_client import CollectorRegistry, Counter
 
 from forkd_engine import EngineError
+from forkd_engine.agent.server import encode_line
+
+PING = encode_line({"action": "ping"})  # the request, encoded once
 
 
 class LoopCalls:
@@ -31,16 +34,16 @@ class LoopCalls:
 
     async def ping(self, controller, sandbox_id: str, timeout: float = 5.0) -> dict:
         """``controller.ping(sandbox_id)``'s answer, on the loop where nothing waits."""
-        reply = await self._on_loop_or_none(controller, sandbox_id, {"action": "ping"}, "ping", timeout)
+        reply = await self._on_loop_or_none(controller, sandbox_id, PING, "ping", timeout)
         if reply is None:
             self._on_pool.inc()
             return await self.admission.control(functools.partial(controller.ping, sandbox_id, timeout))
         self._on_loop.inc()
         return reply
 
-    async def _on_loop_or_none(self, controller, sandbox_id: str, request: dict, what: str,
+    async def _on_loop_or_none(self, controller, sandbox_id: str, request: bytes, what: str,
                                timeout: float) -> dict | None:
-        """The agent's answer to ``request``, or None: the call must go the usual way."""
+        """The agent's answer to ``request`` (its line), or None: the call must go the usual way."""
         try:
             row = controller.tiers.enter_now(sandbox_id)
         except BlockingIOError:
@@ -60,4 +63,4 @@ class LoopCalls:
         finally:
             controller.tiers.leave(row["id"])
         # raises: 410 if the sandbox ended during the call, else 500 saying what failed
-        await self.admission.control(functools.partial(controller.sandboxes.agent_failed, row, failure, what))
+        await self.admission.control(functools.partial(controller.sandboxes.agent_failed, dict(row), failure, what))

@@ -106,9 +106,10 @@ def _encode(fields: dict) -> dict:
 class Registry:
     def __init__(self, path: str):
         self._lock = threading.RLock()
-        # Decoded rows of whole tables, reused until a commit: ours clears it, another connection's
-        # (another process sharing the data dir) shows in PRAGMA data_version. Rows are read-only.
+        # Decoded rows, reused until a commit: ours clears them, another connection's (another
+        # process sharing the data dir) shows in PRAGMA data_version. Rows are read-only.
         self._tables: dict[str, tuple[int, list[dict]]] = {}  # table -> (generation, rows)
+        self._sandbox_rows: dict[str, dict] = {}  # id -> row, read one by one (shared_sandbox)
         self._generation = 0
         self._version = None
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
@@ -160,8 +161,8 @@ class Registry:
                     self._db.execute("ROLLBACK")
                     raise
                 self._db.execute("COMMIT")
-                self._tables.clear()
             finally:
+                self._forget_rows()  # committed, or rolled back after rows were read inside it
                 if not durable:
                     self._db.execute("PRAGMA synchronous=FULL")
 
@@ -206,14 +207,24 @@ class Registry:
         finally:
             self._lock.release()
 
+    def _forget_rows(self) -> None:
+        """Every decoded row kept is dropped: a commit may have changed any of them."""
+        self._tables.clear()
+        self._sandbox_rows.clear()
+
+    def _see_other_commits(self) -> None:
+        """(Holding the lock.) Drop the decoded rows if another connection committed since the
+        last look."""
+        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        if version != self._version:
+            self._forget_rows()
+            self._version = version
+
     def _table(self, table: str, order: str) -> tuple[int, list[dict]]:
         """The decoded table, shared and read-only, with a generation number that changes whenever
         the table may have changed: callers can cache what they derive from it."""
         with self._lock:
-            version = self._db.execute("PRAGMA data_version").fetchone()[0]
-            if version != self._version:
-                self._tables.clear()
-                self._version = version
+            self._see_other_commits()
             entry = self._tables.get(table)
             if entry is None:
                 self._generation += 1
@@ -278,6 +289,24 @@ class Registry:
         """The sandbox's row; ``block=False`` (the event loop): ``BlockingIOError`` rather than
         waiting for another thread's use of the registry (a commit may wait for the disk)."""
         return self._get("sandboxes", "id", sandbox_id, block)
+
+    def shared_sandbox(self, sandbox_id: str) -> dict | None:
+        """``get_sandbox(sandbox_id, block=False)`` for the event loop's pings, whose every call
+        reads its row: the row is decoded once and shared until a commit changes the registry (one
+        of ours, or another process's, seen in ``PRAGMA data_version``, a third of a read's cost).
+        It is the registry's row as it is now; callers must not modify it."""
+        if not self._lock.acquire(blocking=False):
+            raise BlockingIOError("the registry is held by another thread (a commit)")
+        try:
+            self._see_other_commits()
+            row = self._sandbox_rows.get(sandbox_id)
+            if row is None:
+                row = _decode(self._db.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone())
+                if row is not None:
+                    self._sandbox_rows[sandbox_id] = row
+            return row
+        finally:
+            self._lock.release()
 
     def list_sandboxes(self) -> list[dict]:
         return self._all("sandboxes", "id")

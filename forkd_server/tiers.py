@@ -121,7 +121,8 @@ class TierManager:
         would wait (a move holds the sandbox's lock, another thread the registry or the liveness
         check); None where it would do more than count (a sandbox unknown, ending, not ``running``,
         or dead: ``call`` wakes it, or says why). A sandbox's first call goes by ``call``, which
-        makes its lock. 503 while a restart has not settled the sandbox, as ``call``."""
+        makes its lock. 503 while a restart has not settled the sandbox, as ``call``. The row is the
+        registry's shared one (``Registry.shared_sandbox``): read it, never change it."""
         self.ctl.recovery.check_sandbox(sandbox_id)
         with self._guard:
             lock = self._locks.get(sandbox_id)
@@ -130,7 +131,7 @@ class TierManager:
         if not lock.acquire(blocking=False):
             raise BlockingIOError(f"sandbox {sandbox_id} is held by {self._moving.get(sandbox_id, 'a move')}")
         try:  # read under the lock: a move that held it before has left its row as it is now
-            row = self.registry.get_sandbox(sandbox_id, block=False)
+            row = self.registry.shared_sandbox(sandbox_id)
             if row is None or not running(row) or tier_of(row) != "running":
                 return None
             engine = self.ctl.engines.get(row["engine"])

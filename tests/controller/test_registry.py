@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -58,6 +59,59 @@ def test_generation_changes_with_every_commit_and_only_then(short_dir):
     finally:
         a.close()
         b.close()
+
+
+def test_a_shared_sandbox_row_is_the_registrys_row_after_every_commit(short_dir):
+    """The loop's read (``shared_sandbox``) decodes a row once and shares it until a commit: this
+    connection's own, or another's (another process on the data dir); never a row from before."""
+    path = os.path.join(short_dir, "r.sqlite3")
+    a, b = Registry(path), Registry(path)
+    try:
+        a.insert_sandboxes([row(1)])
+        first = b.shared_sandbox("sb-1")
+        assert first == b.get_sandbox("sb-1") and b.shared_sandbox("sb-1") is first  # kept
+        b.update_sandbox("sb-1", tier="frozen")                # this connection's commit
+        assert b.shared_sandbox("sb-1")["tier"] == "frozen"
+        a.update_sandbox("sb-1", tier=None, ending={"reason": "killed"})  # another connection's
+        now = b.shared_sandbox("sb-1")
+        assert now["tier"] is None and now["ending"] == {"reason": "killed"}
+        a.set_sandbox_handles({"sb-1": {"pid": 7, "start_time": 2}})  # a new process behind the id
+        assert b.shared_sandbox("sb-1")["handle"] == {"pid": 7, "start_time": 2}
+        b.delete_sandboxes(["sb-1"], ended={"reason": "killed"})
+        assert b.shared_sandbox("sb-1") is None
+        a.insert_sandboxes([row(2)])
+        assert b.shared_sandbox("sb-2")["id"] == "sb-2"
+        a.delete_sandboxes(["sb-2"])
+        assert b.shared_sandbox("sb-2") is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_shared_sandbox_row_never_waits_for_a_commit(short_dir):
+    reg = Registry(os.path.join(short_dir, "r.sqlite3"))
+    try:
+        reg.insert_sandboxes([row(1)])
+        assert reg.shared_sandbox("sb-1")["id"] == "sb-1"
+        inside, done = threading.Event(), threading.Event()
+
+        def commit() -> None:  # a commit under way on another thread holds the registry
+            with reg.tx():
+                inside.set()
+                done.wait(30)
+
+        committer = threading.Thread(target=commit)
+        committer.start()
+        try:
+            assert inside.wait(30)
+            with pytest.raises(BlockingIOError):
+                reg.shared_sandbox("sb-1")
+        finally:
+            done.set()
+            committer.join(30)
+        assert reg.shared_sandbox("sb-1")["id"] == "sb-1"
+    finally:
+        reg.close()
 
 
 def test_a_registry_from_before_workspaces_gains_the_table(short_dir):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import threading
@@ -14,7 +15,7 @@ import pytest
 from forkd_engine.agent.client import AgentClient, AgentUnavailable
 from forkd_engine.agent.kept import KeptConnections
 from forkd_engine.agent.runtime import Runtime
-from forkd_engine.agent.server import AgentServer
+from forkd_engine.agent.server import AgentServer, encode_line
 
 
 class CountingListener(socket.socket):
@@ -166,6 +167,68 @@ def test_a_late_reply_is_dropped_in_its_turn(short_dir):
         for request in requests:
             agent.answer(conn, request)
         assert await second == {"agent": "slow", "n": 2}
+
+    try:
+        run(kept, calls)
+    finally:
+        agent.die()
+
+
+def test_each_call_ends_at_its_own_deadline_on_one_connection(short_dir):
+    """The connection's one timer serves every deadline: a short call sent after a long one ends
+    at its own (within the test's generous bound, long before the long one's), the long one is
+    still answered, and a call made after the timer fired gets a deadline too."""
+    path = os.path.join(short_dir, "deadlines.sock")
+    agent = StandIn(path, "slow")
+    kept = KeptConnections()
+
+    async def calls() -> None:
+        key = (path, 1, 1)
+        long = asyncio.ensure_future(kept.call(key, path, {"action": "ping", "n": 1}, 3600))
+        short = asyncio.ensure_future(kept.call(key, path, {"action": "ping", "n": 2}, 0.3))
+        conn = await _in_thread(agent.accept)
+        requests = await _in_thread(agent.read_lines, conn, 2)
+        with pytest.raises(AgentUnavailable, match=r"did not answer within 0\.3 s"):
+            await asyncio.wait_for(short, 30)
+        assert not long.done()
+        with pytest.raises(AgentUnavailable, match=r"did not answer within 0\.2 s"):
+            await asyncio.wait_for(kept.call(key, path, {"action": "ping", "n": 3}, 0.2), 30)
+        requests += await _in_thread(agent.read_lines, conn, 1)
+        for request in requests:  # 2 and 3 come after their callers gave up: dropped in their turn
+            agent.answer(conn, request)
+        assert await long == {"agent": "slow", "n": 1}
+        fourth = asyncio.ensure_future(kept.call(key, path, {"action": "ping", "n": 4}, 30))
+        agent.answer(conn, (await _in_thread(agent.read_lines, conn, 1))[0])
+        assert await fourth == {"agent": "slow", "n": 4}
+
+    try:
+        run(kept, calls)
+    finally:
+        agent.die()
+
+
+def test_an_encoded_request_goes_as_it_is_and_replies_read_as_json_reads_them(short_dir):
+    """A request already encoded (``encode_line``: a ping, encoded once) is sent byte for byte;
+    a reply is what ``json.loads`` makes of its line, NaN and integers past 64 bits included."""
+    path = os.path.join(short_dir, "raw.sock")
+    agent = StandIn(path, "raw")
+    kept = KeptConnections()
+    line = encode_line({"action": "ping", "n": 1})
+    odd = rb'{"x": NaN, "big": 123456789012345678901234567890, "s": "\u00e9t\u00e9"}'
+
+    async def calls() -> None:
+        key = (path, 1, 1)
+        first = asyncio.ensure_future(kept.call(key, path, line, 30))
+        second = asyncio.ensure_future(kept.call(key, path, {"action": "ping", "n": 2}, 30))
+        conn = await _in_thread(agent.accept)
+        got = await _in_thread(conn.recv, 65536)
+        while got.count(b"\n") < 2:
+            got += await _in_thread(conn.recv, 65536)
+        assert got == line + encode_line({"action": "ping", "n": 2})
+        conn.sendall(b'{"pong": true, "n": 1}\n' + odd + b"\n")
+        assert await first == {"pong": True, "n": 1}
+        reply = await second
+        assert math.isnan(reply.pop("x")) and reply == {"big": 123456789012345678901234567890, "s": "\u00e9t\u00e9"}
 
     try:
         run(kept, calls)

@@ -34,6 +34,16 @@ def test_route_enumeration_covers_the_app(forkd_app):
     assert len(ROUTES) >= 34  # every verb of every route (workspaces and compact included)
 
 
+def test_each_route_is_the_first_to_match_its_paths():
+    """The table's order is free (the calls made most come first) but for the routes whose paths
+    another route's pattern also matches: each path reaches its own route."""
+    table = route_table("forkd/") + mcp_routes("forkd/")
+    for _method, path, handler in ROUTES:
+        first = next(h for pattern, h in table if re.fullmatch(pattern, "/" + path))
+        assert first is handler, (path, first, handler)
+    assert route_table("forkd/")[-1][0] == "/forkd/v1/.*"
+
+
 @pytest.mark.parametrize("method,path,handler", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
 async def test_no_token_is_401(jp_fetch, forkd_app, method, path, handler):
     body = "{}" if method in ("POST", "PUT", "PATCH") else None

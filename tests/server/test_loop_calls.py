@@ -10,6 +10,8 @@ import threading
 
 import pytest
 
+from forkd_server.registry import Registry
+
 from ..signals import stopped
 from .test_api import call, sandbox, snap  # noqa: F401 - the fixtures
 
@@ -96,6 +98,29 @@ async def test_a_frozen_sandboxs_ping_wakes_it_on_the_pool(jp_fetch, forkd_app, 
     code, body = await ping(jp_fetch, sid)
     assert code == 200 and body["sandbox_id"] == sid
     assert kept(forkd_app) == 1  # (on the loop, unless another thread held the registry that instant)
+
+
+async def test_a_change_another_process_commits_reaches_the_loops_next_ping(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    """The loop reads a sandbox's row from the registry's shared rows (``Registry.shared_sandbox``,
+    kept from one ping to the next): a change another process commits to the data dir (a kill
+    under way there) is seen by the very next ping, which the pool then answers."""
+    sid = sandbox["id"]
+    ctl = forkd_app.controller
+    for _ in range(2):
+        assert (await ping(jp_fetch, sid))[0] == 200
+    before = ways(forkd_app)
+    assert (await ping(jp_fetch, sid))[0] == 200  # the shared row serves it
+    assert ways(forkd_app)["loop"] == before["loop"] + 1
+    other = Registry(os.path.join(ctl.data_dir, "registry.sqlite3"))
+    try:
+        other.update_sandbox(sid, ending={"reason": "killed"})
+        code, body = await ping(jp_fetch, sid)
+        assert (code, body) == (404, {"error": f"sandbox {sid} not found"})
+    finally:
+        other.update_sandbox(sid, ending=None)  # the end was not real: the sandbox is killed as usual
+        other.close()
+    assert (await ping(jp_fetch, sid))[0] == 200
+    assert not ctl.tiers._calls
 
 
 async def test_an_agent_that_dies_during_a_ping_on_the_loop_is_a_410(jp_fetch, forkd_app, sandbox, monkeypatch):  # noqa: F811

@@ -7,9 +7,10 @@ from __future__ import annotations
 import io
 import logging
 
+from jupyter_server.prometheus.log_functions import prometheus_log_method
 from prometheus_client import REGISTRY
 
-from forkd_server.access_log import access_log, written
+from forkd_server.access_log import access_log, request_timer, written
 
 from .test_api import call
 
@@ -68,3 +69,13 @@ def test_the_access_line_is_made_only_where_a_handler_takes_it_and_the_metric_al
     assert not written(logger, logging.DEBUG) and written(logger, logging.WARNING)
     logger.propagate = True  # up to the root, whose handlers (pytest's own here) take what they take
     assert written(logger, logging.ERROR)
+
+
+def test_the_request_metric_is_jupyter_servers_series_each_found_once():
+    observe = request_timer()
+    before = {status: _count(status) for status in (200, 201)}
+    for _ in range(3):
+        observe(_Handler(None, 200))  # the series found the first time, kept for the next
+    observe(_Handler(None, 201))  # another status: a series of its own
+    prometheus_log_method(_Handler(None, 200))  # jupyter_server's own way: the same series
+    assert _count(200) == before[200] + 4 and _count(201) == before[201] + 1

@@ -194,10 +194,11 @@ class ProcessEngine:
         except AgentUnavailable as exc:
             raise AgentUnreachable(str(exc)) from exc
 
-    async def call_async(self, handle: Handle, request: dict, timeout: float | None = None) -> dict:
+    async def call_async(self, handle: Handle, request: dict | bytes, timeout: float | None = None) -> dict:
         """``call`` on the running event loop, for a short call (a ping), on the connection kept
         for this agent process (agent/kept.py): never blocks the loop; ``BlockingIOError`` where
-        ``call`` would wait (the agent's listen queue is full)."""
+        ``call`` would wait (the agent's listen queue is full). ``request`` may be its line,
+        encoded once (``encode_line``)."""
         key = (handle["socket"], handle["pid"], handle["start_time"])
         try:
             return await self.kept.call(key, handle["socket"], request, timeout or 30.0)
@@ -252,10 +253,11 @@ class ProcessEngine:
         for fd in {f for f in fds if f >= 0}:
             poller.register(fd, select.POLLIN)
         exited = {fd for fd, _ in poller.poll(0)}  # a pidfd turns readable when its process exits
-        for key, fd in list(self._pidfds.items()):
-            if fd in exited:
-                os.close(fd)
-                del self._pidfds[key]
+        if exited:  # (the pidfds of every sandbox watched are looked through only then)
+            for key, fd in list(self._pidfds.items()):
+                if fd in exited:
+                    os.close(fd)
+                    del self._pidfds[key]
         return [unwatched[i] if i in unwatched else fd >= 0 and fd not in exited for i, fd in enumerate(fds)]
 
     def wait_exit(self, handle: Handle, timeout: float) -> bool:
