@@ -286,3 +286,17 @@ def burst(url: str, token: str, stop: threading.Event, progress: threading.Semap
         except (ControllerError, ServerUnreachable):
             if stop.is_set():
                 return
+
+
+def status_of(url: str, method: str) -> int:
+    """The status of one request with an empty JSON body where the method takes one; a streaming
+    reply (/v1/events) is read only as far as its first byte."""
+    body = b"{}" if method in ("POST", "PUT", "PATCH") else None
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as reply:
+            reply.read(1)  # enough: /v1/events streams until the client goes
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return exc.code

@@ -11,8 +11,6 @@ import json
 import re
 import secrets
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -20,6 +18,7 @@ from forkd_server.client import Controller
 from forkd_server.fleet.handlers import route_table
 from forkd_server.handlers import OPENAPI_PATH
 
+from ..serving import status_of
 from .fleet import fleet
 
 with open(OPENAPI_PATH) as _f:
@@ -39,18 +38,6 @@ def router():
 
 def _concrete(path: str) -> str:
     return path.format(id="sb-none", tag="none", name="none", ref="none")
-
-
-def _call(url: str, method: str) -> int:
-    body = b"{}" if method in ("POST", "PUT", "PATCH") else None
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as reply:
-            reply.read(1)  # enough: /v1/events streams until the client goes
-            return reply.status
-    except urllib.error.HTTPError as exc:
-        exc.read()
-        return exc.code
 
 
 def _lines_of(router, marker: str, timeout: float = 10) -> list[str]:
@@ -82,7 +69,7 @@ def test_a_token_in_the_query_is_logged_as_secret(router, method, path):
         if path == "/v1/events" and token == router.token:
             continue  # a stream: it ends (and would be logged) only when the client goes
         marker = f"probe{next(_probes)}x"
-        status = _call(f"{router.url}{_concrete(path)}?{marker}=1&token={token}", method)
+        status = status_of(f"{router.url}{_concrete(path)}?{marker}=1&token={token}", method)
         if status >= 400:  # what the router logs
             lines = _lines_of(router, marker)
             assert lines, f"nothing logged for {method} {path} ({status})"
@@ -91,7 +78,7 @@ def test_a_token_in_the_query_is_logged_as_secret(router, method, path):
         _assert_clean(router, wrong)
 
 
-def test_no_token_in_the_log_when_a_host_goes_away_under_a_call():
+def test_no_token_in_the_log_when_a_host_goes_away_under_astatus_of():
     """The proxy's upstream errors (a pinned call, a session) and the router's notes on a host that
     went down name neither the router's token nor the hosts'."""
     with fleet(1) as (router, hosts):
@@ -104,7 +91,7 @@ def test_no_token_in_the_log_when_a_host_goes_away_under_a_call():
             for path in (f"/v1/sandboxes/{kid}/ping", f"/v1/sandboxes/{kid}/session", f"/v1/sandboxes/{kid}"):
                 for token in ("wrong-" + secrets.token_hex(12), router.token):
                     marker = f"probe{next(_probes)}x"
-                    status = _call(f"{router.url}{path}?{marker}=1&token={token}", "GET")
+                    status = status_of(f"{router.url}{path}?{marker}=1&token={token}", "GET")
                     assert status >= 400, (path, status)
                     for line in _lines_of(router, marker):
                         assert f"{marker}=1&token=[secret]" in line, line

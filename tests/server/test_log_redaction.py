@@ -8,14 +8,12 @@ import json
 import re
 import secrets
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from forkd_server.handlers import OPENAPI_PATH
 
-from ..serving import serving
+from ..serving import serving, status_of
 
 with open(OPENAPI_PATH) as _f:
     _PATHS = json.load(_f)["paths"]
@@ -31,16 +29,6 @@ def server():
     # log of the handler's extension)
     with serving("--ForkdApp.log_level=DEBUG") as srv:
         yield srv
-
-
-def _call(url: str, method: str) -> None:
-    body = b"{}" if method in ("POST", "PUT", "PATCH") else None
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as reply:
-            reply.read(1)  # enough: /v1/events streams until the client goes
-    except urllib.error.HTTPError as exc:
-        exc.read()
 
 
 def _lines_of(server, marker: str, timeout: float = 10) -> list[str]:
@@ -66,7 +54,7 @@ def test_a_token_in_the_query_is_logged_as_secret(server, method, path):
             continue  # a stream: it is logged when it ends, which this client does not wait for
         marker = f"probe{next(_probes)}x"
         route = path.format(id="sb-none", tag="none", name="none", ref="none")
-        _call(f"{server.url}{route}?{marker}=1&token={token}", method)
+        status_of(f"{server.url}{route}?{marker}=1&token={token}", method)
         lines = _lines_of(server, marker)
         assert lines, f"nothing logged for {method} {route}"
         for line in lines:
