@@ -192,11 +192,17 @@ class ForkdKernel(Kernel):
                 pass
             sandbox = self._spawn(base)
             self.head.attach(sandbox, base)
-            self._register()
+            left = (self._register() or {}).get("left") or {}
             if previous and previous != sandbox and self.is_running(previous):
                 self._notice = (self._notice or "") + (f"forkd: this kernel restarted in a fresh sandbox, {sandbox} (a child of {base}). "
                                 f"The sandbox it ran in before, {previous}, still runs with its state: "
                                 f"%forkd checkout {previous} to continue there, or %forkd kill {previous} to free it.\n")
+            elif left.get("head") and left["head"] != sandbox and self.is_running(left["head"]):
+                # the notebook's last kernel stopped with its Jupyter server: never silently fresh
+                old = left["head"]
+                self._notice = (self._notice or "") + (f"forkd: this notebook starts in a fresh sandbox, {sandbox} (a child of {base}): "
+                                f"its last kernel stopped with the Jupyter server. The sandbox it ran in, {old}, still runs "
+                                f"with its state: %forkd checkout {old} to continue there, or %forkd kill {old} to free it.\n")
         except (ControllerError, ServerUnreachable, RuntimeError, TimeoutError, OSError, ValueError, HeadGone) as exc:
             said = explained(exc, self.controller.base_url)
             if "memory_limit_mib" in str(exc):
@@ -216,12 +222,15 @@ class ForkdKernel(Kernel):
         except (ControllerError, ServerUnreachable):
             return False
 
-    def _register(self) -> None:
+    def _register(self) -> dict | None:
+        """Record HEAD with the server; its answer (``left``: where the notebook's last kernel ran, if
+        its Jupyter server stopped it), or None if the server could not record it."""
         try:
-            self.controller.set_kernel_head(self.kernel_id, self.head.sandbox_id, notebook=self.notebook,
-                                            base_snapshot=self.base.tag, engine=self.base.resolved_engine)
+            return self.controller.set_kernel_head(self.kernel_id, self.head.sandbox_id, notebook=self.notebook,
+                                                   base_snapshot=self.base.tag, engine=self.base.resolved_engine)
         except (ControllerError, ServerUnreachable) as exc:  # the panel misses a marker; the notebook works
             self.log.warning("forkd: could not record HEAD with the server: %s", exc)
+            return None
 
     def head_id(self) -> str | None:
         self._started.wait()

@@ -370,7 +370,7 @@ class ForkdApp(ExtensionApp):
         running = set(manager.list_kernel_ids()) if manager is not None else set()
         for kernel in self.kernels.list():
             if kernel["kernel_id"] in running:
-                self.kernels.forget(kernel["kernel_id"])
+                self.kernels.leave(kernel["kernel_id"])  # the notebook's next kernel is told where it ran
 
     async def stop_extension(self) -> None:
         if self.announcer is not None:

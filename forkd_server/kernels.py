@@ -3,7 +3,11 @@ finds the one it left.
 
 A forkd kernel registers its HEAD whenever it moves (start, checkout) and forgets itself when it
 shuts down; a restart keeps the record, so the fresh kernel can say where the old state still is.
-The record lives in the registry's database (its own table), so a server restart keeps it too.
+A Jupyter server that stops takes its kernels along after forkd stopped answering them: forkd then
+``leave``s their records, keeping each notebook's last HEAD, and the notebook's next forkd kernel is
+told where it is when it registers (once), so it says so under its first cell instead of starting
+silently fresh. The records live in the registry's database (tables of their own), so a server
+restart keeps them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ CREATE TABLE IF NOT EXISTS kernels (
     updated_at REAL NOT NULL
 )"""
 FIELDS = ("kernel_id", "head", "notebook", "base_snapshot", "engine", "updated_at")
+# a notebook's last HEAD, left by a kernel its Jupyter server stopped (one per notebook, said once)
+_LEFT_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kernels_left (
+    notebook TEXT PRIMARY KEY,
+    head TEXT NOT NULL,
+    kernel_id TEXT NOT NULL,
+    left_at REAL NOT NULL
+)"""
 
 
 def check_kernel_id(kernel_id) -> str:
@@ -39,6 +51,7 @@ class KernelHeads:
         self._emit = emit
         with registry.tx() as db:
             db.execute(_SCHEMA)
+            db.execute(_LEFT_SCHEMA)
 
     def _rows(self, where: str = "", args: tuple = ()) -> list[dict]:
         with self.registry.tx() as db:
@@ -64,11 +77,33 @@ class KernelHeads:
             raise BadRequest("head is required: the sandbox id the kernel is on")
         row = {"kernel_id": kernel_id, "head": head, "notebook": notebook, "base_snapshot": base_snapshot,
                "engine": engine, "updated_at": time.time()}
+        left = None
         with self.registry.tx() as db:
             db.execute(f"INSERT OR REPLACE INTO kernels ({', '.join(FIELDS)}) VALUES ({', '.join('?' * len(FIELDS))})",
                        tuple(row[f] for f in FIELDS))
+            if notebook:  # the notebook's last HEAD before its Jupyter server stopped: told once
+                found = db.execute("SELECT head, kernel_id, left_at FROM kernels_left WHERE notebook=?",
+                                   (notebook,)).fetchone()
+                if found is not None:
+                    db.execute("DELETE FROM kernels_left WHERE notebook=?", (notebook,))
+                    left = dict(zip(("head", "kernel_id", "left_at"), found))
         self._emit("kernel", "head", kernel_id=kernel_id, head=head, notebook=notebook)
-        return row
+        return {**row, "left": left} if left is not None and left["head"] != head else row
+
+    def leave(self, kernel_id) -> None:
+        """Forget a kernel its Jupyter server stopped, keeping its notebook's HEAD for the notebook's
+        next kernel (``set_head`` tells it)."""
+        check_kernel_id(kernel_id)
+        with self.registry.tx() as db:
+            found = db.execute("SELECT head, notebook FROM kernels WHERE kernel_id=?", (kernel_id,)).fetchone()
+            if found is None:  # it forgot itself meanwhile
+                return
+            head, notebook = found
+            if notebook:
+                db.execute("INSERT OR REPLACE INTO kernels_left (notebook, head, kernel_id, left_at) VALUES (?, ?, ?, ?)",
+                           (notebook, head, kernel_id, time.time()))
+            db.execute("DELETE FROM kernels WHERE kernel_id=?", (kernel_id,))
+        self._emit("kernel", "gone", kernel_id=kernel_id)
 
     def forget(self, kernel_id) -> None:
         check_kernel_id(kernel_id)

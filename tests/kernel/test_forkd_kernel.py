@@ -6,6 +6,7 @@ import os
 import re
 import threading
 import time
+from unittest import mock
 
 import pytest
 from jupyter_client.manager import start_new_kernel
@@ -216,6 +217,36 @@ def test_restart_starts_fresh_and_says_where_the_old_state_is(kernel, forkd_serv
     assert run(kc, "z").result == "'old'"
 
 
+def test_a_notebook_whose_kernel_stopped_with_its_server_starts_fresh_saying_where_its_state_is(forkd_server):
+    """What forkd keeps when a Jupyter server stops its kernels (KernelHeads.leave, called as the
+    extension stops: tests/lab/test_panel.py shows it) reaches the notebook's next kernel: it starts
+    fresh, as any kernel would, but its first cell names the sandbox that still runs with the state."""
+    import sqlite3
+
+    ctl = Controller(forkd_server.url, forkd_server.token)
+    tag = f"left-{os.getpid()}"
+    ctl.create_snapshot(tag, setup="z = 'kept'")
+    old = ctl.spawn_sandboxes(tag, 1)[0]["id"]
+    db = sqlite3.connect(os.path.join(forkd_server.server.data_dir, "registry.sqlite3"), timeout=30)
+    with db:  # what leave() records for a kernel of work/left.ipynb its Jupyter server stopped
+        db.execute("INSERT INTO kernels_left (notebook, head, kernel_id, left_at) VALUES (?, ?, ?, ?)",
+                   ("work/left.ipynb", old, "stopped-kernel", time.time()))
+    db.close()
+    with mock.patch.dict(os.environ, JPY_SESSION_NAME="work/left.ipynb"):
+        km, kc = start_new_kernel(kernel_name="forkd-python")
+    try:
+        first = run(kc, "'z' in dir()")
+        assert first.result == "False"
+        assert "stopped with the Jupyter server" in first.text and f"%forkd checkout {old}" in first.text, first.text
+        assert run(kc, f"%forkd checkout {old}").ok
+        assert run(kc, "z").result == "'kept'"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+        ctl.kill_sandbox(old)
+        ctl.delete_snapshot(tag, cascade=True)
+
+
 def test_a_cell_mixing_forkd_lines_and_python_is_refused(kernel):
     _, kc = kernel
     cell = run(kc, "a = 1\n%forkd ls")
@@ -314,6 +345,7 @@ def test_the_notebooks_sandboxes_have_its_memory_limit_not_the_servers_default(k
     """Pages a notebook shares with the branches it keeps stay charged to it, so its sandboxes get
     the host's memory as their limit, not the 2048 MiB every other sandbox gets."""
     from forkd_engine.process.engine import DEFAULT_MEMORY_LIMIT_MIB
+
     from forkd_server.checks import host_memory_mib
     _, kc = kernel
     ctl = Controller(forkd_server.url, forkd_server.token)

@@ -381,12 +381,20 @@ def test_a_server_restart_marks_no_head_of_a_kernel_it_stopped(page, lab):
     chip.wait_for(timeout=90_000)
     head = chip.get_attribute("data-id")
     assert run_cell(page, "x = 41; x") == "41"
+    (record,) = ctl.list_kernels()
     lab.restart()
     assert lab.controller().list_kernels() == []
     page.locator(f"{PANEL} .forkd-state[data-state='reconnecting']").wait_for(state="hidden", timeout=15_000)
     page.locator(f"{PANEL} .forkd-row[data-id='{head}'][data-status='running']").wait_for(timeout=LIVE_WITHIN)
     assert page.locator(f"{PANEL} .forkd-head-chip").count() == 0
     assert ctl.eval_code(head, "x")["result"] == "41"
+    # the notebook's next forkd kernel is told, once, where its last one ran (the kernel says so under
+    # its first cell, forkd_kernel/kernel.py): never silently fresh
+    ctl = lab.controller()
+    told = ctl.set_kernel_head("next-kernel", "sb-next", notebook=record["notebook"])
+    assert told["left"]["head"] == head and told["left"]["kernel_id"] == record["kernel_id"], told
+    assert "left" not in ctl.set_kernel_head("next-kernel", "sb-next", notebook=record["notebook"])
+    ctl.forget_kernel("next-kernel")
 
 
 def test_panel_rides_through_a_restart_that_is_still_settling(page, lab):
