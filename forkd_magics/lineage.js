@@ -272,8 +272,9 @@ export class LineageView {
     const height = rs.length * ROW;
     const deepest = Math.max(0, ...rs.map((r) => indentOf(r.depth)));
     this.list.style.height = `${height}px`;
-    // every row is at least ROW_MIN wide: deeper than a narrow pane allows, the tree scrolls sideways, never clips
-    this.list.style.minWidth = `${deepest + ROW_MIN}px`;
+    // every row is at least ROW_MIN wide: deeper than a narrow pane allows, the tree scrolls sideways, never
+    // clips (set on the canvas's child, so the scroll ends past the canvas's padding, the rows' edges in view)
+    this.content.style.minWidth = `${deepest + ROW_MIN}px`;
     this.edges.setAttribute("height", String(height));
     this.edges.setAttribute("width", String(deepest + 20));
     const target = shown.find((c) => c.dataset.key === (focused || this.selected)) || shown[0];
