@@ -63,6 +63,10 @@ export interface ILineageViewOptions {
 export declare const GROUP_MIN: number;
 export declare const ROW: number;
 export declare const INDENT: number;
+export declare const DEEP: number;
+export declare const INDENT_DEEP: number;
+export declare const ROW_MIN: number;
+export declare function indentOf(depth: number): number;
 export declare function age(created: number | null | undefined, now: number): string;
 export declare function fmtMs(ms: number | null | undefined): string;
 export declare function fmtKib(kib: number | null | undefined): string;

@@ -8,8 +8,8 @@
 // the tree spans more than one (one host needs no name). Colours are JupyterLab's --jp-* variables
 // (lineage.css).
 
-import { GONE, INDENT, MODES, ROW, age, describeDelete, describeKill, fmtKib, fmtMs, hostLabel, hostsOf, isGone, plural,
-  rows, summary, warningsOf, withGhosts } from "./lineage_tree.js";
+import { GONE, MODES, ROW, ROW_MIN, age, describeDelete, describeKill, fmtKib, fmtMs, hostLabel, hostsOf, isGone, plural,
+  indentOf, rows, summary, warningsOf, withGhosts } from "./lineage_tree.js";
 
 export * from "./lineage_tree.js";
 
@@ -257,8 +257,9 @@ export class LineageView {
       const row = el("div", { class: "forkd-row", role: "treeitem", "aria-level": r.depth + 1, tabindex: "-1", "data-key": key });
       if (r.up >= 0) {
         const up = rs[r.up];
-        const x = up.depth * INDENT + 9, y0 = r.up * ROW + H, y = i * ROW + H / 2;
-        svgEl("path", { d: `M${x},${y0} V${y} H${r.depth * INDENT}`, class: "forkd-edge" }, this.edges);
+        // the guide runs midway between the parent's left edge and the child's (a step is 16 px, 8 when deep)
+        const x = (indentOf(up.depth) + indentOf(r.depth)) / 2 + 1, y0 = r.up * ROW + H, y = i * ROW + H / 2;
+        svgEl("path", { d: `M${x},${y0} V${y} H${indentOf(r.depth)}`, class: "forkd-edge" }, this.edges);
       }
       if (r.type === "group") this._groupRow(row, r, tree);
       else this._nodeRow(row, r.id, tree[r.id]);
@@ -267,11 +268,15 @@ export class LineageView {
     });
     const shown = reconcile(this.list, fresh, (c) => c.dataset.key);
     // where a row sits is not part of its drawing: a row added above moves it, and keeps it
-    shown.forEach((row, i) => { row.style.top = `${i * ROW}px`; row.style.left = `${rs[i].depth * INDENT}px`; });
+    shown.forEach((row, i) => { row.style.top = `${i * ROW}px`; row.style.left = `${indentOf(rs[i].depth)}px`; });
     const height = rs.length * ROW;
+    const deepest = Math.max(0, ...rs.map((r) => indentOf(r.depth)));
     this.list.style.height = `${height}px`;
+    // every row is at least ROW_MIN wide: deeper than a narrow pane allows, the tree scrolls sideways, never
+    // clips (set on the canvas's child, so the scroll ends past the canvas's padding, the rows' edges in view)
+    this.content.style.minWidth = `${deepest + ROW_MIN}px`;
     this.edges.setAttribute("height", String(height));
-    this.edges.setAttribute("width", String(Math.max(...rs.map((r) => r.depth * INDENT + 20), 20)));
+    this.edges.setAttribute("width", String(deepest + 20));
     const target = shown.find((c) => c.dataset.key === (focused || this.selected)) || shown[0];
     for (const c of shown) c.tabIndex = c === target ? 0 : -1;
     if (target && focused && document.activeElement !== target) target.focus({ preventScroll: true });

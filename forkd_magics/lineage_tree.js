@@ -10,7 +10,11 @@
 
 export const GROUP_MIN = 4; // this many alike leaf siblings fold into one row
 export const ROW = 46; // px per row (the rows have a fixed height: edges are drawn from indices)
-export const INDENT = 16; // px per generation
+export const INDENT = 16; // px per generation, for the first DEEP generations
+export const DEEP = 4;
+export const INDENT_DEEP = 8; // px per generation past DEEP: a deep lineage leaves the rows their width
+export const ROW_MIN = 160; // px: the narrowest row (icon, an id with its tail, a chip); the tree scrolls sideways past it
+export const indentOf = (depth) => Math.min(depth, DEEP) * INDENT + Math.max(0, depth - DEEP) * INDENT_DEEP;
 export const GONE = { sandbox: "killed", snapshot: "deleted" };
 export const MODES = ["live", "diff", "full"];
 
