@@ -57,6 +57,8 @@ def test_a_deep_lineage_reads_in_a_narrow_sidebar(page, lab):
     assert page.locator(f"{PANEL} .forkd-row[data-id='{deepest}']").get_attribute("aria-level") == "12"
     row(page, deepest).click()
     page.locator(f"{PANEL} .forkd-details", has_text=f"sandbox {deepest}").wait_for(timeout=LIVE_WITHIN)
+    for fact in ("label notebook", "lineage"):  # the facts measured below, once the pane has drawn them
+        page.locator(f"{PANEL} .forkd-details th", has_text=fact).first.wait_for(timeout=LIVE_WITHIN)
 
     sidebar_to(page, 300)
     g = page.evaluate(GEOMETRY, [PANEL, deepest])
