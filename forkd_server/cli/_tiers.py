@@ -3,6 +3,7 @@ frozen: paused with no CPU, stored: in the store with no process); any call wake
 
 from __future__ import annotations
 
+from ..client._tiers import tier_said
 from ._output import client, console, emit_json
 
 
@@ -13,15 +14,7 @@ def cmd_tier(args) -> int:
     if args.json:
         emit_json(info)
         return 0
-    wake = info.get("wake")
-    said = f"{info['id']}: {info['tier']}"
-    if wake and wake.get("from") != "running":
-        said += f" (woken from {wake['from']} in {wake['ms']:.0f} ms"
-        if wake["from"] == "stored":
-            said += (f": fetch {wake['fetch_ms']:.0f}, decompress {wake['decompress_ms']:.0f}, "
-                     f"restore {wake['restore_ms']:.0f} ms")
-        said += ")"
-    console().print(said, soft_wrap=True)
+    console().print(tier_said(info), soft_wrap=True)
     return 0
 
 
