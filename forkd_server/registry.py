@@ -301,7 +301,7 @@ class Registry:
             self._see_other_commits()
             row = self._sandbox_rows.get(sandbox_id)
             if row is None:
-                row = _decode(self._db.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone())
+                row = self._get("sandboxes", "id", sandbox_id, block=False)  # the lock is ours already
                 if row is not None:
                     self._sandbox_rows[sandbox_id] = row
             return row
