@@ -239,6 +239,15 @@ def run_cell(page, code: str) -> str:
     return page.locator(".jp-NotebookPanel .jp-OutputArea-output").nth(count).text_content()
 
 
+def new_forkd_notebook(page) -> str:
+    """A new notebook on the forkd kernel, as the launcher makes one; its HEAD, once the panel marks it."""
+    page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'forkd-python'})")
+    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
+    chip = page.locator(f"{PANEL} .forkd-node:has(.forkd-head-chip)")
+    chip.wait_for(timeout=90_000)
+    return chip.get_attribute("data-id")
+
+
 def test_checkout_from_the_panel_moves_head_and_the_next_cell_runs_there(page, lab):
     ctl = lab.controller()
     page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'forkd-python'})")
@@ -285,11 +294,7 @@ def test_the_panels_fork_then_check_out_gets_the_notebooks_limit_and_a_dead_head
     ends in the notebook's memory limit, said in a warning; HEAD's chip follows the checkout and
     leaves a HEAD killed with kill -9, and a checkout of the branch brings it back, state intact."""
     ctl = lab.controller()
-    page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'forkd-python'})")
-    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
-    chip = page.locator(f"{PANEL} .forkd-node:has(.forkd-head-chip)")
-    chip.wait_for(timeout=90_000)
-    first = chip.get_attribute("data-id")
+    first = new_forkd_notebook(page)
     assert run_cell(page, "x = 41; x") == "41"
     page.evaluate("window.jupyterapp.commands.execute('forkd:branch-notebook')")
     page.locator(".jp-toast-message", has_text="Branched").wait_for(timeout=30_000)
@@ -322,6 +327,7 @@ def test_the_panels_fork_then_check_out_gets_the_notebooks_limit_and_a_dead_head
     assert page.locator(f"{PANEL} .forkd-head-chip").count() == 0
     shot(page, "lab-dead-head.png")
     run_cell(page, f"%forkd checkout {branch}")
+    chip = page.locator(f"{PANEL} .forkd-node:has(.forkd-head-chip)")
     chip.wait_for(timeout=LIVE_WITHIN)
     assert chip.get_attribute("data-id") not in (first, kid["id"])
     assert run_cell(page, "x") == "41"
@@ -377,11 +383,7 @@ def test_a_server_restart_marks_no_head_of_a_kernel_it_stopped(page, lab):
     kernel (the panel marked it beside the HEAD of the notebook's next kernel), and the sandbox it
     ran in still runs with the notebook's state."""
     ctl = lab.controller()
-    page.evaluate("window.jupyterapp.commands.execute('notebook:create-new', {kernelName: 'forkd-python'})")
-    page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=30_000)
-    chip = page.locator(f"{PANEL} .forkd-node:has(.forkd-head-chip)")
-    chip.wait_for(timeout=90_000)
-    head = chip.get_attribute("data-id")
+    head = new_forkd_notebook(page)
     assert run_cell(page, "x = 41; x") == "41"
     (record,) = ctl.list_kernels()
     lab.restart()
