@@ -7,7 +7,9 @@ the root like forkd's daemon. The app owns the controller, the admission of its 
 registry and the event fan-out (SSE subscribers and jupyter_server's event bus).
 
 With ``remote_url`` (by default ``$FORKD_URL``) it runs no controller: its routes pass every call on
-to that server, and that server's events reach the event bus (remote.py).
+to that server, and that server's events reach the event bus (remote.py). With ``router_hosts`` (or
+``router_hosts_dns``) it runs none either: its routes are a fleet's router, placing sandboxes on
+those hosts (fleet/extension.py). The three modes exclude each other.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from jupyter_server.extension.application import ExtensionApp
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from traitlets import Bool, Float, Int, Unicode, default, validate
+from traitlets import Bool, Float, Int, List, Unicode, default, validate
 
 from . import __version__, startup
 from .controller import default_data_dir
@@ -163,6 +165,26 @@ class ForkdApp(ExtensionApp):
     remote_token = Unicode(config=True, help="The token calls to remote_url carry (never sent to the browser). "
                                              "Default: $FORKD_TOKEN, else $JUPYTERHUB_API_TOKEN (a JupyterHub user "
                                              "server's own).")
+    router_hosts = List(Unicode(), config=True,
+                        help="Router mode: the `forkd serve` hosts (http(s)://HOST:PORT each) this server's routes "
+                             "place sandboxes on, as `forkd router --hosts` does; no sandboxes run here "
+                             "(fleet/extension.py). Not with remote_url, nor the options of a server that runs "
+                             "sandboxes itself. [] (default): not a router.")
+    router_hosts_dns = Unicode("", config=True,
+                               help="Router mode, instead of router_hosts: every address this URL's name resolves to, "
+                                    "with its scheme and port, resolved again on every heartbeat (forkd router "
+                                    "--hosts-dns; a Kubernetes headless Service: http://NAME:PORT).")
+    router_hosts_token_file = Unicode("", config=True, help="Router mode: file holding the token the hosts were "
+                                                            "started with (forkd router --hosts-token-file).")
+    router_hosts_ca = Unicode("", config=True, help="Router mode: CA certificate file to check https hosts with "
+                                                    "(default: the system's CAs).")
+    router_heartbeat = Float(2.0, config=True, help="Router mode: seconds between two reads of a host's /healthz.")
+    router_down_after = Float(10.0, config=True, help="Router mode: seconds without a good /healthz before a host is "
+                                                      "down (its sandboxes listed lost).")
+    router_host_timeout = Float(5.0, config=True, help="Router mode: seconds a host has to answer the router's own "
+                                                       "reads (heartbeat, lists, lookups).")
+    router_placement_wait = Float(1.0, config=True, help="Router mode: seconds a spawn waits for a host's snapshot "
+                                                         "listing before it places by the host's last one.")
     mcp = Bool(True, config=True, help="Serve the MCP server (streamable HTTP) at {base_url}{route_prefix}mcp; "
                                        "needs the mcp package (pip install 'forkd-jupyter[mcp]').")
 
@@ -220,8 +242,12 @@ class ForkdApp(ExtensionApp):
 
     remote = None  # remote mode: the server every call is passed on to (remote.py)
     relay = None   # and the reader of its change events
+    router_mode = None  # router mode: the fleet's router these routes are (fleet/extension.py)
 
     def initialize_settings(self) -> None:
+        if self.router_hosts or self.router_hosts_dns.strip():
+            self._initialize_router()
+            return
         if self.remote_url:
             self._initialize_remote()
             return
@@ -302,6 +328,21 @@ class ForkdApp(ExtensionApp):
                       "run here", self.serverapp.base_url, self.route_prefix, self.remote.url,
                       ", from $FORKD_URL" if self.remote_url == os.environ.get("FORKD_URL", "").strip() else "")
 
+    def _initialize_router(self) -> None:
+        """Router mode: no controller here; the router's state lives under the data dir."""
+        from .fleet.extension import RouterMode, RouterModeError
+        try:
+            self.router_mode = RouterMode.configure(self)
+        except RouterModeError as exc:  # said, and the server does not start (as for a busy data dir)
+            self.log.critical("forkd: %s", exc)
+            self.serverapp.exit(1)
+        self.events = EventHub(self)  # the fleet's changes go to jupyter_server's event bus through it
+        io_loop = getattr(self.serverapp, "io_loop", None)
+        self.events.loop = getattr(io_loop, "asyncio_loop", None)
+        logger = getattr(self.serverapp, "event_logger", None)
+        if logger is not None and EVENT_SCHEMA_ID not in logger.schemas.schema_ids:
+            logger.register_event_schema(EVENT_SCHEMA)
+
     def _recovered(self, result: dict) -> None:
         """Called on the recovery thread once every object it found is settled."""
         settled = self.controller.recovery.settled_s if self.controller else None
@@ -313,7 +354,9 @@ class ForkdApp(ExtensionApp):
     def initialize_handlers(self) -> None:
         from .handlers import route_table
 
-        if self.remote is not None:
+        if self.router_mode is not None:
+            self.handlers.extend(self.router_mode.routes(self.route_prefix))
+        elif self.remote is not None:
             from .handlers.meta import VersionHandler
             from .remote import routes
             # /version stays this extension's own: the Lab extension checks it matches its build
@@ -326,6 +369,9 @@ class ForkdApp(ExtensionApp):
 
     async def _start_jupyter_server_extension(self, serverapp) -> None:
         self.events.loop = asyncio.get_running_loop()
+        if self.router_mode is not None:
+            await self.router_mode.start()
+            return
         if self.remote is not None:
             self.relay.start()
             return
@@ -379,6 +425,10 @@ class ForkdApp(ExtensionApp):
         if self.mcp_mount is not None:
             await self.mcp_mount.stop()
             self.mcp_mount = None
+        if self.router_mode is not None:
+            await self.router_mode.stop()
+            self.events.close()
+            return
         if self.remote is not None:
             await self.relay.stop()
             self.events.close()

@@ -198,20 +198,21 @@ class JupyterServer:
     root and data dir of its own, no FORKD_URL (its kernels find it through its runtime dir).
     ``stop()`` deletes what it holds, stops it and removes its directory. ``env``: more of its
     environment (``FORKD_URL`` and ``FORKD_TOKEN`` put it in remote mode; ``stop()`` then leaves the
-    remote's objects to whoever runs it)."""
+    remote's objects to whoever runs it). ``args``: more of its options (``--ForkdApp.router_hosts=...``
+    puts it in router mode; ``stop()`` then leaves the hosts' objects to whoever runs them too)."""
 
-    def __init__(self, env: dict | None = None, port: int | None = None):
+    def __init__(self, env: dict | None = None, port: int | None = None, args: tuple[str, ...] = ()):
         self.workdir = tempfile.mkdtemp(prefix="fkmcp")
         self.token = secrets.token_hex(20)
         self.port = port or free_port()
-        self.remote = bool((env or {}).get("FORKD_URL"))
+        self.remote = bool((env or {}).get("FORKD_URL")) or any(a.startswith("--ForkdApp.router_") for a in args)
         env = {**{k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}, **(env or {})}
         env["JUPYTER_RUNTIME_DIR"] = os.path.join(self.workdir, "rt")  # its kernels find it there
         self.log = open(os.path.join(self.workdir, "server.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={self.port}",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.workdir}",
-             f"--ForkdApp.data_dir={os.path.join(self.workdir, 'd')}"],
+             f"--ForkdApp.data_dir={os.path.join(self.workdir, 'd')}", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
         while True:  # bounded polling of the real condition: forkd's /healthz answers

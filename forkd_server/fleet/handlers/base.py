@@ -22,9 +22,12 @@ from ..router import Refusal, Router
 MISSING_HEADER = "X-Forkd-Hosts-Missing"  # hosts whose part of a merged answer is missing, and why
 
 
+SECRET_QUERY = frozenset({"token", "_xsrf"})  # the caller's credentials to the router (or Jupyter), not a host's
+
+
 def host_query(handler: web.RequestHandler) -> str:
-    """The request's query without ``token`` (the router's secret, not the host's)."""
-    pairs = [(k, v) for k, v in parse_qsl(handler.request.query, keep_blank_values=True) if k != "token"]
+    """The request's query without ``token`` or ``_xsrf`` (the router's secrets, not the host's)."""
+    pairs = [(k, v) for k, v in parse_qsl(handler.request.query, keep_blank_values=True) if k not in SECRET_QUERY]
     return ("?" + urlencode(pairs)) if pairs else ""
 
 
@@ -74,13 +77,24 @@ class RouterHandler(ScrubbedLog, UpstreamCall, web.RequestHandler):
         """The router's JupyterHub mode (fleet/hub.py), or None."""
         return self.settings.get("forkd_hub")
 
+    @property
+    def api_path(self) -> str:
+        """The request's path as a host has it (``/v1/...``): the router's own routes sit at the
+        root; mounted in a Jupyter server (extension.py) they sit under its prefix."""
+        return self.request.path
+
     async def prepare(self) -> None:
-        if self.public:
-            return
+        if not self.public:
+            self.caller = await self.admit()
+
+    async def admit(self) -> Caller | None:
+        """Who calls: None for one who sees everything, else the Hub user (hub.py); a Refusal if no
+        one may. The router's token, or JupyterHub's word under ``--hub``; a Jupyter server that
+        mounts the router asks its own login instead (extension.py)."""
         if self.hub is None:
             check_token(self, self.settings["forkd_token"])
-        else:
-            self.caller = await self.hub.admit(self)
+            return None
+        return await self.hub.admit(self)
 
     @property
     def viewer(self) -> Caller | None:
@@ -163,7 +177,7 @@ class RouterHandler(ScrubbedLog, UpstreamCall, web.RequestHandler):
         """This request passed on to ``host`` and its answer parsed (for small JSON answers the
         router adds to); HostError becomes 502."""
         try:
-            return await host.request_json(self.request.method, path or (self.request.path + host_query(self)),
+            return await host.request_json(self.request.method, path or (self.api_path + host_query(self)),
                                            body if body is not None else (self.request.body or None),
                                            timeout=None, session="calls", headers=self.client_headers())
         except HostError as exc:
@@ -175,7 +189,7 @@ class RouterHandler(ScrubbedLog, UpstreamCall, web.RequestHandler):
     async def forward(self, host: Host, path: str | None = None) -> None:
         """Pass this request to ``host`` and its answer back as it arrives (no buffering); a
         client that goes away ends the host's request too."""
-        await self.call_upstream(self._forward(host, path or self.request.path))
+        await self.call_upstream(self._forward(host, path or self.api_path))
 
     async def _forward(self, host: Host, path: str) -> None:
         s = self.router.settings

@@ -1,0 +1,196 @@
+"""A Jupyter server in router mode (``--ForkdApp.router_hosts``) over two real ``forkd serve`` hosts
+and no ``forkd router``: its ``{base}forkd/v1/...`` is the fleet's router (placement, pinned calls,
+the merged tree and events, the session WebSocket), behind the Jupyter server's own login; the forkd
+kernel it starts finds it as it finds any forkd in a Jupyter server and its sandboxes land on the
+hosts; a configuration that mixes modes is refused at start-up, saying which options."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from forkd_server.client import Controller, ControllerError
+from tests.serving import JupyterServer, free_port
+
+from ..kernel.cells import run
+from .fleet import DOWN_AFTER, HEARTBEAT, HOST_TIMEOUT, fleet
+from .test_jupyter_remote import bus_events, call
+
+
+def router_args(workdir: str, hosts) -> tuple[str, ...]:
+    return (f"--ForkdApp.router_hosts={json.dumps([h.url for h in hosts])}",
+            f"--ForkdApp.router_hosts_token_file={os.path.join(workdir, 'token')}",
+            f"--ForkdApp.router_heartbeat={HEARTBEAT}", f"--ForkdApp.router_down_after={DOWN_AFTER}",
+            f"--ForkdApp.router_host_timeout={HOST_TIMEOUT}")
+
+
+def health(js: JupyterServer) -> dict:
+    with urllib.request.urlopen(f"{js.forkd_url}/healthz", timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def routed():
+    """(jupyter server, hosts): the snapshot ``left`` on host 0, ``right`` on host 1. On exit the
+    server must stop cleanly (its router's tasks with it) before the hosts are emptied and stopped."""
+    with fleet(2, router=False) as (workdir, hosts):
+        for i, tag in enumerate(("left", "right")):
+            Controller(hosts[i].url, hosts[i].token, timeout=120).create_snapshot(tag, setup=f"me = {i}")
+        js = JupyterServer(args=router_args(workdir, hosts))
+        try:
+            deadline = time.monotonic() + 60
+            while health(js)["hosts_up"] < 2:  # bounded polling: the router's first heartbeats
+                assert time.monotonic() < deadline, js.output()[-3000:]
+                time.sleep(0.05)
+            yield js, hosts
+        finally:
+            log = js.output()
+            js.stop()
+        assert js.proc.returncode == 0, log[-3000:]
+        assert "Task was destroyed but it is pending" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_spawn_lands_on_the_host_holding_the_snapshot_and_calls_are_pinned(routed):
+    js, hosts = routed
+    api = Controller(js.forkd_url, js.token, timeout=120)
+    snaps = {s["tag"]: s for s in api.list_snapshots()}
+    assert snaps["left"]["host"] == hosts[0].url and snaps["right"]["host"] == hosts[1].url
+    kids = [api.spawn_sandboxes(tag, 1)[0] for tag in ("left", "right")]
+    try:
+        assert [k["host"] for k in kids] == [hosts[0].url, hosts[1].url]
+        listed = {s["id"]: s["host"] for s in api.list_sandboxes()}
+        assert listed == {kids[0]["id"]: hosts[0].url, kids[1]["id"]: hosts[1].url}
+        # each child answers from its own snapshot: the call went to its host
+        assert [api.eval_code(k["id"], "me")["result"] for k in kids] == ["0", "1"]
+        tree = {n["id"]: n for n in api.tree()}
+        assert {tree[k]["host"] for k in ("left", kids[0]["id"])} == {hosts[0].url}
+        assert {tree[k]["host"] for k in ("right", kids[1]["id"])} == {hosts[1].url}
+        # the host that made each one holds it; nothing ran in the Jupyter server
+        for kid, host in zip(kids, hosts):
+            assert Controller(host.url, host.token).get_sandbox(kid["id"])["id"] == kid["id"]
+    finally:
+        for k in kids:
+            api.kill_sandbox(k["id"])
+    assert os.listdir(os.path.join(js.workdir, "d")) == ["router"]  # only the router's state file
+    assert os.path.exists(os.path.join(js.workdir, "d", "router", "router.db"))
+
+
+def test_the_jupyter_login_guards_the_router(routed):
+    js, hosts = routed
+    assert call(js, "GET", "/forkd/v1/sandboxes", token=None) == (401, {"error": "missing bearer token"})
+    assert call(js, "GET", "/forkd/v1/sandboxes", token="x" * 40) == (401, {"error": "invalid bearer token"})
+    # the hosts' token is theirs, not a key to this Jupyter server
+    assert call(js, "POST", "/forkd/v1/sandboxes", {"snapshot_tag": "left"}, token=hosts[0].token)[0] == 401
+    # /healthz is public, as everywhere; unknown routes under v1 are the router's 404
+    status, body = call(js, "GET", "/forkd/healthz", token=None)
+    assert status == 200 and body["router"] is True and body["hosts_up"] == 2
+    status, body = call(js, "GET", "/forkd/v1/nope")
+    assert status == 404 and "not a route" in body["error"]
+    # the router's errors keep their words: an unknown id, a bad body, an unknown snapshot
+    status, body = call(js, "GET", "/forkd/v1/sandboxes/sb-nope")
+    assert status == 404 and "sb-nope" in body["error"]
+    assert call(js, "POST", "/forkd/v1/sandboxes", {"snapshot_tag": "left", "n": "two"})[0] == 422
+    status, body = call(js, "POST", "/forkd/v1/sandboxes", {"snapshot_tag": "nope", "n": 1})
+    assert status == 404 and "nope" in body["error"]
+    # a browser's cookie carries no authority without the XSRF check: a POST with neither token nor
+    # _xsrf is refused before it reaches a host
+    req = urllib.request.Request(f"{js.forkd_url}/v1/sandboxes", method="POST", data=b'{"snapshot_tag": "left"}',
+                                 headers={"Content-Type": "application/json", "Cookie": "username-x=y"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=30)
+    assert refused.value.code in (401, 403)
+    assert Controller(hosts[0].url, hosts[0].token).list_sandboxes() == []
+
+
+def test_a_session_streams_through_to_the_sandbox_host(routed):
+    js, _ = routed
+    api = Controller(js.forkd_url, js.token, timeout=120)
+    kid = api.spawn_sandboxes("right", 1)[0]["id"]
+    try:
+        printed = []
+        with api.session(kid) as session:
+            reply = session.execute("print('on', me)", on_event=lambda e: e.get("type") == "stream" and printed.append(
+                e["text"]))
+            assert reply["status"] == "ok" and "".join(printed) == "on 1\n"
+        with pytest.raises(ControllerError) as refused:  # the router's refusal, before the upgrade
+            api.session("sb-nope").__enter__()
+        assert refused.value.status == 404 and "sb-nope" in refused.value.message
+    finally:
+        api.kill_sandbox(kid)
+
+
+def test_the_fleet_changes_reach_the_jupyter_event_bus(routed):
+    js, hosts = routed
+    api = Controller(js.forkd_url, js.token, timeout=120)
+    made = []
+    event = asyncio.run(bus_events(js, lambda: made.extend(api.spawn_sandboxes("left", 1)),
+                                   lambda e: e.get("action") == "created" and e.get("kind") == "sandbox"))
+    try:
+        assert event["id"] == made[0]["id"] and event["host"] == hosts[0].url
+    finally:
+        api.kill_sandbox(made[0]["id"])
+
+
+def test_the_forkd_kernel_of_the_server_works_on_the_hosts(routed):
+    """The kernel finds the server as one it started would (its runtime dir, JPY_PARENT_PID, no
+    FORKD_URL): its notebook's sandboxes are on the hosts, and so is the record of its HEAD."""
+    js, hosts = routed
+    env = {k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}
+    env.update(JUPYTER_RUNTIME_DIR=os.path.join(js.workdir, "rt"), JPY_PARENT_PID=str(js.proc.pid))
+    km, kc = start_new_kernel(kernel_name="forkd-python", env=env)
+    api = Controller(js.forkd_url, js.token, timeout=120)
+    try:
+        assert run(kc, "x = 21").ok
+        assert run(kc, "kids = %forkd fork -n 2").ok
+        drawn = run(kc, "%%forkd run kids\nx * 2")
+        assert drawn.ok and drawn.result.count("\n42") == 2, drawn.text
+        tree = run(kc, "%forkd tree")  # the lineage widget, over this server's merged tree
+        assert tree.ok and "3 sandboxes of this kernel" in tree.text and js.forkd_url.split(":")[-1] in tree.text, \
+            tree.text
+        mine = api.list_sandboxes()
+        assert len(mine) == 3 and {s["host"] for s in mine} <= {h.url for h in hosts}
+        assert all(n["host"] in {h.url for h in hosts} for n in api.tree())
+        kernels = api.list_kernels()  # the notebook's HEAD, recorded on its host
+        assert len(kernels) == 1 and kernels[0]["host"] in {h.url for h in hosts}
+    finally:
+        kc.stop_channels()
+        if km.is_alive():
+            km.shutdown_kernel(now=False)
+        for s in api.list_sandboxes():
+            api.kill_sandbox(s["id"])
+        for s in api.list_snapshots():
+            if s["tag"] not in ("left", "right"):
+                api.delete_snapshot(s["tag"])
+
+
+def refused_start(workdir, *args: str, env: dict | None = None) -> str:
+    """Start a Jupyter server with ``args``; it must exit non-zero by itself: what it said."""
+    base = {k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={free_port()}",
+         f"--ServerApp.root_dir={workdir}", f"--ForkdApp.data_dir={workdir}/d", *args],
+        env={**base, "JUPYTER_RUNTIME_DIR": f"{workdir}/rt", **(env or {})}, capture_output=True, text=True,
+        timeout=120, check=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def test_a_configuration_mixing_modes_is_refused_at_start(tmp_path):
+    hosts = ["--ForkdApp.router_hosts=http://127.0.0.1:1"]
+    said = refused_start(tmp_path, *hosts, env={"FORKD_URL": "http://127.0.0.1:2"})
+    assert "c.ForkdApp.router_hosts" in said and "c.ForkdApp.remote_url = 'http://127.0.0.1:2' (from $FORKD_URL)" \
+        in said, said[-3000:]
+    said = refused_start(tmp_path, *hosts, "--ForkdApp.default_engine=process", "--ForkdApp.max_sandboxes=3")
+    assert "c.ForkdApp.router_hosts" in said and "c.ForkdApp.default_engine, c.ForkdApp.max_sandboxes" in said
+    said = refused_start(tmp_path, "--ForkdApp.router_hosts=127.0.0.1:8889")
+    assert "c.ForkdApp.router_hosts: '127.0.0.1:8889' is not a host's URL" in said, said[-3000:]
+    said = refused_start(tmp_path, *hosts, "--ForkdApp.router_hosts_dns=http://hosts.local:8889")
+    assert "not both" in said
