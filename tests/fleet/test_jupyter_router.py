@@ -7,11 +7,14 @@ hosts; a configuration that mixes modes is refused at start-up, saying which opt
 from __future__ import annotations
 
 import asyncio
+import http.cookiejar
 import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -100,14 +103,41 @@ def test_the_jupyter_login_guards_the_router(routed):
     assert call(js, "POST", "/forkd/v1/sandboxes", {"snapshot_tag": "left", "n": "two"})[0] == 422
     status, body = call(js, "POST", "/forkd/v1/sandboxes", {"snapshot_tag": "nope", "n": 1})
     assert status == 404 and "nope" in body["error"]
-    # a browser's cookie carries no authority without the XSRF check: a POST with neither token nor
-    # _xsrf is refused before it reaches a host
-    req = urllib.request.Request(f"{js.forkd_url}/v1/sandboxes", method="POST", data=b'{"snapshot_tag": "left"}',
-                                 headers={"Content-Type": "application/json", "Cookie": "username-x=y"})
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(req, timeout=30)
-    assert refused.value.code in (401, 403)
     assert Controller(hosts[0].url, hosts[0].token).list_sandboxes() == []
+
+
+def logged_in(js: JupyterServer) -> tuple[urllib.request.OpenerDirector, str]:
+    """A browser's session with the Jupyter server: logged in with its token on its login page (a
+    cookie), and the ``_xsrf`` value its pages send back."""
+    jar = http.cookiejar.CookieJar()
+    browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    browser.open(f"{js.url}/login", timeout=30).read()
+    xsrf = next(c.value for c in jar if c.name == "_xsrf")
+    form = urllib.parse.urlencode({"password": js.token, "_xsrf": xsrf}).encode()
+    browser.open(urllib.request.Request(f"{js.url}/login", data=form), timeout=30).read()
+    assert any(c.name.startswith("username-") for c in jar), "the login did not set its cookie"
+    return browser, xsrf
+
+
+def test_a_browser_login_works_with_the_xsrf_check(routed):
+    """The Lab panel's way in: the login cookie, and on every change the ``_xsrf`` value too."""
+    js, hosts = routed
+    browser, xsrf = logged_in(js)
+    with browser.open(f"{js.forkd_url}/v1/snapshots", timeout=30) as r:  # a read needs the cookie only
+        assert {s["tag"] for s in json.loads(r.read())} == {"left", "right"}
+    spawn = b'{"snapshot_tag": "left", "n": 1}'
+    headers = {"Content-Type": "application/json"}
+    with pytest.raises(urllib.error.HTTPError) as refused:  # a change without it: a forged request
+        browser.open(urllib.request.Request(f"{js.forkd_url}/v1/sandboxes", data=spawn, headers=headers), timeout=30)
+    assert refused.value.code == 403 and "_xsrf" in json.loads(refused.value.read())["error"]
+    assert Controller(hosts[0].url, hosts[0].token).list_sandboxes() == []  # it never reached a host
+    with browser.open(urllib.request.Request(f"{js.forkd_url}/v1/sandboxes", data=spawn,
+                                             headers={**headers, "X-XSRFToken": xsrf}), timeout=30) as r:
+        kid = json.loads(r.read())[0]
+    try:
+        assert r.status == 201 and kid["host"] == hosts[0].url
+    finally:
+        Controller(js.forkd_url, js.token).kill_sandbox(kid["id"])
 
 
 def test_a_session_streams_through_to_the_sandbox_host(routed):
