@@ -245,7 +245,8 @@ class ForkdApp(ExtensionApp):
     router_mode = None  # router mode: the fleet's router these routes are (fleet/extension.py)
 
     def initialize_settings(self) -> None:
-        if self.router_hosts or self.router_hosts_dns.strip():
+        from .fleet.discovery import host_list
+        if host_list(self.router_hosts) or self.router_hosts_dns.strip():
             self._initialize_router()
             return
         if self.remote_url:

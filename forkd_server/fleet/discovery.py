@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import socket
 from urllib.parse import urlsplit
 
@@ -28,6 +29,25 @@ def url_problem(url: str) -> str | None:
     if parts.username or parts.password or parts.query or parts.fragment:
         return "a host's URL has no user, query or fragment: use http(s)://HOST:PORT"
     return None
+
+
+def host_list(items: list[str]) -> list[str]:
+    """The hosts' URLs, however the command line gave them: one URL per item (``--ForkdApp.router_hosts
+    URL`` again for each), comma-separated as ``forkd router --hosts`` takes them, or a JSON list
+    (``--ForkdApp.router_hosts='["URL", "URL"]'``, which traitlets may hand over as one string)."""
+    out = []
+    for item in items:
+        text = item.strip()
+        if text.startswith("[") and text.endswith("]"):
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, list) and all(isinstance(u, str) for u in parsed):
+                out += [u.strip() for u in parsed if u.strip()]
+                continue
+        out += [u.strip() for u in text.split(",") if u.strip()]
+    return out
 
 
 def parse_dns(url: str) -> tuple[str, str, int]:

@@ -17,7 +17,6 @@ on the hosts.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 
 from jupyter_server.auth.decorator import allow_unauthenticated, ws_authenticated
@@ -28,7 +27,7 @@ from tornado import web
 
 from ..relay import WebSocketRelay
 from ..session_handler import SessionHandler
-from .discovery import DiscoveryError, parse_dns
+from .discovery import DiscoveryError, host_list, parse_dns
 from .handlers import route_table
 from .handlers.base import RouterHandler
 from .router import Refusal, Router, Settings
@@ -145,25 +144,6 @@ class RouterMode:
         await self.router.stop()  # ends the bridge's subscription too
         if self._bridge is not None:
             await asyncio.gather(self._bridge, return_exceptions=True)
-
-
-def host_list(items: list[str]) -> list[str]:
-    """The hosts' URLs, however the command line gave them: one URL per item (``--ForkdApp.router_hosts
-    URL`` again for each), comma-separated as ``forkd router --hosts`` takes them, or a JSON list
-    (``--ForkdApp.router_hosts='["URL", "URL"]'``, which traitlets may hand over as one string)."""
-    out = []
-    for item in items:
-        text = item.strip()
-        if text.startswith("[") and text.endswith("]"):
-            try:
-                parsed = json.loads(text)
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, list) and all(isinstance(u, str) for u in parsed):
-                out += [u.strip() for u in parsed if u.strip()]
-                continue
-        out += [u.strip() for u in text.split(",") if u.strip()]
-    return out
 
 
 class JupyterAuth:

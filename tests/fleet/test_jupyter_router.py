@@ -21,7 +21,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from forkd_server.client import Controller, ControllerError
-from tests.serving import JupyterServer, free_port
+from tests.serving import JupyterServer, Server, free_port
 
 from ..kernel.cells import run
 from .fleet import DOWN_AFTER, HEARTBEAT, HOST_TIMEOUT, fleet
@@ -224,3 +224,20 @@ def test_a_configuration_mixing_modes_is_refused_at_start(tmp_path):
     assert "c.ForkdApp.router_hosts: '127.0.0.1:8889' is not a host's URL" in said, said[-3000:]
     said = refused_start(tmp_path, *hosts, "--ForkdApp.router_hosts_dns=http://hosts.local:8889")
     assert "not both" in said
+
+
+def test_forkd_serve_stays_a_host_whatever_the_jupyter_config_says(tmp_path):
+    """Router mode set in the user's Jupyter config (for their `jupyter lab`) does not turn the
+    `forkd serve` on the same machine into a router: a host runs sandboxes, as it never forwards."""
+    config = tmp_path / "config"
+    config.mkdir()
+    for name in ("jupyter_server_config.json", "jupyter_forkd_config.json", "forkd-serve_config.json"):
+        (config / name).write_text(json.dumps({"ForkdApp": {"router_hosts": ["http://127.0.0.1:1"]}}))
+    srv = Server("--no-token", data_dir=str(tmp_path / "d"),
+                 env={**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")})
+    try:
+        srv.wait_healthy()
+        assert "router" not in srv.health()
+        assert Controller(srv.url).list_sandboxes() == []
+    finally:
+        srv.stop()
