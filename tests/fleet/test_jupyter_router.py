@@ -201,6 +201,38 @@ def test_the_forkd_kernel_of_the_server_works_on_the_hosts(routed):
                 api.delete_snapshot(s["tag"])
 
 
+def test_a_host_that_goes_down_is_followed_by_the_servers_heartbeat(routed):
+    """Last of the tests on ``routed``: the router's heartbeat runs in the Jupyter server, so a host
+    killed with -9 is down within ``router_down_after``, its sandbox lost (410), new work placed on
+    the other; back, it is reconciled and its sandbox answers again."""
+    js, hosts = routed
+    api = Controller(js.forkd_url, js.token, timeout=120)
+    kid = api.spawn_sandboxes("right", 1)[0]["id"]
+    hosts[1].crash()
+    try:
+        deadline = time.monotonic() + 30 + DOWN_AFTER
+        while health(js)["hosts_up"] != 1:
+            assert time.monotonic() < deadline, js.output()[-3000:]
+            time.sleep(0.05)
+        with pytest.raises(ControllerError) as lost:
+            api.eval_code(kid, "me")
+        assert lost.value.status == 410 and hosts[1].url in lost.value.message
+        assert {s["id"]: s["status"] for s in api.list_sandboxes()}[kid] == "lost"
+        other = api.spawn_sandboxes("left", 1)[0]
+        assert other["host"] == hosts[0].url
+        api.kill_sandbox(other["id"])
+    finally:
+        hosts[1].start()
+        hosts[1].wait_healthy()
+    deadline = time.monotonic() + 60
+    while health(js)["hosts_up"] != 2:
+        assert time.monotonic() < deadline, js.output()[-3000:]
+        time.sleep(0.05)
+    hosts[1].wait_settled()
+    assert api.eval_code(kid, "me")["result"] == "1"
+    api.kill_sandbox(kid)
+
+
 def refused_start(workdir, *args: str, env: dict | None = None) -> str:
     """Start a Jupyter server with ``args``; it must exit non-zero by itself: what it said."""
     base = {k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}
