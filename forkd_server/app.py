@@ -8,7 +8,7 @@ registry and the event fan-out (SSE subscribers and jupyter_server's event bus).
 
 With ``remote_url`` (by default ``$FORKD_URL``) it runs no controller: its routes pass every call on
 to that server, and that server's events reach the event bus (remote.py). With ``router_hosts`` (or
-``router_hosts_dns``) it runs none either: its routes are a fleet's router, placing sandboxes on
+``router_hosts_dns``, or ``router_register_token_file``) it runs none either: its routes are a fleet's router, placing sandboxes on
 those hosts (fleet/extension.py). The three modes exclude each other.
 """
 
@@ -176,6 +176,11 @@ class ForkdApp(ExtensionApp):
                                     "--hosts-dns; a Kubernetes headless Service: http://NAME:PORT).")
     router_hosts_token_file = Unicode("", config=True, help="Router mode: file holding the token the hosts were "
                                                             "started with (forkd router --hosts-token-file).")
+    router_register_token_file = Unicode("", config=True,
+                                         help="Router mode: let hosts register themselves (forkd serve --register "
+                                              "{this server's URL}/forkd --register-token-file F) with the token in "
+                                              "this file; alone or beside router_hosts / router_hosts_dns (forkd "
+                                              "router --register-token-file).")
     router_hosts_ca = Unicode("", config=True, help="Router mode: CA certificate file to check https hosts with "
                                                     "(default: the system's CAs).")
     router_heartbeat = Float(2.0, config=True, help="Router mode: seconds between two reads of a host's /healthz.")
@@ -246,7 +251,7 @@ class ForkdApp(ExtensionApp):
 
     def initialize_settings(self) -> None:
         from .fleet.discovery import host_list
-        if host_list(self.router_hosts) or self.router_hosts_dns.strip():
+        if host_list(self.router_hosts) or self.router_hosts_dns.strip() or self.router_register_token_file:
             self._initialize_router()
             return
         if self.remote_url:

@@ -169,7 +169,8 @@ def build_argv(host: str = "127.0.0.1", port: int = 8889, data_dir: str | None =
         "--ServerApp.default_url=/healthz", "--ForkdApp.default_url=/healthz",
         f"--ServerApp.root_dir={data_dir}", "--ForkdApp.route_prefix=", f"--ForkdApp.data_dir={data_dir}",
         "--ForkdApp.remote_url=",  # a host never forwards, whatever FORKD_URL its shell has
-        "--ForkdApp.router_hosts=", "--ForkdApp.router_hosts_dns=",  # nor places, whatever a Jupyter config says
+        # nor places, whatever a Jupyter config says
+        "--ForkdApp.router_hosts=", "--ForkdApp.router_hosts_dns=", "--ForkdApp.router_register_token_file=",
         f"--IdentityProvider.token={token or ''}",
     ]
     if hub:

@@ -8,6 +8,8 @@ on the hosts.
   the Jupyter server decides who calls (its token, its login cookie with the XSRF check, its
   authorizer), where ``forkd router`` checks its ``--token-file``. Refusals keep forkd's words (401
   ``missing bearer token``); ``/healthz`` stays public.
+- Hosts may also register themselves (``router_register_token_file``, registration.py): that route
+  takes the registration token, as ``forkd router``'s does, not a Jupyter login.
 - The ``Router`` (router.py) is made at start-up with its state file under the data dir
   (``router/router.db``, as ``forkd router --data-dir``), starts its heartbeat and discovery on the
   server's loop and stops with the server.
@@ -30,6 +32,7 @@ from ..session_handler import SessionHandler
 from .discovery import DiscoveryError, host_list, parse_dns
 from .handlers import route_table
 from .handlers.base import RouterHandler
+from .registration import Registrations
 from .router import Refusal, Router, Settings
 from .session import HostSession, SessionProxy
 
@@ -49,8 +52,8 @@ class RouterMode:
     """The router of a Jupyter server in router mode: made from ``app``'s options (``configure``),
     started and stopped with the server."""
 
-    def __init__(self, app, router: Router):
-        self.app, self.router = app, router
+    def __init__(self, app, router: Router, registrations: Registrations | None = None):
+        self.app, self.router, self.registrations = app, router, registrations
         self._bridge: asyncio.Task | None = None
 
     @classmethod
@@ -60,17 +63,19 @@ class RouterMode:
         from .app import RouterError, parse_hosts
 
         hosts, dns = host_list(app.router_hosts), app.router_hosts_dns.strip()
+        option = "c.ForkdApp." + ("router_hosts" if hosts else "router_hosts_dns" if dns else
+                                  "router_register_token_file")
         if app.remote_url:
             source = " (from $FORKD_URL)" if app.remote_url == os.environ.get("FORKD_URL", "").strip() else ""
             raise RouterModeError(
-                f"c.ForkdApp.{'router_hosts' if hosts else 'router_hosts_dns'} (router mode: this server places "
+                f"{option} (router mode: this server places "
                 f"sandboxes on the hosts) and c.ForkdApp.remote_url = {app.remote_url!r}{source} (remote mode: this "
                 f"server passes every call on to another forkd) do not go together: drop one (for router mode, "
                 f"--ForkdApp.remote_url='' or unset FORKD_URL where the server starts)")
         local = [name for name in LOCAL_ONLY if name in app.config.get("ForkdApp", {})]
         if local:
             raise RouterModeError(
-                f"c.ForkdApp.{'router_hosts' if hosts else 'router_hosts_dns'} (router mode: no sandboxes run here, "
+                f"{option} (router mode: no sandboxes run here, "
                 f"the hosts run them) and {', '.join('c.ForkdApp.' + n for n in local)} (a server that runs "
                 f"sandboxes itself) do not go together: set {'it' if len(local) == 1 else 'them'} on the hosts "
                 f"(forkd serve), or drop router mode")
@@ -83,6 +88,8 @@ class RouterMode:
                 parse_dns(dns)
             token = (read_token_file(app.router_hosts_token_file, "c.ForkdApp.router_hosts_token_file")
                      if app.router_hosts_token_file else None)
+            register = (read_token_file(app.router_register_token_file, "c.ForkdApp.router_register_token_file")
+                        if app.router_register_token_file else None)
         except (RouterError, DiscoveryError, ServeError) as exc:
             raise RouterModeError(str(exc).replace("--hosts-dns", "c.ForkdApp.router_hosts_dns")
                                   .replace("--hosts", "c.ForkdApp.router_hosts")) from None
@@ -96,34 +103,41 @@ class RouterMode:
                             hosts_ca=app.router_hosts_ca or None)
         state_dir = os.path.join(os.path.abspath(os.path.expanduser(app.data_dir)), "router")
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
-        return cls(app, Router(urls, token, os.path.join(state_dir, "router.db"), settings, dns=dns or None))
+        router = Router(urls, token, os.path.join(state_dir, "router.db"), settings, dns=dns or None)
+        registrations = None
+        if register:
+            registrations = Registrations(router, register, urls)
+            registrations.restore()  # the hosts that registered before, each given --down-after to announce
+        return cls(app, router, registrations)
 
     @property
     def state_dir(self) -> str:
         return os.path.dirname(self.router.state.path)
 
     def routes(self, prefix: str) -> list[tuple[str, type]]:
-        """The router's routes under ``/{prefix}``, each behind the Jupyter server's own login. Not
-        its catch-all (the Jupyter server's other routes are not the router's), nor hosts
-        registering themselves (they carry a token of their own: ``forkd router
-        --register-token-file``)."""
+        """The router's routes under ``/{prefix}``, each behind the Jupyter server's own login (but
+        ``/healthz`` and hosts registering themselves, with the registration token). Not its
+        catch-all: the Jupyter server's other routes are not the router's."""
         out = []
         for pattern, handler in route_table():
             if pattern == r"/.*":
                 pattern = r"/v1/.*"
-            elif handler.__name__ == "RegisterHandler":
-                continue
             mounted = RouterSession if handler is SessionProxy else mount(handler)
             out.append((f"/{prefix}{pattern[1:]}", mounted))
         return out
 
     async def start(self) -> None:
         await self.router.start()
+        if self.registrations is not None:
+            self.registrations.start()
         self._bridge = asyncio.ensure_future(self._to_event_bus())
         up = sum(h.up for h in self.router.hosts.values())
-        self.app.log.info("forkd: router mode: %s%s places sandboxes on %d hosts (%d up%s); state in %s",
-                          self.app.serverapp.base_url, self.app.route_prefix, len(self.router.hosts), up,
-                          f", found through {self.app.router_hosts_dns}" if self.router.dns else "", self.state_dir)
+        where = f"{self.app.serverapp.base_url}{self.app.route_prefix}"
+        self.app.log.info("forkd: router mode: %s places sandboxes on %d hosts (%d up%s%s); state in %s", where,
+                          len(self.router.hosts), up,
+                          f", found through {self.app.router_hosts_dns}" if self.router.dns else "",
+                          f"; hosts may register themselves at {where}v1/fleet/register" if self.registrations
+                          else "", self.state_dir)
         for host in self.router.hosts.values():
             if not host.up:  # said now: a router that cannot read a host would otherwise just lack it
                 why = host.reason or host.last_error or "no answer yet"
@@ -141,6 +155,8 @@ class RouterMode:
             self.router.events.unsubscribe(queue)
 
     async def stop(self) -> None:
+        if self.registrations is not None:
+            await self.registrations.stop()
         await self.router.stop()  # ends the bridge's subscription too
         if self._bridge is not None:
             await asyncio.gather(self._bridge, return_exceptions=True)
@@ -157,6 +173,10 @@ class JupyterAuth:
     @property
     def router(self) -> Router:
         return self.extensionapp.router_mode.router
+
+    @property
+    def registrations(self):
+        return self.extensionapp.router_mode.registrations
 
     @property
     def api_path(self) -> str:
@@ -192,6 +212,8 @@ class JupyterAuth:
                           or f"the Jupyter server's authorizer does not let this user {action} {resource}")
 
     def check_xsrf_cookie(self) -> None:
+        if self.public:  # /healthz, and hosts registering with their own token: no login acts there
+            return
         JupyterHandler.check_xsrf_cookie(self)  # a cookie carries authority here: the router's handler skips it
 
     def client_headers(self) -> dict:

@@ -21,7 +21,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from forkd_server.client import Controller, ControllerError
-from tests.serving import JupyterServer, Server, free_port
+from tests.serving import JupyterServer, Server, cleanup, free_port
 
 from ..kernel.cells import run
 from .fleet import DOWN_AFTER, HEARTBEAT, HOST_TIMEOUT, fleet
@@ -231,6 +231,52 @@ def test_a_host_that_goes_down_is_followed_by_the_servers_heartbeat(routed):
     hosts[1].wait_settled()
     assert api.eval_code(kid, "me")["result"] == "1"
     api.kill_sandbox(kid)
+
+
+def post(url: str, body, token: str | None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_hosts_register_themselves_with_the_jupyter_server():
+    """``router_register_token_file`` alone: a ``forkd serve --register {server}/forkd`` host joins
+    the table with the registration token (not a Jupyter login), and work is placed on it."""
+    with fleet(0, router=False) as (workdir, _):
+        register_file = os.path.join(workdir, "register-token")
+        with open(register_file, "w") as f:
+            f.write("r" * 40)
+        js = JupyterServer(args=(f"--ForkdApp.router_register_token_file={register_file}",
+                                 f"--ForkdApp.router_hosts_token_file={os.path.join(workdir, 'token')}",
+                                 f"--ForkdApp.router_heartbeat={HEARTBEAT}"))
+        host = None
+        try:
+            endpoint = f"{js.forkd_url}/v1/fleet/register"
+            assert post(endpoint, {"url": "http://127.0.0.1:1"}, None) == (401, {"error": "missing bearer token"})
+            assert post(endpoint, {"url": "http://127.0.0.1:1"}, js.token) == (401, {"error": "invalid bearer token"})
+            host = Server("--token-file", os.path.join(workdir, "token"), "--register", js.forkd_url,
+                          "--register-token-file", register_file, data_dir=os.path.join(workdir, "h"),
+                          env={**os.environ, "JUPYTER_RUNTIME_DIR": os.path.join(workdir, "rt")})
+            host.wait_healthy()
+            deadline = time.monotonic() + 30
+            while health(js)["hosts_up"] != 1:  # bounded polling: its first announcement
+                assert time.monotonic() < deadline, js.output()[-3000:] + host.output()[-3000:]
+                time.sleep(0.05)
+            api = Controller(js.forkd_url, js.token, timeout=120)
+            assert api.create_snapshot("joined", setup="here = 1")["host"] == host.url
+            kid = api.spawn_sandboxes("joined", 1)[0]
+            assert kid["host"] == host.url and api.eval_code(kid["id"], "here")["result"] == "1"
+            assert "hosts may register themselves at /forkd/v1/fleet/register" in js.output()
+        finally:
+            js.stop()
+            if host is not None:
+                with open(os.path.join(workdir, "token")) as f:
+                    cleanup(host.url, f.read())
+                host.stop()
 
 
 def refused_start(workdir, *args: str, env: dict | None = None) -> str:

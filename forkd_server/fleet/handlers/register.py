@@ -10,11 +10,17 @@ from .base import RouterHandler, check_token
 class RegisterHandler(RouterHandler):
     public = True  # the registration token is checked here instead
 
+    @property
+    def registrations(self):
+        """The router's ``Registrations`` (registration.py), or None when it takes none."""
+        return self.settings.get("forkd_registrations")
+
     async def post(self) -> None:
-        registrations = self.settings.get("forkd_registrations")
+        registrations = self.registrations
         if registrations is None:
             raise Refusal(403, "this router takes no registrations: start it with --register-token-file FILE (the "
-                               "token hosts send with forkd serve --register), or give it the hosts with --hosts")
+                               "token hosts send with forkd serve --register; in a Jupyter server, "
+                               "c.ForkdApp.router_register_token_file), or give it the hosts with --hosts")
         check_token(self, registrations.token)
         body = self.json_body()
         if body is None:
