@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 
 from jupyter_server.auth.decorator import allow_unauthenticated, ws_authenticated
 from jupyter_server.base.handlers import JupyterHandler
@@ -102,8 +103,12 @@ class RouterMode:
                             host_timeout=app.router_host_timeout, placement_wait=app.router_placement_wait,
                             hosts_ca=app.router_hosts_ca or None)
         state_dir = os.path.join(os.path.abspath(os.path.expanduser(app.data_dir)), "router")
-        os.makedirs(state_dir, mode=0o700, exist_ok=True)
-        router = Router(urls, token, os.path.join(state_dir, "router.db"), settings, dns=dns or None)
+        try:
+            router = Router(urls, token, os.path.join(state_dir, "router.db"), settings, dns=dns or None)
+        except (OSError, sqlite3.Error) as exc:
+            raise RouterModeError(f"cannot keep the router's host table and pins in {state_dir}: {exc}; set "
+                                  f"c.ForkdApp.data_dir (or $FORKD_DATA_DIR) to a directory this server may "
+                                  f"write") from None
         registrations = None
         if register:
             registrations = Registrations(router, register, urls)

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from jupyter_client.manager import start_new_kernel
@@ -282,9 +283,11 @@ def test_hosts_register_themselves_with_the_jupyter_server():
 def refused_start(workdir, *args: str, env: dict | None = None) -> str:
     """Start a Jupyter server with ``args``; it must exit non-zero by itself: what it said."""
     base = {k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}
+    workdir.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={free_port()}",
-         f"--ServerApp.root_dir={workdir}", f"--ForkdApp.data_dir={workdir}/d", *args],
+         f"--ServerApp.root_dir={workdir}", *args,
+         *([] if any(a.startswith("--ForkdApp.data_dir=") for a in args) else [f"--ForkdApp.data_dir={workdir}/d"])],
         env={**base, "JUPYTER_RUNTIME_DIR": f"{workdir}/rt", **(env or {})}, capture_output=True, text=True,
         timeout=120, check=False)
     assert proc.returncode != 0, proc.stderr[-3000:]
@@ -292,16 +295,22 @@ def refused_start(workdir, *args: str, env: dict | None = None) -> str:
 
 
 def test_a_configuration_mixing_modes_is_refused_at_start(tmp_path):
-    hosts = ["--ForkdApp.router_hosts=http://127.0.0.1:1"]
-    said = refused_start(tmp_path, *hosts, env={"FORKD_URL": "http://127.0.0.1:2"})
-    assert "c.ForkdApp.router_hosts" in said and "c.ForkdApp.remote_url = 'http://127.0.0.1:2' (from $FORKD_URL)" \
-        in said, said[-3000:]
-    said = refused_start(tmp_path, *hosts, "--ForkdApp.default_engine=process", "--ForkdApp.max_sandboxes=3")
-    assert "c.ForkdApp.router_hosts" in said and "c.ForkdApp.default_engine, c.ForkdApp.max_sandboxes" in said
-    said = refused_start(tmp_path, "--ForkdApp.router_hosts=127.0.0.1:8889")
-    assert "c.ForkdApp.router_hosts: '127.0.0.1:8889' is not a host's URL" in said, said[-3000:]
-    said = refused_start(tmp_path, *hosts, "--ForkdApp.router_hosts_dns=http://hosts.local:8889")
-    assert "not both" in said
+    """Each refused start says which options and what to do; the four servers start side by side."""
+    hosts = ("--ForkdApp.router_hosts=http://127.0.0.1:1",)
+    (tmp_path / "file").write_text("")  # a data dir that cannot be one
+    cases = [(hosts, {"FORKD_URL": "http://127.0.0.1:2"},
+              ["c.ForkdApp.router_hosts", "c.ForkdApp.remote_url = 'http://127.0.0.1:2' (from $FORKD_URL)"]),
+             ((*hosts, "--ForkdApp.default_engine=process", "--ForkdApp.max_sandboxes=3"), None,
+              ["c.ForkdApp.router_hosts", "c.ForkdApp.default_engine, c.ForkdApp.max_sandboxes"]),
+             (("--ForkdApp.router_hosts=127.0.0.1:8889",), None,
+              ["c.ForkdApp.router_hosts: '127.0.0.1:8889' is not a host's URL"]),
+             ((*hosts, f"--ForkdApp.data_dir={tmp_path / 'file'}"), None,
+              ["cannot keep the router's host table and pins in", "c.ForkdApp.data_dir"])]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        said = list(pool.map(lambda i: refused_start(tmp_path / f"c{i}", *cases[i][0], env=cases[i][1]),
+                             range(len(cases))))
+    for (_, _, words), text in zip(cases, said):
+        assert all(w in text for w in words), text[-3000:]
 
 
 def test_forkd_serve_stays_a_host_whatever_the_jupyter_config_says(tmp_path):
