@@ -320,7 +320,13 @@ class ForkdMagics(Magics):
                 raise self._needs_kernel("fork")
         if limit is None and source == self.head():  # copies of the notebook, which may be checked out
             limit = self.head_memory_limit_mib()
-        tree = self.controller.fork_sandbox(source, args.n, memory_limit_mib=limit, labels=labels, lossy=args.lossy)
+        try:
+            tree = self.controller.fork_sandbox(source, args.n, memory_limit_mib=limit, labels=labels,
+                                                lossy=args.lossy)
+        except ControllerError as exc:  # the wire's name for -n is `count`
+            if said := exc.about_field("count"):
+                raise UsageError(f"forkd fork: -n {said}") from None
+            raise
         return [Sandbox(i, self.controller) for i in tree["sandboxes"]]
 
     def _keep(self, args, cell):

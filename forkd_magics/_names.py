@@ -9,6 +9,8 @@ a bare word is a tag unless a variable of that name holds a ``Snapshot``.
 
 from __future__ import annotations
 
+import ast
+
 from IPython.core.error import UsageError
 
 from forkd_server.client import Sandbox, Snapshot
@@ -19,6 +21,22 @@ class UndefinedName(NameError):
 
     def _render_traceback_(self) -> list[str]:
         return [f"\x1b[0;31mNameError\x1b[0m: {self}"]
+
+
+def as_python(value, limit: int = 200) -> str | None:
+    """``value`` as Python that means the same in a sandbox, or None: a sandbox by its id, a snapshot
+    by its tag (lists of them as lists), a literal whose repr reads back equal and is short."""
+    if isinstance(value, Sandbox):
+        return repr(value.id)
+    if isinstance(value, Snapshot):
+        return repr(value.tag)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (Sandbox, Snapshot)) for v in value):
+        return "[" + ", ".join(as_python(v) for v in value) + "]"
+    try:
+        text = repr(value)
+        return text if len(text) <= limit and ast.literal_eval(text) == value else None
+    except Exception:  # noqa: BLE001 - a repr that is no literal, or one that fails: nothing to paste
+        return None
 
 
 def _evaluate(token: str, ns: dict, where: str):

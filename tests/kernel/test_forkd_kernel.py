@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import threading
@@ -27,10 +28,12 @@ def test_branch_fork_checkout_and_back(kernel):
     assert used.content["ename"] == "NameError"
     assert "forkd: 'kids' was bound by a %forkd line, so it lives in the kernel, not in the notebook's sandbox" \
         in used.text and "%%forkd run kids" in used.text
+    ids = re.search(r"as a value: kids = (\[.*\])$", used.text, re.M)  # Python that runs in the sandbox
+    assert ids and len(ast.literal_eval(ids[1])) == 5 and run(kc, f"kids = {ids[1]}; len(kids)").result == "5"
     assert run(kc, "%forkd checkout kids[2]").ok
     plus = run(kc, "x + 1")
     assert plus.result == "22"
-    assert plus.count == first.count + 5  # the counter went on: nothing restarted at In[1]
+    assert plus.count == first.count + 6  # the counter went on: nothing restarted at In[1]
     assert run(kc, "x = 99").ok
     assert run(kc, "grand = %forkd fork -n 1").ok
     assert run(kc, "%forkd checkout grand[0]").ok
