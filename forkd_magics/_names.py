@@ -15,12 +15,20 @@ from IPython.core.error import UsageError
 
 from forkd_server.client import Sandbox, Snapshot
 
-class UndefinedName(NameError):
-    """A ``%forkd`` argument names a variable that does not exist. Shown as Python shows a
-    NameError, on one line with what the argument may be instead (no traceback of the magic)."""
 
-    def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[0;31mNameError\x1b[0m: {self}"]
+def plainly(exc: BaseException) -> BaseException:
+    """``exc`` shown as Python shows its type, on one line with no traceback of the magic (whose
+    frames mean nothing to the user). Its type stays Python's own (a ``NameError``, a
+    ``KeyboardInterrupt``), so a kernel reports the ``ename`` ipykernel would, and code that catches
+    it by type still does."""
+    exc._render_traceback_ = lambda: [f"\x1b[0;31m{type(exc).__name__}\x1b[0m: {exc}"]
+    return exc
+
+
+def undefined_name(message: str) -> NameError:
+    """A ``%forkd`` argument names a variable that does not exist: Python's NameError, with what
+    the argument may be instead."""
+    return plainly(NameError(message))
 
 
 def as_python(value, limit: int = 200) -> str | None:
@@ -52,7 +60,7 @@ def _evaluate(token: str, ns: dict, where: str):
     try:
         return eval(code, ns)  # noqa: S307 - the user's own namespace, as IPython's {expr} expansion
     except NameError as exc:
-        raise UndefinedName(f"{exc}: {where}") from None
+        raise undefined_name(f"{exc}: {where}") from None
     except Exception as exc:  # noqa: BLE001 - the user's expression: say what it raised
         raise UsageError(f"forkd: {token} raised {type(exc).__name__}: {exc}") from None
 
