@@ -228,7 +228,7 @@ class JupyterAuth:
 def mount(handler: type[RouterHandler]) -> type:
     """``handler`` as a Jupyter server's handler: ``JupyterAuth`` first, then the router's own."""
     attrs = {"__module__": __name__, "__doc__": handler.__doc__}
-    if handler.public:  # /healthz: public here as everywhere
+    if handler.public:  # /healthz, and hosts registering with a token of their own: no Jupyter login
         for verb in ("get", "post"):
             if getattr(handler, verb) is not getattr(web.RequestHandler, verb):
                 attrs[verb] = allow_unauthenticated(getattr(handler, verb))
