@@ -97,18 +97,24 @@ class KernelCheckoutHandler(ForkdHandler):
         record = await self.call(self.app.kernels.get, kernel_id)
         await self.own("sandbox", target)
         await self.call(self.controller.get_sandbox, target)  # 404 saying how it ended, before the kernel
-        manager = self.serverapp.kernel_manager
-        if kernel_id not in manager.list_kernel_ids():
-            raise ApiError(409, f"the kernel of {record.get('notebook') or kernel_id} does not run in this Jupyter "
-                                f"server\nrun `%forkd checkout {target}` in the notebook itself")
-        content = await run_line(manager.get_kernel(kernel_id), f"%forkd checkout {target}", CHECKOUT_WAIT)
-        if content is None:
-            raise ApiError(409, f"the kernel of {record.get('notebook') or kernel_id} did not reach the checkout "
-                                f"within {CHECKOUT_WAIT:g} s: a cell is running\nthe checkout is queued and happens "
-                                f"when the cell ends; interrupt the cell to have it now")
-        if content.get("status") != "ok":
-            raise ApiError(409, f"the notebook's kernel refused the checkout: {content.get('evalue') or content}")
+        await checkout_in_kernel(self.serverapp.kernel_manager, kernel_id, target, record.get("notebook"))
         self.send(await self.call(self.app.kernels.get, kernel_id))
+
+
+async def checkout_in_kernel(manager, kernel_id: str, target: str, notebook: str | None) -> None:
+    """``%forkd checkout target`` run in kernel ``kernel_id`` of this Jupyter server (``manager``);
+    ApiError 409 saying why when it is not one of its kernels, a cell holds it, or it refused. Also
+    the checkout of a Jupyter server in router mode (fleet/extension.py), whose kernels it runs."""
+    if kernel_id not in manager.list_kernel_ids():
+        raise ApiError(409, f"the kernel of {notebook or kernel_id} does not run in this Jupyter "
+                            f"server\nrun `%forkd checkout {target}` in the notebook itself")
+    content = await run_line(manager.get_kernel(kernel_id), f"%forkd checkout {target}", CHECKOUT_WAIT)
+    if content is None:
+        raise ApiError(409, f"the kernel of {notebook or kernel_id} did not reach the checkout "
+                            f"within {CHECKOUT_WAIT:g} s: a cell is running\nthe checkout is queued and happens "
+                            f"when the cell ends; interrupt the cell to have it now")
+    if content.get("status") != "ok":
+        raise ApiError(409, f"the notebook's kernel refused the checkout: {content.get('evalue') or content}")
 
 
 async def run_line(kernel, code: str, timeout: float) -> dict | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+from urllib.parse import quote
 
 from jupyter_server.auth.decorator import allow_unauthenticated, ws_authenticated
 from jupyter_server.base.handlers import JupyterHandler
@@ -28,18 +29,22 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from jupyter_server.utils import url_path_join
 from tornado import web
 
+from ..handlers.base import ApiError
+from ..kernel_handlers import SAFE_ID, checkout_in_kernel
 from ..relay import WebSocketRelay
 from ..session_handler import SessionHandler
 from .discovery import DiscoveryError, host_list, parse_dns
 from .handlers import route_table
 from .handlers.base import RouterHandler
+from .handlers.workspaces import KernelHandler
+from .hosts import HostError
 from .registration import Registrations
 from .router import Refusal, Router, Settings
 from .session import HostSession, SessionProxy
 
 # What a Jupyter server's request carries for Jupyter only: never passed on to a host.
 JUPYTER_HEADERS = frozenset({"x-xsrftoken", "x-csrftoken"})
-RUNS_CODE = ("exec", "eval", "run")
+RUNS_CODE = ("exec", "eval", "run")  # in a sandbox; a kernel's checkout runs a line in the notebook's kernel
 # Options of a server that runs sandboxes itself, which a router has no use for.
 LOCAL_ONLY = ("default_engine", "max_sandboxes", "store", "store_endpoint", "store_region", "branch_concurrency",
               "allow_host_network", "register")
@@ -127,6 +132,8 @@ class RouterMode:
         for pattern, handler in route_table():
             if pattern == r"/.*":
                 pattern = r"/v1/.*"
+            if pattern.endswith("/checkout"):
+                handler = KernelCheckout
             mounted = RouterSession if handler is SessionProxy else mount(handler)
             out.append((f"/{prefix}{pattern[1:]}", mounted))
         return out
@@ -208,9 +215,10 @@ class JupyterAuth:
         return Refusal(401, "invalid bearer token" if sent else "missing bearer token")
 
     async def admit(self) -> None:
-        runs = self.request.method == "POST" and self.api_path.rsplit("/", 1)[-1] in RUNS_CODE
+        last = self.api_path.rsplit("/", 1)[-1]
+        runs = self.request.method == "POST" and last in (*RUNS_CODE, "checkout")
         action = "execute" if runs else "read" if self.request.method in ("GET", "HEAD") else "write"
-        resource = "forkd:sandboxes" if runs else self.auth_resource
+        resource = "forkd:sandboxes" if runs and last in RUNS_CODE else self.auth_resource
         allowed = self.authorizer.is_authorized(self, self.current_user, action, resource)
         if not (await allowed if asyncio.iscoroutine(allowed) else allowed):
             raise Refusal(403, getattr(self, "forkd_refusal", None)
@@ -223,6 +231,44 @@ class JupyterAuth:
 
     def client_headers(self) -> dict:
         return {k: v for k, v in super().client_headers().items() if k.lower() not in JUPYTER_HEADERS}
+
+
+class KernelCheckout(KernelHandler):
+    """``POST /v1/kernels/{id}/checkout {"sandbox"}`` (the panel's "Check out"): the notebook's
+    kernel runs in this Jupyter server, not on a host, so the checkout runs here, ``%forkd checkout``
+    in that kernel (kernel_handlers.py), which then moves its HEAD through the router. A kernel of
+    another Jupyter server is passed on as ``forkd router`` passes it."""
+
+    auth_resource = "forkd:kernels"
+
+    async def post(self, kernel_id: str, *_) -> None:
+        manager = self.serverapp.kernel_manager
+        if kernel_id not in manager.list_kernel_ids():
+            await super().post(kernel_id)
+            return
+        body = self.json_body()
+        target = body.get("sandbox") if body is not None else None
+        if not isinstance(target, str) or not SAFE_ID.match(target):
+            raise Refusal(422 if body is None or not isinstance(target, str) else 400,
+                          'a checkout is {"sandbox": ID} sent as application/json: the id of a sandbox '
+                          "(GET /v1/sandboxes names them)")
+        await self.router.locate("sandbox", target)  # 404 saying how it ended (410: lost), before the kernel
+        status, record = await self._record(kernel_id)
+        try:
+            await checkout_in_kernel(manager, kernel_id, target, record.get("notebook") if status == 200 else None)
+        except ApiError as exc:
+            raise Refusal(exc.status_code, exc.message) from None
+        self.answer(*await self._record(kernel_id))
+
+    async def _record(self, kernel_id: str) -> tuple[int, object]:
+        """The kernel's record as its host has it now (as ``GET /v1/kernels/{id}`` answers it)."""
+        host = await self.locate(kernel_id)
+        try:
+            status, record = await host.request_json("GET", f"/v1/kernels/{quote(kernel_id, safe='')}",
+                                                     timeout=self.router.settings.host_timeout)
+        except HostError as exc:
+            raise Refusal(502, str(exc), host=host.url) from None
+        return status, record
 
 
 def mount(handler: type[RouterHandler]) -> type:

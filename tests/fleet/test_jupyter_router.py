@@ -19,7 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from jupyter_client.manager import start_new_kernel
+from jupyter_client import BlockingKernelClient
 
 from forkd_server.client import Controller, ControllerError
 from tests.serving import JupyterServer, Server, cleanup, free_port
@@ -171,30 +171,42 @@ def test_the_fleet_changes_reach_the_jupyter_event_bus(routed):
 
 
 def test_the_forkd_kernel_of_the_server_works_on_the_hosts(routed):
-    """The kernel finds the server as one it started would (its runtime dir, JPY_PARENT_PID, no
-    FORKD_URL): its notebook's sandboxes are on the hosts, and so is the record of its HEAD."""
+    """A forkd kernel the server starts (``POST /api/kernels``, as a notebook's) finds the server by
+    itself (no FORKD_URL): its notebook's sandboxes and the record of its HEAD are on the hosts, the
+    tree shows them, and the panel's "Check out" (``POST {base}forkd/v1/kernels/{id}/checkout``) moves
+    it, run in that kernel here."""
     js, hosts = routed
-    env = {k: v for k, v in os.environ.items() if k not in ("FORKD_URL", "FORKD_TOKEN")}
-    env.update(JUPYTER_RUNTIME_DIR=os.path.join(js.workdir, "rt"), JPY_PARENT_PID=str(js.proc.pid))
-    km, kc = start_new_kernel(kernel_name="forkd-python", env=env)
+    kernel = js.api("POST", "/api/kernels", {"name": "forkd-python"})["id"]
+    kc = BlockingKernelClient(connection_file=os.path.join(js.workdir, "rt", f"kernel-{kernel}.json"))
+    kc.load_connection_file()
+    kc.start_channels(hb=False)  # the server watches the kernel's heartbeat; a new client's would say "dead" until its first beat
     api = Controller(js.forkd_url, js.token, timeout=120)
     try:
+        kc.wait_for_ready(timeout=60)
         assert run(kc, "x = 21").ok
         assert run(kc, "kids = %forkd fork -n 2").ok
         drawn = run(kc, "%%forkd run kids\nx * 2")
         assert drawn.ok and drawn.result.count("\n42") == 2, drawn.text
         tree = run(kc, "%forkd tree")  # the lineage widget, over this server's merged tree
-        assert tree.ok and "3 sandboxes of this kernel" in tree.text and js.forkd_url.split(":")[-1] in tree.text, \
-            tree.text
+        assert tree.ok and f":{js.port}/forkd': 2 snapshots, 3 sandboxes of this kernel" in tree.text, tree.text
         mine = api.list_sandboxes()
         assert len(mine) == 3 and {s["host"] for s in mine} <= {h.url for h in hosts}
         assert all(n["host"] in {h.url for h in hosts} for n in api.tree())
-        kernels = api.list_kernels()  # the notebook's HEAD, recorded on its host
-        assert len(kernels) == 1 and kernels[0]["host"] in {h.url for h in hosts}
+        record = api.get_kernel(kernel)  # the notebook's HEAD, recorded on its host
+        assert record["head"] in {s["id"] for s in mine}
+        assert [k["host"] for k in api.list_kernels()] == [{s["id"]: s["host"] for s in mine}[record["head"]]]
+        kids = sorted(s["id"] for s in mine if s["id"] != record["head"])
+
+        assert run(kc, "x = 99").ok
+        moved = api.checkout_kernel(kernel, kids[1])
+        assert moved["head"] == kids[1] and api.get_kernel(kernel)["head"] == kids[1]
+        assert run(kc, "x").result == "21"  # the next cell runs in the child, with its state
+        with pytest.raises(ControllerError) as refused:  # an unknown sandbox: the router's 404, the kernel untouched
+            api.checkout_kernel(kernel, "sb-nope")
+        assert refused.value.status == 404 and "sb-nope" in refused.value.message
     finally:
         kc.stop_channels()
-        if km.is_alive():
-            km.shutdown_kernel(now=False)
+        js.api("DELETE", f"/api/kernels/{kernel}")
         for s in api.list_sandboxes():
             api.kill_sandbox(s["id"])
         for s in api.list_snapshots():
