@@ -1,7 +1,8 @@
 """The panel in a JupyterLab that is itself the fleet's router (the extension's router mode,
 ``c.ForkdApp.router_hosts``), over two real ``forkd serve`` hosts and no ``forkd router``: the panel,
 unchanged, names the host of each node, shows a child spawned through the server at once (the
-router's events reach it through the server's event bus), and its kill reaches the sandbox's host.
+router's events reach it through the server's event bus), and its kill reaches the sandbox's host;
+a notebook on the forkd kernel runs on the hosts and the panel's Check out moves it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from forkd_server.client import Controller
 
 from ..fleet.fleet import fleet
 from .conftest import CONFIG, new_lab
-from .test_panel import LIVE_WITHIN, PANEL, row
+from .test_panel import LIVE_WITHIN, PANEL, new_forkd_notebook, row, run_cell
 from .test_panel_hosts import POLL_EVERY, host_chip, open_panel
 
 
@@ -83,3 +84,35 @@ def test_the_panel_of_a_lab_in_router_mode_shows_and_acts_on_the_fleet(browser, 
         api.kill_sandbox(k)
     for d, tag in zip(direct, ("left", "right")):
         d.delete_snapshot(tag)
+
+
+def test_a_forkd_notebook_in_a_lab_in_router_mode_checks_out_from_the_panel(browser, router_lab):
+    """A notebook on the forkd kernel finds the server with no setup and its HEAD is on a host; the
+    panel's branch and Check out act on the fleet, and the next cell runs in the child."""
+    lab, hosts = router_lab
+    api = lab.controller()
+    context, page = open_panel(browser, lab)
+    try:
+        first = new_forkd_notebook(page)  # its HEAD, marked in the panel once the kernel recorded it
+        assert {s["id"]: s["host"] for s in api.list_sandboxes()}[first] in {h.url for h in hosts}
+        assert run_cell(page, "x = 41; x") == "41"
+        name = page.evaluate("window.jupyterapp.shell.currentWidget.context.path")
+        page.evaluate("window.jupyterapp.commands.execute('forkd:branch-notebook')")
+        page.locator(".jp-toast-message", has_text=f"Branched {name}").wait_for(timeout=30_000)
+        branch = next(s["tag"] for s in api.list_snapshots() if s.get("branched_from") == first)
+        kid = api.spawn_sandboxes(branch, 1)[0]["id"]
+        api.run_code(kid, "x = 99")
+        row(page, kid).wait_for(timeout=LIVE_WITHIN * 5)
+
+        row(page, kid).click()
+        page.locator(f"{PANEL} button.forkd-checkout").click()
+        page.locator(".jp-toast-message", has_text=f"Checked out {kid}").wait_for(timeout=30_000)
+        page.locator(f"{PANEL} .forkd-node[data-id='{kid}'] .forkd-head-chip").wait_for(timeout=LIVE_WITHIN * 5)
+        assert run_cell(page, "x + 1") == "100"
+        page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+    finally:
+        context.close()
+    for s in api.list_sandboxes():
+        api.kill_sandbox(s["id"])
+    for s in sorted(api.list_snapshots(), key=lambda s: -len(s.get("lineage", []))):
+        api.delete_snapshot(s["tag"])
