@@ -12,6 +12,7 @@ of the branch it lacks."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -22,7 +23,6 @@ from collections import Counter
 import pytest
 
 from forkd_engine.store import RemoteStore, fetch_manifest
-from forkd_engine.store.remote import s3_options_from_env
 from forkd_engine.vm.image import Image, build_image
 from forkd_server.client import Controller
 
@@ -40,9 +40,9 @@ def _chunks(log: list[tuple[str, str]], method: str, since: int = 0) -> Counter:
     return Counter(path.rsplit("/", 1)[1] for m, path in log[since:] if m == method and "/fleet/chunks/" in path)
 
 
-def _objects(tag: str, env: dict[str, str]) -> set[str]:
+def _objects(tag: str) -> set[str]:
     """The stored objects of the manifest the store holds under ``tag``."""
-    return set(fetch_manifest(RemoteStore(STORE, **s3_options_from_env(env)), tag=tag).chunks())
+    return set(fetch_manifest(RemoteStore(STORE), tag=tag).chunks())
 
 
 def _image_cache(path: str, image: Image) -> str:
@@ -72,60 +72,76 @@ def _empty(path: str) -> None:
             os.unlink(entry.path)
 
 
+@contextlib.contextmanager
+def vm_fleet(cap: int = 2, caches: list[str] | None = None):
+    """Two VM hosts, each in a network namespace of its own that the router (in the root namespace)
+    reaches over its link, capped at ``cap`` sandboxes, sharing moto's S3 on a root-namespace address
+    that each reaches over its link; ``caches``: each host's guest-image cache (else the run's).
+    Yields (router, hosts, the store's request log)."""
+    with service_address() as store_addr, moto_s3(ip=store_addr) as (endpoint, log):
+        env = {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
+        os.environ.update(env)  # the hosts inherit it (fleet() passes os.environ), and _objects reads it
+        try:
+            host_args = ["--store", STORE, f"--ForkdApp.max_sandboxes={cap}"]
+            server = functools.partial(NamespacedServer, reach=(store_addr,))
+            host_env = [{"FORKD_VM_CACHE": cache} for cache in caches] if caches else None
+            with fleet(2, host_args=[host_args, host_args], server=server, host_env=host_env) as (router, hosts):
+                assert not any(h.url.startswith("http://127.") for h in hosts)
+                yield router, hosts, log
+        finally:
+            for name in env:
+                os.environ.pop(name, None)
+
+
 def test_a_vm_snapshot_spills_over_by_push_and_pull(tmp_path):
     image = build_image(os.environ["FORKD_VM_CACHE"])  # the run's, built once, under that cache's lock
     caches = [_image_cache(str(tmp_path / f"cache{i}"), image) for i in range(2)]
-    host_args = ["--store", STORE, "--ForkdApp.max_sandboxes=2"]
-    with service_address() as store_addr, moto_s3(ip=store_addr) as (endpoint, log):
-        env = {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
-        with fleet(2, host_args=[host_args, host_args], server=functools.partial(NamespacedServer, reach=(store_addr,)),
-                   host_env=[{**env, "FORKD_VM_CACHE": cache} for cache in caches]) as (router, hosts):
-            assert not any(h.url.startswith("http://127.") for h in hosts)
-            api = Controller(router.url, router.token, timeout=600)
-            made = api.create_snapshot("vmbase", engine="vm", mem_size_mib=256, setup="x = 41")
-            holder = next(h for h in hosts if h.url == made["host"])
-            other = next(h for h in hosts if h is not holder)
-            assert "vmbase" not in {s["tag"] for s in Controller(other.url, other.token).list_snapshots()}
-            assert _chunks(log, "PUT") == Counter()  # not pushed yet
-            # from here on no host has a guest image: not even the holder's, which the snapshot names
-            for cache in caches:
-                _empty(cache)
+    with vm_fleet(caches=caches) as (router, hosts, log):
+        api = Controller(router.url, router.token, timeout=600)
+        made = api.create_snapshot("vmbase", engine="vm", mem_size_mib=256, setup="x = 41")
+        holder = next(h for h in hosts if h.url == made["host"])
+        other = next(h for h in hosts if h is not holder)
+        assert "vmbase" not in {s["tag"] for s in Controller(other.url, other.token).list_snapshots()}
+        assert _chunks(log, "PUT") == Counter()  # not pushed yet
+        # from here on no host has a guest image: not even the holder's, which the snapshot names
+        for cache in caches:
+            _empty(cache)
 
-            # over the holder's cap: the rest goes to the other host, which pulls it
-            before = len(log)
-            kids = api.spawn_sandboxes("vmbase", 3)
-            where = [k["host"] for k in kids]
-            assert where.count(holder.url) == 2 and where.count(other.url) == 1
-            assert Controller(other.url, other.token).snapshot_info("vmbase")["stored"]["remote"] is True
-            base = _objects("vmbase", env)
-            pushed, fetched = _chunks(log, "PUT", before), _chunks(log, "GET", before)
-            assert set(pushed) == base and max(pushed.values()) == 1  # the holder pushed it on demand
-            assert set(fetched) == base and max(fetched.values()) == 1  # each chunk fetched once
-            assert [api.eval_code(k["id"], "x + 1")["result"] for k in kids] == ["42"] * 3
-            assert [os.listdir(cache) for cache in caches] == [[], []]  # restored with no image: none built or fetched
+        # over the holder's cap: the rest goes to the other host, which pulls it
+        before = len(log)
+        kids = api.spawn_sandboxes("vmbase", 3)
+        where = [k["host"] for k in kids]
+        assert where.count(holder.url) == 2 and where.count(other.url) == 1
+        assert Controller(other.url, other.token).snapshot_info("vmbase")["stored"]["remote"] is True
+        base = _objects("vmbase")
+        pushed, fetched = _chunks(log, "PUT", before), _chunks(log, "GET", before)
+        assert set(pushed) == base and max(pushed.values()) == 1  # the holder pushed it on demand
+        assert set(fetched) == base and max(fetched.values()) == 1  # each chunk fetched once
+        assert [api.eval_code(k["id"], "x + 1")["result"] for k in kids] == ["42"] * 3
+        assert [os.listdir(cache) for cache in caches] == [[], []]  # restored with no image: none built or fetched
 
-            # a live branch on the other host stays there, and so does its first child
-            moved = next(k["id"] for k in kids if k["host"] == other.url)
-            api.run_code(moved, "x = 99")
-            snap = api.branch_sandbox(moved, "vmbase-99", mode="live")
-            assert snap["host"] == other.url
-            api.wait_snapshot("vmbase-99", timeout=600)
-            grandkid = api.spawn_sandboxes("vmbase-99")[0]
-            assert grandkid["host"] == other.url
-            assert api.eval_code(grandkid["id"], "x")["result"] == "99"
-            assert [os.listdir(cache) for cache in caches] == [[], []]  # nor for a branch of a pulled snapshot
+        # a live branch on the other host stays there, and so does its first child
+        moved = next(k["id"] for k in kids if k["host"] == other.url)
+        api.run_code(moved, "x = 99")
+        snap = api.branch_sandbox(moved, "vmbase-99", mode="live")
+        assert snap["host"] == other.url
+        api.wait_snapshot("vmbase-99", timeout=600)
+        grandkid = api.spawn_sandboxes("vmbase-99")[0]
+        assert grandkid["host"] == other.url
+        assert api.eval_code(grandkid["id"], "x")["result"] == "99"
+        assert [os.listdir(cache) for cache in caches] == [[], []]  # nor for a branch of a pulled snapshot
 
-            # the other host is full (2 of 2): the next child goes to the holder, once it has room,
-            # and the holder downloads only the branch's chunks that it lacks
-            stay = next(k for k in kids if k["host"] == holder.url)
-            api.kill_sandbox(next(k["id"] for k in kids if k["host"] == holder.url and k is not stay))
-            before = len(log)
-            last = api.spawn_sandboxes("vmbase-99")[0]
-            assert last["host"] == holder.url
-            assert api.eval_code(last["id"], "x")["result"] == "99"
-            fetched = _chunks(log, "GET", before)
-            branch = _objects("vmbase-99", env)
-            assert set(fetched) == branch - base and max(fetched.values()) == 1
-            assert 0 < len(fetched) < len(branch)  # the base's chunks came from the holder's own cache
-            for sid in (stay["id"], moved, grandkid["id"], last["id"]):
-                api.kill_sandbox(sid)
+        # the other host is full (2 of 2): the next child goes to the holder, once it has room,
+        # and the holder downloads only the branch's chunks that it lacks
+        stay = next(k for k in kids if k["host"] == holder.url)
+        api.kill_sandbox(next(k["id"] for k in kids if k["host"] == holder.url and k is not stay))
+        before = len(log)
+        last = api.spawn_sandboxes("vmbase-99")[0]
+        assert last["host"] == holder.url
+        assert api.eval_code(last["id"], "x")["result"] == "99"
+        fetched = _chunks(log, "GET", before)
+        branch = _objects("vmbase-99")
+        assert set(fetched) == branch - base and max(fetched.values()) == 1
+        assert 0 < len(fetched) < len(branch)  # the base's chunks came from the holder's own cache
+        for sid in (stay["id"], moved, grandkid["id"], last["id"]):
+            api.kill_sandbox(sid)
