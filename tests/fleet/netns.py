@@ -43,7 +43,7 @@ def _free_subnet() -> ipaddress.IPv4Network:
 @contextlib.contextmanager
 def service_address():
     """Yields an address of the root namespace for a service that namespaced hosts use: on a bridge
-    of its own with no ports (this kernel has no dummy links); a host given it in ``reach`` routes
+    of its own with no ports (a dummy link needs a module some kernels lack); a host given it in ``reach`` routes
     to it through its veth link. The bridge, and so the address, goes on exit."""
     link = f"fks{secrets.token_hex(3)}"
     addr = str(_free_subnet().network_address + 1)
