@@ -23,6 +23,7 @@ import os
 import sqlite3
 from urllib.parse import quote
 
+from jupyter_server._tz import utcnow
 from jupyter_server.auth.decorator import allow_unauthenticated, ws_authenticated
 from jupyter_server.base.handlers import JupyterHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
@@ -206,6 +207,8 @@ class JupyterAuth:
             raise self._unauthorized()
         if not self.check_origin():
             raise Refusal(404, "not found: a request from another origin")
+        if self.current_user is not None and self.get_argument("no_track_activity", None) is None:
+            self.settings["api_last_activity"] = utcnow()  # the server's activity, as any API call's (idle culling)
         await super().prepare()  # the router handler's own: admit(), below
 
     def _unauthorized(self) -> Refusal:
@@ -223,6 +226,10 @@ class JupyterAuth:
         if not (await allowed if asyncio.iscoroutine(allowed) else allowed):
             raise Refusal(403, getattr(self, "forkd_refusal", None)
                           or f"the Jupyter server's authorizer does not let this user {action} {resource}")
+
+    @property
+    def sse_keepalive(self) -> float:
+        return self.extensionapp.sse_keepalive
 
     def check_xsrf_cookie(self) -> None:
         if self.public:  # /healthz, and hosts registering with their own token: no login acts there

@@ -93,6 +93,10 @@ def test_the_jupyter_login_guards_the_router(routed):
     assert call(js, "GET", "/forkd/v1/sandboxes", token="x" * 40) == (401, {"error": "invalid bearer token"})
     # the hosts' token is theirs, not a key to this Jupyter server
     assert call(js, "POST", "/forkd/v1/sandboxes", {"snapshot_tag": "left"}, token=hosts[0].token)[0] == 401
+    # a call through the router is the server's API activity (what an idle culler reads), as any API call is
+    before = js.api("GET", "/api/status")["last_activity"]
+    assert call(js, "GET", "/forkd/v1/snapshots")[0] == 200
+    assert js.api("GET", "/api/status")["last_activity"] > before
     # /healthz is public, as everywhere; unknown routes under v1 are the router's 404
     status, body = call(js, "GET", "/forkd/healthz", token=None)
     assert status == 200 and body["router"] is True and body["hosts_up"] == 2

@@ -97,6 +97,11 @@ class RouterHandler(ScrubbedLog, UpstreamCall, web.RequestHandler):
         return await self.hub.admit(self)
 
     @property
+    def sse_keepalive(self) -> float:
+        """Seconds between keep-alive comments on an event stream (a Jupyter server's is its own)."""
+        return self.settings.get("sse_keepalive", 15.0)
+
+    @property
     def viewer(self) -> Caller | None:
         """The caller whose views are kept to their own objects (None: one who sees everything)."""
         return self.caller if self.caller is not None and not self.caller.admin else None

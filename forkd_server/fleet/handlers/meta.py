@@ -74,7 +74,7 @@ class EventsHandler(EventStream, RouterHandler):
 
     async def get(self) -> None:
         viewer, hub = self.viewer, self.hub
-        await self.stream_events(self.router.events, "forkd fleet events", self.settings.get("sse_keepalive", 15.0),
+        await self.stream_events(self.router.events, "forkd fleet events", self.sse_keepalive,
                                  visible=None if viewer is None else lambda event: hub.event_visible(viewer, event))
 
 
