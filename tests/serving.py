@@ -201,7 +201,9 @@ class JupyterServer:
     remote's objects to whoever runs it). ``args``: more of its options (``--ForkdApp.router_hosts=...``
     puts it in router mode; ``stop()`` then leaves the hosts' objects to whoever runs them too)."""
 
-    def __init__(self, env: dict | None = None, port: int | None = None, args: tuple[str, ...] = ()):
+    def __init__(self, env: dict | None = None, port: int | None = None, args: tuple[str, ...] = (),
+                 base_url: str = "/"):
+        self.base_url = "/" + base_url.strip("/") + "/" if base_url.strip("/") else "/"
         self.workdir = tempfile.mkdtemp(prefix="fkmcp")
         self.token = secrets.token_hex(20)
         self.port = port or free_port()
@@ -212,7 +214,7 @@ class JupyterServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={self.port}",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.workdir}",
-             f"--ForkdApp.data_dir={os.path.join(self.workdir, 'd')}", *args],
+             f"--ForkdApp.data_dir={os.path.join(self.workdir, 'd')}", f"--ServerApp.base_url={self.base_url}", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
         while True:  # bounded polling of the real condition: forkd's /healthz answers
@@ -232,7 +234,7 @@ class JupyterServer:
                     raise AssertionError(f"jupyter server did not start:\n{self.output()}") from None
                 time.sleep(0.05)
 
-    url = property(lambda self: f"http://127.0.0.1:{self.port}")
+    url = property(lambda self: f"http://127.0.0.1:{self.port}{self.base_url.rstrip('/')}")
     forkd_url = property(lambda self: f"{self.url}/forkd")
     mcp_url = property(lambda self: f"{self.url}/forkd/mcp")
 

@@ -262,14 +262,15 @@ def post(url: str, body, token: str | None) -> tuple[int, dict]:
 
 def test_hosts_register_themselves_with_the_jupyter_server():
     """``router_register_token_file`` alone: a ``forkd serve --register {server}/forkd`` host joins
-    the table with the registration token (not a Jupyter login), and work is placed on it."""
+    the table with the registration token (not a Jupyter login), and work is placed on it. Under a
+    ``base_url``, as a JupyterHub user server has one: every path a host sees is its own ``/v1/...``."""
     with fleet(0, router=False) as (workdir, _):
         register_file = os.path.join(workdir, "register-token")
         with open(register_file, "w") as f:
             f.write("r" * 40)
         js = JupyterServer(args=(f"--ForkdApp.router_register_token_file={register_file}",
                                  f"--ForkdApp.router_hosts_token_file={os.path.join(workdir, 'token')}",
-                                 f"--ForkdApp.router_heartbeat={HEARTBEAT}"))
+                                 f"--ForkdApp.router_heartbeat={HEARTBEAT}"), base_url="/user/alice/")
         host = None
         try:
             endpoint = f"{js.forkd_url}/v1/fleet/register"
@@ -287,7 +288,9 @@ def test_hosts_register_themselves_with_the_jupyter_server():
             assert api.create_snapshot("joined", setup="here = 1")["host"] == host.url
             kid = api.spawn_sandboxes("joined", 1)[0]
             assert kid["host"] == host.url and api.eval_code(kid["id"], "here")["result"] == "1"
-            assert "hosts may register themselves at /forkd/v1/fleet/register" in js.output()
+            with api.session(kid["id"]) as session:  # the WebSocket too
+                assert session.execute("here")["status"] == "ok"
+            assert "hosts may register themselves at /user/alice/forkd/v1/fleet/register" in js.output()
         finally:
             js.stop()
             if host is not None:
