@@ -8,8 +8,9 @@ registry and the event fan-out (SSE subscribers and jupyter_server's event bus).
 
 With ``remote_url`` (by default ``$FORKD_URL``) it runs no controller: its routes pass every call on
 to that server, and that server's events reach the event bus (remote.py). With ``router_hosts`` (or
-``router_hosts_dns``, or ``router_register_token_file``) it runs none either: its routes are a fleet's router, placing sandboxes on
-those hosts (fleet/extension.py). The three modes exclude each other.
+``router_hosts_dns``, or ``router_register_token_file``) it runs none either: its routes are a
+fleet's router, placing sandboxes on those hosts (fleet/extension.py). The three modes exclude each
+other.
 """
 
 from __future__ import annotations

@@ -301,7 +301,8 @@ class RouterSession(HostSession, WebSocketRelay, SessionHandler):
     @ws_authenticated
     async def get(self, sandbox_id: str) -> None:
         if not await self._authorized("execute"):
-            raise web.HTTPError(403, "%s", getattr(self, "forkd_refusal", None) or "not allowed to run code in sandboxes")
+            raise web.HTTPError(403, "%s", getattr(self, "forkd_refusal", None)
+                                or "not allowed to run code in sandboxes")
         if not await self.join_host(sandbox_id):
             return
         await super(SessionHandler, self).get(sandbox_id)

@@ -183,7 +183,8 @@ def test_the_forkd_kernel_of_the_server_works_on_the_hosts(routed):
     kernel = js.api("POST", "/api/kernels", {"name": "forkd-python"})["id"]
     kc = BlockingKernelClient(connection_file=os.path.join(js.workdir, "rt", f"kernel-{kernel}.json"))
     kc.load_connection_file()
-    kc.start_channels(hb=False)  # the server watches the kernel's heartbeat; a new client's would say "dead" until its first beat
+    # no heartbeat of its own: the server watches the kernel's, and a new client's says "dead" until it beats
+    kc.start_channels(hb=False)
     api = Controller(js.forkd_url, js.token, timeout=120)
     try:
         kc.wait_for_ready(timeout=60)
