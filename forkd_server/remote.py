@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 import aiohttp
 from jupyter_server.auth.decorator import allow_unauthenticated, authorized
@@ -207,6 +207,46 @@ class RemoteHandler(UpstreamCall, ForkdHandler):
         raise ApiError(status, parsed["error"], {k: v for k, v in parsed.items() if k != "error"})
 
 
+class RemoteCheckoutHandler(RemoteHandler):
+    """``POST v1/kernels/{id}/checkout {"sandbox"}`` (the panel's Check out) of a notebook whose
+    kernel this Jupyter server runs: ``%forkd checkout`` in that kernel, here (kernel_handlers.py),
+    which moves its HEAD on the remote; the remote's own server runs no such kernel and would answer
+    409. Then the kernel's record as the remote has it. A kernel of another server is passed on."""
+
+    auth_resource = "forkd:kernels"
+
+    @web.authenticated
+    @authorized(action="execute")
+    async def post(self, path: str, kernel_id: str) -> None:
+        from .kernel_handlers import CHECKOUT, SAFE_ID, checkout_in_kernel
+
+        manager = self.serverapp.kernel_manager
+        if kernel_id not in manager.list_kernel_ids():
+            await self.forward(path)
+            return
+        target = self.body(CHECKOUT)["sandbox"]
+        if not SAFE_ID.match(target):
+            raise ApiError(400, f"{target!r} is not a sandbox id\nlist_sandboxes (GET /v1/sandboxes) names them")
+        record = await self.remote_json(f"v1/kernels/{quote(kernel_id, safe='')}")
+        await self.remote_json(f"v1/sandboxes/{quote(target, safe='')}")  # 404 saying how it ended, before the kernel
+        notebook = record.get("notebook") if isinstance(record, dict) else None
+        await checkout_in_kernel(manager, kernel_id, target, notebook)
+        self.send(await self.remote_json(f"v1/kernels/{quote(kernel_id, safe='')}"))
+
+    async def remote_json(self, path: str):
+        """``GET path`` of the remote, parsed; its error answer raised as this route's."""
+        remote = self.remote
+        try:
+            async with remote.session().get(f"{remote.url}/{path}", headers=remote.headers(
+                    self.request.headers.get(VIA_HEADER, "")), timeout=remote.timeout()) as resp:
+                body = await resp.read()
+                if resp.status >= 400:
+                    await self._pass_error(resp.status, body, resp.headers.get("Content-Type", ""))
+                return json.loads(body)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise remote.unreachable(exc) from None
+
+
 class RemoteHealthHandler(RemoteHandler):
     """``/healthz`` passed on: public, as everywhere; the remote's token (and so its capacity
     block) only for a caller this server knows."""
@@ -225,6 +265,7 @@ def routes(prefix: str) -> list[tuple[str, type]]:
 
     return [(f"/{prefix}(healthz/?)", RemoteHealthHandler),
             (f"/{prefix}v1/sandboxes/([^/]+)/session", RemoteSessionHandler),
+            (f"/{prefix}(v1/kernels/([^/]+)/checkout)", RemoteCheckoutHandler),
             (f"/{prefix}{FORWARDED}", RemoteHandler)]
 
 

@@ -15,11 +15,13 @@ import urllib.error
 import urllib.request
 
 import pytest
+from jupyter_client import BlockingKernelClient
 from tornado import httpclient, websocket
 
 from forkd_server.client import Controller, ControllerError
 from tests.serving import JupyterServer, free_port
 
+from ..kernel.cells import run
 from .fleet import fleet
 
 
@@ -230,6 +232,38 @@ def test_a_remote_url_leading_back_to_itself_is_refused():
         assert status == 508 and "leads back to this Jupyter server" in body["error"], body
     finally:
         js.stop()
+
+
+def test_the_panels_check_out_runs_in_the_notebooks_kernel_here(remote):
+    """The panel's Check out of a notebook whose forkd kernel this server runs (its HEAD on the
+    fleet): run in that kernel here, not passed to the remote, whose server runs no such kernel."""
+    js, _, _ = remote
+    kernel = js.api("POST", "/api/kernels", {"name": "forkd-python"})["id"]
+    kc = BlockingKernelClient(connection_file=os.path.join(js.workdir, "rt", f"kernel-{kernel}.json"))
+    kc.load_connection_file()
+    kc.start_channels(hb=False)  # the server watches the kernel's heartbeat
+    api = Controller(js.forkd_url, js.token, timeout=120)
+    try:
+        kc.wait_for_ready(timeout=60)
+        assert run(kc, "x = 21").ok
+        assert run(kc, "kids = %forkd fork -n 1").ok
+        head = api.get_kernel(kernel)["head"]
+        (kid,) = [s["id"] for s in api.list_sandboxes() if s["id"] != head]
+        assert run(kc, "x = 99").ok
+        moved = api.checkout_kernel(kernel, kid)
+        assert moved["head"] == kid and api.get_kernel(kernel)["head"] == kid
+        assert run(kc, "x").result == "21"  # the next cell runs in the child
+        with pytest.raises(ControllerError) as refused:  # the remote's 404, before the kernel is asked
+            api.checkout_kernel(kernel, "sb-nope")
+        assert refused.value.status == 404 and "sb-nope" in refused.value.message
+    finally:
+        kc.stop_channels()
+        js.api("DELETE", f"/api/kernels/{kernel}")
+        for s in api.list_sandboxes():
+            api.kill_sandbox(s["id"])
+        for s in sorted(api.list_snapshots(), key=lambda s: -len(s.get("lineage", []))):
+            if s["tag"] not in ("left", "right"):
+                api.delete_snapshot(s["tag"])
 
 
 def test_the_event_relay_comes_back_after_the_router_restarts(remote):
