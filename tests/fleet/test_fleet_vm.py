@@ -8,14 +8,17 @@ of the branch it lacks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 
 import pytest
+from IPython.core.interactiveshell import InteractiveShell
 
 from forkd_engine.store import RemoteStore, fetch_manifest
 from forkd_server.client import Controller
 
+from ..magics.conftest import cell
 from ..store.s3 import S3_ENV, moto_s3
 from ..vm.conftest import requires_qemu
 from .fleet import fleet
@@ -34,56 +37,112 @@ def _objects(tag: str) -> set[str]:
     return set(fetch_manifest(RemoteStore(STORE), tag=tag).chunks())
 
 
-def test_a_vm_snapshot_spills_over_by_push_and_pull():
+@contextlib.contextmanager
+def vm_fleet(cap: int = 2):
+    """Two VM hosts sharing moto's store, each capped at ``cap`` sandboxes, and a router: yields
+    (router, hosts, the store's request log)."""
     with moto_s3() as (endpoint, log):
         env = {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
         os.environ.update(env)  # the hosts inherit it (fleet() passes os.environ)
         try:
-            host_args = ["--store", STORE, "--ForkdApp.max_sandboxes=2"]
+            host_args = ["--store", STORE, f"--ForkdApp.max_sandboxes={cap}"]
             with fleet(2, host_args=[host_args, host_args]) as (router, hosts):
-                api = Controller(router.url, router.token, timeout=600)
-                made = api.create_snapshot("vmbase", engine="vm", mem_size_mib=256, setup="x = 41")
-                holder = next(h for h in hosts if h.url == made["host"])
-                other = next(h for h in hosts if h is not holder)
-                assert "vmbase" not in {s["tag"] for s in Controller(other.url, other.token).list_snapshots()}
-                assert _chunks(log, "PUT") == Counter()  # not pushed yet
-
-                # over the holder's cap: the rest goes to the other host, which pulls it
-                before = len(log)
-                kids = api.spawn_sandboxes("vmbase", 3)
-                where = [k["host"] for k in kids]
-                assert where.count(holder.url) == 2 and where.count(other.url) == 1
-                assert Controller(other.url, other.token).snapshot_info("vmbase")["stored"]["remote"] is True
-                base = _objects("vmbase")
-                pushed, fetched = _chunks(log, "PUT", before), _chunks(log, "GET", before)
-                assert set(pushed) == base and max(pushed.values()) == 1  # the holder pushed it on demand
-                assert set(fetched) == base and max(fetched.values()) == 1  # each chunk fetched once
-                assert [api.eval_code(k["id"], "x + 1")["result"] for k in kids] == ["42"] * 3
-
-                # a live branch on the other host stays there, and so does its first child
-                moved = next(k["id"] for k in kids if k["host"] == other.url)
-                api.run_code(moved, "x = 99")
-                snap = api.branch_sandbox(moved, "vmbase-99", mode="live")
-                assert snap["host"] == other.url
-                api.wait_snapshot("vmbase-99", timeout=600)
-                grandkid = api.spawn_sandboxes("vmbase-99")[0]
-                assert grandkid["host"] == other.url
-                assert api.eval_code(grandkid["id"], "x")["result"] == "99"
-
-                # the other host is full (2 of 2): the next child goes to the holder, once it has room,
-                # and the holder downloads only the branch's chunks that it lacks
-                stay = next(k for k in kids if k["host"] == holder.url)
-                api.kill_sandbox(next(k["id"] for k in kids if k["host"] == holder.url and k is not stay))
-                before = len(log)
-                last = api.spawn_sandboxes("vmbase-99")[0]
-                assert last["host"] == holder.url
-                assert api.eval_code(last["id"], "x")["result"] == "99"
-                fetched = _chunks(log, "GET", before)
-                branch = _objects("vmbase-99")
-                assert set(fetched) == branch - base and max(fetched.values()) == 1
-                assert 0 < len(fetched) < len(branch)  # the base's chunks came from the holder's own cache
-                for sid in (stay["id"], moved, grandkid["id"], last["id"]):
-                    api.kill_sandbox(sid)
+                yield router, hosts, log
         finally:
             for name in env:
                 os.environ.pop(name, None)
+
+
+def test_a_vm_snapshot_spills_over_by_push_and_pull():
+    with vm_fleet() as (router, hosts, log):
+        api = Controller(router.url, router.token, timeout=600)
+        made = api.create_snapshot("vmbase", engine="vm", mem_size_mib=256, setup="x = 41")
+        holder = next(h for h in hosts if h.url == made["host"])
+        other = next(h for h in hosts if h is not holder)
+        assert "vmbase" not in {s["tag"] for s in Controller(other.url, other.token).list_snapshots()}
+        assert _chunks(log, "PUT") == Counter()  # not pushed yet
+
+        # over the holder's cap: the rest goes to the other host, which pulls it
+        before = len(log)
+        kids = api.spawn_sandboxes("vmbase", 3)
+        where = [k["host"] for k in kids]
+        assert where.count(holder.url) == 2 and where.count(other.url) == 1
+        assert Controller(other.url, other.token).snapshot_info("vmbase")["stored"]["remote"] is True
+        base = _objects("vmbase")
+        pushed, fetched = _chunks(log, "PUT", before), _chunks(log, "GET", before)
+        assert set(pushed) == base and max(pushed.values()) == 1  # the holder pushed it on demand
+        assert set(fetched) == base and max(fetched.values()) == 1  # each chunk fetched once
+        assert [api.eval_code(k["id"], "x + 1")["result"] for k in kids] == ["42"] * 3
+
+        # a live branch on the other host stays there, and so does its first child
+        moved = next(k["id"] for k in kids if k["host"] == other.url)
+        api.run_code(moved, "x = 99")
+        snap = api.branch_sandbox(moved, "vmbase-99", mode="live")
+        assert snap["host"] == other.url
+        api.wait_snapshot("vmbase-99", timeout=600)
+        grandkid = api.spawn_sandboxes("vmbase-99")[0]
+        assert grandkid["host"] == other.url
+        assert api.eval_code(grandkid["id"], "x")["result"] == "99"
+
+        # the other host is full (2 of 2): the next child goes to the holder, once it has room,
+        # and the holder downloads only the branch's chunks that it lacks
+        stay = next(k for k in kids if k["host"] == holder.url)
+        api.kill_sandbox(next(k["id"] for k in kids if k["host"] == holder.url and k is not stay))
+        before = len(log)
+        last = api.spawn_sandboxes("vmbase-99")[0]
+        assert last["host"] == holder.url
+        assert api.eval_code(last["id"], "x")["result"] == "99"
+        fetched = _chunks(log, "GET", before)
+        branch = _objects("vmbase-99")
+        assert set(fetched) == branch - base and max(fetched.values()) == 1
+        assert 0 < len(fetched) < len(branch)  # the base's chunks came from the holder's own cache
+        for sid in (stay["id"], moved, grandkid["id"], last["id"]):
+            api.kill_sandbox(sid)
+
+
+def test_a_fork_its_host_cannot_hold_spans_hosts_and_keep_ends_it_on_all(monkeypatch):
+    """``kids = %forkd fork SB -n 3`` of a VM sandbox on a host with room for 1: one child there, two
+    on the other host, each with the source's state, one tree; ``%forkd keep`` of a child on the
+    other host kills its siblings on both hosts and releases the tree's snapshot everywhere."""
+    with vm_fleet() as (router, hosts, _log):
+        api = Controller(router.url, router.token, timeout=600)
+        made = api.create_snapshot("spanbase", engine="vm", mem_size_mib=256, setup="x = 41")
+        holder = next(h for h in hosts if h.url == made["host"])
+        other = next(h for h in hosts if h is not holder)
+        source = api.spawn_sandboxes("spanbase")[0]["id"]  # 1 of the holder's 2
+        api.run_code(source, "x = 7")
+
+        monkeypatch.setenv("FORKD_URL", router.url)
+        monkeypatch.setenv("FORKD_TOKEN", router.token)
+        ip = InteractiveShell.instance()
+        ip.run_line_magic("reload_ext", "forkd_magics")  # magics that read FORKD_URL: the router
+        try:
+            res, out = cell(ip, f"kids = %forkd fork {source} -n 3")
+            assert res.success, out.stderr
+            kids = ip.user_ns["kids"]
+            where = {k.id: api.get_sandbox(k.id)["host"] for k in kids}
+            assert sorted(where.values()) == sorted([holder.url, other.url, other.url]), where
+            assert len({k.fork_tree_id for k in kids}) == 1 and kids[0].fork_tree_id
+            res, out = cell(ip, "%%forkd run kids\nx + 1")
+            assert res.success, out.stderr
+            assert [ex.text for ex in res.result.values()] == ["8"] * 3  # the source's state, on both hosts
+
+            tree = kids[0].fork_tree_id
+            assert {s["tag"] for s in api.list_snapshots()} == {"spanbase", tree}
+            assert RemoteStore(STORE).has(f"tags/{tree}")  # its host pushed it for the other to pull
+            winner = next(k for k in kids if where[k.id] == other.url)
+            ip.user_ns["winner"] = winner
+            res, out = cell(ip, "kept = %forkd keep winner")
+            assert res.success, out.stderr
+            assert out.stdout.startswith(f"kept {winner.id} (fork tree {tree}): killed 2 siblings, "
+                                         f"released snapshot {tree}"), out.stdout
+            assert {s["id"] for s in api.list_sandboxes()} == {source, winner.id}
+            for host in hosts:  # the tree's snapshot is gone from both hosts and from the store
+                assert {s["tag"] for s in Controller(host.url, host.token).list_snapshots()} <= {"spanbase"}
+            assert not RemoteStore(STORE).has(f"tags/{tree}")
+            assert api.eval_code(winner.id, "x")["result"] == "7"
+        finally:
+            ip.run_line_magic("unload_ext", "forkd_magics")
+        for sid in (source, winner.id):
+            api.kill_sandbox(sid)
+

@@ -148,8 +148,7 @@ def test_a_fork_tree_stays_on_its_host(world, api, direct):
     assert {s["id"] for s in api.list_sandboxes()} == {source, kids[0]}
 
 
-def test_a_fork_over_its_hosts_cap_of_a_process_sandbox_is_refused_and_leaves_nothing(world, api, direct):
-    _, hosts = world
+def test_a_fork_over_its_hosts_cap_of_a_process_sandbox_is_refused_and_leaves_nothing(api, direct):
     direct[0].create_snapshot("proc-tree", setup="v = 1")
     source = api.spawn_sandboxes("proc-tree")[0]["id"]  # 1 of host 0's 3: room for 2 children
     with pytest.raises(ControllerError) as err:

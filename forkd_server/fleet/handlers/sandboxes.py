@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ...checks import MAX_CHILDREN
-from ..forks import fork_across, fork_fields, room_for, settle_children
+from ..forks import fork_across, fork_fields, promote_across, room_for, settle_children, spanned_tree
 from ..hosts import Host
 from ..spawning import spawn_placed
 from .base import RouterHandler, host_query
@@ -128,6 +128,21 @@ class ForkHandler(PinnedHandler):
             self.router.state.pin("snapshot", [(snap["tag"], None)], host.url, exclusive=False)
             snap["host"] = host.url
         return await settle_children(self.router, host, reply, self.client_headers())
+
+
+class PromoteHandler(PinnedHandler):
+    """The winner of a fork tree: its host promotes a tree of its own; the router one that spans hosts."""
+
+    async def post(self, sandbox_id: str) -> None:
+        host = await self.locate(sandbox_id)
+        body = self.json_body()
+        spanned = spanned_tree(self.router, sandbox_id, body)
+        cleanup = (body or {}).get("cleanup_siblings", True)
+        if spanned is None or not isinstance(cleanup, bool):
+            await self.forward(host)  # a host says what is wrong with a bad body
+            return
+        status, reply = await promote_across(self.router, sandbox_id, spanned[0], cleanup, self.client_headers())
+        self.answer(status, reply)
 
 
 def _room(capacity) -> int:
