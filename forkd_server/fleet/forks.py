@@ -215,6 +215,7 @@ async def promote_across(router: Router, winner: str, tree_id: str, cleanup: boo
         killed, kept, failed = await _drop_siblings(router, tree, winner, seen, cleanup)
         released = await _release_snapshot(router, tree, {winner, *killed}, held, seen, kept)
         router.state.pin(TREE, [(tree_id, {**tree, "status": "promoted", "winner": winner})], tree["home"])
+        await _close_labels(router, tree_id, members, seen, killed)
     host = router.hosts[members[winner]]
     status, info = await host.request_json("GET", f"/v1/sandboxes/{quote(winner, safe='')}",
                                            timeout=router.settings.host_timeout, session="calls", headers=headers)
@@ -222,6 +223,17 @@ async def promote_across(router: Router, winner: str, tree_id: str, cleanup: boo
         return status, info
     return 200, {"fork_tree_id": tree_id, "winner": {**info, "host": host.url}, "killed": killed,
                  "released": released, "kept": kept, "failed": failed}
+
+
+async def _close_labels(router: Router, tree_id: str, members: dict, seen: dict, killed: list) -> None:
+    """The tree is decided: its survivors are members of no open tree any more (their label goes)."""
+    for sid, url in members.items():
+        row = seen.get(url, {}).get("sandboxes", {}).get(sid)
+        if sid in killed or row is None or (row.get("labels") or {}).get(FORK_TREE_LABEL) != tree_id:
+            continue
+        with contextlib.suppress(HostError):  # a label left on is harmless: the tree is promoted
+            await router.hosts[url].request_json("PATCH", f"/v1/sandboxes/{quote(sid, safe='')}",
+                                                 {"remove_labels": [FORK_TREE_LABEL]}, timeout=60, session="calls")
 
 
 async def _holds(host: Host) -> dict:

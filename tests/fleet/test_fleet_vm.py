@@ -16,7 +16,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 from forkd_engine.store import RemoteStore, fetch_manifest
-from forkd_server.client import Controller
+from forkd_server.client import Controller, ControllerError
 
 from ..magics.conftest import cell
 from ..store.s3 import S3_ENV, moto_s3
@@ -112,6 +112,15 @@ def test_a_fork_its_host_cannot_hold_spans_hosts_and_keep_ends_it_on_all(monkeyp
         source = api.spawn_sandboxes("spanbase")[0]["id"]  # 1 of the holder's 2
         api.run_code(source, "x = 7")
 
+        # more than the fleet holds (room for 1 + 2): refused, and nothing of the fork stays
+        with pytest.raises(ControllerError) as err:
+            api.fork_sandbox(source, 4)
+        said = str(err.value)
+        assert err.value.status == 503 and f"fork of {source} across hosts" in said, said
+        assert "none was kept and its snapshot ft-" in said and "room for 3 of the 4" in said, said
+        assert [s["id"] for s in api.list_sandboxes()] == [source]
+        assert {s["tag"] for s in api.list_snapshots()} == {"spanbase"}
+
         monkeypatch.setenv("FORKD_URL", router.url)
         monkeypatch.setenv("FORKD_TOKEN", router.token)
         ip = InteractiveShell.instance()
@@ -141,6 +150,7 @@ def test_a_fork_its_host_cannot_hold_spans_hosts_and_keep_ends_it_on_all(monkeyp
                 assert {s["tag"] for s in Controller(host.url, host.token).list_snapshots()} <= {"spanbase"}
             assert not RemoteStore(STORE).has(f"tags/{tree}")
             assert api.eval_code(winner.id, "x")["result"] == "7"
+            assert "fork_tree_id" not in api.get_sandbox(winner.id)["labels"]  # in no open tree any more
         finally:
             ip.run_line_magic("unload_ext", "forkd_magics")
         for sid in (source, winner.id):
