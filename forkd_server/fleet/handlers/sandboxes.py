@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 from ...checks import MAX_CHILDREN
-from ..forks import fork_across, fork_fields, promote_across, room_for, settle_children, spanned_tree
+from ..forks import fork_across, fork_fields, room_for, settle_children
 from ..hosts import Host
+from ..promotes import promote_across, spanned_tree
 from ..spawning import spawn_placed
 from .base import RouterHandler, host_query
 from .meta import labels_match
