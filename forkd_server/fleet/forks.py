@@ -77,6 +77,7 @@ def fork_fields(body: dict | None) -> dict | None:
         return None
     count, tag, labels = body.get("count"), body.get("tag"), body.get("labels")
     memory, lossy = body.get("memory_limit_mib"), body.get("lossy", False)
+    count, memory = (int(v) if isinstance(v, float) and v.is_integer() else v for v in (count, memory))  # 3.0 counts
     if (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_CHILDREN
             or (tag is not None and not isinstance(tag, str))
             or (labels is not None and (not isinstance(labels, dict) or FORK_TREE_LABEL in labels))

@@ -132,6 +132,8 @@ def test_a_fork_its_host_cannot_hold_spans_hosts_and_keep_ends_it_on_all(monkeyp
             where = {k.id: api.get_sandbox(k.id)["host"] for k in kids}
             assert sorted(where.values()) == sorted([holder.url, other.url, other.url]), where
             assert len({k.fork_tree_id for k in kids}) == 1 and kids[0].fork_tree_id
+            nodes = {n["id"]: n for n in api.tree()}  # %forkd tree and the panel name each child's host
+            assert all(nodes[k.id]["host"] == where[k.id] for k in kids)
             res, out = cell(ip, "%%forkd run kids\nx + 1")
             assert res.success, out.stderr
             assert [ex.text for ex in res.result.values()] == ["8"] * 3  # the source's state, on both hosts

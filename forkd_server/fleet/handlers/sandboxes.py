@@ -112,7 +112,7 @@ class ForkHandler(PinnedHandler):
         else:
             status, reply = await self.call(host)
             if status == 503 and fork and isinstance(reply, dict) and "capacity" in reply:
-                host.full()  # its figure was stale: the fork spans hosts after all
+                await self.router.refresh_capacity(host)  # its figure was stale: the fork spans hosts after all
                 status, reply = await fork_across(self.router, host, sandbox_id, fork,
                                                   _room(reply["capacity"]), self.client_headers())
             elif status == 201 and isinstance(reply, dict):
