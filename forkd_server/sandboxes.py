@@ -225,10 +225,11 @@ class SandboxManager:
 
     def update(self, sandbox_id, *, labels=None, remove_labels=(), memory_limit_mib=None) -> dict:
         """Change a running sandbox: ``labels`` are added to its own (as a spawn adds them to its
-        snapshot's), the keys ``remove_labels`` taken off (a fork tree spanning hosts closes its
-        survivors' ``fork_tree_id`` so: fleet/forks.py), and its memory limit is raised to ``memory_limit_mib``, never lowered (below what
-        it holds, the kernel would reclaim its memory or kill it). The forkd kernel does both when a
-        notebook checks a sandbox out: it becomes the notebook's."""
+        snapshot's), the keys ``remove_labels`` taken off (a router closing a fork tree that spans
+        hosts takes ``fork_tree_id`` off so: fleet/promotes.py), and its memory limit is raised to
+        ``memory_limit_mib``, never lowered (below what it holds, the kernel would reclaim its
+        memory or kill it). The forkd kernel does both when a notebook checks a sandbox out: it
+        becomes the notebook's."""
         labels = check_labels(labels)
         if memory_limit_mib is not None:
             check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)

@@ -88,8 +88,10 @@ def fork_fields(body: dict | None) -> dict | None:
 
 
 async def room_for(router: Router, host: Host, count: int) -> int | None:
-    """How many of ``count`` children ``host`` lacks room for, by its capacity block read now (None:
-    it has room, or states no cap)."""
+    """How many of ``count`` children ``host`` has room for when that is fewer, by its capacity
+    block read now; None when it has room for all, or states no cap."""
+    if host.capacity is not None and host.capacity.max_sandboxes is None:
+        return None  # no cap: nothing to read
     await router.refresh_capacity(host)
     free = host.capacity.free_slots if host.capacity else None
     return None if free is None or free >= count else free
@@ -140,9 +142,10 @@ async def fork_across(router: Router, host: Host, sandbox_id: str, fork: dict, r
                         "error": f"fork of {sandbox_id} across hosts ({host.url} has room for {room} of {count}): "
                                  f"its children could not be placed, so none was kept and {kept}: {error}"}
     members = {k["id"]: k["host"] for k in kids}
-    router.state.pin(TREE, [(tree_id, {"source": sandbox_id, "home": host.url, "snapshot_tag": tag, "user_tag": fork["tag"] is not None,
-                                       "owners": owners({**(snap.get("labels") or {}), **fork["labels"]}),
-                                       "members": members, "status": "open", "winner": None})], host.url)
+    record = {"source": sandbox_id, "home": host.url, "snapshot_tag": tag, "user_tag": fork["tag"] is not None,
+              "owners": owners({**(snap.get("labels") or {}), **fork["labels"]}), "members": members,
+              "status": "open", "winner": None}
+    router.state.pin(TREE, [(tree_id, record)], host.url)
     log.info("fork tree %s of %s spans %s", tree_id, sandbox_id, ", ".join(sorted(set(members.values()))))
     return 201, {"fork_tree_id": tree_id, "snapshot": {**snap, "host": host.url}, "sandboxes": kids}
 

@@ -30,7 +30,8 @@ def spanned_tree(router: Router, sandbox_id: str, body: dict | None) -> tuple[st
 _promoting: dict[str, asyncio.Lock] = {}  # tree id -> held while it is promoted (one promote at a time)
 
 
-async def promote_across(router: Router, winner: str, tree_id: str, cleanup: bool, headers: dict) -> tuple[int, Any]:
+async def promote_across(router: Router, winner: str, tree_id: str, cleanup: bool,
+                         headers: dict) -> tuple[int, Any]:
     """``winner`` wins its tree that spans hosts, as a host's promote decides it (forkd_server/
     forktrees.py): its siblings are killed on their hosts unless another notebook, a workspace or
     ``cleanup=False`` keeps them; the tree's snapshot goes from every host (and the store) unless a
@@ -112,14 +113,19 @@ async def _drop_siblings(router: Router, tree: dict, winner: str, seen: dict, cl
         if sid in held["heads"]:
             why = f"it is the sandbox {held['heads'][sid]} runs in (its HEAD)"
         elif now != tree["owners"]:
-            why = f"it was taken over since the fork (now {now.get('jupyter.notebook') or now.get('jupyter.kernel_id') or 'someone else'}'s)"
+            who = now.get("jupyter.notebook") or now.get("jupyter.kernel_id") or "someone else"
+            why = f"it was taken over since the fork (now {who}'s)"
         elif sid in held["workspaces"]:
             why = f"it is the sandbox of workspace {held['workspaces'][sid]}"
         elif not cleanup:
             why = "cleanup_siblings is false"
         else:
-            status, body = await router.hosts[url].request_json("DELETE", f"/v1/sandboxes/{quote(sid, safe='')}",
-                                                                timeout=60, session="calls")
+            try:
+                status, body = await router.hosts[url].request_json(
+                    "DELETE", f"/v1/sandboxes/{quote(sid, safe='')}", timeout=60, session="calls")
+            except HostError as exc:
+                failed.append({"id": sid, "error": str(exc)})
+                continue
             if status in (204, 404):
                 router.state.unpin("sandbox", sid, url)
                 killed += [sid] if status == 204 else []

@@ -6,8 +6,9 @@ import math
 
 from ...checks import MAX_CHILDREN
 from ..forks import fork_across, fork_fields, room_for, settle_children
-from ..hosts import Host
+from ..hosts import Host, HostError
 from ..promotes import promote_across, spanned_tree
+from ..router import Refusal
 from ..spawning import spawn_placed
 from .base import RouterHandler, host_query
 from .meta import labels_match
@@ -108,13 +109,12 @@ class ForkHandler(PinnedHandler):
         fork = fork_fields(self.json_body())
         room = await room_for(self.router, host, fork["count"]) if fork else None
         if room is not None:
-            status, reply = await fork_across(self.router, host, sandbox_id, fork, room, self.client_headers())
+            status, reply = await self._across(host, sandbox_id, fork, room)
         else:
             status, reply = await self.call(host)
             if status == 503 and fork and isinstance(reply, dict) and "capacity" in reply:
                 await self.router.refresh_capacity(host)  # its figure was stale: the fork spans hosts after all
-                status, reply = await fork_across(self.router, host, sandbox_id, fork,
-                                                  _room(reply["capacity"]), self.client_headers())
+                status, reply = await self._across(host, sandbox_id, fork, _room(reply["capacity"]))
             elif status == 201 and isinstance(reply, dict):
                 status, reply = await self._on_host(host, reply)
         if status == 201:  # under JupyterHub: whose each is, kept for calls and events (hub.py)
@@ -122,6 +122,12 @@ class ForkHandler(PinnedHandler):
             if isinstance(reply.get("snapshot"), dict):
                 self.seen("snapshot", [reply["snapshot"]])
         self.answer(status, reply)
+
+    async def _across(self, host: Host, sandbox_id: str, fork: dict, room: int):
+        try:
+            return await fork_across(self.router, host, sandbox_id, fork, room, self.client_headers())
+        except HostError as exc:
+            raise Refusal(502, f"fork of {sandbox_id} across hosts: {exc}", host=exc.host) from None
 
     async def _on_host(self, host: Host, reply: dict):
         snap = reply.get("snapshot")
