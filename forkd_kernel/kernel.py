@@ -27,7 +27,7 @@ from traitlets import Float, Integer, List, Unicode, default
 from forkd_magics._complete import install as install_completer
 from forkd_magics._errors import Explained, details_bundle, explained
 from forkd_magics._magics import spawn_when_written
-from forkd_magics._names import sandbox_ids
+from forkd_magics._names import as_python, sandbox_ids
 from forkd_magics._scope import Scope, kernel_id, notebook_path
 from forkd_server.checks import host_memory_mib
 from forkd_server.client import BadServerURL, Controller, ControllerError, ServerUnreachable
@@ -425,10 +425,11 @@ class ForkdKernel(Kernel):
                 example = f" (e.g. %%forkd run {name})"
             except UsageError:
                 example = ""
+            value = as_python(self.local.user_ns[name])
+            passed = f", or pass it into the sandbox as a value: {name} = {value}" if value else ""
             self._send_iopub("stream", {"name": "stderr", "text": (
                 f"forkd: {name!r} was bound by a %forkd line, so it lives in the kernel, not in the notebook's "
-                f"sandbox: use it in %forkd / %%forkd lines{example}, or pass what you need "
-                f"into the sandbox as a value ({name} = {self.local.user_ns[name]!r:.200}).\n")}, parent)
+                f"sandbox: use it in %forkd / %%forkd lines{example}{passed}\n")}, parent)
 
     def _run_local(self, code: str, silent: bool, parent: dict, user_expressions: dict) -> dict:
         """A %forkd cell, here; its reply as ipykernel's: the pager's payload (``%forkd?``) and the

@@ -105,6 +105,7 @@ def run_live(controller, targets: list[str], code: str, timeout: float | None = 
         pool.shutdown(wait=False)
     with lock:
         results.running = set(results.running)
+        results.interrupted = stopping.is_set()
     if handle is not None:
         # The live columns give way to the cell's result (the same columns, final): cleared when
         # the result arrives, so nothing flickers and a saved notebook keeps one copy.

@@ -30,7 +30,7 @@ from forkd_server.client import (BadServerURL, CommandResult, Controller, Contro
 
 from ._args import SUBCOMMANDS, full_help, plain_help, strip_comment, unquote
 from ._errors import Explained, explained, show_details
-from ._names import UndefinedName, sandbox_ids, snapshot_tag
+from ._names import plainly, sandbox_ids, snapshot_tag, undefined_name
 from ._scope import Scope, kernel_bases, sandboxes_of, snapshots_of
 from ._static import host_label
 from ._tiers import tier_line
@@ -51,12 +51,6 @@ def spawn_when_written(controller, tag: str, n: int, **options) -> list[dict]:
     return controller.spawn_sandboxes(tag, n, **options)
 
 
-class Interrupted(KeyboardInterrupt):
-    """An interrupt while a ``%forkd`` line waited for the server: said in its two lines, what was
-    stopped and where to look, as IPython shows an exception that renders itself."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {self}"]
 
 
 class ExecResult(CommandResult):
@@ -208,13 +202,13 @@ class ForkdMagics(Magics):
             error.details = said.details
             show_details(self.shell, said.details)      # the rest, collapsed under the error
             raise error from None
-        except Interrupted:
-            raise
-        except KeyboardInterrupt:  # stopped waiting, mostly in the SDK's socket read: its frames mean nothing here
+        except KeyboardInterrupt as exc:  # stopped waiting, mostly in the SDK's socket read: its frames mean nothing here
+            if hasattr(exc, "_render_traceback_"):  # said already (an interrupted %%forkd run)
+                raise
             where = ("%forkd head says where the notebook is now" if sub in ("checkout", "keep")
                      else "%forkd ls lists what there is now")
-            raise Interrupted(f"forkd {sub}: interrupted while waiting for the server, which may still finish it\n"
-                              f"{where}") from None
+            raise plainly(KeyboardInterrupt(f"forkd {sub}: interrupted while waiting for the server, which may "
+                                            f"still finish it\n{where}")) from None
 
     def _expand(self, line: str) -> str:
         """``{expr}`` and ``$name``, as IPython expands a magic's line: in the namespace of the code
@@ -320,7 +314,13 @@ class ForkdMagics(Magics):
                 raise self._needs_kernel("fork")
         if limit is None and source == self.head():  # copies of the notebook, which may be checked out
             limit = self.head_memory_limit_mib()
-        tree = self.controller.fork_sandbox(source, args.n, memory_limit_mib=limit, labels=labels, lossy=args.lossy)
+        try:
+            tree = self.controller.fork_sandbox(source, args.n, memory_limit_mib=limit, labels=labels,
+                                                lossy=args.lossy)
+        except ControllerError as exc:  # the wire's name for -n is `count`
+            if said := exc.about_field("count"):
+                raise UsageError(f"forkd fork: -n {said}") from None
+            raise
         return [Sandbox(i, self.controller) for i in tree["sandboxes"]]
 
     def _keep(self, args, cell):
@@ -487,6 +487,12 @@ class ForkdMagics(Magics):
         preludes = self._each(args.each or [], len(targets))
         results = run_live(self.controller, targets, cell, args.timeout, preludes=preludes, explain=self.explain)
         failed = results.failed
+        if results.interrupted:  # the user's interrupt, as ipykernel reports one
+            display(results)
+            going = sorted(results.running)
+            left = f"; it still runs in {', '.join(going)} (%forkd kill ends it)" if going else ""
+            raise plainly(KeyboardInterrupt(f"forkd run: interrupted; the cell stopped in {len(failed)} of "
+                                            f"{len(results)} sandboxes{left}"))
         if failed:
             display(results)  # every column, then the cell fails
             first = results[failed[0]].error or {}
@@ -527,7 +533,7 @@ class ForkdMagics(Magics):
             try:
                 values = eval(expr, ns)  # noqa: S307 - the user's own namespace, like {expr} expansion
             except NameError as exc:
-                raise UndefinedName(f"{exc}: in --each {name}=...") from None
+                raise undefined_name(f"{exc}: in --each {name}=...") from None
             if not isinstance(values, (list, tuple)) or len(values) != n:
                 raise UsageError(f"forkd run: --each {name} needs a list of {n} values (one per sandbox), "
                                  f"got {type(values).__name__} of {len(values) if hasattr(values, '__len__') else '?'}")

@@ -9,16 +9,42 @@ a bare word is a tag unless a variable of that name holds a ``Snapshot``.
 
 from __future__ import annotations
 
+import ast
+
 from IPython.core.error import UsageError
 
 from forkd_server.client import Sandbox, Snapshot
 
-class UndefinedName(NameError):
-    """A ``%forkd`` argument names a variable that does not exist. Shown as Python shows a
-    NameError, on one line with what the argument may be instead (no traceback of the magic)."""
 
-    def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[0;31mNameError\x1b[0m: {self}"]
+def plainly(exc: BaseException) -> BaseException:
+    """``exc`` shown as Python shows its type, on one line with no traceback of the magic (whose
+    frames mean nothing to the user). Its type stays Python's own (a ``NameError``, a
+    ``KeyboardInterrupt``), so a kernel reports the ``ename`` ipykernel would, and code that catches
+    it by type still does."""
+    exc._render_traceback_ = lambda: [f"\x1b[0;31m{type(exc).__name__}\x1b[0m: {exc}"]
+    return exc
+
+
+def undefined_name(message: str) -> NameError:
+    """A ``%forkd`` argument names a variable that does not exist: Python's NameError, with what
+    the argument may be instead."""
+    return plainly(NameError(message))
+
+
+def as_python(value, limit: int = 200) -> str | None:
+    """``value`` as Python that means the same in a sandbox, or None: a sandbox by its id, a snapshot
+    by its tag (lists of them as lists), a literal whose repr reads back equal and is short."""
+    if isinstance(value, Sandbox):
+        return repr(value.id)
+    if isinstance(value, Snapshot):
+        return repr(value.tag)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (Sandbox, Snapshot)) for v in value):
+        return "[" + ", ".join(as_python(v) for v in value) + "]"
+    try:
+        text = repr(value)
+        return text if len(text) <= limit and ast.literal_eval(text) == value else None
+    except Exception:  # noqa: BLE001 - a repr that is no literal, or one that fails: nothing to paste
+        return None
 
 
 def _evaluate(token: str, ns: dict, where: str):
@@ -34,7 +60,7 @@ def _evaluate(token: str, ns: dict, where: str):
     try:
         return eval(code, ns)  # noqa: S307 - the user's own namespace, as IPython's {expr} expansion
     except NameError as exc:
-        raise UndefinedName(f"{exc}: {where}") from None
+        raise undefined_name(f"{exc}: {where}") from None
     except Exception as exc:  # noqa: BLE001 - the user's expression: say what it raised
         raise UsageError(f"forkd: {token} raised {type(exc).__name__}: {exc}") from None
 

@@ -39,6 +39,7 @@ class RunResults(dict):
     """
 
     running: set = frozenset()  # sandboxes still running the cell (while it is shown live)
+    interrupted = False  # the user interrupted the run (a --timeout is each sandbox's own error)
 
     @property
     def failed(self) -> list[str]:

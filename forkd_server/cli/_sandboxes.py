@@ -43,10 +43,17 @@ def cmd_fork(args) -> int:
     for flag in ("per_child_netns", "prewarm", "live_fork", "hugepages"):
         if getattr(args, flag):
             raise SystemExit(f"forkd fork: --{flag.replace('_', '-')} is for spawning from a snapshot (--tag)")
+    from ..client import ControllerError
+
     ctl = client(args)
-    with busy(args, f"forking {args.sandbox} into {args.n}"):
-        tree = ctl.fork_sandbox(args.sandbox, args.n, tag=args.branch_tag, labels=labels_arg(args.label, "fork"),
-                                memory_limit_mib=args.memory_limit_mib, lossy=args.lossy)
+    try:
+        with busy(args, f"forking {args.sandbox} into {args.n}"):
+            tree = ctl.fork_sandbox(args.sandbox, args.n, tag=args.branch_tag, labels=labels_arg(args.label, "fork"),
+                                    memory_limit_mib=args.memory_limit_mib, lossy=args.lossy)
+    except ControllerError as exc:  # the wire's name for -n is `count`
+        if said := exc.about_field("count"):
+            raise SystemExit(f"forkd fork: -n {said}") from None
+        raise
     if args.json:
         emit_json(tree)
         return 0

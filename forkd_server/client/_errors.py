@@ -69,6 +69,14 @@ class ControllerError(Exception):
         details = self.body.get("details") if isinstance(self.body, dict) else None
         return dict(details) if isinstance(details, dict) else {}
 
+    def about_field(self, name: str) -> str | None:
+        """What a 400/422 says of the request's field ``name`` ("must be at least 1 and at most
+        1000, got 5000"), for a front end to say it of its own option; else None."""
+        prefix = f"field `{name}` "
+        if self.status in (400, 422) and self.what.startswith(prefix):
+            return self.what.removeprefix(prefix)
+        return None
+
     @property
     def lost(self) -> list[str]:
         """For a refused lossy fork (409): what it would have lost, one item each; else []."""

@@ -76,6 +76,28 @@ def test_tags_and_ids_are_never_taken_for_names(ip, forkd):
     assert out.stdout == "killed 1 sandbox\ndeleted snapshot nm2\n"
 
 
+def test_a_value_is_offered_to_a_sandbox_only_as_python_that_means_the_same_there():
+    from forkd_magics._names import as_python
+    from forkd_server.client import Snapshot
+
+    kids = [Sandbox({"id": "sb-1-a"}, None), Sandbox({"id": "sb-1-b"}, None)]
+    assert as_python(kids) == "['sb-1-a', 'sb-1-b']" and as_python(kids[0]) == "'sb-1-a'"
+    assert as_python(Snapshot({"tag": "base"}, None)) == "'base'"
+    assert as_python({"lr": 0.1, "n": [1, 2]}) == "{'lr': 0.1, 'n': [1, 2]}"
+    assert as_python(object()) is None and as_python(float("nan")) is None  # no literal; nan != nan
+    assert as_python(list(range(1000))) is None  # cut short it would be wrong Python
+
+
+def test_a_fork_past_the_servers_limit_names_the_option_typed(ip, forkd):
+    ip.run_line_magic("forkd", "snapshot -t big")
+    (kid,) = ip.run_line_magic("forkd", "fork -t big")
+    alive = ids_on(forkd)
+    res, out = cell(ip, f"%forkd fork {kid.id} -n 100000")
+    assert "forkd fork: -n must be at least 1 and at most 1000, got 100000" in out.stderr, out.stderr
+    assert "count" not in out.stderr and not res.success
+    assert ids_on(forkd) == alive
+
+
 def test_kill_of_a_mixed_list_kills_the_live_ones_then_reports_the_rest(ip, forkd):
     ip.run_line_magic("forkd", "snapshot -t mx")
     kids = ip.run_line_magic("forkd", "fork -t mx -n 4")

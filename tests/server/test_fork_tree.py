@@ -176,7 +176,9 @@ def test_cli(server, ctl, parent):
     assert first not in {b["id"] for b in ctl.list_sandboxes()}
     assert len(json.loads(cli(server, "fork", "--tag", "ftree", "-n", "1", "--json").stdout)) == 1  # forkd's spawn
     said = one_line(cli(server, "fork", parent.id, "-n", "0", check=False))
-    assert said == "forkd fork: field `count` must be at least 1 and at most 1000, got 0 (HTTP 400)\n"
+    assert said == "forkd fork: -n must be at least 1 and at most 1000, got 0\n"  # the wire's `count`, as typed
+    said = one_line(cli(server, "fork", parent.id, "-n", "100000", check=False))
+    assert said == "forkd fork: -n must be at least 1 and at most 1000, got 100000\n"
     said = one_line(cli(server, "promote", parent.id, check=False))
     assert said == (f"forkd promote: sandbox {parent.id} is in no open fork tree (HTTP 400); fork a sandbox into a "
                     f"tree first, then keep one of its children: forkd fork {parent.id} -n 3\n")
