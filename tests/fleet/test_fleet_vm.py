@@ -102,8 +102,10 @@ def test_a_vm_snapshot_spills_over_by_push_and_pull():
 
 def test_a_fork_its_host_cannot_hold_spans_hosts_and_keep_ends_it_on_all(monkeypatch):
     """``kids = %forkd fork SB -n 3`` of a VM sandbox on a host with room for 1: one child there, two
-    on the other host, each with the source's state, one tree; ``%forkd keep`` of a child on the
-    other host kills its siblings on both hosts and releases the tree's snapshot everywhere."""
+    on the other host, each with the source's state, one tree (a fork the fleet cannot hold leaves
+    nothing). ``%forkd keep`` of a child on the other host kills its sibling there and keeps the one
+    on the holder that another notebook took over, and with it the tree's snapshot; once that one
+    ends, promoting again releases the snapshot from both hosts and the store."""
     with vm_fleet() as (router, hosts, _log):
         api = Controller(router.url, router.token, timeout=600)
         made = api.create_snapshot("spanbase", engine="vm", mem_size_mib=256, setup="x = 41")
@@ -141,12 +143,24 @@ def test_a_fork_its_host_cannot_hold_spans_hosts_and_keep_ends_it_on_all(monkeyp
             tree = kids[0].fork_tree_id
             assert {s["tag"] for s in api.list_snapshots()} == {"spanbase", tree}
             assert RemoteStore(STORE).has(f"tags/{tree}")  # its host pushed it for the other to pull
+            # keep a child on the other host: its sibling there is killed; the one on the holder,
+            # taken over by another notebook since the fork, stays, and so does the tree's snapshot
             winner = next(k for k in kids if where[k.id] == other.url)
+            theirs = next(k for k in kids if where[k.id] == holder.url)
+            api.update_sandbox(theirs.id, labels={"jupyter.notebook": "theirs.ipynb"})
             ip.user_ns["winner"] = winner
             res, out = cell(ip, "kept = %forkd keep winner")
             assert res.success, out.stderr
-            assert out.stdout.startswith(f"kept {winner.id} (fork tree {tree}): killed 2 siblings, "
-                                         f"released snapshot {tree}"), out.stdout
+            assert out.stdout == (f"kept {winner.id} (fork tree {tree}): killed 1 sibling\n"
+                                  f"  kept sandbox {theirs.id}: it was taken over since the fork (now theirs.ipynb's)\n"
+                                  f"  kept snapshot {tree}: {theirs.id} was spawned from it\n"), out.stdout
+            assert {s["id"] for s in api.list_sandboxes()} == {source, winner.id, theirs.id}
+            assert "fork_tree_id" not in api.get_sandbox(theirs.id)["labels"]  # in no open tree any more
+            # once it ends, promoting the winner again (the tree named: no label names it now) releases it
+            api.kill_sandbox(theirs.id)
+            again = api.promote_sandbox(winner.id, tree)
+            assert (again["killed"], again["released"], again["kept"]) == ([], [tree], []), again
+            assert again["winner"]["host"] == other.url
             assert {s["id"] for s in api.list_sandboxes()} == {source, winner.id}
             for host in hosts:  # the tree's snapshot is gone from both hosts and from the store
                 assert {s["tag"] for s in Controller(host.url, host.token).list_snapshots()} <= {"spanbase"}
