@@ -145,7 +145,8 @@ class PromoteHandler(PinnedHandler):
         body = self.json_body()
         spanned = spanned_tree(self.router, sandbox_id, body)
         cleanup = (body or {}).get("cleanup_siblings", True)
-        if spanned is None or not isinstance(cleanup, bool):
+        bad = (body is None and (self.request.body or b"").strip()) or set(body or ()) - {"tree_id", "cleanup_siblings"}
+        if spanned is None or not isinstance(cleanup, bool) or bad:
             await self.forward(host)  # a host says what is wrong with a bad body
             return
         status, reply = await promote_across(self.router, sandbox_id, spanned[0], cleanup, self.client_headers())
