@@ -4,7 +4,10 @@ lands on one host (the holder), which has not pushed it; a spawn of 3 places two
 one on the other host, which pulls it (every chunk fetched once) after the holder pushed it on
 demand. A live branch of that child stays on its host, and so does the branch's first child; with
 that host full, the next child of the branch goes to the holder, which downloads only the chunks
-of the branch it lacks."""
+of the branch it lacks.
+
+A fork tree its source's host cannot hold spans both hosts: through the magics (and promote across
+hosts by a host's rules) and in the forkd kernel on the VM engine, each pointed at the router."""
 
 from __future__ import annotations
 
@@ -14,10 +17,12 @@ from collections import Counter
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
+from jupyter_client.manager import start_new_kernel
 
 from forkd_engine.store import RemoteStore, fetch_manifest
 from forkd_server.client import Controller, ControllerError
 
+from ..kernel.cells import run
 from ..magics.conftest import cell
 from ..store.s3 import S3_ENV, moto_s3
 from ..vm.conftest import requires_qemu
@@ -171,4 +176,34 @@ def test_a_fork_its_host_cannot_hold_spans_hosts_and_keep_ends_it_on_all(monkeyp
             ip.run_line_magic("unload_ext", "forkd_magics")
         for sid in (source, winner.id):
             api.kill_sandbox(sid)
+
+
+def test_a_vm_notebooks_fork_spans_hosts_in_the_forkd_kernel():
+    """The forkd kernel on the VM engine pointed at the router: ``kids = %forkd fork -n 3`` of the
+    notebook, whose host has room for 1 more, lands on both hosts; ``%%forkd run kids`` streams from
+    all three; ``%forkd keep`` of a child on the other host moves the notebook there and ends the tree."""
+    with vm_fleet() as (router, hosts, _log):
+        env = {**os.environ, "FORKD_URL": router.url, "FORKD_TOKEN": router.token, "FORKD_KERNEL_ENGINE": "vm"}
+        km, kc = start_new_kernel(kernel_name="forkd-python", startup_timeout=600, env=env)
+        try:
+            assert run(kc, "x = 7", timeout=900).ok  # the notebook's base snapshot and HEAD: 1 of a host's 2
+            api = Controller(router.url, router.token, timeout=600)
+            (home,) = {s["host"] for s in api.list_sandboxes()}
+            made = run(kc, "kids = %forkd fork -n 3", timeout=600)
+            assert made.ok, made.text
+            where = {s["id"]: s["host"] for s in api.list_sandboxes() if "fork_tree_id" in s["labels"]}  # one tree
+            assert sorted(where.values()) == sorted([home] + [h.url for h in hosts if h.url != home] * 2), where
+            ran = run(kc, "%%forkd run kids\nx + 1", timeout=300)
+            assert ran.ok and [line.strip() for line in ran.result.splitlines()].count("8") == 3, ran.text
+            far = next(sid for sid, host in where.items() if host != home)
+            kept = run(kc, f"%forkd keep {far}", timeout=300)
+            assert kept.ok and "killed 2 siblings, released snapshot" in kept.text, kept.text
+            assert run(kc, "x").result == "7"  # the notebook runs on in the winner, on the other host
+            assert far in run(kc, "%forkd head").text
+            assert set(where) & {s["id"] for s in api.list_sandboxes()} == {far}  # its siblings are gone
+        finally:
+            kc.stop_channels()
+            if km.is_alive():
+                km.shutdown_kernel(now=False)
+
 
