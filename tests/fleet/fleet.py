@@ -131,11 +131,13 @@ def stand_in_host(handler: type[http.server.BaseHTTPRequestHandler], release: th
 
 @contextlib.contextmanager
 def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_hosts: tuple[str, ...] = (),
-          router_args: tuple[str, ...] = (), server=Server, router: bool = True):
+          router_args: tuple[str, ...] = (), server=Server, router: bool = True,
+          host_env: list[dict[str, str]] | None = None):
     """``n_hosts`` hosts and a router, all up; yields (router, [hosts]). ``extra_hosts``: more URLs
     the router is given (hosts that misbehave); ``server``: the host class (``netns.NamespacedServer``
     puts each host in a network namespace of its own); ``router=False``: no router, and (workdir,
-    [hosts]) is yielded. On exit every host's objects are deleted and everything stops."""
+    [hosts]) is yielded; ``host_env``: each host's variables over this process's environment. On
+    exit every host's objects are deleted and everything stops."""
     workdir = tempfile.mkdtemp(prefix="fkfl")
     token = secrets.token_hex(20)
     with open(os.path.join(workdir, "token"), "w") as f:
@@ -146,8 +148,9 @@ def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_host
         for i in range(n_hosts):
             args = (host_args or [[]] * n_hosts)[i]
             runtime = os.path.join(workdir, f"rt{i}")
+            env = {**os.environ, **(host_env or [{}] * n_hosts)[i], "JUPYTER_RUNTIME_DIR": runtime}
             srv = server("--token-file", os.path.join(workdir, "token"), *args, data_dir=os.path.join(workdir, f"h{i}"),
-                         env={**os.environ, "JUPYTER_RUNTIME_DIR": runtime})
+                         env=env)
             srv.token = token
             hosts.append(srv)
         for srv in hosts:

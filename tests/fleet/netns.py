@@ -1,9 +1,12 @@
 """A ``forkd serve`` host in a network namespace of its own, joined to the root namespace by a veth
 pair on a /30 of 10.0.0.0/8 (iproute2, as root): traffic between the router and the host crosses a
-real link that a test can cut (``partition``) and mend (``heal``)."""
+real link that a test can cut (``partition``) and mend (``heal``). A service the hosts share (the
+store) listens on a root-namespace address of its own (``service_address``), which each host
+reaches through its link."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import secrets
@@ -37,10 +40,27 @@ def _free_subnet() -> ipaddress.IPv4Network:
             return net
 
 
-class NamespacedServer(Server):
-    """``forkd serve`` inside namespace ``ns`` at ``10.a.b.c+2:8889``; the root side is ``c+1``."""
+@contextlib.contextmanager
+def service_address():
+    """Yields an address of the root namespace for a service that namespaced hosts use: on a bridge
+    of its own with no ports (a dummy link needs a module some kernels lack); a host given it in ``reach`` routes
+    to it through its veth link. The bridge, and so the address, goes on exit."""
+    link = f"fks{secrets.token_hex(3)}"
+    addr = str(_free_subnet().network_address + 1)
+    _ip("link", "add", link, "type", "bridge")
+    try:
+        _ip("addr", "add", f"{addr}/32", "dev", link)
+        _ip("link", "set", link, "up")
+        yield addr
+    finally:
+        subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
 
-    def __init__(self, *args: str, data_dir: str, env: dict | None = None):
+
+class NamespacedServer(Server):
+    """``forkd serve`` inside namespace ``ns`` at ``10.a.b.c+2:8889``; the root side is ``c+1``.
+    ``reach``: root-namespace addresses (``service_address``) the host routes to over its link."""
+
+    def __init__(self, *args: str, data_dir: str, env: dict | None = None, reach: tuple[str, ...] = ()):
         tag = secrets.token_hex(3)
         self.ns, self.veth, self.peer = f"fk{tag}", f"fkr{tag}", f"fkn{tag}"
         net = _free_subnet()
@@ -54,6 +74,8 @@ class NamespacedServer(Server):
             _ip("-n", self.ns, "addr", "add", f"{self.addr}/30", "dev", self.peer)
             _ip("-n", self.ns, "link", "set", self.peer, "up")
             _ip("-n", self.ns, "link", "set", "lo", "up")
+            for addr in reach:
+                _ip("-n", self.ns, "route", "add", f"{addr}/32", "via", self.root_addr)
             super().__init__(*args, data_dir=data_dir, env=env)
         except BaseException:
             self.remove()

@@ -1,8 +1,12 @@
-"""A VM snapshot moves to where there is room: two ``forkd serve`` hosts on the VM engine sharing a
-store (moto's S3 on loopback), each capped at two sandboxes. A snapshot created through the router
-lands on one host (the holder), which has not pushed it; a spawn of 3 places two children there and
-one on the other host, which pulls it (every chunk fetched once) after the holder pushed it on
-demand. A live branch of that child stays on its host, and so does the branch's first child; with
+"""A VM snapshot moves to where there is room: two ``forkd serve`` hosts on the VM engine, each in a
+network namespace of its own (tests/fleet/netns.py) with its own data dir, cgroup group and guest-image
+cache, capped at two sandboxes; the router in the root namespace; the store they share moto's S3 on
+a root-namespace address that each host reaches through its link. A snapshot created through the
+router lands on one host (the holder), which has not pushed it; from then on no host has a guest
+image (not even the one the snapshot names: as on a fleet of machines). A spawn of 3 places two
+children on the holder and one on the other host, which pulls it (every chunk fetched once) after
+the holder pushed it on demand, and restores it with no image (a restored child's RAM holds its
+kernel). A live branch of that child stays on its host, and so does the branch's first child; with
 that host full, the next child of the branch goes to the holder, which downloads only the chunks
 of the branch it lacks.
 
@@ -12,7 +16,11 @@ hosts by a host's rules) and in the forkd kernel on the VM engine, each pointed 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import json
 import os
+import shutil
 from collections import Counter
 
 import pytest
@@ -20,6 +28,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from jupyter_client.manager import start_new_kernel
 
 from forkd_engine.store import RemoteStore, fetch_manifest
+from forkd_engine.vm.image import Image, build_image
 from forkd_server.client import Controller, ControllerError
 
 from ..kernel.cells import run
@@ -27,8 +36,9 @@ from ..magics.conftest import cell
 from ..store.s3 import S3_ENV, moto_s3
 from ..vm.conftest import requires_qemu
 from .fleet import fleet
+from .netns import NamespacedServer, available, service_address
 
-pytestmark = [requires_qemu, pytest.mark.slow]
+pytestmark = [requires_qemu, pytest.mark.skipif(available() is not None, reason=str(available())), pytest.mark.slow]
 STORE = "s3://forkd/fleet"
 
 
@@ -42,30 +52,67 @@ def _objects(tag: str) -> set[str]:
     return set(fetch_manifest(RemoteStore(STORE), tag=tag).chunks())
 
 
+def _image_cache(path: str, image: Image) -> str:
+    """A guest-image cache of its own at ``path`` holding ``image`` in files of its own (hard links
+    where they can be): a host on it creates snapshots without building an image, and once it is
+    ``_empty`` the paths those snapshots record lead nowhere, as on another machine."""
+    mine = os.path.join(path, "images", image.key)
+    os.makedirs(mine)
+    own = {}
+    for name in ("kernel", "initrd"):
+        own[name] = os.path.join(mine, os.path.basename(getattr(image, name)))
+        try:
+            os.link(getattr(image, name), own[name])
+        except OSError:  # another file system
+            shutil.copyfile(getattr(image, name), own[name])
+    with open(os.path.join(mine, "image.json"), "w") as f:
+        json.dump(dataclasses.replace(image, dir=mine, **own).to_dict(), f)
+    os.symlink(os.path.join(os.path.dirname(os.path.dirname(image.dir)), "debs"), os.path.join(path, "debs"))
+    return path
+
+
+def _empty(path: str) -> None:
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
 @contextlib.contextmanager
-def vm_fleet(cap: int = 2):
-    """Two VM hosts sharing moto's store, each capped at ``cap`` sandboxes, and a router: yields
-    (router, hosts, the store's request log)."""
-    with moto_s3() as (endpoint, log):
+def vm_fleet(cap: int = 2, caches: list[str] | None = None):
+    """Two VM hosts, each in a network namespace of its own that the router (in the root namespace)
+    reaches over its link, capped at ``cap`` sandboxes, sharing moto's S3 on a root-namespace address
+    that each reaches over its link; ``caches``: each host's guest-image cache (else the run's).
+    Yields (router, hosts, the store's request log)."""
+    with service_address() as store_addr, moto_s3(ip=store_addr) as (endpoint, log):
         env = {**S3_ENV, "AWS_ENDPOINT_URL": endpoint}
-        os.environ.update(env)  # the hosts inherit it (fleet() passes os.environ)
+        os.environ.update(env)  # the hosts inherit it (fleet() passes os.environ), and _objects reads it
         try:
             host_args = ["--store", STORE, f"--ForkdApp.max_sandboxes={cap}"]
-            with fleet(2, host_args=[host_args, host_args]) as (router, hosts):
+            server = functools.partial(NamespacedServer, reach=(store_addr,))
+            host_env = [{"FORKD_VM_CACHE": cache} for cache in caches] if caches else None
+            with fleet(2, host_args=[host_args, host_args], server=server, host_env=host_env) as (router, hosts):
+                assert not any(h.url.startswith("http://127.") for h in hosts)
                 yield router, hosts, log
         finally:
             for name in env:
                 os.environ.pop(name, None)
 
 
-def test_a_vm_snapshot_spills_over_by_push_and_pull():
-    with vm_fleet() as (router, hosts, log):
+def test_a_vm_snapshot_spills_over_by_push_and_pull(tmp_path):
+    image = build_image(os.environ["FORKD_VM_CACHE"])  # the run's, built once, under that cache's lock
+    caches = [_image_cache(str(tmp_path / f"cache{i}"), image) for i in range(2)]
+    with vm_fleet(caches=caches) as (router, hosts, log):
         api = Controller(router.url, router.token, timeout=600)
         made = api.create_snapshot("vmbase", engine="vm", mem_size_mib=256, setup="x = 41")
         holder = next(h for h in hosts if h.url == made["host"])
         other = next(h for h in hosts if h is not holder)
         assert "vmbase" not in {s["tag"] for s in Controller(other.url, other.token).list_snapshots()}
         assert _chunks(log, "PUT") == Counter()  # not pushed yet
+        # from here on no host has a guest image: not even the holder's, which the snapshot names
+        for cache in caches:
+            _empty(cache)
 
         # over the holder's cap: the rest goes to the other host, which pulls it
         before = len(log)
@@ -78,6 +125,7 @@ def test_a_vm_snapshot_spills_over_by_push_and_pull():
         assert set(pushed) == base and max(pushed.values()) == 1  # the holder pushed it on demand
         assert set(fetched) == base and max(fetched.values()) == 1  # each chunk fetched once
         assert [api.eval_code(k["id"], "x + 1")["result"] for k in kids] == ["42"] * 3
+        assert [os.listdir(cache) for cache in caches] == [[], []]  # restored with no image: none built or fetched
 
         # a live branch on the other host stays there, and so does its first child
         moved = next(k["id"] for k in kids if k["host"] == other.url)
@@ -88,6 +136,7 @@ def test_a_vm_snapshot_spills_over_by_push_and_pull():
         grandkid = api.spawn_sandboxes("vmbase-99")[0]
         assert grandkid["host"] == other.url
         assert api.eval_code(grandkid["id"], "x")["result"] == "99"
+        assert [os.listdir(cache) for cache in caches] == [[], []]  # nor for a branch of a pulled snapshot
 
         # the other host is full (2 of 2): the next child goes to the holder, once it has room,
         # and the holder downloads only the branch's chunks that it lacks

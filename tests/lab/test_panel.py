@@ -386,19 +386,29 @@ def test_a_server_restart_marks_no_head_of_a_kernel_it_stopped(page, lab):
     head = new_forkd_notebook(page)
     assert run_cell(page, "x = 41; x") == "41"
     (record,) = ctl.list_kernels()
+    close_connection_lost_dialogs(page)
     lab.restart()
     assert lab.controller().list_kernels() == []
     page.locator(f"{PANEL} .forkd-state[data-state='reconnecting']").wait_for(state="hidden", timeout=15_000)
     page.locator(f"{PANEL} .forkd-row[data-id='{head}'][data-status='running']").wait_for(timeout=LIVE_WITHIN)
     assert page.locator(f"{PANEL} .forkd-head-chip").count() == 0
     assert ctl.eval_code(head, "x")["result"] == "41"
-    # the notebook's next forkd kernel is told, once, where its last one ran (the kernel says so under
-    # its first cell, forkd_kernel/kernel.py): never silently fresh
-    ctl = lab.controller()
-    told = ctl.set_kernel_head("next-kernel", "sb-next", notebook=record["notebook"])
-    assert told["left"]["head"] == head and told["left"]["kernel_id"] == record["kernel_id"], told
-    assert "left" not in ctl.set_kernel_head("next-kernel", "sb-next", notebook=record["notebook"])
-    ctl.forget_kernel("next-kernel")
+    # the notebook's next forkd kernel, started as a user starts one, says under its first cell where
+    # the last one's state is (forkd_kernel/kernel.py), never silently fresh; and the state is there
+    # JupyterLab finds the notebook's session gone (its poll of the sessions, run now), then the
+    # user starts a kernel for it
+    page.evaluate("window.jupyterapp.serviceManager.sessions.refreshRunning()")
+    page.wait_for_function("!window.jupyterapp.shell.currentWidget.sessionContext.session", timeout=60_000)
+    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.changeKernel({name: 'forkd-python'})")
+    run_cell(page, "y = 1")
+    told = page.locator(".jp-NotebookPanel .jp-OutputArea-output", has_text="its last kernel stopped with the Jupyter server")
+    told.wait_for(timeout=60_000)
+    shot(page, "notebook-after-server-restart.png")
+    assert f"%forkd checkout {head} to continue there" in told.text_content()
+    run_cell(page, f"%forkd checkout {head}")
+    assert run_cell(page, "x") == "41"
+    (now,) = lab.controller().list_kernels()
+    assert now["head"] == head and now["kernel_id"] != record["kernel_id"], now
 
 
 def test_panel_rides_through_a_restart_that_is_still_settling(page, lab):

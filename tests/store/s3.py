@@ -1,4 +1,4 @@
-"""A real S3 server for the store's tests: moto in server mode on loopback, with its request log."""
+"""A real S3 server for the store's tests: moto in server mode (on loopback by default), with its request log."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ class _Log(logging.Handler):
 
 
 @contextlib.contextmanager
-def moto_s3(bucket: str = "forkd"):
-    """(endpoint URL, request log) of a fresh moto S3 server holding ``bucket``; the log is a list of
-    (method, path) of every request the server answered, in order."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=True)
+def moto_s3(bucket: str = "forkd", ip: str = "127.0.0.1"):
+    """(endpoint URL, request log) of a fresh moto S3 server on ``ip`` holding ``bucket``; the log is
+    a list of (method, path) of every request the server answered, in order."""
+    server = ThreadedMotoServer(ip_address=ip, port=0, verbose=True)
     server.start()
     log = _Log()
     werkzeug = logging.getLogger("werkzeug")
