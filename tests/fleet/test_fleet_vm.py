@@ -29,6 +29,7 @@ from jupyter_client.manager import start_new_kernel
 
 from forkd_engine.store import RemoteStore, fetch_manifest
 from forkd_engine.vm.image import Image, build_image
+from forkd_engine.vm.packages import build_packages_image
 from forkd_server.client import Controller, ControllerError
 
 from ..kernel.cells import run
@@ -154,12 +155,21 @@ def test_a_vm_snapshot_spills_over_by_push_and_pull(tmp_path):
             api.kill_sandbox(sid)
 
 
+def _guest_built(packages: tuple[str, ...] = ()) -> None:
+    """The run's guest image (and packages disk) built here, in the root namespace: the hosts, in
+    namespaces of their own, reach no package mirror, and take them from the run's cache."""
+    build_image(os.environ["FORKD_VM_CACHE"])
+    if packages:
+        build_packages_image(os.environ["FORKD_VM_CACHE"], list(packages))
+
+
 def test_a_fork_its_host_cannot_hold_spans_hosts_and_keep_ends_it_on_all(monkeypatch):
     """``kids = %forkd fork SB -n 3`` of a VM sandbox on a host with room for 1: one child there, two
     on the other host, each with the source's state, one tree (a fork the fleet cannot hold leaves
     nothing). ``%forkd keep`` of a child on the other host kills its sibling there and keeps the one
     on the holder that another notebook took over, and with it the tree's snapshot; once that one
     ends, promoting again releases the snapshot from both hosts and the store."""
+    _guest_built()
     with vm_fleet() as (router, hosts, _log):
         api = Controller(router.url, router.token, timeout=600)
         made = api.create_snapshot("spanbase", engine="vm", mem_size_mib=256, setup="x = 41")
@@ -231,11 +241,13 @@ def test_a_vm_notebooks_fork_spans_hosts_in_the_forkd_kernel():
     """The forkd kernel on the VM engine pointed at the router: ``kids = %forkd fork -n 3`` of the
     notebook, whose host has room for 1 more, lands on both hosts; ``%%forkd run kids`` streams from
     all three; ``%forkd keep`` of a child on the other host moves the notebook there and ends the tree."""
+    _guest_built(("python3-ipython",))  # the forkd kernel's guest shell (forkd_kernel/base.py)
     with vm_fleet() as (router, hosts, _log):
         env = {**os.environ, "FORKD_URL": router.url, "FORKD_TOKEN": router.token, "FORKD_KERNEL_ENGINE": "vm"}
         km, kc = start_new_kernel(kernel_name="forkd-python", startup_timeout=600, env=env)
         try:
-            assert run(kc, "x = 7", timeout=900).ok  # the notebook's base snapshot and HEAD: 1 of a host's 2
+            first = run(kc, "x = 7", timeout=900)
+            assert first.ok, first.text  # the notebook's base snapshot and HEAD: 1 of a host's 2
             api = Controller(router.url, router.token, timeout=600)
             (home,) = {s["host"] for s in api.list_sandboxes()}
             made = run(kc, "kids = %forkd fork -n 3", timeout=600)
