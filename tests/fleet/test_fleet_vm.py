@@ -10,8 +10,8 @@ kernel). A live branch of that child stays on its host, and so does the branch's
 that host full, the next child of the branch goes to the holder, which downloads only the chunks
 of the branch it lacks.
 
-A fork tree its source's host cannot hold spans both hosts: through the magics (and promote across
-hosts by a host's rules) and in the forkd kernel on the VM engine, each pointed at the router."""
+A notebook's fork tree its host cannot hold spans both hosts: the forkd kernel on the VM engine
+pointed at the router, and promote across hosts by a host's rules."""
 
 from __future__ import annotations
 
@@ -24,16 +24,14 @@ import shutil
 from collections import Counter
 
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
 from jupyter_client.manager import start_new_kernel
 
 from forkd_engine.store import RemoteStore, fetch_manifest
 from forkd_engine.vm.image import Image, build_image
 from forkd_engine.vm.packages import build_packages_image
-from forkd_server.client import Controller, ControllerError
+from forkd_server.client import Controller
 
 from ..kernel.cells import run
-from ..magics.conftest import cell
 from ..store.s3 import S3_ENV, moto_s3
 from ..vm.conftest import requires_qemu
 from .fleet import fleet
@@ -155,92 +153,21 @@ def test_a_vm_snapshot_spills_over_by_push_and_pull(tmp_path):
             api.kill_sandbox(sid)
 
 
-def _guest_built(packages: tuple[str, ...] = ()) -> None:
-    """The run's guest image (and packages disk) built here, in the root namespace: the hosts, in
+def _guest_built(packages: tuple[str, ...]) -> None:
+    """The run's guest image and packages disk built here, in the root namespace: the hosts, in
     namespaces of their own, reach no package mirror, and take them from the run's cache."""
     build_image(os.environ["FORKD_VM_CACHE"])
-    if packages:
-        build_packages_image(os.environ["FORKD_VM_CACHE"], list(packages))
+    build_packages_image(os.environ["FORKD_VM_CACHE"], list(packages))
 
 
-def test_a_fork_its_host_cannot_hold_spans_hosts_and_keep_ends_it_on_all(monkeypatch):
-    """``kids = %forkd fork SB -n 3`` of a VM sandbox on a host with room for 1: one child there, two
-    on the other host, each with the source's state, one tree (a fork the fleet cannot hold leaves
-    nothing). ``%forkd keep`` of a child on the other host kills its sibling there and keeps the one
-    on the holder that another notebook took over, and with it the tree's snapshot; once that one
-    ends, promoting again releases the snapshot from both hosts and the store."""
-    _guest_built()
-    with vm_fleet() as (router, hosts, _log):
-        api = Controller(router.url, router.token, timeout=600)
-        made = api.create_snapshot("spanbase", engine="vm", mem_size_mib=256, setup="x = 41")
-        holder = next(h for h in hosts if h.url == made["host"])
-        other = next(h for h in hosts if h is not holder)
-        source = api.spawn_sandboxes("spanbase")[0]["id"]  # 1 of the holder's 2
-        api.run_code(source, "x = 7")
-
-        # more than the fleet holds (room for 1 + 2): refused, and nothing of the fork stays
-        with pytest.raises(ControllerError) as err:
-            api.fork_sandbox(source, 4)
-        said = str(err.value)
-        assert err.value.status == 503 and f"fork of {source} across hosts" in said, said
-        assert "none was kept and its snapshot ft-" in said and "room for 3 of the 4" in said, said
-        assert [s["id"] for s in api.list_sandboxes()] == [source]
-        assert {s["tag"] for s in api.list_snapshots()} == {"spanbase"}
-
-        monkeypatch.setenv("FORKD_URL", router.url)
-        monkeypatch.setenv("FORKD_TOKEN", router.token)
-        ip = InteractiveShell.instance()
-        ip.run_line_magic("reload_ext", "forkd_magics")  # magics that read FORKD_URL: the router
-        try:
-            res, out = cell(ip, f"kids = %forkd fork {source} -n 3")
-            assert res.success, out.stderr
-            kids = ip.user_ns["kids"]
-            where = {k.id: api.get_sandbox(k.id)["host"] for k in kids}
-            assert sorted(where.values()) == sorted([holder.url, other.url, other.url]), where
-            assert len({k.fork_tree_id for k in kids}) == 1 and kids[0].fork_tree_id
-            nodes = {n["id"]: n for n in api.tree()}  # %forkd tree and the panel name each child's host
-            assert all(nodes[k.id]["host"] == where[k.id] for k in kids)
-            res, out = cell(ip, "%%forkd run kids\nx + 1")
-            assert res.success, out.stderr
-            assert [ex.text for ex in res.result.values()] == ["8"] * 3  # the source's state, on both hosts
-
-            tree = kids[0].fork_tree_id
-            assert {s["tag"] for s in api.list_snapshots()} == {"spanbase", tree}
-            assert RemoteStore(STORE).has(f"tags/{tree}")  # its host pushed it for the other to pull
-            # keep a child on the other host: its sibling there is killed; the one on the holder,
-            # taken over by another notebook since the fork, stays, and so does the tree's snapshot
-            winner = next(k for k in kids if where[k.id] == other.url)
-            theirs = next(k for k in kids if where[k.id] == holder.url)
-            api.update_sandbox(theirs.id, labels={"jupyter.notebook": "theirs.ipynb"})
-            ip.user_ns["winner"] = winner
-            res, out = cell(ip, "kept = %forkd keep winner")
-            assert res.success, out.stderr
-            assert out.stdout == (f"kept {winner.id} (fork tree {tree}): killed 1 sibling\n"
-                                  f"  kept sandbox {theirs.id}: it was taken over since the fork (now theirs.ipynb's)\n"
-                                  f"  kept snapshot {tree}: {theirs.id} was spawned from it\n"), out.stdout
-            assert {s["id"] for s in api.list_sandboxes()} == {source, winner.id, theirs.id}
-            assert "fork_tree_id" not in api.get_sandbox(theirs.id)["labels"]  # in no open tree any more
-            # once it ends, promoting the winner again (the tree named: no label names it now) releases it
-            api.kill_sandbox(theirs.id)
-            again = api.promote_sandbox(winner.id, tree)
-            assert (again["killed"], again["released"], again["kept"]) == ([], [tree], []), again
-            assert again["winner"]["host"] == other.url
-            assert {s["id"] for s in api.list_sandboxes()} == {source, winner.id}
-            for host in hosts:  # the tree's snapshot is gone from both hosts and from the store
-                assert {s["tag"] for s in Controller(host.url, host.token).list_snapshots()} <= {"spanbase"}
-            assert not RemoteStore(STORE).has(f"tags/{tree}")
-            assert api.eval_code(winner.id, "x")["result"] == "7"
-            assert "fork_tree_id" not in api.get_sandbox(winner.id)["labels"]  # in no open tree any more
-        finally:
-            ip.run_line_magic("unload_ext", "forkd_magics")
-        for sid in (source, winner.id):
-            api.kill_sandbox(sid)
-
-
-def test_a_vm_notebooks_fork_spans_hosts_in_the_forkd_kernel():
-    """The forkd kernel on the VM engine pointed at the router: ``kids = %forkd fork -n 3`` of the
-    notebook, whose host has room for 1 more, lands on both hosts; ``%%forkd run kids`` streams from
-    all three; ``%forkd keep`` of a child on the other host moves the notebook there and ends the tree."""
+def test_a_vm_notebooks_fork_spans_hosts_and_keep_ends_it_on_each():
+    """The forkd kernel on the VM engine pointed at the router, the notebook (HEAD) on a host with
+    room for 1 more: a fork the fleet cannot hold is refused with nothing left; ``kids = %forkd fork
+    -n 3`` lands one child there and two on the other host, one tree, each with the notebook's state
+    (``%%forkd run kids``); ``%forkd keep`` of a child on the other host moves the notebook there,
+    kills its sibling there and keeps the one on the first host that another notebook took over
+    (with the tree's snapshot); once that one ends, promoting again releases the snapshot from both
+    hosts and the store."""
     _guest_built(("python3-ipython",))  # the forkd kernel's guest shell (forkd_kernel/base.py)
     with vm_fleet() as (router, hosts, _log):
         env = {**os.environ, "FORKD_URL": router.url, "FORKD_TOKEN": router.token, "FORKD_KERNEL_ENGINE": "vm"}
@@ -250,21 +177,46 @@ def test_a_vm_notebooks_fork_spans_hosts_in_the_forkd_kernel():
             assert first.ok, first.text  # the notebook's base snapshot and HEAD: 1 of a host's 2
             api = Controller(router.url, router.token, timeout=600)
             (home,) = {s["host"] for s in api.list_sandboxes()}
+            before = {s["id"] for s in api.list_sandboxes()}, {s["tag"] for s in api.list_snapshots()}
+
+            # more than the fleet holds (room for 1 + 2): refused, and nothing of the fork stays
+            refused = run(kc, "%forkd fork -n 4", timeout=600)
+            assert not refused.ok and "across hosts" in refused.text and "room for 3 of the 4" in refused.text, \
+                refused.text
+            assert ({s["id"] for s in api.list_sandboxes()}, {s["tag"] for s in api.list_snapshots()}) == before
+
             made = run(kc, "kids = %forkd fork -n 3", timeout=600)
             assert made.ok, made.text
             where = {s["id"]: s["host"] for s in api.list_sandboxes() if "fork_tree_id" in s["labels"]}  # one tree
-            assert sorted(where.values()) == sorted([home] + [h.url for h in hosts if h.url != home] * 2), where
+            far = sorted(h.url for h in hosts if h.url != home)
+            assert sorted(where.values()) == sorted([home, *far, *far]), where
+            nodes = {n["id"]: n for n in api.tree()}  # %forkd tree and the panel name each child's host
+            assert all(nodes[sid]["host"] == host for sid, host in where.items())
             ran = run(kc, "%%forkd run kids\nx + 1", timeout=300)
             assert ran.ok and [line.strip() for line in ran.result.splitlines()].count("8") == 3, ran.text
-            far = next(sid for sid, host in where.items() if host != home)
-            kept = run(kc, f"%forkd keep {far}", timeout=300)
-            assert kept.ok and "killed 2 siblings, released snapshot" in kept.text, kept.text
-            assert run(kc, "x").result == "7"  # the notebook runs on in the winner, on the other host
-            assert far in run(kc, "%forkd head").text
-            assert set(where) & {s["id"] for s in api.list_sandboxes()} == {far}  # its siblings are gone
+            (tree,) = {api.get_sandbox(sid)["labels"]["fork_tree_id"] for sid in where}
+            assert RemoteStore(STORE).has(f"tags/{tree}")  # its host pushed it for the other to pull
+
+            winner = next(sid for sid, host in where.items() if host != home)
+            theirs = next(sid for sid, host in where.items() if host == home)
+            api.update_sandbox(theirs, labels={"jupyter.notebook": "theirs.ipynb"})  # another notebook's now
+            kept = run(kc, f"%forkd keep {winner}", timeout=300)
+            assert kept.ok, kept.text
+            assert (f"killed 1 sibling\n  kept sandbox {theirs}: it was taken over since the fork (now "
+                    f"theirs.ipynb's)\n  kept snapshot {tree}: {theirs} was spawned from it") in kept.text, kept.text
+            assert run(kc, "x").result == "7" and winner in run(kc, "%forkd head").text  # moved to the other host
+            assert set(where) & {s["id"] for s in api.list_sandboxes()} == {winner, theirs}
+            assert all("fork_tree_id" not in api.get_sandbox(sid)["labels"] for sid in (winner, theirs))
+
+            # once it ends, promoting the winner again (the tree named: no label names it now) releases it
+            api.kill_sandbox(theirs)
+            again = api.promote_sandbox(winner, tree)
+            assert (again["killed"], again["released"], again["kept"]) == ([], [tree], []), again
+            assert again["winner"]["host"] != home
+            for host in hosts:  # the tree's snapshot is gone from both hosts and from the store
+                assert tree not in {s["tag"] for s in Controller(host.url, host.token).list_snapshots()}
+            assert not RemoteStore(STORE).has(f"tags/{tree}")
         finally:
             kc.stop_channels()
             if km.is_alive():
                 km.shutdown_kernel(now=False)
-
-
