@@ -300,9 +300,11 @@ class Controller:
     def kill_sandbox(self, sandbox_id) -> None:
         self.sandboxes.kill(sandbox_id)
 
-    def update_sandbox(self, sandbox_id, *, labels=None, memory_limit_mib=None) -> dict:
-        """Add labels to a running sandbox and raise its memory limit (sandboxes.py)."""
-        return self.sandboxes.update(sandbox_id, labels=labels, memory_limit_mib=memory_limit_mib)
+    def update_sandbox(self, sandbox_id, *, labels=None, remove_labels=(), memory_limit_mib=None) -> dict:
+        """Add labels to a running sandbox (and take ``remove_labels`` off) and raise its memory limit
+        (sandboxes.py)."""
+        return self.sandboxes.update(sandbox_id, labels=labels, remove_labels=remove_labels,
+                                     memory_limit_mib=memory_limit_mib)
 
     def memory(self, sandbox_id) -> dict:
         return self.sandboxes.memory(sandbox_id)

@@ -223,19 +223,21 @@ class SandboxManager:
                     details={"room": room, "setting": "forkd serve --max-sandboxes N (c.ForkdApp.max_sandboxes)",
                              "rest": "DELETE /v1/sandboxes/{id}", "cli": "forkd kill ID", "magic": "%forkd kill ID"})
 
-    def update(self, sandbox_id, *, labels=None, memory_limit_mib=None) -> dict:
+    def update(self, sandbox_id, *, labels=None, remove_labels=(), memory_limit_mib=None) -> dict:
         """Change a running sandbox: ``labels`` are added to its own (as a spawn adds them to its
-        snapshot's), and its memory limit is raised to ``memory_limit_mib``, never lowered (below what
-        it holds, the kernel would reclaim its memory or kill it). The forkd kernel does both when a
-        notebook checks a sandbox out: it becomes the notebook's."""
+        snapshot's), the keys ``remove_labels`` taken off (a router closing a fork tree that spans
+        hosts takes ``fork_tree_id`` off so: fleet/promotes.py), and its memory limit is raised to
+        ``memory_limit_mib``, never lowered (below what it holds, the kernel would reclaim its
+        memory or kill it). The forkd kernel does both when a notebook checks a sandbox out: it
+        becomes the notebook's."""
         labels = check_labels(labels)
         if memory_limit_mib is not None:
             check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
         row = self.row(sandbox_id)
         fields: dict = {}
-        if labels:
-            fields["labels"] = check_labels({**(row.get("labels") or {}), **labels},
-                                            f"the labels of {row['id']} with these")
+        if labels or remove_labels:
+            merged = {k: v for k, v in {**(row.get("labels") or {}), **labels}.items() if k not in remove_labels}
+            fields["labels"] = check_labels(merged, f"the labels of {row['id']} with these")
         current = row["memory_limit_mib"]
         if memory_limit_mib is not None and memory_limit_mib != current:
             if current is None:

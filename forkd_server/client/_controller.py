@@ -66,12 +66,14 @@ class Calls:
         return self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")
 
     def update_sandbox(self, sandbox_id: str, *, labels: dict[str, str] | None = None,
-                       memory_limit_mib: int | None = None) -> dict:
-        """Add ``labels`` to a running sandbox's and raise its memory limit (never lowered: a 409).
-        Returns the sandbox's info as it is now."""
+                       remove_labels: list[str] | None = None, memory_limit_mib: int | None = None) -> dict:
+        """Add ``labels`` to a running sandbox's, take the keys ``remove_labels`` off, and raise its
+        memory limit (never lowered: a 409). Returns the sandbox's info as it is now."""
         body: dict = {}
         if labels:
             body["labels"] = dict(labels)
+        if remove_labels:
+            body["remove_labels"] = list(remove_labels)
         if memory_limit_mib is not None:
             body["memory_limit_mib"] = memory_limit_mib
         return self._request("PATCH", f"/v1/sandboxes/{sandbox_id}", body)

@@ -85,8 +85,11 @@ class RouterHub:
             self.stamp(handler, caller)
         elif handler.request.method in handler.checks_labels:
             body = handler.json_body()
+            gone = body.get("remove_labels") if body else None  # a server label is no more theirs to take off
             try:
                 caller.check_labels(body.get("labels") if body and isinstance(body.get("labels"), dict) else None)
+                caller.check_labels(dict.fromkeys(gone, "") if isinstance(gone, list) and
+                                    all(isinstance(k, str) for k in gone) else None)
             except Refused as exc:
                 raise Refusal(exc.status, exc.message) from None
         return caller

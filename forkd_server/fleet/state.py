@@ -119,6 +119,12 @@ class State:
         hosts = self.hosts_of(kind, key)
         return hosts[0] if hosts else None
 
+    def record(self, kind: str, key: str) -> dict | None:
+        """The record kept with the first pin of ``key`` (None: no pin, or one without a record)."""
+        row = self.db.execute("SELECT record FROM pins WHERE kind=? AND key=? ORDER BY pinned_at LIMIT 1",
+                              (kind, key)).fetchone()
+        return json.loads(row[0]) if row and row[0] else None
+
     def pinned_on(self, host: str, kind: str) -> dict[str, dict | None]:
         """key -> last known record of every ``kind`` pinned to ``host``."""
         rows = self.db.execute("SELECT key, record FROM pins WHERE host=? AND kind=?", (host, kind))

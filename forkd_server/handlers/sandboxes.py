@@ -26,7 +26,8 @@ SPAWN = {
     "memory_limit_mib": ("integer", False, MEMORY_LIMIT), "prewarm": ("boolean", False),
     "live_fork": ("boolean", False), "hugepages": ("boolean", False), "labels": ("labels", False),
 }
-UPDATE = {"labels": ("labels", False), "memory_limit_mib": ("integer", False, MEMORY_LIMIT)}
+UPDATE = {"labels": ("labels", False), "remove_labels": ("string[]", False),
+          "memory_limit_mib": ("integer", False, MEMORY_LIMIT)}
 MAX_TIMEOUT = 86400  # a day: past it a call is a job, not a request
 TIMEOUT = {"exclusiveMinimum": 0, "maximum": MAX_TIMEOUT}
 EXEC = {"args": ("string[]", True), "timeout_secs": ("number", False, TIMEOUT), "env": ("env", False),
@@ -93,7 +94,9 @@ class SandboxHandler(ForkdHandler):
     async def patch(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
         self.check_new_labels(body.get("labels"))
+        self.check_new_labels(dict.fromkeys(body.get("remove_labels") or (), ""))  # nor the server's taken off
         self.send(await self.call(self.controller.update_sandbox, sandbox_id, labels=body.get("labels"),
+                                  remove_labels=tuple(body.get("remove_labels") or ()),
                                   memory_limit_mib=body.get("memory_limit_mib")))
 
     @web.authenticated

@@ -8,7 +8,10 @@ children on the holder and one on the other host, which pulls it (every chunk fe
 the holder pushed it on demand, and restores it with no image (a restored child's RAM holds its
 kernel). A live branch of that child stays on its host, and so does the branch's first child; with
 that host full, the next child of the branch goes to the holder, which downloads only the chunks
-of the branch it lacks."""
+of the branch it lacks.
+
+A notebook's fork tree its host cannot hold spans both hosts: the forkd kernel on the VM engine
+pointed at the router, and promote across hosts by a host's rules."""
 
 from __future__ import annotations
 
@@ -21,11 +24,14 @@ import shutil
 from collections import Counter
 
 import pytest
+from jupyter_client.manager import start_new_kernel
 
 from forkd_engine.store import RemoteStore, fetch_manifest
 from forkd_engine.vm.image import Image, build_image
+from forkd_engine.vm.packages import build_packages_image
 from forkd_server.client import Controller
 
+from ..kernel.cells import run
 from ..store.s3 import S3_ENV, moto_s3
 from ..vm.conftest import requires_qemu
 from .fleet import fleet
@@ -145,3 +151,72 @@ def test_a_vm_snapshot_spills_over_by_push_and_pull(tmp_path):
         assert 0 < len(fetched) < len(branch)  # the base's chunks came from the holder's own cache
         for sid in (stay["id"], moved, grandkid["id"], last["id"]):
             api.kill_sandbox(sid)
+
+
+def _guest_built(packages: tuple[str, ...]) -> None:
+    """The run's guest image and packages disk built here, in the root namespace: the hosts, in
+    namespaces of their own, reach no package mirror, and take them from the run's cache."""
+    build_image(os.environ["FORKD_VM_CACHE"])
+    build_packages_image(os.environ["FORKD_VM_CACHE"], list(packages))
+
+
+def test_a_vm_notebooks_fork_spans_hosts_and_keep_ends_it_on_each():
+    """The forkd kernel on the VM engine pointed at the router, the notebook (HEAD) on a host with
+    room for 1 more: a fork the fleet cannot hold is refused with nothing left; ``kids = %forkd fork
+    -n 3`` lands one child there and two on the other host, one tree, each with the notebook's state
+    (``%%forkd run kids``); ``%forkd keep`` of a child on the other host moves the notebook there,
+    kills its sibling there and keeps the one on the first host that another notebook took over
+    (with the tree's snapshot); once that one ends, promoting again releases the snapshot from both
+    hosts and the store."""
+    _guest_built(("python3-ipython",))  # the forkd kernel's guest shell (forkd_kernel/base.py)
+    with vm_fleet() as (router, hosts, _log):
+        env = {**os.environ, "FORKD_URL": router.url, "FORKD_TOKEN": router.token, "FORKD_KERNEL_ENGINE": "vm"}
+        km, kc = start_new_kernel(kernel_name="forkd-python", startup_timeout=600, env=env)
+        try:
+            first = run(kc, "x = 7", timeout=900)
+            assert first.ok, first.text  # the notebook's base snapshot and HEAD: 1 of a host's 2
+            api = Controller(router.url, router.token, timeout=600)
+            (home,) = {s["host"] for s in api.list_sandboxes()}
+            before = {s["id"] for s in api.list_sandboxes()}, {s["tag"] for s in api.list_snapshots()}
+
+            # more than the fleet holds (room for 1 + 2): refused, and nothing of the fork stays
+            refused = run(kc, "%forkd fork -n 4", timeout=600)
+            assert not refused.ok and "across hosts" in refused.text and "room for 3 of the 4" in refused.text, \
+                refused.text
+            assert ({s["id"] for s in api.list_sandboxes()}, {s["tag"] for s in api.list_snapshots()}) == before
+
+            made = run(kc, "kids = %forkd fork -n 3", timeout=600)
+            assert made.ok, made.text
+            where = {s["id"]: s["host"] for s in api.list_sandboxes() if "fork_tree_id" in s["labels"]}  # one tree
+            far = sorted(h.url for h in hosts if h.url != home)
+            assert sorted(where.values()) == sorted([home, *far, *far]), where
+            nodes = {n["id"]: n for n in api.tree()}  # %forkd tree and the panel name each child's host
+            assert all(nodes[sid]["host"] == host for sid, host in where.items())
+            ran = run(kc, "%%forkd run kids\nx + 1", timeout=300)
+            assert ran.ok and [line.strip() for line in ran.result.splitlines()].count("8") == 3, ran.text
+            (tree,) = {api.get_sandbox(sid)["labels"]["fork_tree_id"] for sid in where}
+            assert RemoteStore(STORE).has(f"tags/{tree}")  # its host pushed it for the other to pull
+
+            winner = next(sid for sid, host in where.items() if host != home)
+            theirs = next(sid for sid, host in where.items() if host == home)
+            api.update_sandbox(theirs, labels={"jupyter.notebook": "theirs.ipynb"})  # another notebook's now
+            kept = run(kc, f"%forkd keep {winner}", timeout=300)
+            assert kept.ok, kept.text
+            assert (f"killed 1 sibling\n  kept sandbox {theirs}: it was taken over since the fork (now "
+                    f"theirs.ipynb's)\n  kept snapshot {tree}: {theirs} was spawned from it") in kept.text, kept.text
+            assert run(kc, "x").result == "7" and winner in run(kc, "%forkd head").text  # moved to the other host
+            assert set(where) & {s["id"] for s in api.list_sandboxes()} == {winner, theirs}
+            assert all("fork_tree_id" not in api.get_sandbox(sid)["labels"] for sid in (winner, theirs))
+
+            # once it ends, promoting the winner again (the tree named: no label names it now) releases it
+            api.kill_sandbox(theirs)
+            again = api.promote_sandbox(winner, tree)
+            assert (again["killed"], again["released"], again["kept"]) == ([], [tree], []), again
+            assert again["winner"]["host"] != home
+            for host in hosts:  # the tree's snapshot is gone from both hosts and from the store
+                assert tree not in {s["tag"] for s in Controller(host.url, host.token).list_snapshots()}
+            assert not RemoteStore(STORE).has(f"tags/{tree}")
+        finally:
+            kc.stop_channels()
+            if km.is_alive():
+                km.shutdown_kernel(now=False)

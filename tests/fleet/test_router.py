@@ -148,6 +148,23 @@ def test_a_fork_tree_stays_on_its_host(world, api, direct):
     assert {s["id"] for s in api.list_sandboxes()} == {source, kids[0]}
 
 
+def test_a_fork_over_its_hosts_cap_of_a_process_sandbox_is_refused_and_leaves_nothing(world, api, direct):
+    _, hosts = world
+    direct[0].create_snapshot("proc-tree", setup="v = 1")
+    source = api.spawn_sandboxes("proc-tree")[0]["id"]  # 1 of host 0's 3: room for 2 children
+    with pytest.raises(ControllerError) as err:
+        api.fork_sandbox(source, CAP)
+    said = str(err.value)
+    assert err.value.status == 503, said
+    assert f"sandbox {source} runs on the process engine" in said and "room for 2 of the 3 children" in said, said
+    assert "host-local and never move" in said and 'engine "vm"' in said and "-n 2" in said, said
+    assert [s["id"] for s in direct[0].list_sandboxes()] == [source] and direct[1].list_sandboxes() == []
+    assert {s["tag"] for s in direct[0].list_snapshots()} == {"proc-tree"} and direct[1].list_snapshots() == []
+    made = api.fork_sandbox(source, CAP - 1)  # what it has room for: on its host, as without a router
+    assert {k["host"] for k in made["sandboxes"]} == {made["snapshot"]["host"]} == {hosts[0].url}
+    assert [api.eval_code(k["id"], "v")["result"] for k in made["sandboxes"]] == ["1"] * (CAP - 1)
+
+
 def test_merged_lists_and_tree_name_each_host(world, api, direct):
     router, hosts = world
     for i in (0, 1):

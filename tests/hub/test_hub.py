@@ -181,6 +181,8 @@ def test_the_owner_label_is_the_servers(hub):
     try:
         status, body = raw(hub, "alice", "PATCH", f"/v1/sandboxes/{kid}", {"labels": {"forkd.owner": "bob"}})
         assert status == 403, body
+        status, body = raw(hub, "alice", "PATCH", f"/v1/sandboxes/{kid}", {"remove_labels": ["forkd.owner"]})
+        assert status == 403 and "forkd.owner" in body["error"], body  # nor taken off
         assert hub.ctl("alice").get_sandbox(kid)["labels"]["forkd.owner"] == "alice"
     finally:
         hub.ctl("alice").kill_sandbox(kid)

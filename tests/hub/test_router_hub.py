@@ -240,7 +240,8 @@ def test_the_owner_label_cannot_be_overridden(world):
     kid = hub.ctl("alice").spawn_sandboxes("base-0", 1, labels={"team": "red"})[0]["id"]
     alice = hub.ctl("alice")
     assert alice.get_sandbox(kid)["labels"] == {"team": "red", "forkd.owner": "alice"}
-    for path, body in ((f"/v1/sandboxes/{kid}", {"labels": {"forkd.owner": "bob"}}),):
+    for path, body in ((f"/v1/sandboxes/{kid}", {"labels": {"forkd.owner": "bob"}}),
+                       (f"/v1/sandboxes/{kid}", {"remove_labels": ["forkd.owner"]})):
         assert raw(hub, "alice", "PATCH", path, body)[0] == 403
     status, body = raw(hub, "alice", "POST", f"/v1/sandboxes/{kid}/branch",
                        {"tag": "alice-b", "labels": {"forkd.owner": "bob"}})

@@ -1,4 +1,4 @@
-"""``PATCH /v1/sandboxes/{id}``: a running sandbox gets more labels and a higher memory limit (the
+"""``PATCH /v1/sandboxes/{id}``: a running sandbox gets more labels (or fewer) and a higher memory limit (the
 forkd kernel's checkout makes a sandbox the notebook's this way). Through ``forkd serve``, as the
 SDK and a raw client see it: the change is kept across a server restart and announced as an event;
 a lower limit is a 409, bad bodies are 4xx."""
@@ -49,6 +49,13 @@ def test_labels_are_added_and_the_limit_raised_kept_and_announced(server, ctl, s
     assert ctl.eval_code(sandbox, "len(blob) >> 20")["result"] == "300"  # re-attached, state intact
 
 
+def test_labels_are_taken_off(server, ctl, sandbox):
+    ctl.update_sandbox(sandbox, labels={"fork_tree_id": "ft-0123456789", "keep": "me"})
+    info = ctl.update_sandbox(sandbox, remove_labels=["fork_tree_id", "never-there"])
+    assert info["labels"] == {"team": "ml", "keep": "me"}  # a key it does not carry is no error
+    assert ctl.get_sandbox(sandbox)["labels"] == {"team": "ml", "keep": "me"}
+
+
 def test_an_empty_change_changes_nothing(server, ctl, sandbox):
     status, info = raw(server, "PATCH", f"/v1/sandboxes/{sandbox}", {"labels": {}, "memory_limit_mib": None})
     assert status == 200 and info["memory_limit_mib"] == 128 and info["labels"] == {"team": "ml"}
@@ -61,6 +68,7 @@ def test_an_empty_change_changes_nothing(server, ctl, sandbox):
     ({"memory_limit_mib": 1 << 40}, 400, "memory_limit_mib"),
     ({"labels": {"bad key": "v"}}, 400, "invalid label key"),
     ({"labels": ["a"]}, 422, "labels"),
+    ({"remove_labels": "team"}, 422, "remove_labels"),
     ({"labels": {f"k{i}": "v" for i in range(32)}}, 400, "at most 32"),  # 33 with the one it has
 ])
 def test_bad_changes_are_4xx_and_change_nothing(server, ctl, sandbox, body, status, message):

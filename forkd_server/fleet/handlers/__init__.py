@@ -19,7 +19,8 @@ from .base import MISSING_HEADER, RouterHandler, check_token, host_query
 from .meta import (EventsHandler, HealthHandler, HostsHandler, MetricsHandler, OpenAPIHandler, TreeHandler,
                    VersionHandler)
 from .register import RegisterHandler
-from .sandboxes import BranchHandler, ForkHandler, PinnedHandler, SandboxesHandler, SandboxHandler
+from .sandboxes import (BranchHandler, ForkHandler, PinnedHandler, PromoteHandler, SandboxesHandler,
+                        SandboxHandler)
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
                         SnapshotPushHandler, SnapshotShareHandler, SnapshotsHandler, StoreSnapshotHandler)
 from .workspaces import KernelHandler, KernelsHandler, WorkspaceHandler, WorkspacesHandler
@@ -63,8 +64,9 @@ def route_table() -> list[tuple[str, type]]:
         (rf"/v1/sandboxes/{ID}", SandboxHandler),
         (rf"/v1/sandboxes/{ID}/branch", BranchHandler),
         (rf"/v1/sandboxes/{ID}/fork", ForkHandler),
+        (rf"/v1/sandboxes/{ID}/promote", PromoteHandler),
         (rf"/v1/sandboxes/{ID}/session", SessionProxy),
-        (rf"/v1/sandboxes/{ID}/(ping|exec|eval|run|interrupt|inventory|memory|files|promote|freeze|store|wake)",
+        (rf"/v1/sandboxes/{ID}/(ping|exec|eval|run|interrupt|inventory|memory|files|freeze|store|wake)",
          PinnedHandler),
         (r"/v1/kernels", KernelsHandler),
         (rf"/v1/kernels/{ID}", KernelHandler),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 from ...checks import MAX_CHILDREN
-from ..forks import settle_children
-from ..hosts import Host
+from ..forks import fork_across, fork_fields, room_for, settle_children
+from ..hosts import Host, HostError
+from ..promotes import promote_across, spanned_tree
+from ..router import Refusal
+from ..spawning import spawn_placed
 from .base import RouterHandler, host_query
 from .meta import labels_match
 
@@ -32,40 +34,17 @@ class SandboxesHandler(RouterHandler):
         self.send(self.seen("sandbox", items), missing=missing)
 
     async def post(self) -> None:
-        """Spawn: placement (placement.py), a pull first where a VM snapshot must move, the parts
-        side by side; if one part fails the others are killed and its answer is the reply, unless
-        placing again may help: once on fresh listings when a host refused a part of a plan made from
-        the kept ones (404, 409: they trailed the host), once without a host that was full (503)."""
-        router = self.router
+        """Spawn: placement across the fleet (spawning.py); a host says what is wrong with a bad body."""
         body = self.json_body()
         n = _count(body.get("n")) if body else None
         if body is None or not isinstance(body.get("snapshot_tag"), str) or n is None:
-            await self.forward(router.place_new())  # a host says exactly what is wrong with it
+            await self.forward(self.router.place_new())
             return
-        tag = body["snapshot_tag"]
-        fresh, full_seen = False, False
-        while True:
-            parts, holders, kept = await router.plan_spawn(tag, n, fresh)
-            for part in parts:
-                if part.pull:
-                    await router.ensure_pulled(router.hosts[part.host], tag, holders)
-            answers = await asyncio.gather(*(router.spawn_part(p, body, self.client_headers()) for p in parts))
-            failed = next(((p, s, r) for p, (s, r) in zip(parts, answers) if s != 201), None)
-            if failed is None:
-                break
-            await asyncio.gather(*(router.kill(router.hosts[p.host], [k["id"] for k in r])
-                                   for p, (s, r) in zip(parts, answers) if s == 201))
-            part, status, reply = failed
-            if kept and status in (404, 409):
-                fresh = True  # a snapshot event was still on its way: place again on what the hosts list now
-                continue
-            if status == 503 and not full_seen and router.hosts[part.host].capacity is not None:
-                full_seen = True
-                router.hosts[part.host].full()  # its figure was stale: place again without it
-                continue
+        status, reply = await spawn_placed(self.router, body["snapshot_tag"], n, body, self.client_headers())
+        if status != 201:
             self.answer(status, reply)
             return
-        self.send(self.seen("sandbox", [kid for _, kids in answers for kid in kids]), 201)
+        self.send(self.seen("sandbox", reply), 201)
 
 
 class PinnedHandler(RouterHandler):
@@ -118,22 +97,63 @@ class BranchHandler(PinnedHandler):
 
 
 class ForkHandler(PinnedHandler):
-    """A fork tree (branch once, spawn N children of it) on the sandbox's host: the snapshot and the
-    children are pinned there, each child under an id no other host uses (forks.py)."""
+    """A fork tree (branch once, spawn N children of it). On the sandbox's host when it has room for
+    N: the snapshot and the children are pinned there, each child under an id no other host uses.
+    Else, for a VM-engine sandbox, across hosts: the branch on its host, the children placed as a
+    spawn's are; a process-engine one is refused, saying why (forks.py)."""
 
     stamps = ("POST",)
 
     async def post(self, sandbox_id: str) -> None:
         host = await self.locate(sandbox_id)
-        status, reply = await self.call(host)
-        if status == 201 and isinstance(reply, dict):
-            snap = reply.get("snapshot")
-            if isinstance(snap, dict) and isinstance(snap.get("tag"), str):
-                self.router.state.pin("snapshot", [(snap["tag"], None)], host.url, exclusive=False)
-                snap["host"] = host.url
-            status, reply = await settle_children(self.router, host, reply, self.client_headers())
-            if status == 201:  # under JupyterHub: whose each is, kept for calls and events (hub.py)
-                self.seen("sandbox", reply.get("sandboxes") or [])
-                if isinstance(snap, dict):
-                    self.seen("snapshot", [snap])
+        fork = fork_fields(self.json_body())
+        room = await room_for(self.router, host, fork["count"]) if fork else None
+        if room is not None:
+            status, reply = await self._across(host, sandbox_id, fork, room)
+        else:
+            status, reply = await self.call(host)
+            if status == 503 and fork and isinstance(reply, dict) and "capacity" in reply:
+                await self.router.refresh_capacity(host)  # its figure was stale: the fork spans hosts after all
+                status, reply = await self._across(host, sandbox_id, fork, _room(reply["capacity"]))
+            elif status == 201 and isinstance(reply, dict):
+                status, reply = await self._on_host(host, reply)
+        if status == 201:  # under JupyterHub: whose each is, kept for calls and events (hub.py)
+            self.seen("sandbox", reply.get("sandboxes") or [])
+            if isinstance(reply.get("snapshot"), dict):
+                self.seen("snapshot", [reply["snapshot"]])
         self.answer(status, reply)
+
+    async def _across(self, host: Host, sandbox_id: str, fork: dict, room: int):
+        try:
+            return await fork_across(self.router, host, sandbox_id, fork, room, self.client_headers())
+        except HostError as exc:
+            raise Refusal(502, f"fork of {sandbox_id} across hosts: {exc}", host=exc.host) from None
+
+    async def _on_host(self, host: Host, reply: dict):
+        snap = reply.get("snapshot")
+        if isinstance(snap, dict) and isinstance(snap.get("tag"), str):
+            self.router.state.pin("snapshot", [(snap["tag"], None)], host.url, exclusive=False)
+            snap["host"] = host.url
+        return await settle_children(self.router, host, reply, self.client_headers())
+
+
+class PromoteHandler(PinnedHandler):
+    """The winner of a fork tree: its host promotes a tree of its own; the router one that spans hosts."""
+
+    async def post(self, sandbox_id: str) -> None:
+        host = await self.locate(sandbox_id)
+        body = self.json_body()
+        spanned = spanned_tree(self.router, sandbox_id, body)
+        cleanup = (body or {}).get("cleanup_siblings", True)
+        bad = (body is None and (self.request.body or b"").strip()) or set(body or ()) - {"tree_id", "cleanup_siblings"}
+        if spanned is None or not isinstance(cleanup, bool) or bad:
+            await self.forward(host)  # a host says what is wrong with a bad body
+            return
+        status, reply = await promote_across(self.router, sandbox_id, spanned[0], cleanup, self.client_headers())
+        self.answer(status, reply)
+
+
+def _room(capacity) -> int:
+    """The children a host refusing a fork over its cap had room for (its 503's ``capacity``)."""
+    held, cap = (capacity.get(k) if isinstance(capacity, dict) else None for k in ("sandboxes", "max_sandboxes"))
+    return max(0, cap - held) if isinstance(held, int) and isinstance(cap, int) else 0
