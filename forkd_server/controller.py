@@ -297,8 +297,9 @@ class Controller:
     def get_sandbox(self, sandbox_id) -> dict:
         return self.sandboxes.get(sandbox_id)
 
-    def kill_sandbox(self, sandbox_id) -> None:
-        self.sandboxes.kill(sandbox_id)
+    def kill_sandbox(self, sandbox_id, reason: str | None = None) -> None:
+        """Kill a sandbox; ``reason``: why, as its 404 will say it (default: killed by DELETE)."""
+        self.sandboxes.kill(sandbox_id, endings.killed(sandbox_id, reason) if reason else None)
 
     def update_sandbox(self, sandbox_id, *, labels=None, remove_labels=(), memory_limit_mib=None) -> dict:
         """Add labels to a running sandbox (and take ``remove_labels`` off) and raise its memory limit

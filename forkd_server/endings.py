@@ -112,8 +112,10 @@ def died(row: dict, hits: list[LimitHit], status: ExitStatus | None = None) -> d
     return {"reason": reason, "limit_hit": first.limit, "hint": hint, "details": details}
 
 
-def killed(sandbox_id: str) -> dict:
-    return {"reason": KILLED.format(id=sandbox_id), "limit_hit": None, "hint": None, "details": {}}
+def killed(sandbox_id: str, reason: str | None = None) -> dict:
+    """The end of a sandbox killed by a call: ``reason``, when its caller said why (a fork tree's
+    promote), else that it was killed."""
+    return {"reason": reason or KILLED.format(id=sandbox_id), "limit_hit": None, "hint": None, "details": {}}
 
 
 def not_found(sandbox_id, ended: dict | None) -> NotFound:

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from . import endings
 from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag, int_field
 from .errors import BadRequest, Conflict, ForkdError, NotFound
 from .wire import FORK_TREE_LABEL, sandbox_info
@@ -52,6 +53,11 @@ CREATE TABLE IF NOT EXISTS fork_trees (
 )"""
 FIELDS = ("tree_id", "source", "snapshot_tag", "user_tag", "owners", "members", "status", "winner", "created_at")
 _JSON = {"owners", "members"}
+
+
+def lost(tree_id: str, winner: str) -> str:
+    """Why a sibling a promote killed ended, as its 404 says it (a router's promote says the same)."""
+    return f"it lost fork tree {tree_id} to {winner}, which was promoted"
 
 
 def _owners(labels: dict | None) -> dict:
@@ -221,9 +227,7 @@ class ForkTreeManager:
                 why = "cleanup_siblings is false"
             else:
                 try:
-                    self.ctl.sandboxes.kill(sid, ended={
-                        "reason": f"it lost fork tree {tree['tree_id']} to {winner}, which was promoted",
-                        "limit_hit": None, "hint": None, "details": {}})
+                    self.ctl.sandboxes.kill(sid, ended=endings.killed(sid, lost(tree["tree_id"], winner)))
                     killed.append(sid)
                 except NotFound:
                     pass  # it ended meanwhile

@@ -11,6 +11,7 @@ import asyncio
 from typing import Any
 from urllib.parse import quote
 
+from ..forktrees import lost
 from ..wire import FORK_TREE_LABEL
 from .forks import TREE, owners, release
 from .hosts import Host, HostError
@@ -54,7 +55,7 @@ async def promote_across(router: Router, winner: str, tree_id: str, cleanup: boo
         except HostError as exc:  # nothing was touched yet
             raise Refusal(502, f"promote of {winner} in fork tree {tree_id}, which spans hosts: {exc}",
                           host=exc.host) from None
-        killed, kept, failed = await _drop_siblings(router, tree, winner, seen, cleanup)
+        killed, kept, failed = await _drop_siblings(router, tree_id, tree, winner, seen, cleanup)
         released = await _release_snapshot(router, tree, {winner, *killed}, held, seen, kept)
         router.state.pin(TREE, [(tree_id, {**tree, "status": "promoted", "winner": winner})], tree["home"])
         await _close_labels(router, tree_id, members, seen, killed)
@@ -97,7 +98,7 @@ async def _holds(host: Host) -> dict:
             "sandboxes": {s["id"]: s for s in sandboxes or [] if isinstance(s, dict) and "id" in s}}
 
 
-async def _drop_siblings(router: Router, tree: dict, winner: str, seen: dict, cleanup: bool):
+async def _drop_siblings(router: Router, tree_id: str, tree: dict, winner: str, seen: dict, cleanup: bool):
     killed, kept, failed = [], [], []
     for sid, url in tree["members"].items():
         if sid == winner:
@@ -121,8 +122,9 @@ async def _drop_siblings(router: Router, tree: dict, winner: str, seen: dict, cl
             why = "cleanup_siblings is false"
         else:
             try:
+                reason = quote(lost(tree_id, winner), safe="")  # its 404 says it, as a host's promote's
                 status, body = await router.hosts[url].request_json(
-                    "DELETE", f"/v1/sandboxes/{quote(sid, safe='')}", timeout=60, session="calls")
+                    "DELETE", f"/v1/sandboxes/{quote(sid, safe='')}?reason={reason}", timeout=60, session="calls")
             except HostError as exc:
                 failed.append({"id": sid, "error": str(exc)})
                 continue

@@ -28,6 +28,7 @@ SPAWN = {
 }
 UPDATE = {"labels": ("labels", False), "remove_labels": ("string[]", False),
           "memory_limit_mib": ("integer", False, MEMORY_LIMIT)}
+MAX_REASON = 300  # characters of a kill's ?reason=: one line of a 404
 MAX_TIMEOUT = 86400  # a day: past it a call is a job, not a request
 TIMEOUT = {"exclusiveMinimum": 0, "maximum": MAX_TIMEOUT}
 EXEC = {"args": ("string[]", True), "timeout_secs": ("number", False, TIMEOUT), "env": ("env", False),
@@ -102,15 +103,32 @@ class SandboxHandler(ForkdHandler):
     @web.authenticated
     @authorized
     async def delete(self, sandbox_id: str) -> None:
+        why = self._why()  # a bad one is refused before anything ends
         # Calls waiting for the sandbox end now; the one running ends when its agent goes.
         done = self.app.admission.ending(sandbox_id, f"DELETE /v1/sandboxes/{sandbox_id}")
         killed = False
         try:
-            await self.call(self.controller.kill_sandbox, sandbox_id)
+            await self.call(self.controller.kill_sandbox, sandbox_id, why)
             killed = True
         finally:
             done(killed)
         self.no_content()
+
+    def _why(self) -> str | None:
+        """``?reason=``: why the kill, as the sandbox's 404 says it afterwards (a router's promote of
+        a tree that spans hosts says what a host's promote says). Read raw: tornado drops control
+        characters, which would record another line than the one sent."""
+        raw = self.request.query_arguments.get("reason")
+        if raw is None:
+            return None
+        try:
+            reason = raw[-1].decode()
+        except UnicodeDecodeError:
+            raise ApiError(400, "the reason query parameter must be UTF-8") from None
+        if not reason or len(reason) > MAX_REASON or not reason.isprintable():
+            raise ApiError(400, f"invalid query parameter reason={reason!r:.80}: one line of 1 to {MAX_REASON} "
+                                f"printable characters, e.g. ?reason=it%20lost%20the%20race")
+        return reason
 
 
 class PingHandler(ForkdHandler):

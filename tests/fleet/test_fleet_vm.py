@@ -29,7 +29,7 @@ from jupyter_client.manager import start_new_kernel
 from forkd_engine.store import RemoteStore, fetch_manifest
 from forkd_engine.vm.image import Image, build_image
 from forkd_engine.vm.packages import build_packages_image
-from forkd_server.client import Controller
+from forkd_server.client import Controller, ControllerError
 
 from ..kernel.cells import run
 from ..store.s3 import S3_ENV, moto_s3
@@ -206,6 +206,11 @@ def test_a_vm_notebooks_fork_spans_hosts_and_keep_ends_it_on_each():
                     f"theirs.ipynb's)\n  kept snapshot {tree}: {theirs} was spawned from it") in kept.text, kept.text
             assert run(kc, "x").result == "7" and winner in run(kc, "%forkd head").text  # moved to the other host
             assert set(where) & {s["id"] for s in api.list_sandboxes()} == {winner, theirs}
+            (lost,) = set(where) - {winner, theirs}
+            with pytest.raises(ControllerError) as gone:  # says why, as a host's own promote's sibling does
+                api.get_sandbox(lost)
+            assert gone.value.status == 404 and (f"sandbox {lost} not found: it lost fork tree {tree} to {winner}, "
+                                                 f"which was promoted") in str(gone.value), str(gone.value)
             assert all("fork_tree_id" not in api.get_sandbox(sid)["labels"] for sid in (winner, theirs))
 
             # once it ends, promoting the winner again (the tree named: no label names it now) releases it

@@ -4,8 +4,11 @@ lists, tree and events, and a spawn over a host's cap (host 0 takes at most ``CA
 
 from __future__ import annotations
 
+import json
 import os
+import sqlite3
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -146,6 +149,40 @@ def test_a_fork_tree_stays_on_its_host(world, api, direct):
     kept = api._request("POST", f"/v1/sandboxes/{kids[0]}/promote", {"tree_id": made["fork_tree_id"]})
     assert kept["winner"]["id"] == kids[0] and set(kept["killed"]) == set(kids[1:]), kept
     assert {s["id"] for s in api.list_sandboxes()} == {source, kids[0]}
+    with pytest.raises(ControllerError) as gone:  # the host says why (as across hosts, below)
+        api.get_sandbox(kids[1])
+    assert gone.value.status == 404 and (f"sandbox {kids[1]} not found: it lost fork tree {made['fork_tree_id']} "
+                                         f"to {kids[0]}, which was promoted") in str(gone.value), str(gone.value)
+
+
+def test_a_promote_across_hosts_says_why_each_sibling_ended(world, api, direct):
+    """A tree whose children span hosts is a VM fork's (test_fleet_vm.py, end to end); here its record
+    is the one ``fork_across`` keeps in router.db, over children spawned through the router on both
+    hosts with the tree's label, so the router's promote runs against two real hosts. A sibling it
+    kills on another host says why, in the words a host's own promote uses."""
+    router, hosts = world
+    tree = "ft-" + os.urandom(5).hex()
+    direct[0].create_snapshot("span-0", setup="v = 0")
+    direct[1].create_snapshot("span-1", setup="v = 1")
+    near = [k["id"] for k in api.spawn_sandboxes("span-0", 2, labels={"fork_tree_id": tree})]
+    (far,) = [k["id"] for k in api.spawn_sandboxes("span-1", 1, labels={"fork_tree_id": tree})]
+    members = {**dict.fromkeys(near, hosts[0].url), far: hosts[1].url}
+    record = {"source": "sb-gone", "home": hosts[0].url, "snapshot_tag": "span-0", "user_tag": True, "owners": {},
+              "members": members, "status": "open", "winner": None}
+    db = sqlite3.connect(os.path.join(router.workdir, "router", "router", "router.db"), timeout=30)
+    with db:
+        db.execute("INSERT INTO pins(kind, key, host, record, pinned_at) VALUES ('fork_tree', ?, ?, ?, ?)",
+                   (tree, hosts[0].url, json.dumps(record), time.time()))
+    db.close()
+    kept = api.promote_sandbox(far, tree)
+    assert (kept["winner"]["id"], sorted(kept["killed"]), kept["failed"]) == (far, sorted(near), []), kept
+    assert kept["winner"]["host"] == hosts[1].url
+    for sid in near:
+        for ctl in (api, direct[0]):  # through the router and on the host alike
+            with pytest.raises(ControllerError) as gone:
+                ctl.get_sandbox(sid)
+            assert gone.value.status == 404 and (f"sandbox {sid} not found: it lost fork tree {tree} to {far}, "
+                                                 f"which was promoted") in str(gone.value), str(gone.value)
 
 
 def test_a_fork_over_its_hosts_cap_of_a_process_sandbox_is_refused_and_leaves_nothing(world, api, direct):

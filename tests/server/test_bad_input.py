@@ -90,6 +90,21 @@ async def test_a_call_racing_a_kill_is_410_not_500(jp_fetch, forkd_app, sandbox)
     assert reply["ended"]["reason"] == f"it was killed (DELETE /v1/sandboxes/{sid})"
 
 
+async def test_a_kill_says_why_when_its_caller_does(jp_fetch, forkd_app, snap):  # noqa: F811
+    """``?reason=`` (a router's promote passes it) is what the 404 says afterwards; a reason that is
+    not one printable line is refused before anything is killed."""
+    sid = forkd_app.controller.spawn("py", 1)[0]["id"]
+    for bad, says in (("two\nlines", "invalid query parameter reason='two\\nlines'"), ("x" * 301, "1 to 300"),
+                      ("", "1 to 300")):
+        code, reply = await call(jp_fetch, "DELETE", "sandboxes", sid, params={"reason": bad})
+        assert code == 400 and says in reply["error"], reply
+    assert (await call(jp_fetch, "GET", "sandboxes", sid))[0] == 200  # still running
+    why = "it lost fork tree ft-0123456789 to sb-1-2, which was promoted"
+    assert (await call(jp_fetch, "DELETE", "sandboxes", sid, params={"reason": why}))[0] == 204
+    code, reply = await call(jp_fetch, "GET", "sandboxes", sid)
+    assert code == 404 and reply["error"] == f"sandbox {sid} not found: {why}" and reply["ended"]["reason"] == why
+
+
 async def test_nested_session_message_is_an_error_reply(jp_fetch, jp_ws_fetch, sandbox):  # noqa: F811
     ws = await jp_ws_fetch("forkd", "v1", "sandboxes", sandbox["id"], "session")
     try:
