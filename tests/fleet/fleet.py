@@ -4,6 +4,7 @@ data dir of its own, and a real ``forkd router`` (a subprocess) in front of them
 from __future__ import annotations
 
 import contextlib
+import http.client
 import http.server
 import json
 import os
@@ -14,6 +15,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 from tests.serving import FORKD, Server, cleanup, free_port
@@ -127,6 +129,46 @@ def stand_in_host(handler: type[http.server.BaseHTTPRequestHandler], release: th
             release.set()
         server.shutdown()
         server.server_close()
+
+
+def forwarding(target: str, before=None) -> type[http.server.BaseHTTPRequestHandler]:
+    """A handler for ``stand_in_host`` that passes each request on to the host at ``target`` and its
+    answer back as it streams (its event stream too); ``before(method, path)`` runs first: what a
+    test makes happen between the router's last look at the host and the host's answer."""
+    where = urllib.parse.urlsplit(target)
+    hop = {"host", "connection", "keep-alive", "transfer-encoding", "date", "server"}
+
+    class Forward(http.server.BaseHTTPRequestHandler):
+        def _pass_on(self) -> None:
+            if before is not None:
+                before(self.command, self.path)
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            conn = http.client.HTTPConnection(where.hostname, where.port, timeout=300)
+            try:
+                conn.request(self.command, self.path, body,
+                             {k: v for k, v in self.headers.items() if k.lower() not in hop})
+                answer = conn.getresponse()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in hop:
+                        self.send_header(key, value)
+                self.send_header("Connection", "close")
+                self.end_headers()
+                while chunk := answer.read1(65536):
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            except OSError:
+                pass  # the router or the host went away: so does this request
+            finally:
+                conn.close()
+
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _pass_on
+
+        def log_message(self, *args) -> None:
+            pass
+
+    return Forward
 
 
 @contextlib.contextmanager
