@@ -16,6 +16,7 @@ from tornado.netutil import bind_sockets
 
 from .discovery import DiscoveryError, parse_dns, url_problem
 from .handlers import route_table
+from . import settling
 from .registration import Registrations
 from .router import Router, Settings
 
@@ -75,6 +76,7 @@ async def start(router: Router, token: str | None, host: str, port: int, ssl_opt
         for sock in sockets:
             sock.close()
         raise
+    settling.watch(router)  # forks across hosts that a router killed mid-fork left
     server = HTTPServer(app, ssl_options=ssl_options, max_body_size=MAX_BODY, xheaders=False)
     server.add_sockets(sockets)
     server.port = sockets[0].getsockname()[1]

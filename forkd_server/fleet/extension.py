@@ -39,6 +39,7 @@ from .handlers import route_table
 from .handlers.base import RouterHandler
 from .handlers.workspaces import KernelHandler
 from .hosts import HostError
+from . import settling
 from .registration import Registrations
 from .router import Refusal, Router, Settings
 from .session import HostSession, SessionProxy
@@ -141,6 +142,7 @@ class RouterMode:
 
     async def start(self) -> None:
         await self.router.start()
+        settling.watch(self.router)  # forks across hosts that a router killed mid-fork left
         if self.registrations is not None:
             self.registrations.start()
         self._bridge = asyncio.ensure_future(self._to_event_bus())

@@ -23,6 +23,7 @@ from urllib.parse import quote
 from ..checks import MAX_CHILDREN
 from ..forktrees import OWNER_LABELS
 from ..wire import FORK_TREE_LABEL
+from . import pending
 from .hosts import Host, HostError
 from .placement import Part
 from .router import Refusal, Router
@@ -112,7 +113,8 @@ async def fork_across(router: Router, host: Host, sandbox_id: str, fork: dict, r
                       headers: dict) -> tuple[int, Any]:
     """Fork ``sandbox_id`` (on ``host``, which has room for ``room`` children) into a tree whose
     children span hosts: (201, ``{"fork_tree_id", "snapshot", "sandboxes"}`` with each child's
-    ``host``), or the answer of what failed, with nothing of the fork left behind."""
+    ``host``), or the answer of what failed, with nothing of the fork left behind. Recorded as
+    pending before anything is made, so what a router killed mid-fork made is undone (settling.py)."""
     status, source = await host.request_json("GET", f"/v1/sandboxes/{quote(sandbox_id, safe='')}",
                                              timeout=router.settings.host_timeout, session="calls", headers=headers)
     if status != 200 or not isinstance(source, dict):
@@ -122,6 +124,19 @@ async def fork_across(router: Router, host: Host, sandbox_id: str, fork: dict, r
         raise host_local(sandbox_id, host, count, room)
     tree_id = "ft-" + secrets.token_hex(5)
     tag = fork["tag"] or tree_id
+    pending.begin(router, tree_id, host.url, sandbox_id, tag, fork["tag"] is not None)  # a crash from here: pending.py
+    try:
+        status, reply = await _make_tree(router, host, sandbox_id, fork, room, headers, tree_id, tag)
+    except BaseException:  # a host that went away mid-way: what was made goes, as after a crash (settling.py)
+        pending.abandon(router, tree_id)
+        raise
+    pending.end(router, tree_id)
+    return status, reply
+
+
+async def _make_tree(router: Router, host: Host, sandbox_id: str, fork: dict, room: int, headers: dict,
+                     tree_id: str, tag: str) -> tuple[int, Any]:
+    count = fork["count"]
     status, snap = await _branch(host, sandbox_id, tag, fork, headers)
     if status not in (200, 201) or not isinstance(snap, dict):
         return status, snap

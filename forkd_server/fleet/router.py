@@ -68,6 +68,7 @@ class Router:
         self._tls = None
         self._started = False
         self._discovery: asyncio.Task | None = None
+        self.chores: list[asyncio.Task] = []  # what runs beside the heartbeat (pending.py), until stop
         for url in (list(self._saved) if self.dns else []) + list(urls):
             self.add_host(url)
 
@@ -117,6 +118,9 @@ class Router:
     async def stop(self) -> None:
         if self._discovery is not None:
             self._discovery.cancel()
+        for chore in self.chores:
+            chore.cancel()
+        await asyncio.gather(*self.chores, return_exceptions=True)
         await self.heartbeat.stop()
         self.events.close()
         for host in self.hosts.values():
@@ -428,10 +432,13 @@ class Router:
         return 409, {"error": f"host {host.url} kept handing out sandbox ids other hosts use; give its data dir "
                               f"a fresh registry"}
 
-    async def kill(self, host: Host, ids: list[str], unpin: bool = True) -> None:
+    async def kill(self, host: Host, ids: list[str], unpin: bool = True, reason: str | None = None) -> None:
+        """Kill ``ids`` on ``host``; ``reason``: why, as each one's 404 says it afterwards."""
+        why = f"?reason={quote(reason, safe='')}" if reason else ""
+
         async def one(sid: str) -> None:
             try:
-                await host.request_json("DELETE", f"/v1/sandboxes/{sid}", timeout=60, session="calls")
+                await host.request_json("DELETE", f"/v1/sandboxes/{sid}{why}", timeout=60, session="calls")
             except HostError:
                 pass
             if unpin:

@@ -25,7 +25,7 @@ CREATE TABLE IF NOT EXISTS hosts (
     capacity TEXT                 -- its last capacity block (JSON) or NULL
 );
 CREATE TABLE IF NOT EXISTS pins (
-    kind TEXT NOT NULL,           -- sandbox | snapshot | workspace | kernel
+    kind TEXT NOT NULL,           -- sandbox | snapshot | workspace | kernel | fork_tree | pending_fork
     key TEXT NOT NULL,            -- id, tag or name
     host TEXT NOT NULL,
     record TEXT,                  -- the object's last known JSON
@@ -124,6 +124,11 @@ class State:
         row = self.db.execute("SELECT record FROM pins WHERE kind=? AND key=? ORDER BY pinned_at LIMIT 1",
                               (kind, key)).fetchone()
         return json.loads(row[0]) if row and row[0] else None
+
+    def records(self, kind: str) -> dict[str, dict | None]:
+        """key -> record of every pin of ``kind`` (the first pin's, for a key pinned to several hosts)."""
+        rows = self.db.execute("SELECT key, record FROM pins WHERE kind=? ORDER BY pinned_at DESC", (kind,))
+        return {key: json.loads(record) if record else None for key, record in rows}
 
     def pinned_on(self, host: str, kind: str) -> dict[str, dict | None]:
         """key -> last known record of every ``kind`` pinned to ``host``."""

@@ -46,6 +46,7 @@ class Router:
         self.start()
 
     url = property(lambda self: f"http://127.0.0.1:{self.port}")
+    db = property(lambda self: os.path.join(self.workdir, "router", "router", "router.db"))  # its state file
 
     def start(self) -> None:
         self.log = open(self.log_path, "a")
@@ -131,10 +132,12 @@ def stand_in_host(handler: type[http.server.BaseHTTPRequestHandler], release: th
         server.server_close()
 
 
-def forwarding(target: str, before=None) -> type[http.server.BaseHTTPRequestHandler]:
+def forwarding(target: str, before=None, rewrite=None) -> type[http.server.BaseHTTPRequestHandler]:
     """A handler for ``stand_in_host`` that passes each request on to the host at ``target`` and its
     answer back as it streams (its event stream too); ``before(method, path)`` runs first: what a
-    test makes happen between the router's last look at the host and the host's answer."""
+    test makes happen between the router's last look at the host and the host's answer (or holds
+    the request there); ``rewrite(method, path, body)``: the answer's body as the router is to read
+    it (every answer but the event stream's)."""
     where = urllib.parse.urlsplit(target)
     hop = {"host", "connection", "keep-alive", "transfer-encoding", "date", "server"}
 
@@ -149,12 +152,20 @@ def forwarding(target: str, before=None) -> type[http.server.BaseHTTPRequestHand
                 conn.request(self.command, self.path, body,
                              {k: v for k, v in self.headers.items() if k.lower() not in hop})
                 answer = conn.getresponse()
+                whole = None
+                if rewrite is not None and not self.path.startswith("/v1/events"):
+                    whole = rewrite(self.command, self.path, answer.read())
                 self.send_response(answer.status)
                 for key, value in answer.getheaders():
-                    if key.lower() not in hop:
+                    if key.lower() not in hop and not (whole is not None and key.lower() == "content-length"):
                         self.send_header(key, value)
+                if whole is not None:
+                    self.send_header("Content-Length", str(len(whole)))
                 self.send_header("Connection", "close")
                 self.end_headers()
+                if whole is not None:
+                    self.wfile.write(whole)
+                    return
                 while chunk := answer.read1(65536):
                     self.wfile.write(chunk)
                     self.wfile.flush()

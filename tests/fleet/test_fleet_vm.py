@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import shutil
+import sqlite3
 from collections import Counter
 
 import pytest
@@ -192,6 +193,8 @@ def test_a_vm_notebooks_fork_spans_hosts_and_keep_ends_it_on_each():
             assert sorted(where.values()) == sorted([home, *far, *far]), where
             nodes = {n["id"]: n for n in api.tree()}  # %forkd tree and the panel name each child's host
             assert all(nodes[sid]["host"] == host for sid, host in where.items())
+            with contextlib.closing(sqlite3.connect(router.db, timeout=30)) as db:  # both forks ended their rows
+                assert db.execute("SELECT key FROM pins WHERE kind='pending_fork'").fetchall() == []
             ran = run(kc, "%%forkd run kids\nx + 1", timeout=300)
             assert ran.ok and [line.strip() for line in ran.result.splitlines()].count("8") == 3, ran.text
             (tree,) = {api.get_sandbox(sid)["labels"]["fork_tree_id"] for sid in where}

@@ -169,7 +169,7 @@ def test_a_promote_across_hosts_says_why_each_sibling_ended(world, api, direct):
     members = {**dict.fromkeys(near, hosts[0].url), far: hosts[1].url}
     record = {"source": "sb-gone", "home": hosts[0].url, "snapshot_tag": "span-0", "user_tag": True, "owners": {},
               "members": members, "status": "open", "winner": None}
-    db = sqlite3.connect(os.path.join(router.workdir, "router", "router", "router.db"), timeout=30)
+    db = sqlite3.connect(router.db, timeout=30)
     with db:
         db.execute("INSERT INTO pins(kind, key, host, record, pinned_at) VALUES ('fork_tree', ?, ?, ?, ?)",
                    (tree, hosts[0].url, json.dumps(record), time.time()))
