@@ -167,6 +167,28 @@ class RouterMode:
         finally:
             self.router.events.unsubscribe(queue)
 
+    async def leave_kernels(self, kernel_ids) -> None:
+        """Mark left, on their hosts, the records of this server's forkd kernels as it stops (their
+        shutdown cannot reach the router then): each notebook's next kernel says where its state
+        runs. A kernel no host knows (not forkd's) is skipped; a host that does not answer, logged."""
+        async def leave(kernel_id: str) -> None:
+            try:
+                host = await self.router.locate("kernel", kernel_id)
+            except Refusal:
+                return
+            try:
+                status, reply = await host.request_json("POST", f"/v1/kernels/{quote(kernel_id, safe='')}/leave",
+                                                        timeout=self.router.settings.host_timeout)
+            except HostError as exc:
+                self.app.log.warning("forkd: could not mark kernel %s left on %s: %s", kernel_id, host.url, exc)
+                return
+            if status in (204, 404):
+                self.router.state.unpin("kernel", kernel_id, host.url)
+            else:
+                self.app.log.warning("forkd: could not mark kernel %s left on %s (%s: %s)", kernel_id, host.url,
+                                     status, reply)
+        await asyncio.gather(*(leave(k) for k in kernel_ids))
+
     async def stop(self) -> None:
         if self.registrations is not None:
             await self.registrations.stop()
