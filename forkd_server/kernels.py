@@ -6,7 +6,9 @@ shuts down; a restart keeps the record, so the fresh kernel can say where the ol
 A Jupyter server that stops takes its kernels along after forkd stopped answering them: forkd then
 ``leave``s their records, keeping each notebook's last HEAD, and the notebook's next forkd kernel is
 told where it is when it registers (once), so it says so under its first cell instead of starting
-silently fresh. The records live in the registry's database (tables of their own), so a server
+silently fresh (a Jupyter server that passes forkd on, remote or router mode, asks for it with
+``POST /v1/kernels/{id}/leave``; a kernel whose forget then finds no record keeps its sandboxes).
+The records live in the registry's database (tables of their own), so a server
 restart keeps them.
 """
 

@@ -63,6 +63,7 @@ def restart_keeps_the_state(start, ctl: Controller) -> None:
         kernel, kc = notebook_kernel(js)
         try:
             first = run(kc, "'x' in dir()")
+            fresh = ctl.get_kernel(kernel)["head"]
             assert first.result == "False"  # a fresh sandbox, as any new kernel's
             assert "stopped with the Jupyter server" in first.text and f"%forkd checkout {old}" in first.text, \
                 first.text
@@ -71,6 +72,14 @@ def restart_keeps_the_state(start, ctl: Controller) -> None:
         finally:
             kc.stop_channels()
             js.api("DELETE", f"/api/kernels/{kernel}")
+        # a kernel shut down while its server runs still frees what it started and forgets itself
+        deadline = time.monotonic() + 30
+        while fresh in {s["id"] for s in ctl.list_sandboxes()}:  # bounded polling of the real condition
+            assert time.monotonic() < deadline, f"{fresh} outlived its kernel's shutdown"
+            time.sleep(0.05)
+        with pytest.raises(ControllerError) as forgot:
+            ctl.get_kernel(kernel)
+        assert forgot.value.status == 404
     finally:
         js.stop()
 
