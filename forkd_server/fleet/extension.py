@@ -30,7 +30,7 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from ..handlers.base import ApiError
+from ..handlers.base import ApiError, in_forkd_words
 from ..kernel_handlers import SAFE_ID, checkout_in_kernel
 from ..relay import WebSocketRelay
 from ..session_handler import SessionHandler
@@ -219,14 +219,8 @@ class JupyterAuth:
         return "/" + self.request.path[len(prefix):].lstrip("/")
 
     async def prepare(self) -> None:
-        try:  # no login page: an API answers 401
-            await JupyterHandler.prepare(self, _redirect_to_login=False)
-        except web.HTTPError as exc:
-            if exc.status_code == 403 and getattr(self, "_jupyter_current_user", None) is None and not self.public:
-                raise self._unauthorized() from None
-            raise
-        if not self.public and self.current_user is None:
-            raise self._unauthorized()
+        # no login page: an API answers 401
+        await in_forkd_words(self, JupyterHandler.prepare(self, _redirect_to_login=False))
         if not self.check_origin():
             raise Refusal(404, "not found: a request from another origin")
         if self.current_user is not None and self.get_argument("no_track_activity", None) is None:
