@@ -149,6 +149,7 @@ class ForkdKernel(Kernel):
         self.stack: list[str] = []     # where %forkd checkout - goes back to
         self.moved = False              # HEAD was checked out elsewhere at least once
         self.own: set[str] = set()      # sandboxes this kernel started (HEADs it moved through)
+        self._recorded = False          # the server holds this kernel's record (set_kernel_head answered)
         self._parents: dict[str, dict] = {}  # request id -> the Jupyter message it serves
         self._last_parent: dict = {}
         self._local_parent: dict = {}
@@ -226,8 +227,10 @@ class ForkdKernel(Kernel):
         """Record HEAD with the server; its answer (``left``: where the notebook's last kernel ran, if
         its Jupyter server stopped it), or None if the server could not record it."""
         try:
-            return self.controller.set_kernel_head(self.kernel_id, self.head.sandbox_id, notebook=self.notebook,
-                                                   base_snapshot=self.base.tag, engine=self.base.resolved_engine)
+            answer = self.controller.set_kernel_head(self.kernel_id, self.head.sandbox_id, notebook=self.notebook,
+                                                     base_snapshot=self.base.tag, engine=self.base.resolved_engine)
+            self._recorded = True
+            return answer
         except (ControllerError, ServerUnreachable) as exc:  # the panel misses a marker; the notebook works
             self.log.warning("forkd: could not record HEAD with the server: %s", exc)
             return None
@@ -581,13 +584,18 @@ class ForkdKernel(Kernel):
         self.idle.close()
         self.head.close()
         if not restart:
+            try:
+                self.controller.forget_kernel(self.kernel_id)
+            except ControllerError as exc:
+                if exc.status == 404 and self._recorded:
+                    # its Jupyter server, stopping, marked it left (POST /v1/kernels/{id}/leave): the
+                    # notebook's next kernel is told to continue in HEAD, so its sandboxes stay
+                    return {"status": "ok", "restart": restart}
+            except ServerUnreachable:
+                pass
             for sandbox in self.own:
                 try:
                     self.controller.kill_sandbox(sandbox)
                 except (ControllerError, ServerUnreachable):
                     pass
-            try:
-                self.controller.forget_kernel(self.kernel_id)
-            except (ControllerError, ServerUnreachable):
-                pass
         return {"status": "ok", "restart": restart}

@@ -432,11 +432,16 @@ class ForkdApp(ExtensionApp):
         if self.mcp_mount is not None:
             await self.mcp_mount.stop()
             self.mcp_mount = None
+        # jupyter_server stops its kernels after its extensions: their records are marked left first
+        running = list(self.serverapp.kernel_manager.list_kernel_ids()) if getattr(
+            self.serverapp, "kernel_manager", None) is not None else []
         if self.router_mode is not None:
+            await self.router_mode.leave_kernels(running)
             await self.router_mode.stop()
             self.events.close()
             return
         if self.remote is not None:
+            await self.remote.leave_kernels(running, self.log)
             await self.relay.stop()
             self.events.close()
             await self.remote.close()

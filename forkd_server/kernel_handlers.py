@@ -74,6 +74,23 @@ class KernelHandler(ForkdHandler):
         self.no_content()
 
 
+class KernelLeaveHandler(ForkdHandler):
+    """``POST /v1/kernels/{id}/leave``: the kernel stops with its Jupyter server. Its record goes,
+    its notebook's HEAD is kept for the notebook's next kernel (its ``PUT`` answers ``left``), and
+    its sandboxes keep running. What a Jupyter server in remote or router mode calls as it stops,
+    for its own forkd kernels (a local one does it in-process)."""
+
+    auth_resource = "forkd:kernels"
+
+    @web.authenticated
+    @authorized(action="write")
+    async def post(self, kernel_id: str) -> None:
+        await own_kernel(self, kernel_id)
+        if not await self.call(self.app.kernels.leave, kernel_id):
+            raise ApiError(404, f"kernel {kernel_id} not found (it never registered, or it shut down)")
+        self.no_content()
+
+
 CHECKOUT = {"sandbox": ("string", True)}
 CHECKOUT_WAIT = 60.0  # seconds the kernel may take to reach the line (it runs after the cell it is running)
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # what goes into a %forkd line as it is

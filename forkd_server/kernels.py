@@ -6,7 +6,9 @@ shuts down; a restart keeps the record, so the fresh kernel can say where the ol
 A Jupyter server that stops takes its kernels along after forkd stopped answering them: forkd then
 ``leave``s their records, keeping each notebook's last HEAD, and the notebook's next forkd kernel is
 told where it is when it registers (once), so it says so under its first cell instead of starting
-silently fresh. The records live in the registry's database (tables of their own), so a server
+silently fresh (a Jupyter server that passes forkd on, remote or router mode, asks for it with
+``POST /v1/kernels/{id}/leave``; a kernel whose forget then finds no record keeps its sandboxes).
+The records live in the registry's database (tables of their own), so a server
 restart keeps them.
 """
 
@@ -90,20 +92,21 @@ class KernelHeads:
         self._emit("kernel", "head", kernel_id=kernel_id, head=head, notebook=notebook)
         return {**row, "left": left} if left is not None and left["head"] != head else row
 
-    def leave(self, kernel_id) -> None:
+    def leave(self, kernel_id) -> bool:
         """Forget a kernel its Jupyter server stopped, keeping its notebook's HEAD for the notebook's
-        next kernel (``set_head`` tells it)."""
+        next kernel (``set_head`` tells it). False when there is no such record (it forgot itself)."""
         check_kernel_id(kernel_id)
         with self.registry.tx() as db:
             found = db.execute("SELECT head, notebook FROM kernels WHERE kernel_id=?", (kernel_id,)).fetchone()
-            if found is None:  # it forgot itself meanwhile
-                return
+            if found is None:
+                return False
             head, notebook = found
             if notebook:
                 db.execute("INSERT OR REPLACE INTO kernels_left (notebook, head, kernel_id, left_at) VALUES (?, ?, ?, ?)",
                            (notebook, head, kernel_id, time.time()))
             db.execute("DELETE FROM kernels WHERE kernel_id=?", (kernel_id,))
         self._emit("kernel", "gone", kernel_id=kernel_id)
+        return True
 
     def forget(self, kernel_id) -> None:
         check_kernel_id(kernel_id)

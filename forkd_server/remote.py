@@ -80,6 +80,24 @@ class Remote:
                              f"Set {where} where this Jupyter server starts to a token it accepts",
                         {"remote": self.url})
 
+    async def leave_kernels(self, kernel_ids, log, timeout: float = 10.0) -> None:
+        """Mark left the records of ``kernel_ids``, the kernels of this Jupyter server as it stops
+        (``POST /v1/kernels/{id}/leave``): each notebook's next kernel says where its state still
+        runs, and each kernel's own shutdown, which then finds no record, keeps its sandboxes. A
+        kernel that is not forkd's has no record (404); a remote that does not answer is logged."""
+        async def leave(kernel_id: str) -> None:
+            try:
+                async with self.session().post(f"{self.url}/v1/kernels/{quote(kernel_id, safe='')}/leave",
+                                               headers=self.headers(),
+                                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                    if resp.status not in (204, 404):
+                        log.warning("forkd: could not mark kernel %s left at %s (%s: %s)", kernel_id, self.url,
+                                    resp.status, error_text(await resp.read(), resp.content_type))
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.warning("forkd: could not mark kernel %s left at %s: %s", kernel_id, self.url,
+                            exc or type(exc).__name__)
+        await asyncio.gather(*(leave(k) for k in kernel_ids))
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -345,6 +345,11 @@ class Calls:
     def forget_kernel(self, kernel_id: str) -> None:
         return self._request("DELETE", f"/v1/kernels/{kernel_id}")
 
+    def leave_kernel(self, kernel_id: str) -> None:
+        """The kernel stops with its Jupyter server: its record goes, its notebook's HEAD is kept for
+        the notebook's next kernel (told in its ``set_kernel_head`` answer, ``left``)."""
+        return self._request("POST", f"/v1/kernels/{kernel_id}/leave")
+
     def interrupt(self, sandbox_id: str) -> dict:
         """Interrupt the cell a sandbox is running (KeyboardInterrupt in it)."""
         return self._request("POST", f"/v1/sandboxes/{sandbox_id}/interrupt")

@@ -30,7 +30,7 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from ..handlers.base import ApiError
+from ..handlers.base import ApiError, in_forkd_words
 from ..kernel_handlers import SAFE_ID, checkout_in_kernel
 from ..relay import WebSocketRelay
 from ..session_handler import SessionHandler
@@ -169,6 +169,28 @@ class RouterMode:
         finally:
             self.router.events.unsubscribe(queue)
 
+    async def leave_kernels(self, kernel_ids) -> None:
+        """Mark left, on their hosts, the records of this server's forkd kernels as it stops (their
+        shutdown cannot reach the router then): each notebook's next kernel says where its state
+        runs. A kernel no host knows (not forkd's) is skipped; a host that does not answer, logged."""
+        async def leave(kernel_id: str) -> None:
+            try:
+                host = await self.router.locate("kernel", kernel_id)
+            except Refusal:
+                return
+            try:
+                status, reply = await host.request_json("POST", f"/v1/kernels/{quote(kernel_id, safe='')}/leave",
+                                                        timeout=self.router.settings.host_timeout)
+            except HostError as exc:
+                self.app.log.warning("forkd: could not mark kernel %s left on %s: %s", kernel_id, host.url, exc)
+                return
+            if status in (204, 404):
+                self.router.state.unpin("kernel", kernel_id, host.url)
+            else:
+                self.app.log.warning("forkd: could not mark kernel %s left on %s (%s: %s)", kernel_id, host.url,
+                                     status, reply)
+        await asyncio.gather(*(leave(k) for k in kernel_ids))
+
     async def stop(self) -> None:
         if self.registrations is not None:
             await self.registrations.stop()
@@ -199,14 +221,8 @@ class JupyterAuth:
         return "/" + self.request.path[len(prefix):].lstrip("/")
 
     async def prepare(self) -> None:
-        try:  # no login page: an API answers 401
-            await JupyterHandler.prepare(self, _redirect_to_login=False)
-        except web.HTTPError as exc:
-            if exc.status_code == 403 and getattr(self, "_jupyter_current_user", None) is None and not self.public:
-                raise self._unauthorized() from None
-            raise
-        if not self.public and self.current_user is None:
-            raise self._unauthorized()
+        # no login page: an API answers 401
+        await in_forkd_words(self, JupyterHandler.prepare(self, _redirect_to_login=False))
         if not self.check_origin():
             raise Refusal(404, "not found: a request from another origin")
         if self.current_user is not None and self.get_argument("no_track_activity", None) is None:

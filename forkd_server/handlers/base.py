@@ -83,6 +83,20 @@ def _is(kind: str, value) -> bool:
     raise ValueError(kind)
 
 
+async def in_forkd_words(handler, login) -> None:
+    """``login``, jupyter_server's own check of ``handler``'s caller (awaited here), answered in
+    forkd's words: jupyter_server answers "no user" with 403 (login redirect, @authenticated, XSRF),
+    forkd with 401 before anything else. ``handler`` has ``public`` and ``_unauthorized()``."""
+    try:
+        await login
+    except web.HTTPError as exc:
+        if exc.status_code == 403 and getattr(handler, "_jupyter_current_user", None) is None and not handler.public:
+            raise handler._unauthorized() from None
+        raise
+    if not handler.public and handler.current_user is None:
+        raise handler._unauthorized()
+
+
 class ApiError(web.HTTPError):
     """An HTTP error whose body is ``{"error": message}`` (the message is never %-formatted)."""
 
@@ -179,16 +193,7 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
 
     async def authenticate(self) -> None:
         """jupyter_server's own check of the caller, answered in forkd's words (401, not 403)."""
-        try:
-            await super().prepare()
-        except web.HTTPError as exc:
-            # jupyter_server answers "no user" with 403 (login redirect, @authenticated, XSRF):
-            # forkd answers 401 before anything else.
-            if exc.status_code == 403 and getattr(self, "_jupyter_current_user", None) is None and not self.public:
-                raise self._unauthorized() from None
-            raise
-        if not self.public and self.current_user is None:
-            raise self._unauthorized()
+        await in_forkd_words(self, super().prepare())
 
     # --- under JupyterHub: who the caller is and what they may touch (forkd_server/hub/) -------------
 

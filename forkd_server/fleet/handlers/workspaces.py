@@ -76,3 +76,11 @@ class KernelHandler(PinnedHandler):
         if status in (204, 404):
             self.router.state.unpin("kernel", kernel_id, host.url)
         self.answer(status, reply)
+
+
+class KernelLeaveHandler(KernelHandler):
+    """``POST /v1/kernels/{id}/leave`` on the host of the record; the notebook's HEAD stays there, on
+    the host of its sandbox, where the notebook's next kernel usually lands (its base snapshot's)."""
+
+    body_owns = ()
+    post = KernelHandler.delete
