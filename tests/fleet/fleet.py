@@ -219,3 +219,14 @@ def fleet(n_hosts: int = 2, host_args: list[list[str]] | None = None, extra_host
             router.stop()
         stop_hosts(hosts, token)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def wait_for(condition, what: str, timeout: float = 60):
+    """``condition()``'s first true value, polled every 50 ms; AssertionError naming ``what`` past
+    ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (got := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+    return got

@@ -16,7 +16,7 @@ import pytest
 from forkd_server.client import Controller, ControllerError
 
 from ..serving import cleanup
-from .fleet import DOWN_AFTER, fleet, stand_in_host
+from .fleet import DOWN_AFTER, fleet, stand_in_host, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +36,6 @@ def two(pair):
     cleanup(router.url, router.token)
     for host in hosts:
         cleanup(host.url, host.token)
-
-
-def wait_for(condition, what: str, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = condition()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 def test_a_host_killed_with_9_is_down_its_sandboxes_lost_and_back_when_it_returns(two):

@@ -4,26 +4,16 @@ the host down, its sandboxes lost, until the link is mended."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
 from forkd_server.client import Controller, ControllerError
 from forkd_server.streaming import Session
 
-from .fleet import DOWN_AFTER, fleet
+from .fleet import DOWN_AFTER, fleet, wait_for
 from .netns import NamespacedServer, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
-
-
-def wait_for(condition, what: str, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while not (got := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
-    return got
 
 
 def test_hosts_in_namespaces_and_a_cut_link():

@@ -18,7 +18,7 @@ import pytest
 from forkd_server.client import Controller, ControllerError
 from forkd_server.fleet import pending
 
-from .fleet import Router, fleet, forwarding, stand_in_host
+from .fleet import Router, fleet, forwarding, stand_in_host, wait_for
 
 CAP = 3
 
@@ -75,15 +75,6 @@ def _plant(router: Router, tree: str, row: dict) -> None:
     db.close()
 
 
-def _wait(condition, what: str, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while not (got := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
-    return got
-
-
 def _gone_saying(ctl: Controller, sid: str, why: str) -> None:
     with pytest.raises(ControllerError) as gone:
         ctl.get_sandbox(sid)
@@ -109,7 +100,7 @@ def test_a_fork_a_dead_router_left_is_settled_and_a_live_ones_is_not():
                                "user_tag": True, "router": pending.owner()})  # this process runs
         _plant(router, dead, {"source": "sb-x", "home": hosts[0].url, "snapshot_tag": dead, "user_tag": False,
                               "router": {"machine": socket.gethostname(), "pid": _ended_pid(), "started": 1}})
-        _wait(lambda: dead not in _pending(router), "the dead router's fork settled")
+        wait_for(lambda: dead not in _pending(router), "the dead router's fork settled")
         api = Controller(router.url, router.token, timeout=120)
         for sid in left:
             _gone_saying(api, sid, f"it was a child of fork tree {dead}, which was never finished (its router stopped)")
@@ -162,9 +153,9 @@ def test_a_router_killed_mid_fork_leaves_nothing_once_started_again():
                 assert _pending(router)[tree]["snapshot_tag"] == tree  # recorded before anything was made
                 router.stop(kill=True)
                 go.set()  # the host makes the branch now, for a router that is gone
-                _wait(lambda: tree in {s["tag"] for s in direct[0].list_snapshots()}, "the branch made")
+                wait_for(lambda: tree in {s["tag"] for s in direct[0].list_snapshots()}, "the branch made")
                 router.start()
-                _wait(lambda: not _pending(router), "the unfinished fork settled")
+                wait_for(lambda: not _pending(router), "the unfinished fork settled")
                 assert {s["tag"] for s in direct[0].list_snapshots()} == {"mid"}
                 assert [s["id"] for s in direct[0].list_sandboxes()] == [source["id"]]
                 assert direct[1].list_sandboxes() == [] and direct[1].list_snapshots() == []
