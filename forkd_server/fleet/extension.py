@@ -39,7 +39,7 @@ from .handlers import route_table
 from .handlers.base import RouterHandler
 from .handlers.workspaces import KernelHandler
 from .hosts import HostError
-from . import settling
+from . import left, settling
 from .registration import Registrations
 from .router import Refusal, Router, Settings
 from .session import HostSession, SessionProxy
@@ -170,17 +170,15 @@ class RouterMode:
             self.router.events.unsubscribe(queue)
 
     async def leave_kernels(self, kernel_ids) -> None:
-        """Mark left, on their hosts, the records of this server's forkd kernels as it stops (their
-        shutdown cannot reach the router then): each notebook's next kernel says where its state
-        runs. A kernel no host knows (not forkd's) is skipped; a host that does not answer, logged."""
+        """Mark left the records of this server's forkd kernels as it stops (their shutdown cannot
+        reach the router then): each notebook's next kernel says where its state runs (left.py). A kernel no host knows (not forkd's) is skipped; a host that does not answer, logged."""
         async def leave(kernel_id: str) -> None:
             try:
                 host = await self.router.locate("kernel", kernel_id)
             except Refusal:
                 return
             try:
-                status, reply = await host.request_json("POST", f"/v1/kernels/{quote(kernel_id, safe='')}/leave",
-                                                        timeout=self.router.settings.host_timeout)
+                status, reply = await left.leave(self.router, host, kernel_id)
             except HostError as exc:
                 self.app.log.warning("forkd: could not mark kernel %s left on %s: %s", kernel_id, host.url, exc)
                 return

@@ -3,7 +3,8 @@ registered themselves) and the pins.
 
 A *pin* says which host holds an object the router answers for: a sandbox (``sandbox``, by id), a
 snapshot (``snapshot``, by tag: a VM snapshot may be held by several hosts, so a tag has a pin per
-host), a workspace (``workspace``, by name) or a forkd kernel's record (``kernel``, by id). Each pin
+host), a workspace (``workspace``, by name), a forkd kernel's record (``kernel``, by id) or a
+notebook's left HEAD (``kernel_left``, by notebook, fleet/left.py). Each pin
 keeps the object's last known JSON (``record``), so a sandbox whose host is down can still be
 listed, as ``lost``. Writes are a few rows in WAL mode without a sync per commit (a lost commit on
 power failure costs only pins the next reconcile finds again), made on the router's event loop.
@@ -25,7 +26,7 @@ CREATE TABLE IF NOT EXISTS hosts (
     capacity TEXT                 -- its last capacity block (JSON) or NULL
 );
 CREATE TABLE IF NOT EXISTS pins (
-    kind TEXT NOT NULL,           -- sandbox | snapshot | workspace | kernel | fork_tree | pending_fork
+    kind TEXT NOT NULL,           -- sandbox | snapshot | workspace | kernel | kernel_left | fork_tree | pending_fork
     key TEXT NOT NULL,            -- id, tag or name
     host TEXT NOT NULL,
     record TEXT,                  -- the object's last known JSON
@@ -110,6 +111,17 @@ class State:
             self.db.execute("DELETE FROM pins WHERE kind=? AND key=?", (kind, key))
         else:
             self.db.execute("DELETE FROM pins WHERE kind=? AND key=? AND host=?", (kind, key, host))
+
+    def take(self, kind: str, key: str) -> tuple[str, dict | None] | None:
+        """Unpin ``key`` and return (host, record) of its first pin, or None: one transaction, so of
+        two routers on this file only one takes it."""
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            row = self.db.execute("SELECT host, record FROM pins WHERE kind=? AND key=? ORDER BY pinned_at LIMIT 1",
+                                  (kind, key)).fetchone()
+            if row is not None:
+                self.db.execute("DELETE FROM pins WHERE kind=? AND key=?", (kind, key))
+        return (row[0], json.loads(row[1]) if row[1] else None) if row is not None else None
 
     def hosts_of(self, kind: str, key: str) -> list[str]:
         rows = self.db.execute("SELECT host FROM pins WHERE kind=? AND key=? ORDER BY pinned_at", (kind, key))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from .. import left
+from ..hosts import HostError
+from ..router import Refusal
 from .base import RouterHandler
 from .sandboxes import PinnedHandler
 from .snapshots import _holder
@@ -66,7 +69,14 @@ class KernelHandler(PinnedHandler):
             return
         host = await self.router.locate("sandbox", sandbox)
         self.router.state.pin("kernel", [(kernel_id, None)], host.url)
-        await self.forward(host)
+        notebook = body.get("notebook") if self.request.method == "PUT" else None
+        if not isinstance(notebook, str) or not notebook:
+            await self.forward(host)
+            return
+        status, reply = await self.call(host)
+        if status == 200 and isinstance(reply, dict):  # where its last kernel left it, on any host
+            await left.tell(self.router, notebook, self.caller, reply)
+        self.answer(status, reply)
 
     post = put
 
@@ -79,8 +89,18 @@ class KernelHandler(PinnedHandler):
 
 
 class KernelLeaveHandler(KernelHandler):
-    """``POST /v1/kernels/{id}/leave`` on the host of the record; the notebook's HEAD stays there, on
-    the host of its sandbox, where the notebook's next kernel usually lands (its base snapshot's)."""
+    """``POST /v1/kernels/{id}/leave``: the record goes from its host, the notebook's HEAD is kept
+    here, and the notebook's next kernel is told, whichever host it lands on (fleet/left.py)."""
 
     body_owns = ()
-    post = KernelHandler.delete
+
+    async def post(self, kernel_id: str) -> None:
+        host = await self.locate(kernel_id)
+        try:
+            status, reply = await left.leave(self.router, host, kernel_id, self.caller, self.client_headers())
+        except HostError as exc:
+            raise Refusal(502, f"{exc}\nthe router marks a host down after {self.router.settings.down_after:g} s "
+                               f"without a good heartbeat", host=host.url) from None
+        if status in (204, 404):
+            self.router.state.unpin("kernel", kernel_id, host.url)
+        self.answer(status, reply)
