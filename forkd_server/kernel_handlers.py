@@ -91,6 +91,27 @@ class KernelLeaveHandler(ForkdHandler):
         self.no_content()
 
 
+class KernelsLeftHandler(ForkdHandler):
+    """``DELETE /v1/kernels-left?notebook=PATH[&head=SB]``: take a notebook's left HEAD (200 with it,
+    404 if none), so this server does not tell it again: what a fleet's router calls on the host of
+    that HEAD once it told the notebook's next kernel, which landed on another host."""
+
+    auth_resource = "forkd:kernels"
+
+    @web.authenticated
+    @authorized(action="write")
+    async def delete(self) -> None:
+        notebook, head = self.get_query_argument("notebook", ""), self.get_query_argument("head", "") or None
+        if self.viewer is not None:  # under JupyterHub: only a left HEAD the caller sees
+            if head is None:
+                raise ApiError(400, "head is required: the left HEAD to take (a sandbox id you own)")
+            await self.own("sandbox", head, gone_ok=True)
+        taken = await self.call(self.app.kernels.take_left, notebook, head)
+        if taken is None:
+            raise ApiError(404, f"notebook {notebook!r} has no left HEAD here" + (f" that is {head}" if head else ""))
+        self.send(taken)
+
+
 CHECKOUT = {"sandbox": ("string", True)}
 CHECKOUT_WAIT = 60.0  # seconds the kernel may take to reach the line (it runs after the cell it is running)
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")  # what goes into a %forkd line as it is

@@ -108,6 +108,18 @@ class KernelHeads:
         self._emit("kernel", "gone", kernel_id=kernel_id)
         return True
 
+    def take_left(self, notebook, head=None) -> dict | None:
+        """Remove and return the notebook's left HEAD (only if it is ``head``, when given): told
+        elsewhere, e.g. by a fleet's router to a kernel whose new HEAD is on another host."""
+        if not isinstance(notebook, str) or not notebook:
+            raise BadRequest("notebook is required: the notebook path whose left HEAD to take")
+        with self.registry.tx() as db:
+            found = db.execute("SELECT head, kernel_id, left_at FROM kernels_left WHERE notebook=?"
+                               + (" AND head=?" if head else ""), (notebook, head) if head else (notebook,)).fetchone()
+            if found is not None:
+                db.execute("DELETE FROM kernels_left WHERE notebook=?", (notebook,))
+        return dict(zip(("head", "kernel_id", "left_at"), found)) if found is not None else None
+
     def forget(self, kernel_id) -> None:
         check_kernel_id(kernel_id)
         with self.registry.tx() as db:

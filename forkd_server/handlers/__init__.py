@@ -27,7 +27,7 @@ ID = r"([^/]+)"
 def route_table(prefix: str) -> list[tuple[str, type]]:
     """Every route, relative to base_url. ``prefix`` is 'forkd/' in jupyter lab, '' for forkd serve."""
     from ..kernel_handlers import (KernelCheckoutHandler, KernelHandler,  # they build on ForkdHandler, above
-                                   KernelLeaveHandler, KernelsHandler)
+                                   KernelLeaveHandler, KernelsHandler, KernelsLeftHandler)
     from ..session_handler import SessionHandler
     # tornado tries the routes in order, a regular expression each (~0.5 us): the calls made most,
     # one per request of a client's work (a sandbox's agent calls, the sandbox itself), come first.
@@ -68,6 +68,7 @@ def route_table(prefix: str) -> list[tuple[str, type]]:
         (rf"v1/kernels/{ID}", KernelHandler),
         (rf"v1/kernels/{ID}/checkout", KernelCheckoutHandler),
         (rf"v1/kernels/{ID}/leave", KernelLeaveHandler),
+        (r"v1/kernels-left", KernelsLeftHandler),
         (r"v1/workspaces", WorkspacesHandler),
         (rf"v1/workspaces/{ID}", WorkspaceHandler),
         (rf"v1/workspaces/{ID}/suspend", WorkspaceSuspendHandler),

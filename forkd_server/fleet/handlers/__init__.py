@@ -23,7 +23,8 @@ from .sandboxes import (BranchHandler, ForkHandler, PinnedHandler, PromoteHandle
                         SandboxHandler)
 from .snapshots import (SnapshotCompactHandler, SnapshotHandler, SnapshotInfoHandler, SnapshotPullHandler,
                         SnapshotPushHandler, SnapshotShareHandler, SnapshotsHandler, StoreSnapshotHandler)
-from .workspaces import KernelHandler, KernelLeaveHandler, KernelsHandler, WorkspaceHandler, WorkspacesHandler
+from .workspaces import (KernelHandler, KernelLeaveHandler, KernelsHandler, KernelsLeftHandler, WorkspaceHandler,
+                         WorkspacesHandler)
 
 __all__ = ["MISSING_HEADER", "RouterHandler", "check_token", "host_query", "route_table"]
 
@@ -72,6 +73,7 @@ def route_table() -> list[tuple[str, type]]:
         (rf"/v1/kernels/{ID}", KernelHandler),
         (rf"/v1/kernels/{ID}/checkout", KernelHandler),
         (rf"/v1/kernels/{ID}/leave", KernelLeaveHandler),
+        (r"/v1/kernels-left", KernelsLeftHandler),
         (r"/v1/workspaces", WorkspacesHandler),
         (rf"/v1/workspaces/{ID}", WorkspaceHandler),
         (rf"/v1/workspaces/{ID}/(suspend|resume)", WorkspaceHandler),

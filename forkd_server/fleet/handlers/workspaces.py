@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from .. import left
 from ..hosts import HostError
 from ..router import Refusal
@@ -75,7 +77,7 @@ class KernelHandler(PinnedHandler):
             return
         status, reply = await self.call(host)
         if status == 200 and isinstance(reply, dict):  # where its last kernel left it, on any host
-            await left.tell(self.router, notebook, self.caller, reply)
+            await left.tell(self.router, host, notebook, self.caller, reply)
         self.answer(status, reply)
 
     post = put
@@ -104,3 +106,21 @@ class KernelLeaveHandler(KernelHandler):
         if status in (204, 404):
             self.router.state.unpin("kernel", kernel_id, host.url)
         self.answer(status, reply)
+
+
+class KernelsLeftHandler(RouterHandler):
+    """``DELETE /v1/kernels-left?notebook=``: the notebook's left HEAD taken on every host that is up
+    (and the router's copy), the first found answered; 404 if none had it."""
+
+    async def delete(self) -> None:
+        notebook = self.get_query_argument("notebook", "")
+        if not notebook:
+            raise Refusal(400, "notebook is required: the notebook path whose left HEAD to take")
+        self.router.state.take(left.KIND, left.key(notebook, self.caller))
+        hosts = self.router.up_hosts()
+        answers = await asyncio.gather(*(self.call(h) for h in hosts), return_exceptions=True)
+        taken = [(h, a[1]) for h, a in zip(hosts, answers) if isinstance(a, tuple) and a[0] == 200]
+        if not taken:
+            raise Refusal(404, f"notebook {notebook!r} has no left HEAD on any host that is up" + self.router.not_up_note())
+        host, record = taken[0]
+        self.send({**record, "host": host.url})
