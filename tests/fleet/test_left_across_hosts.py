@@ -6,6 +6,11 @@ not at all once that sandbox is gone."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+
 import pytest
 
 from forkd_server.client import Controller, ControllerError
@@ -13,6 +18,17 @@ from forkd_server.client import Controller, ControllerError
 from .fleet import fleet
 
 NOTEBOOK = "work/across.ipynb"
+
+
+def take_left(url: str, token: str, **query) -> tuple[int, dict]:
+    """``DELETE /v1/kernels-left?...``: (status, JSON answer)."""
+    req = urllib.request.Request(f"{url}/v1/kernels-left?{urllib.parse.urlencode(query)}", method="DELETE",
+                                 headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def test_the_next_kernel_is_told_on_another_host_once():
@@ -49,3 +65,24 @@ def test_the_next_kernel_is_told_on_another_host_once():
         assert "left" not in api.set_kernel_head("k-last", on_a, notebook=NOTEBOOK)
         api.forget_kernel("k-last")
         assert api.list_kernels() == []
+
+
+def test_taking_a_notebook_s_left_head_on_a_host_and_through_the_router():
+    with fleet(2) as (router, hosts):
+        api = Controller(router.url, router.token, timeout=120)
+        direct = Controller(hosts[1].url, hosts[1].token, timeout=120)
+        direct.create_snapshot("base", setup="pass")
+        sb = direct.spawn_sandboxes("base", 1)[0]["id"]
+        for url, token in ((hosts[1].url, hosts[1].token), (router.url, router.token)):
+            status, said = take_left(url, token)
+            assert status == 400 and "notebook is required" in said["error"], said
+            status, said = take_left(url, token, notebook=NOTEBOOK)
+            assert status == 404 and NOTEBOOK in said["error"], said
+        direct.set_kernel_head("k-a", sb, notebook=NOTEBOOK)
+        direct.leave_kernel("k-a")
+        assert take_left(hosts[1].url, hosts[1].token, notebook=NOTEBOOK, head="sb-other")[0] == 404  # not that HEAD
+        status, said = take_left(router.url, router.token, notebook=NOTEBOOK)
+        assert status == 200 and (said["head"], said["kernel_id"], said["host"]) == (sb, "k-a", hosts[1].url), said
+        assert take_left(hosts[1].url, hosts[1].token, notebook=NOTEBOOK)[0] == 404  # taken
+        assert "left" not in api.set_kernel_head("k-b", sb, notebook=NOTEBOOK)
+        api.forget_kernel("k-b")
