@@ -171,7 +171,9 @@ class RouterMode:
 
     async def leave_kernels(self, kernel_ids) -> None:
         """Mark left the records of this server's forkd kernels as it stops (their shutdown cannot
-        reach the router then): each notebook's next kernel says where its state runs (left.py). A kernel no host knows (not forkd's) is skipped; a host that does not answer, logged."""
+        reach the router then): each notebook's next kernel says where its state runs, whichever
+        host it lands on (left.py). A kernel no host knows (not forkd's) is skipped; a host that
+        does not answer, logged."""
         async def leave(kernel_id: str) -> None:
             try:
                 host = await self.router.locate("kernel", kernel_id)

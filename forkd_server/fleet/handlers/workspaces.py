@@ -91,8 +91,8 @@ class KernelHandler(PinnedHandler):
 
 
 class KernelLeaveHandler(KernelHandler):
-    """``POST /v1/kernels/{id}/leave``: the record goes from its host, the notebook's HEAD is kept
-    here, and the notebook's next kernel is told, whichever host it lands on (fleet/left.py)."""
+    """``POST /v1/kernels/{id}/leave`` on the host of the record, which keeps the notebook's HEAD;
+    the router keeps a copy, so the notebook's next kernel is told on any host (fleet/left.py)."""
 
     body_owns = ()
 
@@ -121,6 +121,7 @@ class KernelsLeftHandler(RouterHandler):
         answers = await asyncio.gather(*(self.call(h) for h in hosts), return_exceptions=True)
         taken = [(h, a[1]) for h, a in zip(hosts, answers) if isinstance(a, tuple) and a[0] == 200]
         if not taken:
-            raise Refusal(404, f"notebook {notebook!r} has no left HEAD on any host that is up" + self.router.not_up_note())
+            raise Refusal(404, f"notebook {notebook!r} has no left HEAD on any host that is up"
+                               + self.router.not_up_note())
         host, record = taken[0]
         self.send({**record, "host": host.url})
