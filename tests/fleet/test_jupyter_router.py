@@ -25,6 +25,7 @@ from forkd_server.client import Controller, ControllerError
 from tests.serving import JupyterServer, Server, cleanup, free_port
 
 from ..kernel.cells import run
+from ..rest import exchange
 from .fleet import DOWN_AFTER, HEARTBEAT, HOST_TIMEOUT, fleet
 from .test_jupyter_remote import bus_events, call
 
@@ -253,13 +254,7 @@ def test_a_host_that_goes_down_is_followed_by_the_servers_heartbeat(routed):
 
 
 def post(url: str, body, token: str | None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
-        "Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return exchange(url, "POST", body, {"Authorization": f"Bearer {token}"} if token else None)
 
 
 def test_hosts_register_themselves_with_the_jupyter_server():

@@ -6,7 +6,6 @@ not at all once that sandbox is gone."""
 
 from __future__ import annotations
 
-import json
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -15,6 +14,7 @@ import pytest
 
 from forkd_server.client import Controller, ControllerError
 
+from ..rest import exchange
 from .fleet import fleet
 
 NOTEBOOK = "work/across.ipynb"
@@ -22,13 +22,8 @@ NOTEBOOK = "work/across.ipynb"
 
 def take_left(url: str, token: str, **query) -> tuple[int, dict]:
     """``DELETE /v1/kernels-left?...``: (status, JSON answer)."""
-    req = urllib.request.Request(f"{url}/v1/kernels-left?{urllib.parse.urlencode(query)}", method="DELETE",
-                                 headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return exchange(f"{url}/v1/kernels-left?{urllib.parse.urlencode(query)}", "DELETE",
+                    headers={"Authorization": f"Bearer {token}"})
 
 
 def test_the_next_kernel_is_told_on_another_host_once():
