@@ -8,6 +8,7 @@ Control calls (list, get, change, kill, ping, interrupt, inventory, memory) use 
 from __future__ import annotations
 
 import base64
+import re
 import time
 
 from jupyter_server.auth.decorator import authorized
@@ -29,6 +30,7 @@ SPAWN = {
 UPDATE = {"labels": ("labels", False), "remove_labels": ("string[]", False),
           "memory_limit_mib": ("integer", False, MEMORY_LIMIT)}
 MAX_REASON = 300  # characters of a kill's ?reason=: one line of a 404
+REASON_TEXT = re.compile("[^\x00-\x1f\x7f-\x9f\u2028\u2029]+\\Z")  # one line: no control character, no line break
 MAX_TIMEOUT = 86400  # a day: past it a call is a job, not a request
 TIMEOUT = {"exclusiveMinimum": 0, "maximum": MAX_TIMEOUT}
 EXEC = {"args": ("string[]", True), "timeout_secs": ("number", False, TIMEOUT), "env": ("env", False),
@@ -119,15 +121,15 @@ class SandboxHandler(ForkdHandler):
         a tree that spans hosts says what a host's promote says). Read raw: tornado drops control
         characters, which would record another line than the one sent."""
         raw = self.request.query_arguments.get("reason")
-        if raw is None:
+        if raw is None or raw[-1] == b"":  # ?reason= gives none, as an empty form field
             return None
         try:
             reason = raw[-1].decode()
         except UnicodeDecodeError:
             raise ApiError(400, "the reason query parameter must be UTF-8") from None
-        if not reason or len(reason) > MAX_REASON or not reason.isprintable():
+        if len(reason) > MAX_REASON or not REASON_TEXT.match(reason):
             raise ApiError(400, f"invalid query parameter reason={reason!r:.80}: one line of 1 to {MAX_REASON} "
-                                f"printable characters, e.g. ?reason=it%20lost%20the%20race")
+                                f"characters, no control characters, e.g. ?reason=it%20lost%20the%20race")
         return reason
 
 
