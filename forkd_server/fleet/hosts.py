@@ -222,7 +222,9 @@ class Heartbeat:
                                          f"--down-after is {self.down_after:g} s); last: {exc.reason}")
             return
         host.capacity = Capacity.parse(health)
-        host.last_ok, host.last_error = time.time(), None
+        host.last_ok = time.time()
+        if host.up:  # a host not up keeps why until it is (its listings may still be refused): no window of "no answer"
+            host.last_error = None
         quiet = time.time() - host.announced_at if host.announced_at is not None else 0.0
         if quiet > self.down_after:  # a host that registers itself is up while it keeps announcing itself
             if host.state != "down":

@@ -175,7 +175,7 @@ class Router:
             for sid in gone:
                 self.events.publish({"kind": "sandbox", "action": "deleted", "id": sid, "host": host.url,
                                      "reason": "ended while its host was down"})
-        host.state, host.reason = "up", None
+        host.state, host.reason, host.last_error = "up", None, None
         self.state.save_host(host.url, "up", None, host.last_ok, host.capacity and host.capacity.to_json())
         self.events.follow(host, self.settings.heartbeat)
         if was == "down":

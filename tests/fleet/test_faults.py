@@ -199,6 +199,39 @@ def test_hosts_that_never_answer_or_answer_garbage_stall_nobody():
                 api.kill_sandbox(k["id"])
 
 
+class Unreadable(http.server.BaseHTTPRequestHandler):
+    """A host whose public /healthz answers at once and whose listings refuse the router's token, a
+    moment later each time (as a host started with another token does, over a slow link)."""
+
+    def do_GET(self):
+        if self.path.startswith("/healthz"):
+            body, status = b'{"ok": true}', 200
+        else:
+            time.sleep(0.5)  # the host taking its time: the router's heartbeat is mid-read meanwhile
+            body, status = b'{"error": "invalid bearer token"}', 401
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_host_that_refuses_the_router_says_why_at_every_moment():
+    """A host not up keeps its reason while the router reads it again: no moment of "not answered
+    yet" (what the router says of a host it never heard) between one heartbeat and its listings."""
+    with stand_in_host(Unreadable) as url, fleet(1, extra_hosts=(url,)) as (router, _):
+        wait_for(lambda: "401" in (router.hosts()[url]["last_error"] or ""), "the refusal seen")
+        seen = []
+        for _ in range(40):  # over several heartbeats, each mid-read for most of its time
+            state = router.hosts()[url]
+            seen.append((state["state"], state["last_error"]))
+            time.sleep(0.05)
+        assert all(st != "up" and err and "401" in err for st, err in seen), seen
+
+
 class Streaming(http.server.BaseHTTPRequestHandler):
     """A host that holds one sandbox, ``sb-stream``, whose file read answers in two chunks, the
     second only once ``go_on`` is set: what reaches the client before that was not buffered."""
