@@ -121,7 +121,21 @@ def test_a_router_killed_with_9_loses_no_pin(two):
         api.kill_sandbox(sid)
 
 
-class Garbage(http.server.BaseHTTPRequestHandler):
+class StandIn(http.server.BaseHTTPRequestHandler):
+    """A stand-in host's handler: ``answer`` writes a JSON body; no log lines."""
+
+    def answer(self, body: bytes, status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class Garbage(StandIn):
     def do_GET(self):
         self.send_response(200)
         self.send_header("Content-Type", "text/html")
@@ -130,11 +144,8 @@ class Garbage(http.server.BaseHTTPRequestHandler):
 
     do_POST = do_GET
 
-    def log_message(self, *args):
-        pass
 
-
-class Slow(http.server.BaseHTTPRequestHandler):
+class Slow(StandIn):
     """A host whose /healthz is fine and whose listings are empty, until ``slow`` is set: from then
     on everything but /healthz waits (until ``released``, at most 60 s)."""
 
@@ -144,15 +155,7 @@ class Slow(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path != "/healthz" and self.slow.is_set():
             self.released.wait(60)
-        body = b'{"ok": true}' if self.path == "/healthz" else b"[]"
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.answer(b'{"ok": true}' if self.path == "/healthz" else b"[]")
 
 
 def test_a_slow_host_delays_no_spawn_and_lists_leave_it_out():
@@ -199,24 +202,16 @@ def test_hosts_that_never_answer_or_answer_garbage_stall_nobody():
                 api.kill_sandbox(k["id"])
 
 
-class Unreadable(http.server.BaseHTTPRequestHandler):
+class Unreadable(StandIn):
     """A host whose public /healthz answers at once and whose listings refuse the router's token, a
     moment later each time (as a host started with another token does, over a slow link)."""
 
     def do_GET(self):
         if self.path.startswith("/healthz"):
-            body, status = b'{"ok": true}', 200
+            self.answer(b'{"ok": true}')
         else:
             time.sleep(0.5)  # the host taking its time: the router's heartbeat is mid-read meanwhile
-            body, status = b'{"error": "invalid bearer token"}', 401
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+            self.answer(b'{"error": "invalid bearer token"}', 401)
 
 
 def test_a_host_that_refuses_the_router_says_why_at_every_moment():
@@ -232,25 +227,18 @@ def test_a_host_that_refuses_the_router_says_why_at_every_moment():
         assert all(st != "up" and err and "401" in err for st, err in seen), seen
 
 
-class Streaming(http.server.BaseHTTPRequestHandler):
+class Streaming(StandIn):
     """A host that holds one sandbox, ``sb-stream``, whose file read answers in two chunks, the
     second only once ``go_on`` is set: what reaches the client before that was not buffered."""
 
     protocol_version = "HTTP/1.1"
     go_on = threading.Event()
 
-    def _json(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
     def do_GET(self):
         if self.path == "/healthz":
-            self._json(b'{"ok": true}')
+            self.answer(b'{"ok": true}')
         elif self.path == "/v1/sandboxes/sb-stream":
-            self._json(b'{"id": "sb-stream", "status": "running"}')
+            self.answer(b'{"id": "sb-stream", "status": "running"}')
         elif self.path.startswith("/v1/sandboxes/sb-stream/files"):
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
@@ -262,10 +250,7 @@ class Streaming(http.server.BaseHTTPRequestHandler):
                 self.go_on.wait(60)
             self.wfile.write(b"0\r\n\r\n")
         else:
-            self._json(b"[]")
-
-    def log_message(self, *args):
-        pass
+            self.answer(b"[]")
 
 
 def test_a_streamed_answer_is_passed_on_as_it_arrives():
