@@ -13,14 +13,13 @@ from urllib.parse import parse_qsl, urlencode
 from jupyter_server.auth.decorator import ws_authenticated
 from tornado import httpclient, web
 
-from .relay import WebSocketRelay
 from .remote import SECRET_QUERY, VIA_HEADER, error_text
-from .session_handler import SessionHandler
+from .session_handler import RelayedSession
 
 PASSED = ("X-Forkd-Client", "User-Agent")
 
 
-class RemoteSessionHandler(WebSocketRelay, SessionHandler):
+class RemoteSessionHandler(RelayedSession):
     @property
     def remote(self):
         return self.app.remote
@@ -54,10 +53,4 @@ class RemoteSessionHandler(WebSocketRelay, SessionHandler):
             raise web.HTTPError(exc.code, "%s", said) from None
         except OSError as exc:
             raise web.HTTPError(502, "%s", remote.unreachable(exc).message) from None
-        await super(SessionHandler, self).get(sandbox_id)
-        self.close_unaccepted()
-
-    def open(self, sandbox_id: str) -> None:  # type: ignore[override]
-        super(SessionHandler, self).open()
-        self.set_nodelay(True)
-        self.pass_early()
+        await self.accept(sandbox_id)

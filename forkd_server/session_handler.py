@@ -24,6 +24,7 @@ from .errors import ForkdError
 from .handlers.base import caller_of
 from .hub.identity import HubUser
 from .hub.ownership import Caller
+from .relay import WebSocketRelay
 from .scrub import ScrubbedLog
 
 
@@ -135,3 +136,19 @@ class SessionHandler(ScrubbedLog, WebSocketMixin, websocket.WebSocketHandler, Ex
     def on_close(self) -> None:
         if self.session is not None:
             self.app.sessions.close(self.session)
+
+
+class RelayedSession(WebSocketRelay, SessionHandler):
+    """The session route of a Jupyter server that runs no sandbox (remote mode, router mode): the
+    caller's WebSocket joined to one opened upstream (relay.py) rather than to a local session.
+    ``SessionHandler``'s own ``get`` and ``open`` are skipped: it has no sandbox here to join."""
+
+    async def accept(self, sandbox_id: str) -> None:
+        """Once the upstream is open: the caller's upgrade, and the upstream let go if it failed."""
+        await super(SessionHandler, self).get(sandbox_id)
+        self.close_unaccepted()
+
+    def open(self, sandbox_id: str) -> None:  # type: ignore[override]
+        super(SessionHandler, self).open()
+        self.set_nodelay(True)
+        self.pass_early()

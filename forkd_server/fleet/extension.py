@@ -32,8 +32,7 @@ from tornado import web
 
 from ..handlers.base import ApiError, in_forkd_words
 from ..kernel_handlers import SAFE_ID, checkout_in_kernel
-from ..relay import WebSocketRelay
-from ..session_handler import SessionHandler
+from ..session_handler import RelayedSession
 from .discovery import DiscoveryError, host_list, parse_dns
 from .handlers import route_table
 from .handlers.base import RouterHandler
@@ -306,7 +305,7 @@ def mount(handler: type[RouterHandler]) -> type:
     return type(handler.__name__, (JupyterAuth, handler, ExtensionHandlerMixin, JupyterHandler), attrs)
 
 
-class RouterSession(HostSession, WebSocketRelay, SessionHandler):
+class RouterSession(HostSession, RelayedSession):
     """The session WebSocket in router mode: the Jupyter server's login, then joined to the
     sandbox's host (session.py)."""
 
@@ -323,10 +322,4 @@ class RouterSession(HostSession, WebSocketRelay, SessionHandler):
                                 or "not allowed to run code in sandboxes")
         if not await self.join_host(sandbox_id):
             return
-        await super(SessionHandler, self).get(sandbox_id)
-        self.close_unaccepted()
-
-    def open(self, sandbox_id: str) -> None:  # type: ignore[override]
-        super(SessionHandler, self).open()
-        self.set_nodelay(True)
-        self.pass_early()
+        await self.accept(sandbox_id)
