@@ -282,9 +282,27 @@ _HUGETLB_RULES = {
 }
 # clone3 passes flags in memory that a filter cannot read: answer ENOSYS so libc falls back to clone.
 _CLONE3 = 435
+# Calls that signal a process named by number, which the guard (process/init.c) answers: a sandbox
+# may signal its own pid namespace, not the branches nested in it. (syscall number, index of the pid
+# argument, whether 0 and negative numbers, groups, pass without a look; else the kernel refuses them)
+_SIGNAL_CALLS = {
+    "x86_64": {"kill": (62, 0), "rt_sigqueueinfo": (129, 0), "tgkill": (234, 0),
+               "rt_tgsigqueueinfo": (297, 0), "tkill": (200, 0)},
+    "aarch64": {"kill": (129, 0), "rt_sigqueueinfo": (138, 0), "tgkill": (131, 0),
+                "rt_tgsigqueueinfo": (240, 0), "tkill": (130, 0)},
+}
+# fcntl(F_SETOWN) of a pid > 0 is sent to the guard too (SIGIO and SIGURG, or any signal F_SETSIG
+# names, then reach that process); F_SETOWN_EX and the ioctls that set an owner pass it in memory the
+# filter cannot read, and are refused. pidfd_send_signal names a descriptor, which the guard cannot
+# look into: it answers ENOSYS, as on a kernel before 5.1, and callers fall back to kill.
+_FCNTL, _IOCTL, _PIDFD_SEND_SIGNAL = {"x86_64": (72, 16, 424), "aarch64": (25, 29, 424)}.get(
+    _MACHINE, (-1, -1, -1))
+F_SETOWN, F_SETOWN_EX, FIOSETOWN, SIOCSPGRP = 8, 15, 0x8901, 0x8902
+_SECCOMP = {"x86_64": 317, "aarch64": 277}
 
 SECCOMP_RET_ALLOW = 0x7FFF0000
 SECCOMP_RET_ERRNO = 0x00050000
+SECCOMP_RET_USER_NOTIF = 0x7FC00000
 _LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 
 
@@ -292,9 +310,10 @@ def seccomp_supported() -> bool:
     return _MACHINE in _DENIED
 
 
-def seccomp_program(deny_hugetlb: bool = False) -> list[tuple[int, int, int, int]]:
+def seccomp_program(deny_hugetlb: bool = False, guard: bool = False) -> list[tuple[int, int, int, int]]:
     """The BPF filter as (code, jt, jf, k) tuples; a deny answers EPERM. ``deny_hugetlb``: huge-page
-    mappings too (a host whose cgroups cannot cap them per sandbox)."""
+    mappings too (a host whose cgroups cannot cap them per sandbox). ``guard``: signal calls that
+    name a process go to the filter's listener (``_SIGNAL_CALLS``)."""
     if not seccomp_supported():
         raise OSError(errno.ENOSYS, f"no seccomp syscall table for architecture {_MACHINE}")
     deny = SECCOMP_RET_ERRNO | errno.EPERM
@@ -307,6 +326,8 @@ def seccomp_program(deny_hugetlb: bool = False) -> list[tuple[int, int, int, int
     prog += [(_JEQ, 0, 1, _CLONE3), (_RET, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS)]
     for nr in sorted(_DENIED[_MACHINE].values()):
         prog += [(_JEQ, 0, 1, nr), (_RET, 0, 0, deny)]
+    if guard:
+        prog += _signal_rules(deny)
     for nr, arg, bits in _FLAG_RULES[_MACHINE] + (_HUGETLB_RULES[_MACHINE] if deny_hugetlb else []):
         # if nr matches: load low word of the flags argument, deny when any forbidden bit is set
         prog += [(_JEQ, 0, 4, nr), (_LD_W_ABS, 0, 0, 16 + 8 * arg), (_JSET, 0, 1, bits),
@@ -315,9 +336,39 @@ def seccomp_program(deny_hugetlb: bool = False) -> list[tuple[int, int, int, int
     return prog
 
 
-def install_seccomp(deny_hugetlb: bool = False) -> None:
-    """Install the sandbox filter on the calling thread and every future child (irreversible)."""
+def _signal_rules(deny: int) -> list[tuple[int, int, int, int]]:
+    """The guard's part of the filter (each block ends in a return, so a match goes no further)."""
+    notify, allow = SECCOMP_RET_USER_NOTIF, SECCOMP_RET_ALLOW
+    arg = lambda k: (_LD_W_ABS, 0, 0, 16 + 8 * k)  # noqa: E731 - the low word of argument k
+    prog: list[tuple[int, int, int, int]] = []
+    for name, (nr, index) in _SIGNAL_CALLS[_MACHINE].items():
+        minus_one = deny if name in ("kill", "rt_sigqueueinfo") else allow  # kill(-1): all it may signal
+        prog += [(_JEQ, 0, 7, nr), arg(index),
+                 (_JEQ, 3, 0, 0),                  # 0: its own group
+                 (_JEQ, 1, 0, 0xFFFFFFFF),         # -1
+                 (_JSET, 1, 2, 0x80000000),        # another negative: a group
+                 (_RET, 0, 0, minus_one),
+                 (_RET, 0, 0, allow),
+                 (_RET, 0, 0, notify)]
+    prog += [(_JEQ, 0, 10, _FCNTL), arg(1),
+             (_JEQ, 0, 5, F_SETOWN), arg(2),
+             (_JEQ, 2, 0, 0), (_JSET, 1, 0, 0x80000000), (_RET, 0, 0, notify),
+             (_RET, 0, 0, allow),
+             (_JEQ, 0, 1, F_SETOWN_EX), (_RET, 0, 0, deny),
+             (_RET, 0, 0, allow)]
+    prog += [(_JEQ, 0, 5, _IOCTL), arg(1),
+             (_JEQ, 1, 0, FIOSETOWN), (_JEQ, 0, 1, SIOCSPGRP), (_RET, 0, 0, deny),
+             (_RET, 0, 0, allow)]
+    prog += [(_JEQ, 0, 1, _PIDFD_SEND_SIGNAL), (_RET, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS)]
+    return prog
+
+
+def install_seccomp(deny_hugetlb: bool = False, guard: bool = False) -> int | None:
+    """Install the sandbox filter on the calling thread and every future child (irreversible).
+    With ``guard``, the filter sends signal calls to a listener, whose descriptor is returned:
+    whoever holds it must answer them (``process/init.c``), or they fail with ENOSYS."""
     PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+    SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER = 1, 1 << 3
 
     class SockFilter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
@@ -326,12 +377,17 @@ def install_seccomp(deny_hugetlb: bool = False) -> None:
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
-    prog = seccomp_program(deny_hugetlb)
+    prog = seccomp_program(deny_hugetlb, guard)
     filters = (SockFilter * len(prog))(*[SockFilter(*ins) for ins in prog])
     fprog = SockFprog(len(prog), filters)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    if guard:
+        return _check(_libc.syscall(ctypes.c_long(_SECCOMP[_MACHINE]), SECCOMP_SET_MODE_FILTER,
+                                    SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(fprog)),
+                      "seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER) (Linux 5.5 or later)")
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0),
            "prctl(SECCOMP)")
+    return None
 
 
 def collapse_anonymous_memory(stop=None, chunk: int = 2 << 20) -> int:

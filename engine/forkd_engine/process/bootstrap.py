@@ -19,7 +19,7 @@ import traceback
 from .. import linux
 from . import fanout, rootfs
 from ..agent import inventory
-from .inside import SandboxProcess, hand_pid1_to_init, report
+from .inside import SandboxProcess, hand_pid1_to_init, report, send_listener
 from .machine_id import own_machine_id
 
 
@@ -33,7 +33,7 @@ def template_main(cfg: dict) -> None:
     """The snapshot's template: set up, run the user's setup, serve. Never returns."""
     report_fd, listen_fd = cfg["report_fd"], cfg["listen_fd"]
     try:
-        hand_pid1_to_init()
+        guard = hand_pid1_to_init(guard=True)
         linux.mount("proc", "/proc", "proc", _PROC_FLAGS)
         linux.mount("tmpfs", "/tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
                     f"mode=1777,size={cfg['tmp_size_mib']}m")
@@ -46,7 +46,7 @@ def template_main(cfg: dict) -> None:
         os.chdir("/tmp")
         os.environ.clear()
         os.environ.update(cfg["env"])
-        linux.install_seccomp(deny_hugetlb=bool(cfg.get("deny_hugetlb")))
+        send_listener(guard, linux.install_seccomp(deny_hugetlb=bool(cfg.get("deny_hugetlb")), guard=True))
         proc = SandboxProcess({"id": cfg["tag"], "role": "template", "lineage": [cfg["tag"]]},
                               {"host_network": cfg["host_network"], "tmp_size_mib": cfg["tmp_size_mib"],
                                "shm_size_mib": cfg["shm_size_mib"], "lossy": bool(cfg.get("lossy"))})

@@ -161,6 +161,7 @@ struct first {
  * throughout, so no handler of the template's runs here on its memory. */
 static int first_process(void *arg) {
     struct first *f = arg;
+    setsid();   /* a session and process group of its own: no group signal of the template's or a sibling's reaches it */
     pid_t agent = fork();
     if (agent == 0)
         siglongjmp(resume, f->index);
@@ -193,6 +194,7 @@ int forkd_fanout(int n, int pidns_fd, int *pids, const char *init, const struct 
         struct first f = {init, i + 1};
         int index = sigsetjmp(resume, 0);
         if (index > 0) {   /* the agent */
+            setpgid(0, 0);  /* a group of its own, apart from its init's (pgid 1 cannot be signalled: -1 means all) */
             /* A fork inherits its parent's rseq area, and the first process, made with CLONE_VM,
              * had none: register the one glibc set up for this thread again (sched_getcpu). */
             if (__rseq_size > 0)

@@ -76,23 +76,47 @@ def wait_to_be_moved(tag: str, report_fd: int) -> None:
             raise OSError("the engine did not move the branch into its own cgroup leaves")
 
 
-def hand_pid1_to_init() -> None:
+def hand_pid1_to_init(guard: bool = False) -> socket.socket | None:
     """In the first process of a new pid namespace (its PID 1), first thing: fork, and leave PID 1
     to forkd-init while the child goes on as the template or sandbox. The init sets itself up (a
-    /proc of its own) alongside, so the new sandbox waits only for this fork."""
+    /proc of its own) alongside, so the new sandbox waits only for this fork. With ``guard`` (a
+    snapshot's own template), the init guards the snapshot's tree: the child gets the socket on
+    which it sends its filter's listener (``send_listener``)."""
     if not os.access(IN_SANDBOX, os.X_OK):
         raise OSError(f"{IN_SANDBOX} is missing from the sandbox root: the engine binds it there")
     # What the child says to its init before the init runs must not be lost: PID 1 drops a signal
     # from inside its namespace that it neither handles nor blocks, but a blocked one waits, and
     # stays pending across exec (an agent ending before the engine recorded it asks at once).
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD})
+    # A session (and process group) of its own: a group signal sent by the source, a sibling or
+    # the server's group (kill(0, ...), killpg) otherwise reaches every process forked from it.
+    os.setsid()
+    ours, inits = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if guard else (None, None)
     pid = children.raw_fork()
     if pid:
         try:
-            os.execv(IN_SANDBOX, [IN_SANDBOX, str(pid)])
+            argv = [IN_SANDBOX, str(pid)]
+            if inits is not None:
+                inits.set_inheritable(True)
+                argv.append(str(inits.fileno()))
+            os.execv(IN_SANDBOX, argv)
         finally:
             os._exit(127)  # no init: our exit ends the namespace, and the fork with it, loudly
+    os.setpgid(0, 0)  # a group of our own, apart from our init's (pgid 1 cannot be signalled: -1 means all)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if inits is not None:
+        inits.close()
+    return ours
+
+
+def send_listener(sock: socket.socket, listener: int) -> None:
+    """Hand the seccomp filter's listener to the guard (our init), and keep no copy of it: a fork
+    that held it could answer its own calls."""
+    try:
+        socket.send_fds(sock, [b"L"], [listener])
+    finally:
+        os.close(listener)
+        sock.close()
 
 
 def end_unrecorded() -> None:
