@@ -127,7 +127,7 @@ def cmd_kill(args) -> int:
         task = bar.add_task(desc, total=total)
         for sid in ids:
             try:
-                ctl.kill_sandbox(sid)
+                ctl.kill_sandbox(sid, reason=args.reason)
                 killed.append(sid)
             except ControllerError as exc:
                 failed[sid] = exc
@@ -251,6 +251,7 @@ def add_commands(sub, options) -> None:
     p.add_argument("ids", nargs="*")
     p.add_argument("--all", action="store_true")
     p.add_argument("--tag", help="every sandbox forked from this snapshot")
+    p.add_argument("--reason", help="why, one line: what a later call about the sandbox says (its 404)")
     p.set_defaults(func=cmd_kill)
 
     p = sub.add_parser("exec", parents=[options], help="run a command in a sandbox: forkd exec ID -- CMD...")

@@ -288,13 +288,13 @@ class _SandboxCalls:
     def memory(self) -> dict:
         return self.controller.memory(self.id)
 
-    def kill(self) -> None:
-        """Kill the sandbox (one already gone is no error)."""
-        return self.controller._do(self._kill())
+    def kill(self, *, reason: str | None = None) -> None:
+        """Kill the sandbox (one already gone is no error); ``reason``: why, as its 404 says it."""
+        return self.controller._do(self._kill(reason))
 
-    def _kill(self):
+    def _kill(self, reason: str | None = None):
         try:
-            yield from self.controller.plan.kill_sandbox(self.id)
+            yield from self.controller.plan.kill_sandbox(self.id, reason=reason)
         except ControllerError as exc:
             if exc.status != 404:
                 raise

@@ -112,8 +112,11 @@ async def test_errors_are_the_sync_sdks(server, snap):
         sb = (await (await AsyncSnapshot.connect("asyncs", ctl)).fork())[0]
         with pytest.raises(RuntimeError, match="forkd eval"):
             await sb.eval("1/0")
-        await sb.kill()
+        await sb.kill(reason="it lost the race")
         await sb.kill()  # already gone: no error, like the sync kill
+        with pytest.raises(ControllerError) as info:
+            await ctl.get_sandbox(sb.id)
+        assert info.value.message == f"sandbox {sb.id} not found: it lost the race"
     async with AsyncController(server.url, "wrong-token") as bad:
         with pytest.raises(ControllerError) as info:
             await bad.list_sandboxes()

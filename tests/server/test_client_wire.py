@@ -73,6 +73,7 @@ CASES = [
     (lambda c: c.list_sandboxes(), "GET", "/v1/sandboxes", None),
     (lambda c: c.get_sandbox("sb-1"), "GET", "/v1/sandboxes/sb-1", None),
     (lambda c: c.kill_sandbox("sb-1"), "DELETE", "/v1/sandboxes/sb-1", None),
+    (lambda c: c.kill_sandbox("sb-1", reason="it lost"), "DELETE", "/v1/sandboxes/sb-1?reason=it+lost", None),
     (lambda c: c.branch_sandbox("sb-1"), "POST", "/v1/sandboxes/sb-1/branch", b"{}"),
     (lambda c: c.branch_sandbox("sb-1", tag="t1", diff=True, measure_diff=True), "POST", "/v1/sandboxes/sb-1/branch",
      b'{"tag": "t1", "diff": true, "measure_diff": true}'),

@@ -268,8 +268,10 @@ def test_cli_round_trip(server, ctl):
     assert {"cli", "cli-b"} <= {s["tag"] for s in snaps}
     pause_us = next(s for s in snaps if s["tag"] == "cli-b")["pause_us"]
     assert f"{pause_us / 1000:.2f} ms" in cli(server, "ls", "--snapshots").stdout  # the table shows the precise pause
-    killed = json.loads(cli(server, "kill", "--tag", "cli", "--json").stdout)
+    killed = json.loads(cli(server, "kill", "--tag", "cli", "--reason", "the sweep is over", "--json").stdout)
     assert sorted(killed["killed"]) == sorted(k["id"] for k in kids)
+    done = cli(server, "eval", sid, "1", check=False)  # what a later call says
+    assert done.returncode == 1 and f"sandbox {sid} not found: the sweep is over" in done.stderr
     assert json.loads(cli(server, "ls", "--json").stdout) == []
     done = cli(server, "rmi", "cli", "--cascade", "--force", check=False)
     assert done.returncode != 0 and "mutually exclusive" in done.stderr
