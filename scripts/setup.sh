@@ -69,6 +69,11 @@ if ! pip install -e ".[${extras}]" >"$log" 2>&1; then
   grep -v -E "^WARNING: (Location|Running pip)" "$log" | tail -n 40 >&2
   fail "pip install -e \".[${extras}]\" failed (its last lines are above)"
 fi
+# pip compiled every installed package's bytecode but not this checkout's (an editable install):
+# compile it once, so no start of the server, the CLI or a sandbox compiles it again where Python
+# writes no bytecode of its own (PYTHONDONTWRITEBYTECODE).
+python3 -m compileall -q -j 0 forkd_server forkd_kernel forkd_magics engine/forkd_engine >"$log" 2>&1 \
+  || { tail -n 20 "$log" >&2; fail "python3 -m compileall failed (its last lines are above)"; }
 
 # The tests' JupyterHub needs its proxy, configurable-http-proxy, from npm: into tests/hub (its
 # package-lock.json pins it), never globally; the az:// store tests need Azurite, Azure's Blob

@@ -163,7 +163,8 @@ static int look(long pid, struct proc *p) {
     return p->depth > 0 && p->depth <= MAX_DEPTH ? 0 : -1;
 }
 
-static long queue[MAX_QUEUE];        /* untouched until a guard needs it: no private memory elsewhere */
+static long queue[MAX_QUEUE];        /* these two untouched until a guard needs them: no private memory elsewhere */
+static char list[1 << 16];           /* a thread's children, as /proc says them ("12 34 ") */
 
 /* The children of every thread of ``pid``, in our namespace, appended to queue[*end]. */
 static void enqueue_children(long pid, int *end) {
@@ -180,14 +181,19 @@ static void enqueue_children(long pid, int *end) {
     while ((t = readdir(tasks)) != NULL) {
         if (t->d_name[0] < '0' || t->d_name[0] > '9')
             continue;
-        char list[8192];
         snprintf(path, sizeof path, "%ld/task/%.20s/children", pid, t->d_name);
         int cfd = openat(proc_fd, path, O_RDONLY | O_CLOEXEC);
         if (cfd < 0)
             continue;
-        ssize_t n = read(cfd, list, sizeof list - 1);
+        size_t size = 0;
+        ssize_t n;
+        while (size < sizeof list - 1 && (n = read(cfd, list + size, sizeof list - 1 - size)) > 0)
+            size += (size_t)n;
         close(cfd);
-        list[n > 0 ? n : 0] = 0;
+        if (size == sizeof list - 1)   /* full: the last number may be cut */
+            while (size > 0 && list[size - 1] != ' ')
+                size--;
+        list[size] = 0;
         for (char *c = list; *c && *end < MAX_QUEUE;) {
             char *next;
             long child = strtol(c, &next, 10);
@@ -207,8 +213,8 @@ static int may_signal(long caller, long target, int thread) {
     if (look(caller, &p) != 0 || look(p.tgid, &me) != 0)
         return -ESRCH;           /* the caller is gone; the answer reaches no one */
     int level = me.depth - 1;    /* the caller's namespace, as an index into ns[] */
-    if (target == me.ns[level] || (thread && target == p.ns[level]))
-        return 0;                /* itself */
+    if (target == me.ns[level] || target == p.ns[level])
+        return 0;                /* itself, or the calling thread */
     if (thread)
         return -EPERM;           /* tkill: another process's threads are tgkill's */
     /* Every process of the caller's namespace, and of those nested in it, descends from its init. */
