@@ -284,7 +284,7 @@ _HUGETLB_RULES = {
 _CLONE3 = 435
 # Calls that signal a process named by number, which the guard (process/init.c) answers: a sandbox
 # may signal its own pid namespace, not the branches nested in it. (syscall number, index of the pid
-# argument, whether 0 and negative numbers, groups, pass without a look; else the kernel refuses them)
+# argument.) 0 and negative numbers (groups) pass without a look, but kill(-1): everything.
 _SIGNAL_CALLS = {
     "x86_64": {"kill": (62, 0), "rt_sigqueueinfo": (129, 0), "tgkill": (234, 0),
                "rt_tgsigqueueinfo": (297, 0), "tkill": (200, 0)},
