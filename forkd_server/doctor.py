@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import re
 import shutil
 import tempfile
 
@@ -170,7 +171,17 @@ def check_seccomp() -> dict:
                     "use a kernel with CONFIG_SECCOMP_FILTER")
     mode = status["Seccomp"].strip()
     detail = "available" + (" (this process is already filtered)" if mode != "0" else "")
-    return _row("seccomp", "ok", detail)
+    if _kernel_version() < (5, 5):  # user notification that lets a call go on: the signal guard's
+        return _row("seccomp", "fail", f"{detail}, but Linux {os.uname().release} has no seccomp user "
+                    "notification with SECCOMP_USER_NOTIF_FLAG_CONTINUE, which guards a process sandbox's "
+                    "branches from its signals: process-engine snapshots cannot be made",
+                    "use Linux 5.5 or later, or the VM engine", required=True)
+    return _row("seccomp", "ok", detail + "; user notification for the signal guard")
+
+
+def _kernel_version() -> tuple[int, int]:
+    numbers = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return (int(numbers.group(1)), int(numbers.group(2))) if numbers else (0, 0)
 
 
 def check_disk(data_dir: str) -> dict:

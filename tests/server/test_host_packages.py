@@ -55,3 +55,18 @@ def test_docs_name_every_package_and_what_needs_it():
     for rows in GROUPS.values():
         for pkg, _, why in rows:
             assert f"| `{pkg}` | {why} |" in text, pkg
+
+
+def test_a_kernel_without_the_signal_guards_seccomp_fails_the_seccomp_check(monkeypatch):
+    """Process sandboxes' branches are guarded by seccomp user notification that lets a call go on
+    (Linux 5.5): an older kernel is a required failure that says so, not a snapshot that fails later."""
+    from forkd_server import doctor
+
+    real = os.uname()
+    for release, status in (("4.19.0", "fail"), ("5.4.0-150-generic", "fail"), ("5.5.0", "ok"), (real.release, "ok")):
+        uname = os.uname_result((*real[:2], release, *real[3:]))
+        monkeypatch.setattr(doctor.os, "uname", lambda uname=uname: uname)
+        row = doctor.check_seccomp()
+        assert (row["status"], row["required"]) == (status, status == "fail"), (release, row)
+        if status == "fail":
+            assert "Linux 5.5 or later" in row["fix"] and release in row["detail"]
