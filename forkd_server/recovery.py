@@ -291,10 +291,19 @@ class Recovery:
         reason = engine.probe([row["handle"]], self.probe_timeout)[0]
         if reason is None:
             self._count("snapshots_attached")
+            self._keep_warnings(engine, row)
             return
         finding, status = self._fail_snapshot(engine, row, reason)
         self._count(f"snapshots_{status}")
         self._found(finding)
+
+    def _keep_warnings(self, engine, row: dict) -> None:
+        """What the engine sees in a snapshot's handle that its users should know, kept with it."""
+        kept = list(row.get("warnings") or [])
+        new = [line for line in engine.snapshot_warnings(row["handle"]) if line not in kept]
+        if new:
+            self.registry.update_snapshot(row["tag"], warnings=kept + new)
+            self._found(*(f"{engine.name} engine: snapshot {row['tag']}: {line}" for line in new))
 
     def _probe_sandbox(self, row: dict) -> None:
         engine = self.engines[row["engine"]]

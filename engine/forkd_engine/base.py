@@ -172,6 +172,9 @@ class Engine(Protocol):
     # At start-up, before ``probe`` of the same handle: put right what only the engine can see is
     # wrong with it (e.g. a VM a live branch left frozen). Returns one line per thing done.
     def repair(self, handle: Handle) -> list[str]: ...
+    # What a user should know of a recorded snapshot that only its handle says (made by an older
+    # version, without a protection a snapshot made now has): one line each, kept with the snapshot.
+    def snapshot_warnings(self, handle: Handle) -> list[str]: ...
     # At start-up, after every recorded object is settled: end and remove what no known handle names
     # (agents behind unknown sockets, files, VM processes) and that predates the engine. ``known``:
     # every handle the caller recorded. Returns one line per thing found and what was done.

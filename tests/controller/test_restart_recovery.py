@@ -245,3 +245,26 @@ def test_the_settling_starts_once_the_server_listens(short_dir, monkeypatch):
         cleanup(c)
         c.close()
     assert wait_gone(engine_processes(short_dir) - before) == set()
+
+
+def test_a_snapshot_made_before_the_signal_guard_says_so_after_a_restart(short_dir):
+    """A process-engine snapshot whose handle does not say its tree is guarded (made by an older
+    forkd) is attached as it is, and carries a warning that says what it lacks and what to do."""
+    from forkd_engine.process.engine import UNGUARDED
+
+    c = Controller(short_dir)
+    try:
+        c.create_snapshot("now", setup="v = 1")
+        c.create_snapshot("old", setup="v = 2")
+        row = c.registry.get_snapshot("old")
+        c.registry.update_snapshot("old", handle={k: v for k, v in row["handle"].items() if k != "signal_guard"})
+    finally:
+        c.close()
+    c = Controller(short_dir)
+    try:
+        assert c.get_snapshot("old")["warnings"] == [UNGUARDED]
+        assert "warnings" not in c.get_snapshot("now")
+        assert ev(c, c.spawn("old", 1)[0]["id"], "v") == "2"  # a warning, not a refusal
+    finally:
+        cleanup(c)
+        c.close()

@@ -84,6 +84,16 @@ def _failure(what: str, error: str) -> EngineError:
         return LimitReached(error.split("LineageTooDeep: ", 1)[-1])
     return EngineError(f"{what}: {error}")
 
+def _guarded(parent: Handle) -> dict:
+    """What a fork's handle says of the signal guard: a fork is guarded as its parent's tree is (the
+    filter and its listener come with the fork; a snapshot made before the guard has none)."""
+    return {"signal_guard": True} if parent.get("signal_guard") else {}
+
+
+UNGUARDED = ("made by an older forkd, without the signal guard: its sandboxes can signal (and kill) "
+             "its branches, their sandboxes and each other; make the snapshot again to guard them")
+
+
 class ProcessEngine:
     name = "process"
     # Its snapshots are parked processes, as its sandboxes are: a restart of the host ends them all,
@@ -311,6 +321,10 @@ class ProcessEngine:
         """Nothing to repair: a template or sandbox is whole while its process lives."""
         return []
 
+    def snapshot_warnings(self, handle: Handle) -> list[str]:
+        """A snapshot made before the signal guard (docs/design/process-engine.md) says so."""
+        return [] if handle.get("signal_guard") else [UNGUARDED]
+
     def warm_up(self) -> None:
         """Nothing: what the process engine needs it makes as it starts (all of it cheap)."""
 
@@ -448,7 +462,7 @@ class ProcessEngine:
         os.unlink(log_path)
         # A lossy setup's template says what it left running (its children lack it): for the caller.
         lost = {"warnings": got[0]["warnings"]} if got[0].get("warnings") else {}
-        return self._handle(got[1], path, role="template", cgroups=setup.done(), **lost)
+        return self._handle(got[1], path, role="template", cgroups=setup.done(), signal_guard=True, **lost)
 
     def _end_setup(self, setup: Setup, path: str, log_path: str) -> None:
         """A creation that failed, timed out or was cancelled: nothing of it stays."""
@@ -528,7 +542,7 @@ class ProcessEngine:
                     break
                 msg, pid = got
                 if msg.get("ok"):
-                    started[msg["id"]] = self._handle(pid, paths[msg["id"]], role="sandbox")
+                    started[msg["id"]] = self._handle(pid, paths[msg["id"]], role="sandbox", **_guarded(snapshot))
                 else:
                     errors.append(f"{msg.get('id')}: {msg.get('error')}")
             if errors:
@@ -737,7 +751,7 @@ class ProcessEngine:
                     got = self._read_report(ours, deadline)
                 if got is None or not got[0].get("ok"):
                     raise _failure(f"branch {tag!r} failed", got[0].get("error") if got else "the new snapshot exited")
-                ready.set_result(self._handle(got[1], path, role="template", cgroups=leaves))
+                ready.set_result(self._handle(got[1], path, role="template", cgroups=leaves, **_guarded(sandbox)))
             except BaseException as exc:  # noqa: BLE001
                 _unlink(path)
                 if started is not None:

@@ -237,6 +237,10 @@ class VMEngine:
         with ThreadPoolExecutor(max_workers=min(PROBE_PARALLELISM, len(handles))) as pool:
             return list(pool.map(one, handles))
 
+    def snapshot_warnings(self, handle: Handle) -> list[str]:
+        """None: a VM's branches are files, out of its sandboxes' reach."""
+        return []
+
     def repair(self, handle: Handle) -> list[str]:
         """At start-up, before ``probe``: thaw a VM a live branch of the previous server left frozen
         (or stopped). A VM one of our own branches is working on is being written: left alone."""
