@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import urllib.error
 import urllib.request
+import warnings
 
 import pytest
 
@@ -23,6 +24,21 @@ def workdir():
     path = tempfile.mkdtemp(prefix="fkrc")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def stop(router: subprocess.Popen) -> None:
+    """SIGTERM, as a user stops it; a router still running 30 s later is killed, and what its
+    signals were then (blocked, ignored, pending, caught) is said as a warning of the run (seen once
+    on a loaded CI run, not reproduced since), so a stop that hangs is not lost in the teardown."""
+    router.terminate()
+    try:
+        router.wait(30)
+    except subprocess.TimeoutExpired:
+        with open(f"/proc/{router.pid}/status") as f:
+            signals = " ".join(line.strip() for line in f if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+        router.kill()
+        router.wait()
+        warnings.warn(f"forkd router (pid {router.pid}) did not stop within 30 s of SIGTERM; killed. {signals}")
 
 
 def token_file(workdir: str, name: str) -> str:
@@ -122,8 +138,7 @@ def test_tls_to_the_router_and_to_its_hosts(workdir):
         call(at_host, hosts_token, ctx, "DELETE", "/v1/snapshots/tls")
     finally:
         if router is not None:
-            router.terminate()
-            router.wait(30)
+            stop(router)
         host.stop()
 
 
@@ -154,8 +169,7 @@ def test_a_host_the_router_cannot_read_is_named_with_the_fix(workdir):
         assert f"1 of 1 hosts are not up, so were not asked: {host.url}: " in error and "--hosts-token-file" in error
     finally:
         if router is not None:
-            router.terminate()
-            router.wait(30)
+            stop(router)
         host.stop()
 
 
