@@ -32,6 +32,7 @@ class EventHub:
         self.seq = 0
         self.on_event, self.on_connect = on_event, on_connect
         self.readers: dict[str, asyncio.Task] = {}
+        self.closed = False
 
     def subscribe(self) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue(QUEUE_SIZE)
@@ -59,6 +60,7 @@ class EventHub:
             task.cancel()
 
     def close(self) -> None:
+        self.closed = True  # the readers' loops end on it (a cancel alone may be taken for a timeout)
         for q in list(self.subscribers):
             _end(q)
         for task in self.readers.values():
@@ -74,7 +76,7 @@ class EventHub:
 
     async def _read(self, host: Host, retry: float) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=SILENT)
-        while host.up:
+        while host.up and not self.closed:
             try:
                 async with host.control.get(host.url + "/v1/events", timeout=timeout) as resp:
                     if resp.status != 200:
@@ -98,7 +100,7 @@ class EventHub:
             finally:
                 host.events_open = False
                 host.changed()
-            if host.up:
+            if host.up and not self.closed:
                 await asyncio.sleep(retry)
 
     def _got(self, host: Host, data: str) -> None:

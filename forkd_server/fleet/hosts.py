@@ -197,6 +197,7 @@ class Heartbeat:
         self.timeout = min(timeout, down_after)
         self.on_up, self.on_down = on_up, on_down
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
         self.beats = 0
 
     def watch(self, host: Host) -> None:
@@ -204,6 +205,10 @@ class Heartbeat:
         self._tasks.append(asyncio.ensure_future(self._watch(host)))
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: a cancel that lands as a beat's own timeout fires is
+        # taken by aiohttp for that timeout (a HostError the beat handles), and a loop that only
+        # cancels would beat on, holding the router's stop (and its exit) forever.
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -235,7 +240,7 @@ class Heartbeat:
             await self.on_up(host)
 
     async def _watch(self, host: Host) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.beat(host)
             except asyncio.CancelledError:
@@ -243,4 +248,5 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - a bug in one beat must not end the heartbeat
                 log.exception("heartbeat of %s failed", host.url)
             self.beats += 1
-            await asyncio.sleep(self.interval)
+            if not self._stopping:
+                await asyncio.sleep(self.interval)

@@ -67,6 +67,7 @@ class Router:
         self._saved = self.state.hosts()
         self._tls = None
         self._started = False
+        self.stopping = False  # the loops of its chores end on it (a cancel alone may be taken for a timeout)
         self._discovery: asyncio.Task | None = None
         self.chores: list[asyncio.Task] = []  # what runs beside the heartbeat (pending.py), until stop
         for url in (list(self._saved) if self.dns else []) + list(urls):
@@ -95,7 +96,7 @@ class Router:
                 self.add_host(url)
 
     async def _discover_forever(self) -> None:
-        while True:
+        while not self.stopping:
             await asyncio.sleep(self.settings.heartbeat)
             try:
                 await self.discover()
@@ -116,12 +117,15 @@ class Router:
             self._discovery = asyncio.ensure_future(self._discover_forever())
 
     async def stop(self) -> None:
+        self.stopping = True
         if self._discovery is not None:
             self._discovery.cancel()
         for chore in self.chores:
             chore.cancel()
         await asyncio.gather(*self.chores, return_exceptions=True)
         await self.heartbeat.stop()
+        if self._discovery is not None:
+            await asyncio.gather(self._discovery, return_exceptions=True)
         self.events.close()
         for host in self.hosts.values():
             await host.close()

@@ -65,12 +65,13 @@ async def settle_all(router: Router) -> None:
 
 
 async def _forever(router: Router) -> None:
-    while True:
+    while not router.stopping:
         try:
             await settle_all(router)
         except Exception:  # noqa: BLE001 - tried again at the next beat
             log.exception("settling unfinished forks failed")
-        await asyncio.sleep(router.settings.heartbeat)
+        if not router.stopping:
+            await asyncio.sleep(router.settings.heartbeat)
 
 
 def watch(router: Router) -> asyncio.Task:

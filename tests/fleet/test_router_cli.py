@@ -28,8 +28,8 @@ def workdir():
 
 def stop(router: subprocess.Popen) -> None:
     """SIGTERM, as a user stops it; a router still running 30 s later is killed, and what its
-    signals were then (blocked, ignored, pending, caught) is said as a warning of the run (seen once
-    on a loaded CI run, not reproduced since), so a stop that hangs is not lost in the teardown."""
+    signals were then (blocked, ignored, pending, caught) is said as a warning of the run, so a stop
+    that hangs is not lost in the teardown (one did, once: test_router_stop.py)."""
     router.terminate()
     try:
         router.wait(30)
