@@ -84,6 +84,7 @@ def _failure(what: str, error: str) -> EngineError:
         return LimitReached(error.split("LineageTooDeep: ", 1)[-1])
     return EngineError(f"{what}: {error}")
 
+
 def _guarded(parent: Handle) -> dict:
     """What a fork's handle says of the signal guard: a fork is guarded as its parent's tree is (the
     filter and its listener come with the fork; a snapshot made before the guard has none)."""

@@ -210,23 +210,26 @@ static void enqueue_children(long pid, int *end) {
  * names it; with ``thread``, a thread id, tkill's), else -EPERM or -ESRCH. */
 static int may_signal(long caller, long target, int thread) {
     static struct proc me, p;
-    if (look(caller, &p) != 0 || look(p.tgid, &me) != 0)
+    if (look(caller, &p) != 0 || (p.tgid != caller && look(p.tgid, &me) != 0))
         return -ESRCH;           /* the caller is gone; the answer reaches no one */
+    if (p.tgid == caller)
+        me = p;                  /* the calling thread is its process's main thread */
     int level = me.depth - 1;    /* the caller's namespace, as an index into ns[] */
     if (target == me.ns[level] || target == p.ns[level])
         return 0;                /* itself, or the calling thread */
     if (thread)
         return -EPERM;           /* tkill: another process's threads are tgkill's */
-    /* Every process of the caller's namespace, and of those nested in it, descends from its init. */
-    long init = me.tgid;
-    for (int hops = 0; !(p.depth == me.depth && p.ns[level] == 1); hops++) {
-        if (look(init, &p) != 0 || p.depth != me.depth || hops > MAX_QUEUE)
-            return -EPERM;
-        if (p.ns[level] != 1)
-            init = p.ppid;
-    }
     if (target == 1)
-        return 0;
+        return 0;                /* its namespace's init */
+    /* Every process of the caller's namespace, and of those nested in it, descends from its init:
+     * up the parents from the caller to the process that is pid 1 at its level. */
+    long init = me.tgid;
+    p = me;
+    for (int hops = 0; p.ns[level] != 1; hops++) {
+        init = p.ppid;
+        if (hops > MAX_QUEUE || look(init, &p) != 0 || p.depth != me.depth)
+            return -EPERM;
+    }
     int head = 0, end = 0;
     queue[end++] = init;
     while (head < end) {
