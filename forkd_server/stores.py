@@ -29,13 +29,19 @@ from forkd_engine.store import (ChunkCorrupt, Incompatible, NotInStore, RemoteSt
                                 fetch_manifest, parse_digest, push as push_chunks)
 
 from .checks import check_tag
-from .errors import BadRequest, Conflict, EngineFailure, NotFound, StoreFailure
+from .errors import BadRequest, Busy, Conflict, EngineFailure, NotFound, StoreFailure
 from .stored_copies import StoredCopies
 
 PROGRESS_EVERY = 0.25  # seconds between progress events of one transfer
 # A remote delete sweeps no chunk younger than this (s): a push under way writes its chunks before
 # its manifest. $FORKD_STORE_DELETE_GRACE sets another (0 only where nothing else pushes).
 DELETE_GRACE = 3600.0
+CLOSE_WAIT = 30.0  # seconds close() waits for a transfer under way to reach its next chunk
+
+
+class Closing(Busy):
+    """The controller is closing: a transfer under way stops at its next chunk. The next start
+    stores what was not stored (``resume``) and resumes a push it cut short."""
 
 
 class StoreManager:
@@ -56,6 +62,7 @@ class StoreManager:
         self._pushing_dir = os.path.join(controller.data_dir, "pushing")
         os.makedirs(self._pushing_dir, mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
+        self._closing = threading.Event()
         self._idle = threading.Condition(self._lock)
         self._pending: set[str] = set()
         self._worker = threading.Thread(target=self._work, name="forkd-store", daemon=True)
@@ -120,13 +127,26 @@ class StoreManager:
         return True
 
     def close(self) -> None:
+        """Stop the worker and wait for it (``CLOSE_WAIT`` at most): a transfer under way stops at its
+        next chunk and what is queued is left for the next start, so nothing writes into the data
+        dir, or uses the registry, once the controller has closed."""
+        self._closing.set()
         self._queue.put(None)
+        self._worker.join(CLOSE_WAIT)
         self.stored_copies.close()
+
+    def _unless_closing(self, done: int, total: int) -> None:
+        if self._closing.is_set():
+            raise Closing("the server is stopping: this transfer stopped at a chunk's end",
+                          hint="a snapshot not stored yet is stored, and a push resumed, when the server starts "
+                               "again; a pull can be asked again then")
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
             kind, tag = job
             try:
+                if self._closing.is_set():
+                    continue  # left for the next start (resume)
                 if kind == "store":
                     self.store_now(tag)
                 else:
@@ -151,7 +171,7 @@ class StoreManager:
         if not engine.alive(handle):
             return None
         try:
-            digest = engine.store_snapshot(handle)
+            digest = engine.store_snapshot(handle, progress=self._unless_closing)
         except EngineError as exc:
             self.feed.emit("snapshot", "stored", tag=tag, warning=f"not kept in the local store: {exc}")
             raise
@@ -179,6 +199,7 @@ class StoreManager:
         last = [0.0]
 
         def report(done: int, total: int) -> None:
+            self._unless_closing(done, total)
             now = time.monotonic()
             if done >= total or now - last[0] >= PROGRESS_EVERY:
                 last[0] = now
@@ -208,14 +229,18 @@ class StoreManager:
         open(marker, "w").close()
         try:
             result = push_chunks(engine.store, remote, stored["digest"], tag=tag, progress=self._progress(tag, "push"))
+        except Closing:
+            marker = None  # kept: the next start resumes this push
+            raise
         except StoreError as exc:
             # chunks are whole or absent and the manifest goes last: nothing a pull would use is half there
             raise StoreFailure(f"push of {tag}: {exc}",
                                hint=f"{tag} is unharmed here, and the store holds no manifest of it until a push "
                                     f"completes; pushing again uploads only the chunks the store lacks") from None
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(marker)
+            if marker is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(marker)
         self._set_stored(tag, row["handle"], dict(stored, remote=True))
         self.feed.emit("snapshot", "stored", tag=tag, digest=stored["digest"], remote=True)
         return {"tag": tag, "store": remote.url, **result}

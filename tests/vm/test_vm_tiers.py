@@ -124,3 +124,35 @@ def test_by_hand_a_stored_sandbox_wakes_from_the_remote_store_when_this_host_los
         ctl.stores.close()
         ctl.registry.close()
         shutil.rmtree(data, ignore_errors=True)
+
+
+def test_closing_stops_a_store_under_way_and_the_next_start_stores_the_snapshot(vm_engine):
+    """A snapshot that becomes ready goes into the local store in the background. Closing meanwhile
+    stops that at its next chunk and waits for the worker, so nothing writes into the data dir once
+    ``close`` returned (a test that deleted its data dir right after found it written again); the
+    next start stores the snapshot."""
+    from forkd_server.controller import Controller as ServerController
+
+    data = tempfile.mkdtemp(prefix="fkvc")
+    ctl = ServerController(data, engines={"vm": vm_engine})
+    again = None
+    try:
+        ctl.create_snapshot("closing", engine="vm", mem_size_mib=192, setup="x = 20")
+        ctl.stores.close()  # its store was queued as it became ready
+        assert not ctl.stores._worker.is_alive()
+        ctl.registry.close()
+        again = ServerController(data, engines={"vm": vm_engine})
+        assert again.stores.wait_idle(120)
+        info = again.get_snapshot("closing")
+        assert info["status"] == "ready" and info["stored"]["remote"] is False, info
+        sb = again.spawn("closing")[0]["id"]
+        assert again.eval(sb, "x")["result"] == "20"
+    finally:
+        c = again or ctl
+        for s in c.list_sandboxes():
+            c.kill_sandbox(s["id"])
+        for s in c.list_snapshots():
+            c.delete_snapshot(s["tag"])
+        c.stores.close()
+        c.registry.close()
+        shutil.rmtree(data, ignore_errors=True)
