@@ -116,6 +116,12 @@ import os
 from jupyterlab.galata import configure_jupyter_server
 c = get_config()  # noqa: F821
 configure_jupyter_server(c)
+# the helper made a root and a workspaces folder and a shell's rc file in the system's temp dir;
+# this lab's own are set below and its tests open no terminal, so they go now: nothing is left
+os.rmdir(c.ServerApp.root_dir)
+os.rmdir(c.LabApp.workspaces_dir)
+os.remove(c.ServerApp.terminado_settings["shell_command"][-1])
+del c.ServerApp.terminado_settings
 root = os.environ["FORKD_LAB_ROOT"]
 c.ServerApp.port = int(os.environ["FORKD_LAB_PORT"])
 c.ServerApp.root_dir = root

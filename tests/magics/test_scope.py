@@ -6,6 +6,7 @@ two notebooks side by side in one shell."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 
@@ -36,6 +37,7 @@ def kernel(forkd):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def run(kc, code: str) -> str:
