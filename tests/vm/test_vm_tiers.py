@@ -17,6 +17,7 @@ from jupyter_client.manager import start_new_kernel
 
 from forkd_server.client import Controller
 
+from ..conftest import cleanup
 from ..kernel.cells import head_of, run
 from ..kernel.conftest import ServerForKernels
 from .conftest import requires_qemu
@@ -117,13 +118,7 @@ def test_by_hand_a_stored_sandbox_wakes_from_the_remote_store_when_this_host_los
         assert ctl.stores.stored_copies.wait_idle(60)
         assert not os.path.exists(pushed)
     finally:
-        for s in ctl.list_sandboxes():
-            ctl.kill_sandbox(s["id"])
-        for s in ctl.list_snapshots():
-            ctl.delete_snapshot(s["tag"])
-        ctl.stores.close()
-        ctl.registry.close()
-        shutil.rmtree(data, ignore_errors=True)
+        end(ctl, data)
 
 
 def test_closing_stops_a_store_under_way_and_the_next_start_stores_the_snapshot(vm_engine):
@@ -148,11 +143,13 @@ def test_closing_stops_a_store_under_way_and_the_next_start_stores_the_snapshot(
         sb = again.spawn("closing")[0]["id"]
         assert again.eval(sb, "x")["result"] == "20"
     finally:
-        c = again or ctl
-        for s in c.list_sandboxes():
-            c.kill_sandbox(s["id"])
-        for s in c.list_snapshots():
-            c.delete_snapshot(s["tag"])
-        c.stores.close()
-        c.registry.close()
-        shutil.rmtree(data, ignore_errors=True)
+        end(again or ctl, data)
+
+
+def end(ctl, data: str) -> None:
+    """Delete what an in-process controller on the session's VM engine made, and its data dir; the
+    engine, shared, stays open."""
+    cleanup(ctl)
+    ctl.stores.close()
+    ctl.registry.close()
+    shutil.rmtree(data, ignore_errors=True)
