@@ -139,7 +139,6 @@ def test_server_killed_mid_live_branch_then_restart_thaws_the_source(vm_engine):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(engine.mem_root, ignore_errors=True)
         shutil.rmtree(data, ignore_errors=True)
-        shutil.rmtree(data, ignore_errors=True)
 
 
 def test_delete_of_a_vm_snapshot_being_created_cancels_it(vm_engine):
