@@ -39,6 +39,7 @@ class StoredCopies:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._idle = threading.Condition()
         self._pending: set[str] = set()
+        self._closing = threading.Event()
         self._worker = threading.Thread(target=self._work, name="forkd-stored-copies", daemon=True)
         self._worker.start()
 
@@ -92,8 +93,12 @@ class StoredCopies:
         with self._idle:
             return self._idle.wait_for(lambda: not self._pending, timeout)
 
-    def close(self) -> None:
+    def close(self, wait: float) -> None:
+        """Stop the worker and wait for a delete under way (``wait`` s at most); the queued ones stay
+        recorded, for the next start (``resume``)."""
+        self._closing.set()
         self._queue.put(None)
+        self._worker.join(wait)
 
     # --- the worker --------------------------------------------------------------------------------
 
@@ -127,7 +132,8 @@ class StoredCopies:
     def _work(self) -> None:
         while (key := self._queue.get()) is not None:
             try:
-                self._delete(key)
+                if not self._closing.is_set():  # else left recorded, for the next start
+                    self._delete(key)
             except Exception:  # noqa: BLE001 - its record stays: the next start-up tries again
                 log.exception("forkd: deleting a woken sandbox's stored state %s failed", key)
             finally:

@@ -127,13 +127,13 @@ class StoreManager:
         return True
 
     def close(self) -> None:
-        """Stop the worker and wait for it (``CLOSE_WAIT`` at most): a transfer under way stops at its
-        next chunk and what is queued is left for the next start, so nothing writes into the data
-        dir, or uses the registry, once the controller has closed."""
+        """Stop the workers and wait for them (``CLOSE_WAIT`` each at most): a transfer under way stops
+        at its next chunk and what is queued is left for the next start, so nothing writes into the
+        data dir, or uses the registry, once the controller has closed."""
         self._closing.set()
         self._queue.put(None)
         self._worker.join(CLOSE_WAIT)
-        self.stored_copies.close()
+        self.stored_copies.close(CLOSE_WAIT)
 
     def _unless_closing(self, done: int, total: int) -> None:
         if self._closing.is_set():

@@ -134,7 +134,7 @@ def test_closing_stops_a_store_under_way_and_the_next_start_stores_the_snapshot(
     try:
         ctl.create_snapshot("closing", engine="vm", mem_size_mib=192, setup="x = 20")
         ctl.stores.close()  # its store was queued as it became ready
-        assert not ctl.stores._worker.is_alive()
+        assert not ctl.stores._worker.is_alive() and not ctl.stores.stored_copies._worker.is_alive()
         ctl.registry.close()
         again = ServerController(data, engines={"vm": vm_engine})
         assert again.stores.wait_idle(120)
