@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from forkd_engine import cgroups  # noqa: E402
 from forkd_engine.process import engine as process_engine  # noqa: E402
-from forkd_server import registry  # noqa: E402
+from forkd_server.controller import registry  # noqa: E402
 from forkd_server.controller import Controller  # noqa: E402
 
 SETUP = "import numpy\ndata = numpy.ones({mib} * 2**20 // 8)\n"

@@ -32,7 +32,7 @@ remote store. Figures:
 - wake_from_local_store: a snapshot whose RAM file tmpfs lost, spawned again: materialise_ms
   (decompress + verify + write memory.bin into tmpfs; nothing to fetch from the local store) and
   restore_ms (QEMU's restore until the agent confirms), as a stored notebook's wake would do.
-- tiers: a sandbox of the same kind of guest moved by the controller's tiers (forkd_server/tiers.py,
+- tiers: a sandbox of the same kind of guest moved by the controller's tiers (forkd_server/controller/tiers.py,
   as ``POST /v1/sandboxes/{id}/freeze``, ``/store`` and ``/wake`` do), medians of ``--reps``:
   frozen_wake_ms (frozen -> running: QMP ``cont``), store_ms (branch into the local store, QEMU
   ended, RAM file freed) and the wake of a stored sandbox from the local store with its split:

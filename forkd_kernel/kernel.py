@@ -29,7 +29,7 @@ from forkd_magics._errors import Explained, details_bundle, explained
 from forkd_magics._magics import spawn_when_written
 from forkd_magics._names import as_python, sandbox_ids
 from forkd_magics._scope import Scope, kernel_id, notebook_path
-from forkd_server.checks import host_memory_mib
+from forkd_server.controller.checks import host_memory_mib
 from forkd_server.client import BadServerURL, Controller, ControllerError, ServerUnreachable
 from forkd_server.client._core import DEFAULT_URL
 
@@ -121,7 +121,7 @@ class ForkdKernel(Kernel):
     def _memory_limit(self) -> int:
         value = os.environ.get("FORKD_KERNEL_MEMORY_LIMIT_MIB")
         if not value:
-            return host_memory_mib()  # the largest limit the server accepts (forkd_server/checks.py)
+            return host_memory_mib()  # the largest limit the server accepts (forkd_server/controller/checks.py)
         try:
             return int(value)
         except ValueError:  # said under the first cell (_start)

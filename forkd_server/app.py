@@ -260,7 +260,7 @@ class ForkdApp(ExtensionApp):
             return
         startup.mark("server configured")
         from .controller import Controller
-        from .datadir_lock import DataDirBusy, DataDirLock
+        from .controller.datadir_lock import DataDirBusy, DataDirLock
 
         try:  # one server per data dir (datadir_lock.py says why)
             self.data_dir_lock = DataDirLock.acquire(os.path.expanduser(self.data_dir))
@@ -285,13 +285,13 @@ class ForkdApp(ExtensionApp):
         self.controller.recovery.on_done = self._recovered  # logs what the start-up repaired or resumed
         if self.store:
             self.log.info("forkd: remote snapshot store %s", self.controller.stores.remote.url)
-        from .kernels import KernelHeads
-        from .sessions import SessionManager
+        from .controller.kernels import KernelHeads
+        from .controller.sessions import SessionManager
         self.sessions = SessionManager(self.controller, max_sessions=self.max_sessions)
         self.kernels = KernelHeads(self.controller.registry, self.controller.publish)
         self.controller.trees.kernels = self.kernels  # a promote never kills a notebook's HEAD
         self.metrics = Metrics(self)
-        from .admission import Admission
+        from .controller.admission import Admission
         self.admission = Admission(max_long_calls=self.max_long_calls,
                                    max_long_calls_per_caller=self.max_long_calls_per_caller,
                                    control_workers=self.control_workers, sandbox_queue_size=self.sandbox_queue_size,

@@ -20,9 +20,9 @@ import secrets
 from typing import Any
 from urllib.parse import quote
 
-from ..checks import MAX_CHILDREN
-from ..forktrees import OWNER_LABELS
-from ..wire import FORK_TREE_LABEL
+from ..controller.checks import MAX_CHILDREN
+from ..controller.forktrees import OWNER_LABELS
+from ..controller.wire import FORK_TREE_LABEL
 from . import pending
 from .hosts import Host, HostError
 from .placement import Part

@@ -1,5 +1,5 @@
 """Promote of a fork tree whose children span hosts (forks.py makes such a tree): what a host's
-promote does for a tree of its own (forkd_server/forktrees.py), done across the hosts of its
+promote does for a tree of its own (forkd_server/controller/forktrees.py), done across the hosts of its
 members, from the tree's record the router keeps: the siblings killed on their hosts unless another
 notebook, a workspace or ``cleanup_siblings: false`` keeps them, the tree's snapshot released from
 every host and the store unless something keeps it, ``fork_tree_id`` taken off the survivors, and
@@ -11,8 +11,8 @@ import asyncio
 from typing import Any
 from urllib.parse import quote
 
-from ..forktrees import lost
-from ..wire import FORK_TREE_LABEL
+from ..controller.forktrees import lost
+from ..controller.wire import FORK_TREE_LABEL
 from .forks import TREE, owners, release
 from .hosts import Host, HostError
 from .router import Refusal, Router

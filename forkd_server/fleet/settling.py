@@ -17,7 +17,7 @@ import asyncio
 import logging
 from urllib.parse import quote
 
-from ..wire import FORK_TREE_LABEL
+from ..controller.wire import FORK_TREE_LABEL
 from . import pending
 from .forks import TREE, release
 from .hosts import HostError

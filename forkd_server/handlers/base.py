@@ -26,8 +26,8 @@ from ..errors import ForkdError, Gone, NotFound
 from ..hub.identity import HubUser
 from ..hub.ownership import Caller, Refused
 from ..scrub import ScrubbedLog, scrub  # noqa: F401 - the names this module's users import
-from ..storage import full_disk_error, is_disk_full
-from ..wire import label_filter
+from ..controller.storage import full_disk_error, is_disk_full
+from ..controller.wire import label_filter
 
 
 def dumps(obj) -> bytes:

@@ -16,7 +16,7 @@ from tornado import web
 
 from forkd_engine.agent.runtime import MAX_FILE_BYTES
 
-from ..checks import MAX_CHILDREN
+from ..controller.checks import MAX_CHILDREN
 from ..hub.ownership import OWNER
 from .base import ApiError, ForkdHandler, dumps, query_bool, query_labels
 

@@ -7,7 +7,7 @@ import os
 from jupyter_server.auth.decorator import authorized
 from tornado import web
 
-from ..checks import check_tag
+from ..controller.checks import check_tag
 from ..errors import BadRequest
 from ..hub.ownership import OWNER, SHARED
 from .base import ApiError, ForkdHandler, query_bool, query_labels

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from forkd_server import recovery
+from forkd_server.controller import recovery
 from forkd_server.controller import Controller
 from forkd_server.errors import Conflict, NotFound
 

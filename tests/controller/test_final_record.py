@@ -10,7 +10,7 @@ import sqlite3
 import pytest
 
 from forkd_server.errors import EngineFailure
-from forkd_server.storage import is_disk_full
+from forkd_server.controller.storage import is_disk_full
 
 from ..conftest import requires_root
 
@@ -22,7 +22,7 @@ FULL = sqlite3.OperationalError("database or disk is full")
 @pytest.fixture
 def refusing(ctl, monkeypatch):
     """The registry refuses a snapshot's final records (status ready or failed) while ``on``."""
-    from forkd_server import branching
+    from forkd_server.controller import branching
     monkeypatch.setattr(branching, "SETTLE_RETRY", 0.05)  # the retry's pause: nothing to wait out here
     state = {"on": True, "refused": 0}
     real = ctl.registry.update_snapshot

@@ -1,12 +1,12 @@
-"""The forkd kernels' HEAD records (forkd_server/kernels.py): a kernel its Jupyter server stopped
+"""The forkd kernels' HEAD records (forkd_server/controller/kernels.py): a kernel its Jupyter server stopped
 leaves its notebook's HEAD behind, and the notebook's next kernel is told it once."""
 
 from __future__ import annotations
 
 import os
 
-from forkd_server.kernels import KernelHeads
-from forkd_server.registry import Registry
+from forkd_server.controller.kernels import KernelHeads
+from forkd_server.controller.registry import Registry
 
 
 def heads(short_dir) -> tuple[KernelHeads, Registry, list]:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from forkd_server.registry import Registry
+from forkd_server.controller.registry import Registry
 
 
 def row(i: int) -> dict:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from forkd_server import tiers
+from forkd_server.controller import tiers
 from forkd_server.errors import Busy
 
 

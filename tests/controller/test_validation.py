@@ -24,7 +24,7 @@ def test_bad_tags_are_400(ctl, tag):
 
 @pytest.mark.parametrize("tag", ["a", "_x", "A.b-c_9", "x" * 64, "v1.2.3"])
 def test_good_tags_pass_the_rule(tag):
-    from forkd_server.controller import check_tag
+    from forkd_server.controller.checks import check_tag
     assert check_tag(tag) == tag
 
 

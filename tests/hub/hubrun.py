@@ -279,7 +279,7 @@ def _started_in(workdir: str) -> list[int]:
 def _pid_from_lock(data_dir: str) -> int | None:
     """The pid of the forkd server on ``data_dir`` (datadir_lock.py writes it), if it is running."""
     try:
-        from forkd_server.datadir_lock import LOCK_NAME
+        from forkd_server.controller.datadir_lock import LOCK_NAME
         with open(os.path.join(data_dir, LOCK_NAME)) as f:
             return int(json.load(f)["pid"])
     except (OSError, ValueError, KeyError, AttributeError, TypeError):

@@ -352,7 +352,7 @@ def test_the_notebooks_sandboxes_have_its_memory_limit_not_the_servers_default(k
     the host's memory as their limit, not the 2048 MiB every other sandbox gets."""
     from forkd_engine.process.engine import DEFAULT_MEMORY_LIMIT_MIB
 
-    from forkd_server.checks import host_memory_mib
+    from forkd_server.controller.checks import host_memory_mib
     _, kc = kernel
     ctl = Controller(forkd_server.url, forkd_server.token)
     host = host_memory_mib()

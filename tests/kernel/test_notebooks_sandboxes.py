@@ -14,7 +14,7 @@ from jupyter_client.manager import start_new_kernel
 from forkd_engine import linux
 from forkd_kernel.ownership import make_ours
 from forkd_magics._scope import KERNEL_ID
-from forkd_server.checks import host_memory_mib
+from forkd_server.controller.checks import host_memory_mib
 from forkd_server.client import Controller
 
 from .cells import head_of, run

@@ -12,7 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-from forkd_server.checks import host_memory_mib
+from forkd_server.controller.checks import host_memory_mib
 
 from .conftest import SHOTS
 

@@ -11,7 +11,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from forkd_engine import LimitHit
 from forkd_magics._magics import ForkdMagics
-from forkd_server import endings
+from forkd_server.controller import endings
 from forkd_server.client import Controller, ControllerError
 from forkd_server.errors import Gone
 

@@ -1,4 +1,4 @@
-"""The admission policy on its own (forkd_server/admission.py): caps, the per-sandbox lane, kills.
+"""The admission policy on its own (forkd_server/controller/admission.py): caps, the per-sandbox lane, kills.
 
 Calls here block on events the test sets, so each state (running, waiting, refused) is reached by
 a readiness check, never by a sleep.
@@ -12,7 +12,7 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from forkd_server.admission import Admission
+from forkd_server.controller.admission import Admission
 from forkd_server.errors import Busy, Conflict, Gone, TooManyRequests
 
 

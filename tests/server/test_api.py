@@ -367,7 +367,7 @@ async def test_branch_full_and_grandchildren(jp_fetch, sandbox):
 
 
 def test_pause_fields_round_up_and_keep_microseconds():
-    from forkd_server.wire import pause_fields
+    from forkd_server.controller.wire import pause_fields
 
     assert pause_fields(2.26) == {"pause_ms": 3, "pause_us": 2260}
     assert pause_fields(2.0) == {"pause_ms": 2, "pause_us": 2000}

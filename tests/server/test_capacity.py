@@ -183,7 +183,7 @@ def test_memory_free_is_bounded_by_the_data_dirs_cgroup(forkd_data_dir, monkeypa
     """A memory limit on the engine's group for this data dir shows in memory_free (the host's
     MemAvailable is far larger)."""
     from forkd_engine.cgroups import Cgroups, memory_room, subtree
-    from forkd_server.capacity import mem_available, memory_free
+    from forkd_server.controller.capacity import mem_available, memory_free
 
     where = locate("memory")
     if where is None:
@@ -207,7 +207,7 @@ def test_memory_free_is_bounded_by_the_data_dirs_cgroup(forkd_data_dir, monkeypa
             cgroups = Cgroups(group)
         assert memory_free({"e": Engine()}) == 200 << 20 < mem_available()
         # MemAvailable moves from one read to the next on a busy host: the same figure for both sides
-        from forkd_server import capacity
+        from forkd_server.controller import capacity
         monkeypatch.setattr(capacity, "mem_available", lambda: 123 << 30)
         assert memory_free({}) == 123 << 30
         assert memory_free({"e": Engine()}) == 200 << 20

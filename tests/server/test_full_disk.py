@@ -102,7 +102,7 @@ def test_a_vm_create_whose_ram_tmpfs_runs_out_is_507_naming_it(small_disk, monke
 
     from forkd_server.controller import Controller
     from forkd_server.errors import EngineFailure, NotFound
-    from forkd_server.storage import full_disk_error, is_disk_full
+    from forkd_server.controller.storage import full_disk_error, is_disk_full
 
     data = tempfile.mkdtemp(prefix="fkvd")
     mem_root = os.path.join(small_disk, "ram")   # 32 MiB for a guest of 256 MiB

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from forkd_server.registry import Registry
+from forkd_server.controller.registry import Registry
 
 from ..signals import stopped
 from .test_api import call, sandbox, snap  # noqa: F401 - the fixtures

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ...checks import MAX_CHILDREN
+from ...controller.checks import MAX_CHILDREN
 from ..forks import fork_across, fork_fields, room_for, settle_children
 from ..hosts import Host, HostError
 from ..promotes import promote_across, spanned_tree

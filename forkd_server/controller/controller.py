@@ -22,13 +22,14 @@ from typing import Callable
 
 from forkd_engine import EngineError
 
-from . import endings, startup
+from .. import startup
+from . import endings
 from .branching import BranchManager
 from .capacity import capacity
 from .changes import ChangeFeed
 from .creation import CreationManager
 from .checks import BRANCH_MODES, check_labels, check_tag
-from .errors import BadRequest, Conflict, EngineFailure, NotFound
+from ..errors import BadRequest, Conflict, EngineFailure, NotFound
 from .forktrees import ForkTreeManager
 from .recovery import Recovery
 from .registry import Registry

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 _LIMITS = re.compile(r"\s*\[stopped by its limits: (.*?)(?:\. (A setup runs within .*))?\]\s*$", re.S)
 _CODE = re.compile(r"setup code failed: (.*)", re.S)

@@ -19,7 +19,7 @@ from forkd_engine import Cancelled, EngineError, InvalidSpec, LimitReached, Loss
 
 from .branching import lossy_refusal
 from .checks import ENGINES, check_disk_mib, check_labels, check_memory_mib, check_setup_timeout, check_tag
-from .errors import BadRequest, Conflict, EngineFailure, ForkdError
+from ..errors import BadRequest, Conflict, EngineFailure, ForkdError
 from .setup_failures import setup_refusal
 
 if TYPE_CHECKING:

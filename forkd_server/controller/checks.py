@@ -9,7 +9,7 @@ import math
 import os
 import re
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
 MAX_CHILDREN = 1000

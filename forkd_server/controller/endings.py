@@ -20,7 +20,7 @@ import time
 
 from forkd_engine import ExitStatus, LimitHit
 
-from .errors import NotFound
+from ..errors import NotFound
 
 KILLED = "it was killed (DELETE /v1/sandboxes/{id})"
 UNEXPECTED = ("its process ended unexpectedly (no limit of its was reached: it exited, crashed or was killed "

@@ -11,7 +11,7 @@ import errno
 import shutil
 import sqlite3
 
-from .errors import InsufficientStorage, StoreFailure
+from ..errors import InsufficientStorage, StoreFailure
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _FULL_TEXT = ("No space left on device", "database or disk is full", "Disk quota exceeded")

@@ -21,8 +21,8 @@ from typing import Callable, Iterator
 from forkd_engine import AgentUnreachable, EngineError, LimitReached, LossyFork, UnsupportedMode
 
 from .changes import ChangeFeed
-from .errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
-from .hub.ownership import inheritable
+from ..errors import BadRequest, Busy, Conflict, EngineFailure, ForkdError, NotFound
+from ..hub.ownership import inheritable
 from .registry import Registry
 from .wire import FORK_TREE_LABEL, pause_fields
 

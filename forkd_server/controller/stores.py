@@ -29,7 +29,7 @@ from forkd_engine.store import (ChunkCorrupt, Incompatible, NotInStore, RemoteSt
                                 fetch_manifest, parse_digest, push as push_chunks)
 
 from .checks import check_tag
-from .errors import BadRequest, Busy, Conflict, EngineFailure, NotFound, StoreFailure
+from ..errors import BadRequest, Busy, Conflict, EngineFailure, NotFound, StoreFailure
 from .stored_copies import StoredCopies
 
 PROGRESS_EVERY = 0.25  # seconds between progress events of one transfer

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from . import endings
 from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag, int_field
-from .errors import BadRequest, Conflict, ForkdError, NotFound
+from ..errors import BadRequest, Conflict, ForkdError, NotFound
 from .wire import FORK_TREE_LABEL, sandbox_info
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ and the lineage tree's nodes. One place decides what a client sees of a row."""
 
 from __future__ import annotations
 
-from .errors import BadRequest
+from ..errors import BadRequest
 
 # The label of each child of a fork tree while the tree is open (forktrees.py): the tree's id.
 FORK_TREE_LABEL = "fork_tree_id"

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .checks import check_labels, check_memory_mib, check_tag
-from .errors import BadRequest, Conflict, EngineFailure, NotFound
+from ..errors import BadRequest, Conflict, EngineFailure, NotFound
 from .wire import workspace_info
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ import re
 import time
 from typing import Callable
 
-from .errors import BadRequest, NotFound
+from ..errors import BadRequest, NotFound
 
 KERNEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 _SCHEMA = """

@@ -45,7 +45,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from .errors import Busy, Conflict, Gone, TooManyRequests
+from ..errors import Busy, Conflict, Gone, TooManyRequests
 
 PROBE_WORKERS = 32  # threads for pings of many sandboxes at once (the tree's busy column)
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Callable
 from forkd_engine import EngineError
 
 from . import endings
-from .errors import Recovering
+from ..errors import Recovering
 
 if TYPE_CHECKING:
     from .controller import Controller

@@ -16,8 +16,8 @@ from forkd_engine import AgentUnreachable, ChildSpec, EngineError, LimitReached
 
 from . import endings
 from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag
-from .hub.ownership import inheritable
-from .errors import BadRequest, Busy, Conflict, EngineFailure, Gone, NotFound
+from ..hub.ownership import inheritable
+from ..errors import BadRequest, Busy, Conflict, EngineFailure, Gone, NotFound
 from .wire import sandbox_info
 
 if TYPE_CHECKING:

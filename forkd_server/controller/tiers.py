@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Iterator
 from forkd_engine import ChildSpec, EngineError
 from forkd_engine.store import StoreError, fetch_manifest, push as push_chunks
 
-from .errors import Busy, Conflict, EngineFailure, StoreFailure
+from ..errors import Busy, Conflict, EngineFailure, StoreFailure
 from .sandboxes import running
 from .wire import sandbox_info
 

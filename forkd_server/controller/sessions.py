@@ -15,7 +15,7 @@ from typing import Callable
 
 from forkd_engine import AgentUnreachable, EngineError
 
-from .errors import Busy, EngineFailure
+from ..errors import Busy, EngineFailure
 
 
 class SessionManager:
