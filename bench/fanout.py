@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from forkd_server.controller import Controller  # noqa: E402
+from forkd_server.doctor import check_cgroup_moves  # noqa: E402
 
 from raw_fork import cpu_ns, own_cpu_ns  # noqa: E402
 
@@ -163,7 +164,9 @@ def main() -> int:
                                                                    "and a kernel)")
     parser.add_argument("--no-vm", action="store_true", help="leave out the VM restore (a QEMU snapshot)")
     args = parser.parse_args()
-    out: dict = {"machine": {"cpus": os.cpu_count(), "kernel": os.uname().release},
+    # whether a move into a cgroup waits for an RCU grace period here (`forkd doctor`'s row)
+    out: dict = {"machine": {"cpus": os.cpu_count(), "kernel": os.uname().release,
+                             "cgroup_moves": check_cgroup_moves()["detail"]},
                  "load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="fkf") as data_dir:
         ctl = Controller(data_dir)

@@ -478,7 +478,7 @@ def test_cli_push_and_pull_fail_in_one_line_off_a_terminal(server):
 def test_cli_doctor_json(server):
     rows = json.loads(cli(server, "doctor", "--json", "--data-dir", server.data_dir).stdout)
     checks = {r["check"]: r for r in rows}
-    assert {"privileges", "namespaces", "cgroups", "seccomp", "kvm", "pvm", "qemu", "userfaultfd", "free disk",
+    assert {"privileges", "namespaces", "cgroups", "cgroup moves", "seccomp", "kvm", "pvm", "qemu", "userfaultfd", "free disk",
             "reflink", "server"} <= set(checks)
     assert all(r["status"] in ("ok", "warn", "fail", "info") for r in rows)
     assert checks["server"]["status"] == "ok" and server.url in checks["server"]["detail"]
