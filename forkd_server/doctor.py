@@ -152,7 +152,7 @@ def check_cgroup_moves(mountinfo: str = "/proc/self/mountinfo") -> dict:
         return _row("cgroup moves", "ok", "favordynmods is on: a spawn's moves into its cgroups do not wait "
                     "for an RCU grace period")
     v2 = [point for point, fstype, _ in mounts if fstype == "cgroup2"]
-    now = f"`mount -o remount,favordynmods {v2[0]}` now (until the next boot), and " if v2 else ""
+    now = f"`mount -o remount,favordynmods {v2[0]}` (until the next boot); to keep it, " if v2 else ""
     return _row("cgroup moves", "info", "each spawn's and each new snapshot's move into its cgroups waits for an "
                 "RCU grace period (5-17 ms; the kernel's default, which keeps fork and exit on their fast path)",
                 f"for faster spawns and notebook forks: {now}boot with `cgroup_favordynmods=true` (Linux 6.7 or "

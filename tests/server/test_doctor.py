@@ -41,9 +41,9 @@ def test_mounts_are_read_with_their_superblock_options(tmp_path):
 def test_without_favordynmods_the_fix_is_the_remount_of_the_v2_mount_and_the_boot_option(tmp_path):
     got = row(tmp_path, UNIFIED.format(v2=""))
     assert got["status"] == "info" and "RCU grace period" in got["detail"]
-    assert "`mount -o remount,favordynmods /sys/fs/cgroup` now" in got["fix"] and "cgroup_favordynmods=true" in got["fix"]
+    assert "`mount -o remount,favordynmods /sys/fs/cgroup` (until the next boot)" in got["fix"] and "cgroup_favordynmods=true" in got["fix"]
     hybrid = row(tmp_path, HYBRID.format(v2=""))
-    assert "`mount -o remount,favordynmods /sys/fs/cgroup/unified` now" in hybrid["fix"]
+    assert "`mount -o remount,favordynmods /sys/fs/cgroup/unified` (until" in hybrid["fix"]
 
 
 @new_kernel
