@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from forkd_server.doctor import cgroup_mounts, check_cgroup_moves
+from forkd_server.doctor import _kernel_version, cgroup_mounts, check_cgroup_moves
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -17,7 +15,7 @@ HYBRID = """\
 UNIFIED = "29 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw{v2},nsdelegate,memory_recursiveprot\n"
 V1_ONLY = "35 31 0:31 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory{v1}\n"
 
-new_kernel = pytest.mark.skipif(tuple(map(int, os.uname().release.split(".")[:2])) < (6, 0),
+new_kernel = pytest.mark.skipif(_kernel_version() < (6, 0),
                                 reason="favordynmods exists from Linux 6.0")
 
 
