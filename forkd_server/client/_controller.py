@@ -222,7 +222,7 @@ class Calls:
 
     def push_snapshot(self, tag: str, *, timeout: float = 3600) -> dict:
         """Push snapshot ``tag`` to the server's remote store; returns ``{"digest", "store",
-        "chunks", "uploaded_chunks", "uploaded_bytes"}``. Progress: events of action ``push``
+        "chunks", "uploaded_chunks", "uploaded_bytes", "lookups"}``. Progress: events of action ``push``
         (``done_bytes``, ``total_bytes``); ``Controller`` takes ``progress=`` for them."""
         return self._request("POST", f"/v1/snapshots/{tag}/push", timeout=timeout)
 

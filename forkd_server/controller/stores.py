@@ -65,6 +65,7 @@ class StoreManager:
         self._closing = threading.Event()
         self._idle = threading.Condition(self._lock)
         self._pending: set[str] = set()
+        self._failed_pushes: set[str] = set()  # tags whose last push a store error cut short
         self._worker = threading.Thread(target=self._work, name="forkd-store", daemon=True)
         self._worker.start()
         self.stored_copies = StoredCopies(self)  # a woken or ended sandbox's stored state leaves the remote
@@ -226,13 +227,18 @@ class StoreManager:
             raise Conflict(f"snapshot {tag}: its files are gone, nothing to push")
         engine = self._engine_of(row)
         marker = os.path.join(self._pushing_dir, tag)
+        # a push cut short (this server's end, or a store that failed) left part of it in the store:
+        # look each chunk up before sending it, rather than send what the store may hold
+        cut_short = os.path.exists(marker) or tag in self._failed_pushes
         open(marker, "w").close()
         try:
-            result = push_chunks(engine.store, remote, stored["digest"], tag=tag, progress=self._progress(tag, "push"))
+            result = push_chunks(engine.store, remote, stored["digest"], tag=tag, progress=self._progress(tag, "push"),
+                                 held=self.held_remotely(engine), look_first=cut_short)
         except Closing:
             marker = None  # kept: the next start resumes this push
             raise
         except StoreError as exc:
+            self._failed_pushes.add(tag)
             # chunks are whole or absent and the manifest goes last: nothing a pull would use is half there
             raise StoreFailure(f"push of {tag}: {exc}",
                                hint=f"{tag} is unharmed here, and the store holds no manifest of it until a push "
@@ -241,9 +247,26 @@ class StoreManager:
             if marker is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(marker)
+        self._failed_pushes.discard(tag)
         self._set_stored(tag, row["handle"], dict(stored, remote=True))
         self.feed.emit("snapshot", "stored", tag=tag, digest=stored["digest"], remote=True)
         return {"tag": tag, "store": remote.url, **result}
+
+    def held_remotely(self, engine) -> set[str]:
+        """The chunks the remote store is believed to hold: those of this host's snapshots and stored
+        sandboxes that were pushed to it or pulled from it (a diff branch shares most of its parent's).
+        A push looks these up before sending them and sends the others at once; a belief gone stale
+        costs a lookup or a refused send, never a chunk missing, as every write is in create mode."""
+        digests = {((r["handle"] or {}).get("stored") or {}).get("digest")
+                   for r in self.registry.list_snapshots() if ((r["handle"] or {}).get("stored") or {}).get("remote")}
+        digests |= {r["stored"].get("digest") for r in self.registry.list_sandboxes()
+                    if r.get("stored") and r["stored"].get("remote")}
+        held: set[str] = set()
+        for digest in digests - {None}:
+            manifest = engine.store.get_manifest(digest)
+            if manifest is not None:
+                held.update(manifest.chunks())
+        return held
 
     def delete_remote(self, name) -> dict:
         """Delete a snapshot from the remote store, by tag or ``sha256:`` digest: its manifest and the

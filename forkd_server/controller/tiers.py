@@ -232,7 +232,7 @@ class TierManager:
             remote = self.ctl.stores.remote
             if remote is not None:
                 try:
-                    push_chunks(engine.store, remote, digest)
+                    push_chunks(engine.store, remote, digest, held=self.ctl.stores.held_remotely(engine))
                 except StoreError as exc:
                     raise StoreFailure(f"store of {row['id']}: {exc}",
                                        hint="the sandbox runs on; store it again once the store answers") from None

@@ -190,6 +190,55 @@ def test_s3_push_pull_and_tamper(tmp_path, monkeypatch):
         assert not b.has(victim)
 
 
+def test_a_push_looks_up_only_the_chunks_the_store_is_believed_to_hold(tmp_path, monkeypatch):
+    """A lookup before each send only spares sending what the store holds: a first push sends every
+    chunk at once (create mode); chunks given as held are looked up first; a push that finds a chunk
+    there already looks up the rest; a resumed push looks up all. moto's log counts the requests."""
+    from forkd_engine.store.transfer import IO_WORKERS
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    n = 3 * IO_WORKERS
+    src = tmp_path / "many.bin"
+    with open(src, "wb") as f:
+        for i in range(n):  # distinct non-zero chunks that compress to almost nothing
+            f.write(bytes([i + 1]) * CHUNK_SIZE)
+    cache = ChunkCache(str(tmp_path / "c"))
+    a = persist(cache, {"memory.bin": str(src)}, REQUIRES, {"tag": "a"})
+    data = bytearray(src.read_bytes())
+    data[5 * CHUNK_SIZE] ^= 0xFF  # one chunk changed
+    (tmp_path / "b.bin").write_bytes(data)
+    b = persist(cache, {"memory.bin": str(tmp_path / "b.bin")}, REQUIRES, {"tag": "b"})
+    assert len(a.chunks()) == n and len(set(b.chunks()) - set(a.chunks())) == 1
+
+    def requests(log, since, method):
+        return [p for m, p in log[since:] if m == method and "/chunks/" in p]
+
+    with moto_s3() as (endpoint, log):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        remote = RemoteStore("s3://forkd/looks")
+        mark = len(log)
+        first = push(cache, remote, a.digest, tag="a")
+        assert (first["uploaded_chunks"], first["lookups"]) == (n, 0)
+        assert requests(log, mark, "HEAD") == [] and len(requests(log, mark, "PUT")) == n
+
+        mark = len(log)
+        branch = push(cache, remote, b.digest, tag="b", held=set(a.chunks()))
+        new = (set(b.chunks()) - set(a.chunks())).pop()
+        assert branch["uploaded_chunks"] == 1 and branch["lookups"] == n - 1
+        assert requests(log, mark, "PUT") == [f"/forkd/looks/chunks/{new[:2]}/{new}"]  # nothing sent twice
+
+        mark = len(log)
+        again = push(cache, remote, a.digest)  # nothing believed held, all there: sends stop at the first refusal
+        assert again["uploaded_chunks"] == 0
+        assert len(requests(log, mark, "PUT")) <= IO_WORKERS < n
+        assert again["lookups"] >= n - IO_WORKERS
+
+        mark = len(log)
+        resumed = push(cache, remote, a.digest, look_first=True)
+        assert (resumed["uploaded_chunks"], resumed["lookups"]) == (0, n)
+        assert requests(log, mark, "PUT") == []
+
+
 def test_unreachable_and_denied_stores_are_named_without_secret(tmp_path, monkeypatch):
     for k, v in S3_ENV.items():
         monkeypatch.setenv(k, v)

@@ -90,6 +90,7 @@ def pushed(host_a):
     a.create_snapshot("np", engine="vm", mem_size_mib=256, packages=["python3-numpy"], setup=SETUP)
     out = a.push_snapshot("np")
     assert out["uploaded_chunks"] == out["chunks"] > 0
+    assert out["lookups"] == 0  # nothing of it was in the store: every chunk sent at once, in create mode
     return out["digest"]
 
 
@@ -156,6 +157,8 @@ def test_a_diff_branch_uploads_only_changed_chunks_and_each_chunk_moves_once(hos
     assert 0 < out["uploaded_chunks"] < out["chunks"] / 2, out
     puts = collections.Counter(p for m, p in log if m == "PUT" and "/chunks/" in p)
     assert puts and max(puts.values()) == 1  # no chunk uploaded twice across parent and branch
+    # the chunks shared with the pushed parent were looked up (and not sent), the new ones sent at once
+    assert out["lookups"] == out["chunks"] - out["uploaded_chunks"], out
     info = b.pull_snapshot("np-b")
     assert info["pull"]["fetched_chunks"] < info["pull"]["chunks"] / 2  # the parent's chunks were there
     gets = collections.Counter(p for m, p in log if m == "GET" and "/chunks/" in p)

@@ -137,20 +137,38 @@ def _verified(where: str, hexd: str, blob: bytes, size: int) -> bytes:
 
 
 def push(cache: ChunkCache, remote: RemoteStore, digest: str, tag: str | None = None,
-         progress: Progress = None) -> dict:
+         progress: Progress = None, held: frozenset[str] | set[str] = frozenset(), look_first: bool = False) -> dict:
     """Copy a snapshot from the cache to ``remote``: the chunks it lacks first, the manifest last,
-    then the tag. Returns {"digest", "chunks", "uploaded_chunks", "uploaded_bytes"}."""
+    then the tag. Returns {"digest", "chunks", "uploaded_chunks", "uploaded_bytes", "lookups"}.
+
+    Every chunk is written in create mode, which never rewrites an object the store has; a lookup
+    first only spares sending one the store holds. So the chunks the store is believed to hold
+    (``held``: those of snapshots pushed to it before, e.g. a diff branch's parent) are looked up
+    first, and the others are sent at once: a first push makes no lookup. Once a send finds its
+    chunk there already (another host pushed the same content, or a push was cut short), the rest
+    are looked up first; ``look_first`` starts so (a push resumed after the server's end)."""
     manifest = cache.get_manifest(digest)
     if manifest is None:
         raise NotInStore(f"local store {cache.root} holds no manifest {digest}")
     todo = manifest.chunks()
     counter = _Counter(sum(cache.size(c) for c in todo), progress)
-    uploaded = {"chunks": 0, "bytes": 0}
+    uploaded = {"chunks": 0, "bytes": 0, "lookups": 0}
     lock = threading.Lock()
+    looking = threading.Event()
+    if look_first:
+        looking.set()
 
     def one(hexd):
         size = cache.size(hexd)
-        if not remote.has_chunk(hexd) and remote.put_chunk(hexd, cache.read(hexd)):
+        if looking.is_set() or hexd in held:
+            with lock:
+                uploaded["lookups"] += 1
+            wrote = not remote.has_chunk(hexd) and remote.put_chunk(hexd, cache.read(hexd))
+        else:
+            wrote = remote.put_chunk(hexd, cache.read(hexd))
+            if not wrote:
+                looking.set()
+        if wrote:
             with lock:
                 uploaded["chunks"] += 1
                 uploaded["bytes"] += size
@@ -161,7 +179,7 @@ def push(cache: ChunkCache, remote: RemoteStore, digest: str, tag: str | None = 
     if tag:
         remote.put_tag(tag, digest)
     return {"digest": digest, "chunks": len(todo), "uploaded_chunks": uploaded["chunks"],
-            "uploaded_bytes": uploaded["bytes"]}
+            "uploaded_bytes": uploaded["bytes"], "lookups": uploaded["lookups"]}
 
 
 def fetch_manifest(remote: RemoteStore, *, tag: str | None = None, digest: str | None = None) -> Manifest:
