@@ -22,14 +22,13 @@ import threading
 
 from IPython.core.error import UsageError
 from ipykernel.kernelbase import Kernel
-from traitlets import Float, Integer, List, Unicode, default
+from traitlets import Enum, Float, Integer, List, Unicode, Union, default
 
 from forkd_magics._complete import install as install_completer
 from forkd_magics._errors import Explained, details_bundle, explained
 from forkd_magics._magics import spawn_when_written
 from forkd_magics._names import as_python, sandbox_ids
 from forkd_magics._scope import Scope, kernel_id, notebook_path
-from forkd_server.controller.checks import host_memory_mib
 from forkd_server.client import BadServerURL, Controller, ControllerError, ServerUnreachable
 from forkd_server.client._core import DEFAULT_URL
 
@@ -79,11 +78,12 @@ class ForkdKernel(Kernel):
     packages = List(Unicode(), config=True, help="Debian packages for a vm base ($FORKD_KERNEL_PACKAGES).")
     base_snapshot = Unicode(config=True, help="Fork the notebook from this snapshot ($FORKD_KERNEL_BASE); "
                                               "default: one made for these settings, shared by every kernel.")
-    memory_limit_mib = Integer(config=True, help="Memory limit (MiB) of the notebook's sandboxes: HEAD, the "
-                                                 "children checkout makes, %forkd fork of HEAD, the base's setup "
-                                                 "($FORKD_KERNEL_MEMORY_LIMIT_MIB; default: the host's memory, "
-                                                 "since the pages a notebook shares with the branches it keeps "
-                                                 "stay charged to it).")
+    memory_limit_mib = Union([Integer(min=16), Enum(["host"])], config=True,
+                             help="Memory limit (MiB) of the notebook's sandboxes: HEAD, the children checkout "
+                                  "makes, %forkd fork of HEAD, the base's setup ($FORKD_KERNEL_MEMORY_LIMIT_MIB; "
+                                  "default: \"host\", all the memory of the host the sandbox runs on, which the "
+                                  "server resolves, since the pages a notebook shares with the branches it keeps "
+                                  "stay charged to it).")
 
     freeze_after = Float(config=True, help="Seconds the notebook idles before its sandbox is frozen: paused, no CPU "
                                            "($FORKD_KERNEL_FREEZE_AFTER; default 600; 0: never). The next cell "
@@ -118,14 +118,18 @@ class ForkdKernel(Kernel):
         return os.environ.get("FORKD_KERNEL_BASE", "")
 
     @default("memory_limit_mib")
-    def _memory_limit(self) -> int:
-        value = os.environ.get("FORKD_KERNEL_MEMORY_LIMIT_MIB")
-        if not value:
-            return host_memory_mib()  # the largest limit the server accepts (forkd_server/controller/checks.py)
+    def _memory_limit(self) -> int | str:
+        # "host": the server that runs the sandbox resolves it (forkd_server/controller/checks.py), so
+        # a kernel on a larger machine than its server's, or behind a fleet's router, asks for no more
+        # than that host has
+        value = os.environ.get("FORKD_KERNEL_MEMORY_LIMIT_MIB", "").strip()
+        if not value or value == "host":
+            return "host"
         try:
             return int(value)
         except ValueError:  # said under the first cell (_start)
-            raise ValueError(f"$FORKD_KERNEL_MEMORY_LIMIT_MIB={value!r} is not a whole number of MiB") from None
+            raise ValueError(f"$FORKD_KERNEL_MEMORY_LIMIT_MIB={value!r} is neither a whole number of MiB "
+                             f"nor \"host\"") from None
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -20,22 +20,30 @@ from forkd_server.client import ControllerError, ServerUnreachable
 __all__ = ["make_ours"]
 
 
-def make_ours(controller, info: dict, labels: dict[str, str], memory_limit_mib: int | None) -> list[str]:
-    """Give the sandbox ``info`` describes the notebook's labels and memory limit; returns the lines
-    to tell the user (empty when it had both already)."""
+def make_ours(controller, info: dict, labels: dict[str, str], memory_limit_mib: int | str | None) -> list[str]:
+    """Give the sandbox ``info`` describes the notebook's labels and memory limit (MiB, or ``"host"``:
+    all of its host's memory, which the server resolves); returns the lines to tell the user (empty
+    when it had both already)."""
     sandbox, limit = info["id"], info.get("memory_limit_mib")
     missing = {k: v for k, v in labels.items() if (info.get("labels") or {}).get(k) != v}
-    # None: no limit to raise (a VM started without one); a higher one stays as it is
-    raise_to = memory_limit_mib if limit is not None and memory_limit_mib and limit < memory_limit_mib else None
+    # None: no limit to raise (a VM started without one); a higher one stays as it is, and "host" is
+    # raised by the server only where the sandbox has less than its host's memory
+    if limit is None or not memory_limit_mib:
+        raise_to = None
+    elif memory_limit_mib == "host":
+        raise_to = "host"
+    else:
+        raise_to = memory_limit_mib if limit < memory_limit_mib else None
     if not missing and raise_to is None:
         return []
+    wanted = "all of its host's memory" if raise_to == "host" else f"{memory_limit_mib} MiB"
     try:
-        controller.update_sandbox(sandbox, labels=missing or None, memory_limit_mib=raise_to)
+        after = controller.update_sandbox(sandbox, labels=missing or None, memory_limit_mib=raise_to)
     except (ControllerError, ServerUnreachable) as exc:
         if raise_to is None:
             return [_unlabelled(sandbox, exc)]
         said = [(f"forkd: warning: {sandbox} keeps its memory limit of {limit} MiB, lower than this notebook's "
-                 f"{memory_limit_mib} MiB: the server could not raise it ({_why(exc)}). A cell that needs more ends "
+                 f"({wanted}): the server could not raise it ({_why(exc)}). A cell that needs more ends "
                  f"the sandbox; %forkd fork -n 1 makes a copy of the notebook with the notebook's limit.")]
         if missing:  # the labels alone may still go through
             try:
@@ -43,9 +51,10 @@ def make_ours(controller, info: dict, labels: dict[str, str], memory_limit_mib: 
             except (ControllerError, ServerUnreachable) as again:
                 said.append(_unlabelled(sandbox, again))
         return said
-    if raise_to is not None:
+    now = (after or {}).get("memory_limit_mib")
+    if raise_to is not None and isinstance(now, int) and now > limit:
         return [(f"forkd: {sandbox} had a memory limit of {limit} MiB, lower than this notebook's: raised to "
-                 f"{memory_limit_mib} MiB (its /tmp and /dev/shm keep their sizes).")]
+                 f"{now} MiB (its /tmp and /dev/shm keep their sizes).")]
     return []
 
 

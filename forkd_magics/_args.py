@@ -13,6 +13,8 @@ import copy
 
 from IPython.core import magic_arguments
 
+from forkd_server.client import memory_limit_arg
+
 A = magic_arguments.argument
 
 # what each argument holds: completion and name resolution read it
@@ -77,7 +79,8 @@ SUBCOMMANDS = {
         A("sandbox", nargs="?", default=None, help="a running sandbox to fork (its id or a variable holding it)"),
         A("--tag", "-t", default=None, help="the snapshot to fork from (a tag or a Snapshot variable)"),
         A("-n", type=int, default=1, help="how many sandboxes (default 1)"),
-        A("--memory-limit-mib", type=int, default=None, help="memory limit of each sandbox"),
+        A("--memory-limit-mib", type=memory_limit_arg, default=None, metavar="MIB|host",
+          help="memory limit of each sandbox (host: all of its host's memory)"),
         A("--lossy", action="store_true", help="forking a sandbox or the notebook: go ahead even if running work "
                                                "(threads, child processes) stays behind, with a warning")),
     "branch": _parser(

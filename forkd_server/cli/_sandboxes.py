@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 
+from ..client import memory_limit_arg
 from ._errors import item_failed
 from ._output import add_label_option, ago, busy, client, console, emit_json, labels_arg, progress, table
 from ._snapshots import SNAPSHOT_COLUMNS, snapshot_rows
@@ -224,7 +225,8 @@ def add_commands(sub, options) -> None:
             p.add_argument("sandbox", nargs="?", help="the running sandbox to fork (branched once, N children)")
         p.add_argument("--tag", "-t", required=name == "spawn", help="the snapshot to fork from")
         p.add_argument("-n", type=int, default=1, help="how many sandboxes (1-1000)")
-        p.add_argument("--memory-limit-mib", type=int)
+        p.add_argument("--memory-limit-mib", type=memory_limit_arg, metavar="MIB|host",
+                       help="memory limit of each sandbox (host: all of its host's memory)")
         add_label_option(p, "each sandbox carries, besides the snapshot's")
         for flag in ("--per-child-netns", "--prewarm", "--live-fork", "--hugepages"):
             p.add_argument(flag, action="store_true", help="forkd VM option (accepted; the process engine ignores it)")

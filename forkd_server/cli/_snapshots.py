@@ -6,6 +6,7 @@ import json
 import shlex
 import warnings
 
+from ..client import memory_limit_arg
 from ._errors import item_failed
 from ._output import add_label_option, ago, busy, client, console, emit_json, labels_arg, table
 
@@ -131,7 +132,7 @@ def add_commands(sub, options) -> None:
                    help="a command run first, e.g. 'pip install numpy' (repeatable)")
     p.add_argument("--setup-timeout-secs", type=float, metavar="S",
                    help="how long the whole creation may take (default 600)")
-    p.add_argument("--memory-limit-mib", type=int, metavar="MIB",
+    p.add_argument("--memory-limit-mib", type=memory_limit_arg, metavar="MIB|host",
                    help="process engine: the setup's memory limit (default 2048)")
     p.add_argument("--engine", default="auto", choices=("auto", "process", "vm"))
     p.add_argument("--mem-size-mib", type=int)

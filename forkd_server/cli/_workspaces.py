@@ -3,6 +3,7 @@ snapshot and resume from it."""
 
 from __future__ import annotations
 
+from ..client import memory_limit_arg
 from ._output import ago, busy, client, console, emit_json, table
 
 # The id (ws- and its first sandbox's id) is in --json; a table for people fits 80 columns without it.
@@ -53,7 +54,8 @@ def add_commands(sub, options) -> None:
     p = wsub.add_parser("create", parents=[options], help="start a workspace from a snapshot")
     p.add_argument("name", help="the workspace's name (its state snapshot is ws-NAME-state)")
     p.add_argument("--snapshot", "-t", required=True, metavar="TAG", help="the snapshot to start from")
-    p.add_argument("--memory-limit-mib", type=int, help="memory limit of its sandbox, kept across resumes")
+    p.add_argument("--memory-limit-mib", type=memory_limit_arg, metavar="MIB|host",
+                   help="memory limit of its sandbox, kept across resumes (host: all of its host's memory)")
     p.add_argument("--per-child-netns", action="store_true", help="forkd VM option (accepted and ignored)")
     p.set_defaults(workspace_action="create")
     p = wsub.add_parser("suspend", parents=[options], help="snapshot the workspace into ws-NAME-state, stop its sandbox")

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from ._async import AsyncEventStream
 from ._controller import AsyncController, Controller
+from ._core import memory_limit_arg
 from ._discovery import discover_server
 from ._errors import BadServerURL, ControllerError, ForkWarning, ServerTimeout, ServerUnreachable, SessionClosed
 from ._objects import AsyncSandbox, AsyncSnapshot, CommandResult, Execution, Sandbox, Snapshot
@@ -51,4 +52,4 @@ from ._sync import EventStream
 
 __all__ = ["AsyncController", "AsyncEventStream", "AsyncSandbox", "AsyncSnapshot", "BadServerURL", "CommandResult",
            "Controller", "ControllerError", "EventStream", "Execution", "ForkWarning", "Sandbox", "ServerTimeout",
-           "ServerUnreachable", "SessionClosed", "Snapshot", "discover_server"]
+           "ServerUnreachable", "SessionClosed", "Snapshot", "discover_server", "memory_limit_arg"]

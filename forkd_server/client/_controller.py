@@ -42,9 +42,10 @@ class Calls:
         return self._request("DELETE", f"/v1/snapshots/{tag}", query=query or None)
 
     def spawn_sandboxes(self, snapshot_tag: str, n: int = 1, per_child_netns: bool = False,
-                        memory_limit_mib: int | None = None, prewarm: bool = False, live_fork: bool = False,
+                        memory_limit_mib: int | str | None = None, prewarm: bool = False, live_fork: bool = False,
                         hugepages: bool = False, *, labels: dict[str, str] | None = None) -> list[dict]:
-        """``labels``: added to the ones each child inherits from its snapshot."""
+        """``labels``: added to the ones each child inherits from its snapshot. ``memory_limit_mib``:
+        MiB, or ``"host"`` for all of the memory of the host the sandboxes land on."""
         body: dict = {"snapshot_tag": snapshot_tag, "n": n, "per_child_netns": per_child_netns}
         if memory_limit_mib is not None:
             body["memory_limit_mib"] = memory_limit_mib
@@ -68,9 +69,10 @@ class Calls:
         return self._request("DELETE", f"/v1/sandboxes/{sandbox_id}", query={"reason": reason} if reason else None)
 
     def update_sandbox(self, sandbox_id: str, *, labels: dict[str, str] | None = None,
-                       remove_labels: list[str] | None = None, memory_limit_mib: int | None = None) -> dict:
+                       remove_labels: list[str] | None = None, memory_limit_mib: int | str | None = None) -> dict:
         """Add ``labels`` to a running sandbox's, take the keys ``remove_labels`` off, and raise its
-        memory limit (never lowered: a 409). Returns the sandbox's info as it is now."""
+        memory limit (never lowered: a 409; ``"host"``: to all of its host's memory, unless it has
+        that already). Returns the sandbox's info as it is now."""
         body: dict = {}
         if labels:
             body["labels"] = dict(labels)
@@ -108,7 +110,7 @@ class Calls:
                         then=lambda info: warn_lossy(info, f"branch {info.get('tag')} of {sandbox_id} did not carry"))
 
     def fork_sandbox(self, sandbox_id: str, count: int = 1, *, tag: str | None = None,
-                     labels: dict[str, str] | None = None, memory_limit_mib: int | None = None, lossy: bool = False,
+                     labels: dict[str, str] | None = None, memory_limit_mib: int | str | None = None, lossy: bool = False,
                      timeout: float = 900) -> dict:
         """A fork tree: the sandbox branched once, ``count`` children spawned from that branch, each
         labelled ``fork_tree_id``. Returns ``{"fork_tree_id", "snapshot", "sandboxes"}``. ``tag``
@@ -176,7 +178,7 @@ class Calls:
                         engine: str = "auto", mem_size_mib: int | None = None, host_network: bool = False,
                         disk_mib: int | None = None, packages: list[str] | None = None,
                         timeout: float = 900, shell: str | None = None, lossy: bool = False,
-                        setup_timeout_secs: float | None = None, memory_limit_mib: int | None = None,
+                        setup_timeout_secs: float | None = None, memory_limit_mib: int | str | None = None,
                         labels: dict[str, str] | None = None, *, kernel: str | None = None,
                         rootfs: str | None = None, boot_wait_secs: int | None = None) -> dict:
         """``setup_timeout_secs`` bounds the whole creation (600 s unless given); the setup runs within
@@ -262,7 +264,7 @@ class Calls:
     def list_workspaces(self) -> list[dict]:
         return self._request("GET", "/v1/workspaces")
 
-    def create_workspace(self, name: str, snapshot_tag: str, memory_limit_mib: int | None = None, *,
+    def create_workspace(self, name: str, snapshot_tag: str, memory_limit_mib: int | str | None = None, *,
                          labels: dict[str, str] | None = None) -> dict:
         """``labels``: the workspace's, given to its sandboxes and its state snapshots."""
         body: dict = {"name": name, "snapshot_tag": snapshot_tag}

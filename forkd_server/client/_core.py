@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import os
@@ -148,6 +149,21 @@ def consume(operation: Iterator, handle: Callable) -> Iterator:
 def label_query(labels: dict[str, str] | None) -> dict | None:
     """``{"k": "v", ...}`` as the repeatable ``?label=k=v`` filter (every pair must match)."""
     return {"label": [f"{k}={v}" for k, v in labels.items()]} if labels else None
+
+
+HOST_MEMORY = "host"  # memory_limit_mib: all the memory of the host that takes the call, resolved there
+
+
+def memory_limit_arg(text: str) -> int | str:
+    """A command line's ``--memory-limit-mib``: whole MiB, or ``host`` (all the memory of the host
+    the sandbox lands on). An argparse ``type``: its error names what was given."""
+    text = text.strip()
+    if text == HOST_MEMORY:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'{text!r} is neither a whole number of MiB nor "host"') from None
 
 
 def check_url(url: str) -> str:

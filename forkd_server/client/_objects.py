@@ -260,7 +260,7 @@ class _SandboxCalls:
                        then=lambda info: self._Snapshot(info, ctl))
 
     def fork(self, count: int = 1, *, tag: str | None = None, labels: dict[str, str] | None = None,
-             memory_limit_mib: int | None = None, lossy: bool = False):
+             memory_limit_mib: int | str | None = None, lossy: bool = False):
         """``count`` copies of this sandbox as it is now, one fork tree: it is branched once and the
         children spawned from that branch, each with the tree's ``fork_tree_id``. Run something in
         each, then ``winner.promote()`` keeps one and kills the rest."""

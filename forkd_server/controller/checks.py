@@ -53,6 +53,22 @@ def check_memory_mib(value, name: str, lo: int) -> int:
     return int_field(value, name, lo, host_memory_mib(), "MiB; at most this host's memory")
 
 
+HOST_MEMORY = "host"  # a memory_limit_mib of all this host's memory, whichever host takes the call
+
+
+def memory_limit(value, name: str = "memory_limit_mib") -> int | None:
+    """``memory_limit_mib`` as a caller gave it: None (the engine's default), ``"host"`` (this host's
+    memory, for a caller that cannot know which host it reaches or how much memory that host has:
+    the forkd kernel, behind a fleet's router), or MiB, 16 to this host's memory."""
+    if value is None:
+        return None
+    if value == HOST_MEMORY:
+        return host_memory_mib()
+    if isinstance(value, str):
+        raise BadRequest(f'{name} must be a number of MiB or "host" (this host\'s memory), got {value!r:.40}')
+    return check_memory_mib(value, name, 16)
+
+
 def check_disk_mib(value, data_dir: str) -> int:
     """A VM's data disk: at most the free space where its files go (and 1 TiB)."""
     st = os.statvfs(data_dir)

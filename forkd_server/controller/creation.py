@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from forkd_engine import Cancelled, EngineError, InvalidSpec, LimitReached, LossyFork, SnapshotSpec
 
 from .branching import lossy_refusal
-from .checks import ENGINES, check_disk_mib, check_labels, check_memory_mib, check_setup_timeout, check_tag
+from .checks import ENGINES, check_disk_mib, check_labels, check_memory_mib, check_setup_timeout, check_tag, memory_limit
 from ..errors import BadRequest, Conflict, EngineFailure, ForkdError
 from .setup_failures import setup_refusal
 
@@ -59,8 +59,7 @@ class CreationManager:
             raise BadRequest("setup_commands must be a list of argv lists, e.g. [[\"pip\", \"install\", \"x\"]]")
         if mem_size_mib is not None:
             check_memory_mib(mem_size_mib, "mem_size_mib", VM_MIN_MIB)
-        if memory_limit_mib is not None:
-            check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
+        memory_limit_mib = memory_limit(memory_limit_mib)
         if disk_mib is not None:
             check_disk_mib(disk_mib, self.ctl.data_dir)
         timeout = DEFAULT_SETUP_TIMEOUT_SECS if setup_timeout_secs is None else check_setup_timeout(setup_timeout_secs)

@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING
 
 from . import endings
-from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag, int_field
+from .checks import MAX_CHILDREN, check_labels, check_tag, int_field, memory_limit
 from ..errors import BadRequest, Conflict, ForkdError, NotFound
 from .wire import FORK_TREE_LABEL, sandbox_info
 
@@ -113,8 +113,7 @@ class ForkTreeManager:
         int_field(count, "count", 1, MAX_CHILDREN, "children of one fork")
         if tag is not None:
             check_tag(tag)
-        if memory_limit_mib is not None:  # before the branch, which a refused spawn would waste
-            check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
+        memory_limit_mib = memory_limit(memory_limit_mib)  # before the branch, which a refused spawn would waste
         labels = check_labels(labels)
         if FORK_TREE_LABEL in labels:
             raise BadRequest(f"labels: {FORK_TREE_LABEL} is set by the fork itself (one new tree per fork); "

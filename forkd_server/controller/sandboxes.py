@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from forkd_engine import AgentUnreachable, ChildSpec, EngineError, LimitReached
 
 from . import endings
-from .checks import MAX_CHILDREN, check_labels, check_memory_mib, check_tag
+from .checks import HOST_MEMORY, MAX_CHILDREN, check_labels, check_tag, memory_limit
 from ..hub.ownership import inheritable
 from ..errors import BadRequest, Busy, Conflict, EngineFailure, Gone, NotFound
 from .wire import sandbox_info
@@ -150,8 +150,7 @@ class SandboxManager:
         if n > MAX_CHILDREN or n < 0:
             raise BadRequest(f"n must be between 1 and {MAX_CHILDREN}")
         check_tag(snapshot_tag, "snapshot_tag")
-        if memory_limit_mib is not None:
-            check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
+        memory_limit_mib = memory_limit(memory_limit_mib)
         labels = check_labels(labels)
         self.ctl.recovery.check_snapshot(snapshot_tag)
         row = self.registry.get_snapshot(snapshot_tag)
@@ -231,14 +230,16 @@ class SandboxManager:
         memory or kill it). The forkd kernel does both when a notebook checks a sandbox out: it
         becomes the notebook's."""
         labels = check_labels(labels)
-        if memory_limit_mib is not None:
-            check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
+        at_least = memory_limit_mib == HOST_MEMORY  # all of this host's: raised to it unless it has it
+        memory_limit_mib = memory_limit(memory_limit_mib)
         row = self.row(sandbox_id)
         fields: dict = {}
         if labels or remove_labels:
             merged = {k: v for k, v in {**(row.get("labels") or {}), **labels}.items() if k not in remove_labels}
             fields["labels"] = check_labels(merged, f"the labels of {row['id']} with these")
         current = row["memory_limit_mib"]
+        if at_least and current is not None and current >= memory_limit_mib:
+            memory_limit_mib = current
         if memory_limit_mib is not None and memory_limit_mib != current:
             if current is None:
                 raise Conflict(f"sandbox {row['id']} has no memory limit to raise: it runs without one")

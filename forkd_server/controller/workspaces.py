@@ -19,7 +19,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .checks import check_labels, check_memory_mib, check_tag
+from .checks import check_labels, check_tag, memory_limit
 from ..errors import BadRequest, Conflict, EngineFailure, NotFound
 from .wire import workspace_info
 
@@ -114,8 +114,7 @@ class WorkspaceManager:
             raise BadRequest(f"invalid name {name!r}: a workspace name has at most {WORKSPACE_NAME_MAX} "
                              f"characters (its state snapshot ws-<name>-state must be a valid tag)")
         check_tag(snapshot_tag, "snapshot_tag")
-        if memory_limit_mib is not None:
-            check_memory_mib(memory_limit_mib, "memory_limit_mib", 16)
+        memory_limit_mib = memory_limit(memory_limit_mib)
         self._acquire(name, "create")
         try:
             if self.registry.get_workspace(name) is not None:

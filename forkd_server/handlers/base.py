@@ -61,7 +61,7 @@ MIB = 1 << 20
 # A body spec maps each field to (JSON type, required) or (JSON type, required, range), the range
 # in JSON Schema's words (minimum, maximum, exclusiveMinimum), as openapi.json states it. Types:
 # string, integer (>= 0 unless its range says more; 3.0 counts), number (finite), boolean, string[],
-# string[][], env, labels.
+# string[][], env, labels, mib (an integer, or "host": all of the host's memory).
 
 
 def _is(kind: str, value) -> bool:
@@ -72,6 +72,8 @@ def _is(kind: str, value) -> bool:
     if kind == "integer":  # JSON Schema's integer: 3.0 is one (taken as 3)
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
             and value == int(value) and value >= 0
+    if kind == "mib":
+        return value == "host" or _is("integer", value)
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if kind == "string[]":
@@ -383,9 +385,10 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
                     raise ApiError(422, f"missing field `{name}`")
                 data.pop(name, None)
             elif not _is(kind, data[name]):
-                raise ApiError(422, f"invalid type for field `{name}`: expected {kind}")
-            else:
-                if kind == "integer":
+                expected = 'an integer (MiB) or "host"' if kind == "mib" else kind
+                raise ApiError(422, f"invalid type for field `{name}`: expected {expected}")
+            elif data[name] != "host" or kind != "mib":
+                if kind in ("integer", "mib"):
                     data[name] = int(data[name])
                 if bounds and (why := out_of_range(name, data[name], bounds[0])):
                     raise ApiError(400, why)

@@ -24,11 +24,11 @@ from .base import ApiError, ForkdHandler, dumps, query_bool, query_labels
 MEMORY_LIMIT = {"maximum": 1 << 20}  # the controller checks the minimum (16), in forkd's order
 SPAWN = {
     "snapshot_tag": ("string", True), "n": ("integer", False), "per_child_netns": ("boolean", False),
-    "memory_limit_mib": ("integer", False, MEMORY_LIMIT), "prewarm": ("boolean", False),
+    "memory_limit_mib": ("mib", False, MEMORY_LIMIT), "prewarm": ("boolean", False),
     "live_fork": ("boolean", False), "hugepages": ("boolean", False), "labels": ("labels", False),
 }
 UPDATE = {"labels": ("labels", False), "remove_labels": ("string[]", False),
-          "memory_limit_mib": ("integer", False, MEMORY_LIMIT)}
+          "memory_limit_mib": ("mib", False, MEMORY_LIMIT)}
 MAX_REASON = 300  # characters of a kill's ?reason=: one line of a 404
 REASON_TEXT = re.compile("[^\x00-\x1f\x7f-\x9f\u2028\u2029]+\\Z")  # one line: no control character, no line break
 MAX_TIMEOUT = 86400  # a day: past it a call is a job, not a request
@@ -205,7 +205,7 @@ class BranchHandler(ForkdHandler):
         self.send(info, 202 if not wait else 201)
 
 FORK = {"count": ("integer", True, {"minimum": 1, "maximum": MAX_CHILDREN}), "tag": ("string", False), "labels": ("labels", False),
-        "memory_limit_mib": ("integer", False, MEMORY_LIMIT), "lossy": ("boolean", False)}
+        "memory_limit_mib": ("mib", False, MEMORY_LIMIT), "lossy": ("boolean", False)}
 PROMOTE = {"tree_id": ("string", False), "cleanup_siblings": ("boolean", False)}
 
 

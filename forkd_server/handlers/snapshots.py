@@ -17,7 +17,7 @@ SNAPSHOT_CREATE = {
     "setup_commands": ("string[][]", False), "mem_size_mib": ("integer", False),
     "host_network": ("boolean", False), "disk_mib": ("integer", False), "packages": ("string[]", False),
     "shell": ("string", False), "lossy": ("boolean", False), "labels": ("labels", False),
-    "setup_timeout_secs": ("number", False), "memory_limit_mib": ("integer", False),
+    "setup_timeout_secs": ("number", False), "memory_limit_mib": ("mib", False),
     # forkd's own form (kernel + rootfs) selects the VM engine
     "kernel": ("string", False), "rootfs": ("string", False), "rw": ("boolean", False),
     "tap": ("string", False), "boot_wait_secs": ("integer", False),

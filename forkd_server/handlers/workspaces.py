@@ -9,7 +9,7 @@ from .base import ForkdHandler
 from .sandboxes import MEMORY_LIMIT
 
 WORKSPACE_CREATE = {"name": ("string", True), "snapshot_tag": ("string", True),
-                    "per_child_netns": ("boolean", False), "memory_limit_mib": ("integer", False, MEMORY_LIMIT),
+                    "per_child_netns": ("boolean", False), "memory_limit_mib": ("mib", False, MEMORY_LIMIT),
                     "labels": ("labels", False)}
 SUSPEND = {"diff": ("boolean", False)}
 

@@ -184,7 +184,7 @@ BOUNDS = [
     ("create", "setup_timeout_secs", -5, "between 1 and 86400"), ("create", "setup_timeout_secs", float("nan"), "a number of seconds"),
     ("create", "setup_timeout_secs", float("inf"), "a number of seconds"), ("create", "setup_timeout_secs", True, "a number of seconds"),
     ("spawn", "memory_limit_mib", 2**63, HOST), ("spawn", "memory_limit_mib", 1 << 20, HOST),
-    ("spawn", "memory_limit_mib", 15, "between 16 and"), ("spawn", "memory_limit_mib", "64", "must be an integer"),
+    ("spawn", "memory_limit_mib", 15, "between 16 and"), ("spawn", "memory_limit_mib", "64", 'a number of MiB or "host"'),
     ("spawn", "n", 2**63, "between 1 and 1000"), ("spawn", "n", 1001, "between 1 and 1000"),
 ]
 

@@ -9,6 +9,7 @@ from unittest import mock
 from jupyter_client.manager import start_new_kernel
 
 from forkd_server.client import Controller
+from forkd_server.controller.checks import host_memory_mib
 
 from ..kernel.cells import run
 from .fleet import fleet
@@ -35,6 +36,8 @@ def test_time_travel_through_the_router():
             # everything the notebook made is on one host: the one its first snapshot was placed on
             api = Controller(router.url, router.token)
             assert len({s["host"] for s in api.list_sandboxes()}) == 1
+            # the kernel asks for "host" (all the memory of whichever host the router picks): that host resolves it
+            assert {s["memory_limit_mib"] for s in api.list_sandboxes()} == {host_memory_mib()}
         finally:
             kc.stop_channels()
             if km.is_alive():

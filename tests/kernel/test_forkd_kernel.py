@@ -371,6 +371,15 @@ def test_the_notebooks_sandboxes_have_its_memory_limit_not_the_servers_default(k
     assert limits_of_new("%forkd checkout limits") == [host]                      # a fresh child: HEAD
 
 
+@pytest.mark.parametrize("env, want", [("", "host"), ("host", "host"), (" 700 ", 700)])
+def test_the_memory_limit_is_the_servers_hosts_unless_set(monkeypatch, env, want):
+    """Unset, the kernel asks for "host", which the server that runs the sandbox resolves: a kernel
+    on a machine with more memory than its server's (or behind a fleet's router) is not refused."""
+    from forkd_kernel.kernel import ForkdKernel
+    monkeypatch.setenv("FORKD_KERNEL_MEMORY_LIMIT_MIB", env)
+    assert ForkdKernel._memory_limit(None) == want
+
+
 @pytest.mark.parametrize("value", ["700", "lots"])
 def test_the_memory_limit_is_configurable_and_a_bad_value_says_so(forkd_server, value):
     km, kc = start_new_kernel(kernel_name="forkd-python", env={**os.environ, "FORKD_KERNEL_MEMORY_LIMIT_MIB": value})
@@ -378,7 +387,8 @@ def test_the_memory_limit_is_configurable_and_a_bad_value_says_so(forkd_server, 
         if value == "lots":
             cell = run(kc, "1 + 1")
             assert cell.content["ename"] == "ForkdKernelError"
-            assert "$FORKD_KERNEL_MEMORY_LIMIT_MIB='lots' is not a whole number of MiB" in cell.content["evalue"]
+            assert ("$FORKD_KERNEL_MEMORY_LIMIT_MIB='lots' is neither a whole number of MiB nor \"host\""
+                    in cell.content["evalue"])
         else:
             head = head_of(kc)
             assert Controller(forkd_server.url, forkd_server.token).get_sandbox(head)["memory_limit_mib"] == 700

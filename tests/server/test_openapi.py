@@ -62,6 +62,10 @@ def test_request_bodies_match_the_handlers():
                 prop = schema["properties"][name]
                 if "$ref" in prop:
                     prop = resolve(doc, prop["$ref"])
+                if kind == "mib":  # MiB, or "host": all of the host's memory
+                    options = prop["anyOf"]
+                    assert {"const": "host"} in options and {"type": "null"} in options, (path, name)
+                    prop, kind = next(o for o in options if o.get("type") == "integer"), "integer"
                 types = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
                 assert JSON_TYPES[kind] in types and set(types) <= {JSON_TYPES[kind], "null"}, (path, name)
                 for keyword, value in (bounds[0] if bounds else {}).items():  # the wire's range is stated

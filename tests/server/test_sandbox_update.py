@@ -78,6 +78,22 @@ def test_bad_changes_are_4xx_and_change_nothing(server, ctl, sandbox, body, stat
     assert info["memory_limit_mib"] == 128 and info["labels"] == {"team": "ml"}
 
 
+def test_host_means_all_of_the_hosts_memory_and_is_never_a_lowering(server, ctl, snap, sandbox):
+    """``"host"``: the server resolves it to its own MemTotal (a caller behind a router cannot know
+    which host it reaches); asked again of a sandbox that has it, it changes nothing (no 409)."""
+    from forkd_server.controller.checks import host_memory_mib
+    host = host_memory_mib()
+    assert ctl.update_sandbox(sandbox, memory_limit_mib="host")["memory_limit_mib"] == host
+    assert ctl.update_sandbox(sandbox, memory_limit_mib="host")["memory_limit_mib"] == host
+    status, reply = raw(server, "PATCH", f"/v1/sandboxes/{sandbox}", {"memory_limit_mib": "all"})
+    assert status == 422 and 'expected an integer (MiB) or "host"' in reply["error"], reply
+    kid = ctl.spawn_sandboxes(snap, 1, memory_limit_mib="host")[0]
+    try:
+        assert kid["memory_limit_mib"] == host
+    finally:
+        ctl.kill_sandbox(kid["id"])
+
+
 def test_a_sandbox_that_is_gone_is_404(server, ctl, snap):
     sb = ctl.spawn_sandboxes(snap, 1)[0]["id"]
     ctl.kill_sandbox(sb)

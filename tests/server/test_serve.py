@@ -295,6 +295,12 @@ def test_cli_snapshot_limits_and_labels(server, ctl):
     assert snap["labels"] == {"team": "ml", "step": "1"}
     (kid,) = json.loads(cli(server, "spawn", "-t", "cli-lab", "--label", "who=me", "--json").stdout)
     assert kid["labels"] == {"team": "ml", "step": "1", "who": "me"}   # the snapshot's, then its own
+    (whole,) = json.loads(cli(server, "spawn", "-t", "cli-lab", "--memory-limit-mib", "host", "--json").stdout)
+    from forkd_server.controller.checks import host_memory_mib
+    assert whole["memory_limit_mib"] == host_memory_mib()  # "host": all of the server's host's memory
+    ctl.kill_sandbox(whole["id"])
+    lots = cli(server, "spawn", "-t", "cli-lab", "--memory-limit-mib", "lots", check=False)
+    assert lots.returncode == 2 and "'lots' is neither a whole number of MiB nor \"host\"" in lots.stderr, lots.stderr
     other = ctl.spawn_sandboxes("cli-lab", 1)[0]
     branch = json.loads(cli(server, "snapshot", "--from-sandbox", kid["id"], "--tag", "cli-lab-b", "--label", "step=2",
                             "--json").stdout)
