@@ -34,6 +34,11 @@ def test_a_second_spawn_takes_prestarted_qemus_whose_children_are_their_own(vm_e
     assert vm_engine.warm.wait_filled(parent, 120)
     ready = set(ready_pids(vm_engine))
     assert len(ready) == vm_engine.warm.size >= 1
+    # nothing of the user's runs in the parent's guest (its settle said so): the pooled guests ran
+    # ahead until their agents answered, and were paused again
+    assert parent.get("quiet") is True
+    with vm_engine.warm.lock:
+        assert all(w.prerun for w in vm_engine.warm.ready)
     vm_engine.restore_trace = []
     try:
         got = vm_engine.spawn(parent, [ChildSpec(id=f"warm-{i}") for i in range(vm_engine.warm.size + 1)])
@@ -86,3 +91,35 @@ def test_prestarted_qemus_end_with_their_engine_snapshot_or_files(vm_engine):
         engine.close()
         shutil.rmtree(engine.mem_root, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_snapshot_whose_guest_runs_user_work_is_pooled_but_never_run_ahead(vm_engine, kids):
+    """A process the setup left running would run before a child's restore line if the pooled guest
+    ran ahead: such a snapshot is not quiet, its QEMUs wait unrun, and its children are as before."""
+    snap = vm_engine.create_snapshot(SnapshotSpec(
+        tag="busy", setup="import random, subprocess\nsleeper = subprocess.Popen(['sleep', '3600'])\n",
+        mem_size_mib=256))
+    try:
+        assert not snap.get("quiet")
+        kids += vm_engine.spawn(snap, [ChildSpec(id="busy-1")])
+        kids += vm_engine.spawn(snap, [ChildSpec(id="busy-2")])
+        assert vm_engine.warm.wait_filled(snap, 120)
+        with vm_engine.warm.lock:
+            pooled = [w for w in vm_engine.warm.ready if w.key[0] == "busy"]
+        assert pooled and not any(w.prerun for w in pooled)
+        vm_engine.restore_trace = []
+        try:
+            got = vm_engine.spawn(snap, [ChildSpec(id="busy-3")])
+            assert vm_engine.restore_trace[0].get("warm")
+        finally:
+            vm_engine.restore_trace = None
+        kids += got
+        looks = [ast.literal_eval(ev(vm_engine, h, "(sleeper.poll(), random.random(), __import__('socket').gethostname())"))
+                 for h in kids if h["name"].startswith("busy-")]
+        assert [x[0] for x in looks] == [None, None, None]  # the process runs on in each
+        assert len({x[1] for x in looks}) == 3 and {x[2] for x in looks} == {"busy-1", "busy-2", "busy-3"}
+    finally:
+        for h in [k for k in kids if k["name"].startswith("busy-")]:
+            vm_engine.kill(h)
+            kids.remove(h)
+        vm_engine.delete_snapshot(snap)

@@ -17,7 +17,10 @@ Two VM-only actions live here:
   fds kept open from the parent's restore (``RestoreFiles``), no file objects, no hashing, no floats.
 - ``settle``: asked for just before a snapshot is saved. It waits until the threads of finished
   requests have left the kernel; a snapshot taken while one is still exiting would make every child
-  finish that exit again, thousands of fresh translations per restore.
+  finish that exit again, thousands of fresh translations per restore. It also says whether the
+  guest is ``quiet``: no thread but the agent's own and no process but the agent and the kernel's
+  threads, so nothing of the user's runs before a restore line, however long the guest runs first
+  (the host may then run a pre-started copy ahead: vm/warm.py).
 
 Run as ``python3 -m forkd_engine.agent.serial`` (the guest's /init does).
 """
@@ -34,6 +37,7 @@ import time
 
 from . import children
 from .executor import Executor
+from .inventory import other_threads
 from .runtime import Runtime
 from .server import MAX_LINE, encode_line
 from .session import Session, error_content
@@ -69,6 +73,28 @@ def add_entropy(fd: int, seed: bytes) -> None:
     (Crediting it would change nothing: a restored guest's CRNG is long initialised.)"""
     os.write(fd, seed)
     fcntl.ioctl(fd, RNDRESEEDCRNG)
+
+
+PF_KTHREAD = 0x00200000  # a kernel thread, in /proc/PID/stat's flags
+
+
+def quiet() -> bool:
+    """Whether nothing of the user's would run in this guest: no thread but the agent's own (the
+    reader, ``forkd-`` threads) and no process but the agent, PID 1 and kernel threads."""
+    if other_threads():
+        return False
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (me, 1):
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != b"Z" and not int(fields[6]) & PF_KTHREAD:  # state, flags
+            return False
+    return True
 
 
 RESTORE = b"restore "
@@ -178,7 +204,8 @@ class SerialAgent:
         while True:
             tasks = len(os.listdir("/proc/self/task"))
             if tasks <= threading.active_count() or time.monotonic() > deadline:
-                return {"settled": tasks <= threading.active_count(), "tasks": tasks}
+                settled = tasks <= threading.active_count()
+                return {"settled": settled, "tasks": tasks, "quiet": settled and quiet()}
             time.sleep(0.001)  # an exiting thread gives no event to wait on; its task entry goes
 
     def handle(self, request: dict) -> dict:

@@ -171,7 +171,7 @@ def import_snapshot(engine: "VMEngine", manifest: Manifest, tag: str, lineage: l
         _check_room(engine, manifest, dests)
         figures = materialise(engine.store, manifest, dests, remote=remote, progress=progress)
         meta = manifest.meta
-        extra = {k: v for k, v in meta.items() if k in ("boot_to_agent_ms",)}
+        extra = {k: v for k, v in meta.items() if k in ("boot_to_agent_ms", "quiet")}
         return snapshots.record(engine, tag, snap, mem_path, manifest.requires["mem_mib"], meta.get("image") or {},
                                 lineage, meta.get("packages"), pulled_from=digest, **extra), figures
     except BaseException:

@@ -59,6 +59,8 @@ def record(engine: "VMEngine", tag: str, snap: str, mem_path: str, mem_mib: int,
     handle = {"engine": engine.name, "kind": "snapshot", "tag": tag, "dir": snap, "memory": mem_path,
               "devices": os.path.join(snap, "devices.bin"), "mem_mib": mem_mib, "image": image,
               "qemu": engine.qemu_version, "accel": engine.accel}
+    if extra.get("quiet"):  # nothing of the user's runs in it before a restore line: pre-run copies (warm.py)
+        handle["quiet"] = True
     if os.path.exists(os.path.join(snap, "disk.raw")):
         handle["disk"] = os.path.join(snap, "disk.raw")
     if os.path.exists(os.path.join(snap, PACKAGES_FILE)):
@@ -195,7 +197,7 @@ def _create(engine: "VMEngine", spec: SnapshotSpec, mem_mib: int, creating: dict
                 raise InvalidSpec(f"setup failed: {detail}")
         # Threads of the requests above may still be exiting: let them finish here, once, rather
         # than in every child after every restore.
-        channel.call({"action": "settle"})
+        quiet = bool(channel.call({"action": "settle"}).get("quiet"))
         engine.qemu.wait_idle(handle)
         devices = os.path.join(snap, "devices.bin")
         with QMP(handle["qmp"]) as qmp:
@@ -207,7 +209,7 @@ def _create(engine: "VMEngine", spec: SnapshotSpec, mem_mib: int, creating: dict
         engine.kill(handle)
         handle = None
         return record(engine, spec.tag, snap, mem_path, mem_mib, image, [spec.tag],
-                      sorted(set(spec.packages)) or None, boot_to_agent_ms=round(boot_ms, 1))
+                      sorted(set(spec.packages)) or None, boot_to_agent_ms=round(boot_ms, 1), quiet=quiet)
     except BaseException as exc:
         if handle is not None:
             engine.kill(handle)

@@ -9,7 +9,9 @@ line plus ``-S`` and ``-incoming defer``, connects their agent port (the guest t
 its host disconnected), and loads the device state over QMP. Such a VM is paused and has run
 nothing: its RAM is the snapshot's file mapped privately, untouched. A spawn ``take``s one, sends
 the restore line (entropy, clock, identity: all fresh, made at that moment) and ``cont``; only the
-guest's own run to its reply is left on the path.
+guest's own run to its reply is left on the path. Of a *quiet* snapshot (nothing of the user's
+runs in its guest), the pooled guest also runs ahead once until its agent answers a ping and is
+paused again (``prerun``): the child's run to its reply then finds most of its code translated.
 
 A pooled QEMU serves only a snapshot whose command line and files are exactly those it was started
 with (``key``: the RAM and device-state files by inode, size and mtime, the RAM size, the packages
@@ -59,10 +61,13 @@ def key(snapshot: Handle) -> tuple | None:
 
 
 class Warm:
-    """One pooled QEMU: its handle (not yet any child's), its monitor and agent connections."""
+    """One pooled QEMU: its handle (not yet any child's), its monitor and agent connections;
+    ``prerun``: its guest ran ahead and was paused again (``prerun``)."""
 
-    def __init__(self, handle: Handle, qmp: QMP, channel: AgentChannel, key: tuple, cpu_ms: float):
+    def __init__(self, handle: Handle, qmp: QMP, channel: AgentChannel, key: tuple, cpu_ms: float,
+                 prerun: bool = False):
         self.handle, self.qmp, self.channel, self.key, self.cpu_ms = handle, qmp, channel, key, cpu_ms
+        self.prerun = prerun
 
 
 class WarmPool:
@@ -225,7 +230,9 @@ class WarmPool:
             state = qmp.execute("query-status").get("status")
             if state != "paused":
                 raise EngineError(f"a pre-started VM is {state!r} after its load, not paused")
-            return Warm(h, qmp, channel, want, engine.qemu.cpu_ms(h["pid"]))
+            if snapshot.get("quiet"):
+                prerun(qmp, channel)
+            return Warm(h, qmp, channel, want, engine.qemu.cpu_ms(h["pid"]), prerun=bool(snapshot.get("quiet")))
         except BaseException:
             self.discard(Warm(h, qmp, channel, want, 0.0))
             raise
@@ -272,6 +279,22 @@ class WarmPool:
         with contextlib.suppress(OSError, EngineError):
             self.engine.qemu.stop(warm.handle["pid"], warm.handle["start_time"])
         shutil.rmtree(warm.handle["dir"], ignore_errors=True)
+
+
+def prerun(qmp: QMP, channel: AgentChannel) -> None:
+    """Run a pooled VM's guest until its agent has answered a ping, then pause it again. Under TCG
+    the guest's first run after a restore translates every code path afresh (the interrupt, the
+    scheduler and timers, the agent's wake-up and reading); done here, off the spawn's path, the
+    translations stay in this QEMU, and the child's restore runs mostly translated code. Only for a
+    quiet snapshot (the agent's ``settle``: no thread or process of the user's in the guest), so no
+    user code runs before its child's restore line, whose hygiene (entropy, clock, generators,
+    identity) is the same as a cold child's; the guest merely idled a moment longer."""
+    qmp.execute("cont")
+    channel.call({"action": "ping"}, timeout=LOAD_TIMEOUT)
+    qmp.execute("stop")
+    state = qmp.execute("query-status").get("status")
+    if state != "paused":
+        raise EngineError(f"a pre-started VM is {state!r} after its run ahead, not paused")
 
 
 def resume(warm: Warm, timeout: float) -> None:
