@@ -30,3 +30,27 @@ def test_every_line_draws_fresh_entropy_and_empty_lineage_survives():
 def test_a_malformed_line_is_an_error():
     with pytest.raises(ValueError):
         parse_restore(b"restore r-1 zz 12 00 00 00 00")
+
+
+def test_an_armed_timer_is_user_work_a_run_ahead_would_start():
+    """A pooled guest runs ahead only when nothing of the user's would run (serial.quiet): an alarm
+    or interval timer the setup left armed would fire there and run its handler, so it counts. In a
+    process of its own: pytest's timeout arms one in this one."""
+    import subprocess
+    import sys
+    probe = """
+import signal
+from forkd_engine.agent.serial import timers_armed
+seen = [timers_armed()]
+signal.signal(signal.SIGALRM, lambda *_: None)
+signal.setitimer(signal.ITIMER_REAL, 3600)
+seen.append(timers_armed())
+signal.setitimer(signal.ITIMER_REAL, 0)
+seen.append(timers_armed())
+signal.alarm(3600)
+seen.append(timers_armed())
+signal.alarm(0)
+print(seen)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[False, True, False, True]", out.stderr

@@ -18,8 +18,8 @@ Two VM-only actions live here:
 - ``settle``: asked for just before a snapshot is saved. It waits until the threads of finished
   requests have left the kernel; a snapshot taken while one is still exiting would make every child
   finish that exit again, thousands of fresh translations per restore. It also says whether the
-  guest is ``quiet``: no thread but the agent's own and no process but the agent and the kernel's
-  threads, so nothing of the user's runs before a restore line, however long the guest runs first
+  guest is ``quiet``: no thread but the agent's own, no timer armed and no process but the agent
+  and the kernel's threads, so nothing of the user's runs before a restore line, however long the guest runs first
   (the host may then run a pre-started copy ahead: vm/warm.py).
 
 Run as ``python3 -m forkd_engine.agent.serial`` (the guest's /init does).
@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -78,10 +79,24 @@ def add_entropy(fd: int, seed: bytes) -> None:
 PF_KTHREAD = 0x00200000  # a kernel thread, in /proc/PID/stat's flags
 
 
+def timers_armed() -> bool:
+    """Whether a timer of this process would run user code by a signal: an interval timer (which
+    ``signal.alarm`` and ``setitimer`` arm) or a POSIX timer (``/proc/self/timers``)."""
+    if any(signal.getitimer(which) != (0.0, 0.0)
+           for which in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)):
+        return True
+    try:
+        with open("/proc/self/timers", "rb") as f:
+            return bool(f.read().strip())
+    except OSError:  # a kernel without it (no CONFIG_CHECKPOINT_RESTORE): nothing known to be armed
+        return False
+
+
 def quiet() -> bool:
     """Whether nothing of the user's would run in this guest: no thread but the agent's own (the
-    reader, ``forkd-`` threads) and no process but the agent, PID 1 and kernel threads."""
-    if other_threads():
+    reader, ``forkd-`` threads), no timer armed, and no process but the agent, PID 1 and kernel
+    threads."""
+    if other_threads() or timers_armed():
         return False
     me = os.getpid()
     for name in os.listdir("/proc"):
