@@ -19,8 +19,8 @@ Two VM-only actions live here:
   requests have left the kernel; a snapshot taken while one is still exiting would make every child
   finish that exit again, thousands of fresh translations per restore. It also says whether the
   guest is ``quiet``: no thread but the agent's own, no timer armed and no process but the agent
-  and the kernel's threads, so nothing of the user's runs before a restore line, however long the guest runs first
-  (the host may then run a pre-started copy ahead: vm/warm.py).
+  and the kernel's threads, so nothing of the user's runs before a restore line, however long the
+  guest runs first (the host may then run a pre-started copy ahead: vm/warm.py).
 
 Run as ``python3 -m forkd_engine.agent.serial`` (the guest's /init does).
 """

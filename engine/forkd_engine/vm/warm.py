@@ -62,7 +62,7 @@ def key(snapshot: Handle) -> tuple | None:
 
 class Warm:
     """One pooled QEMU: its handle (not yet any child's), its monitor and agent connections;
-    ``prerun``: its guest ran ahead and was paused again (``prerun``)."""
+    ``prerun``: its guest ran ahead and was paused again (see ``prerun``)."""
 
     def __init__(self, handle: Handle, qmp: QMP, channel: AgentChannel, key: tuple, cpu_ms: float,
                  prerun: bool = False):
