@@ -101,8 +101,9 @@ class Head:
         hint, details = said if said is not None else self.end_said
         if details.get("limit") in ("memory", "huge_pages"):
             details = {**details, "notebook": "the notebook's sandboxes take their memory limit from "
-                                              "$FORKD_KERNEL_MEMORY_LIMIT_MIB (or ForkdKernel.memory_limit_mib): "
-                                              "raise it and restart the kernel"}
+                                              "$FORKD_KERNEL_MEMORY_LIMIT_MIB (or ForkdKernel.memory_limit_mib; "
+                                              "unset: all of the host's memory): where it is set lower, raise "
+                                              "it and restart the kernel"}
         why = why or self.ended or "killed or exited: the server no longer has it"
         ways, more = self._ways_on()
         return HeadGone(f"this notebook's sandbox {self.sandbox_id} is gone, and its variables with it: {why}",

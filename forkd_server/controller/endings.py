@@ -15,12 +15,14 @@ each front end (REST, SDK, CLI, magic).
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
 from forkd_engine import ExitStatus, LimitHit
 
 from ..errors import NotFound
+from .checks import host_memory_mib
 
 KILLED = "it was killed (DELETE /v1/sandboxes/{id})"
 UNEXPECTED = ("its process ended unexpectedly (no limit of its was reached: it exited, crashed or was killed "
@@ -28,8 +30,14 @@ UNEXPECTED = ("its process ended unexpectedly (no limit of its was reached: it e
 LIMIT_NAMES = {"memory": "memory limit", "huge_pages": "huge-page cap", "pids": "pids limit"}
 
 
-def _larger(mib: int) -> int:
-    return max(mib * 2, 64)
+def _larger(mib: int) -> int | str | None:
+    """A limit to suggest above ``mib``: twice it, or "host" (all of this host's memory) where that
+    is less; None where ``mib`` is all of it already (a larger one would be refused)."""
+    host = host_memory_mib()
+    if mib >= host:
+        return None
+    more = max(mib * 2, 64)
+    return more if more < host else "host"
 
 
 # What a signal that ended a sandbox's Python usually means, for the ones user code meets.
@@ -65,14 +73,21 @@ def how(status: ExitStatus | None) -> str | None:
 def raise_hint(tag: str, mib: int) -> str:
     """What to do when a sandbox of ``tag`` needs more memory than ``mib``, in one line
     (``ways_to_raise``: the same in each front end's words)."""
-    return f"to go on, start a sandbox of {tag} with a larger memory_limit_mib, e.g. {_larger(mib)}"
+    more = _larger(mib)
+    if more is None:
+        return (f"its limit was all of this host's memory ({mib} MiB): to go on, free memory on this host (end "
+                f"sandboxes, delete snapshots) or run {tag} on a host with more")
+    return f"to go on, start a sandbox of {tag} with a larger memory_limit_mib, e.g. {more}"
 
 
 def ways_to_raise(tag: str, mib: int) -> dict:
-    """``raise_hint`` as each front end says it: for an error's details."""
+    """``raise_hint`` as each front end says it: for an error's details (none where no larger limit
+    exists here)."""
     more = _larger(mib)
-    return {"rest": f'POST /v1/sandboxes {{"snapshot_tag": "{tag}", "memory_limit_mib": {more}}}',
-            "sdk": f"spawn_sandboxes({tag!r}, memory_limit_mib={more})",
+    if more is None:
+        return {}
+    return {"rest": f'POST /v1/sandboxes {{"snapshot_tag": "{tag}", "memory_limit_mib": {json.dumps(more)}}}',
+            "sdk": f"spawn_sandboxes({tag!r}, memory_limit_mib={more!r})",
             "cli": f"forkd spawn --tag {tag} --memory-limit-mib {more}",
             "magic": f"%forkd fork --tag {tag} --memory-limit-mib {more}",
             "workspace": "a workspace takes memory_limit_mib when it is created"}

@@ -192,3 +192,19 @@ def test_each_server_has_its_own_cgroup_subtree(ctl, snap, short_dir):
         assert os.path.isdir(just_made)
     finally:
         os.rmdir(just_made)
+
+
+def test_the_hint_never_suggests_a_limit_this_host_would_refuse():
+    """Twice the limit while that fits, then "host" (all of this host's memory); a sandbox whose
+    limit was all of it already is told to free memory or use a bigger host, with no way to raise."""
+    from forkd_server.controller.checks import host_memory_mib
+    from forkd_server.controller.endings import raise_hint, ways_to_raise
+    host = host_memory_mib()
+    assert raise_hint("t", 64).endswith("a larger memory_limit_mib, e.g. 128")
+    near = ways_to_raise("t", host - 16)
+    assert near["cli"] == "forkd spawn --tag t --memory-limit-mib host"
+    assert near["rest"] == 'POST /v1/sandboxes {"snapshot_tag": "t", "memory_limit_mib": "host"}'
+    assert near["sdk"] == "spawn_sandboxes('t', memory_limit_mib='host')"
+    assert raise_hint("t", host) == (f"its limit was all of this host's memory ({host} MiB): to go on, free memory "
+                                     f"on this host (end sandboxes, delete snapshots) or run t on a host with more")
+    assert ways_to_raise("t", host) == {}
