@@ -18,7 +18,8 @@ remote store. Figures:
   down chunk by chunk.
 - push_mb_s / pull_mb_s: the parent's stored (compressed) bytes over the time of a push to an empty
   bucket (push_looking_first_mb_s: the same push with a lookup before every chunk, as a resumed push
-  makes; push_lookups / diff_lookups: the lookups of the parent's and the branch's push), and of a pull into an empty local store (fetch + verify every chunk + write); beside them
+  makes; push_lookups / diff_lookups: the lookups of the parent's and the branch's push), and of a
+  pull into an empty local store (fetch + verify every chunk + write); beside them
   the same bytes through plain obstore (the chunks put / got as objects, in parallel as ours, without
   hashing or compression): baseline_put_mb_s, baseline_get_mb_s, and the ratios. Medians of
   ``--reps`` interleaved runs (each its own bucket and store). push_content_mb_s and

@@ -257,10 +257,9 @@ class StoreManager:
         sandboxes that were pushed to it or pulled from it (a diff branch shares most of its parent's).
         A push looks these up before sending them and sends the others at once; a belief gone stale
         costs a lookup or a refused send, never a chunk missing, as every write is in create mode."""
-        digests = {((r["handle"] or {}).get("stored") or {}).get("digest")
-                   for r in self.registry.list_snapshots() if ((r["handle"] or {}).get("stored") or {}).get("remote")}
-        digests |= {r["stored"].get("digest") for r in self.registry.list_sandboxes()
-                    if r.get("stored") and r["stored"].get("remote")}
+        stored = [(r["handle"] or {}).get("stored") for r in self.registry.list_snapshots()]
+        stored += [r.get("stored") for r in self.registry.list_sandboxes()]
+        digests = {s.get("digest") for s in stored if s and s.get("remote")}
         held: set[str] = set()
         for digest in digests - {None}:
             manifest = engine.store.get_manifest(digest)

@@ -20,7 +20,7 @@ import secrets
 from typing import Any
 from urllib.parse import quote
 
-from ..controller.checks import MAX_CHILDREN
+from ..controller.checks import HOST_MEMORY, MAX_CHILDREN
 from ..controller.forktrees import OWNER_LABELS
 from ..controller.wire import FORK_TREE_LABEL
 from . import pending
@@ -82,7 +82,7 @@ def fork_fields(body: dict | None) -> dict | None:
     if (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_CHILDREN
             or (tag is not None and not isinstance(tag, str))
             or (labels is not None and (not isinstance(labels, dict) or FORK_TREE_LABEL in labels))
-            or (memory is not None and memory != "host" and (isinstance(memory, bool) or not isinstance(memory, int)))
+            or (memory not in (None, HOST_MEMORY) and (isinstance(memory, bool) or not isinstance(memory, int)))
             or not isinstance(lossy, bool) or set(body) - FIELDS):
         return None
     return {"count": count, "tag": tag, "labels": labels or {}, "memory_limit_mib": memory, "lossy": lossy}

@@ -26,6 +26,7 @@ from ..errors import ForkdError, Gone, NotFound
 from ..hub.identity import HubUser
 from ..hub.ownership import Caller, Refused
 from ..scrub import ScrubbedLog, scrub  # noqa: F401 - the names this module's users import
+from ..controller.checks import HOST_MEMORY
 from ..controller.storage import full_disk_error, is_disk_full
 from ..controller.wire import label_filter
 
@@ -73,7 +74,7 @@ def _is(kind: str, value) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
             and value == int(value) and value >= 0
     if kind == "mib":
-        return value == "host" or _is("integer", value)
+        return value == HOST_MEMORY or _is("integer", value)
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if kind == "string[]":
@@ -387,7 +388,7 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
             elif not _is(kind, data[name]):
                 expected = 'an integer (MiB) or "host"' if kind == "mib" else kind
                 raise ApiError(422, f"invalid type for field `{name}`: expected {expected}")
-            elif data[name] != "host" or kind != "mib":
+            elif not (kind == "mib" and data[name] == HOST_MEMORY):  # "host": the controller resolves it
                 if kind in ("integer", "mib"):
                     data[name] = int(data[name])
                 if bounds and (why := out_of_range(name, data[name], bounds[0])):

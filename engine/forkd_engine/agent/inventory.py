@@ -82,11 +82,15 @@ def _in_own_pid_ns(pid: str) -> bool:
     return True  # a kernel without NSpid has no pid namespaces to nest
 
 
+PF_KTHREAD = 0x00200000  # a kernel thread, in /proc/PID/stat's flags
+
+
 def user_processes() -> list[tuple[int, str]]:
     """(pid, command) of live processes in this sandbox's pid namespace other than the agent and
     PID 1 (its init, or the agent itself in a VM guest).
 
-    Forks the agent made for branches live in nested pid namespaces and are not listed."""
+    Forks the agent made for branches live in nested pid namespaces and are not listed, nor are
+    kernel threads (a VM guest's /proc shows them)."""
     me = os.getpid()
     with open("/proc/self/cmdline", "rb") as f:
         own_cmdline = f.read()
@@ -106,8 +110,9 @@ def user_processes() -> list[tuple[int, str]]:
                 raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
         except OSError:
             continue
-        if stat_line[stat_line.rindex(b")") + 2:].split()[0] == b"Z":
-            continue  # exited, only waiting to be reaped: nothing is running
+        fields = stat_line[stat_line.rindex(b")") + 2:].split()
+        if fields[0] == b"Z" or int(fields[6]) & PF_KTHREAD:
+            continue  # exited, only waiting to be reaped, or the kernel's own: nothing of the user's
         found.append((int(name), cmd[:80] or stat_line[stat_line.index(b"(") + 1:stat_line.rindex(b")")].decode()))
     return sorted(found)
 

@@ -38,7 +38,7 @@ import time
 
 from . import children
 from .executor import Executor
-from .inventory import other_threads
+from .inventory import other_threads, user_processes
 from .runtime import Runtime
 from .server import MAX_LINE, encode_line
 from .session import Session, error_content
@@ -76,9 +76,6 @@ def add_entropy(fd: int, seed: bytes) -> None:
     fcntl.ioctl(fd, RNDRESEEDCRNG)
 
 
-PF_KTHREAD = 0x00200000  # a kernel thread, in /proc/PID/stat's flags
-
-
 def timers_armed() -> bool:
     """Whether a timer of this process would run user code by a signal: an interval timer (which
     ``signal.alarm`` and ``setitimer`` arm) or a POSIX timer (``/proc/self/timers``)."""
@@ -96,20 +93,7 @@ def quiet() -> bool:
     """Whether nothing of the user's would run in this guest: no thread but the agent's own (the
     reader, ``forkd-`` threads), no timer armed, and no process but the agent, PID 1 and kernel
     threads."""
-    if other_threads() or timers_armed():
-        return False
-    me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in (me, 1):
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
-        except OSError:
-            continue  # gone meanwhile
-        if fields[0] != b"Z" and not int(fields[6]) & PF_KTHREAD:  # state, flags
-            return False
-    return True
+    return not (other_threads() or timers_armed() or user_processes())
 
 
 RESTORE = b"restore "

@@ -230,9 +230,10 @@ class WarmPool:
             state = qmp.execute("query-status").get("status")
             if state != "paused":
                 raise EngineError(f"a pre-started VM is {state!r} after its load, not paused")
-            if snapshot.get("quiet"):
+            ahead = bool(snapshot.get("quiet"))
+            if ahead:
                 prerun(qmp, channel)
-            return Warm(h, qmp, channel, want, engine.qemu.cpu_ms(h["pid"]), prerun=bool(snapshot.get("quiet")))
+            return Warm(h, qmp, channel, want, engine.qemu.cpu_ms(h["pid"]), prerun=ahead)
         except BaseException:
             self.discard(Warm(h, qmp, channel, want, 0.0))
             raise
