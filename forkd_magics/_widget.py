@@ -32,7 +32,7 @@ import traitlets
 from forkd_server.client import Controller, ControllerError, ServerUnreachable
 
 from ._scope import Scope
-from ._static import static_bundle
+from ._static import host_label, static_bundle
 
 _HERE = pathlib.Path(__file__).parent
 BRANCH_MODES = ("live", "diff", "full")
@@ -166,8 +166,10 @@ class LineageWidget(anywidget.AnyWidget):
             kernels = self.controller.list_kernels()
         except (ControllerError, ServerUnreachable):
             kernels = []
+        missing = {**getattr(snapshots, "missing_hosts", {}), **getattr(sandboxes, "missing_hosts", {})}
         with self._lock:
             tree = build_tree(snapshots, sandboxes, self._history)
+            self._keep_unanswered(tree, missing)
             on_server = set(tree)
             head_kernels: dict[str, list[str]] = {}
             for k in kernels:
@@ -184,6 +186,14 @@ class LineageWidget(anywidget.AnyWidget):
             self._bury(tree, on_server)
             self.tree = {**self._gone, **tree}  # traits sync on assignment: always a new dict
         return self.tree
+
+    def _keep_unanswered(self, tree: dict, missing: dict[str, str]) -> None:
+        """Behind a router, a host that did not answer in time is missing from the lists, not
+        emptied: what it held stays drawn as last seen, marked (never buried as killed or deleted)."""
+        for node_id, node in self.tree.items():
+            silent = next((h for h in node.get("hosts") or [node.get("host")] if h in missing), None)
+            if node_id not in tree and silent and not node.get("tomb"):
+                tree[node_id] = {**node, "unanswered": f"{host_label(silent)}: {missing[silent]}"}
 
     def _bury(self, tree: dict, on_server: set[str]) -> None:
         """Keep what left the server as tombstones; a node that only left the scope (a HEAD the

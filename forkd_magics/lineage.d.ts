@@ -22,6 +22,7 @@ export interface ILineageNode {
   host?: string | null; // behind a fleet's router: the host that holds it (a snapshot: the first of hosts)
   hosts?: string[] | null; // a snapshot's: every host that holds it
   ghost?: boolean;
+  unanswered?: string; // behind a router: its host did not answer the last read (why); drawn as last seen
   tomb?: boolean; // gone from the server, kept in the drawing until "clear gone"
   info?: Record<string, unknown>;
 }

@@ -237,7 +237,7 @@ export class LineageView {
     line.dataset.state = this.state;
     if (this.state === "live" && !this.stateText) { line.hidden = true; return; }
     line.hidden = false;
-    const label = { live: "● live", loading: "○ connecting…", reconnecting: "○ reconnecting…", disconnected: "○ disconnected",
+    const label = { live: "● live ·", loading: "○ connecting…", reconnecting: "○ reconnecting…", disconnected: "○ disconnected",
       error: "⚠" }[this.state] || this.state;
     el("span", { class: "forkd-state-label" }, line, label);
     if (this.stateText) el("span", { class: "forkd-state-text" }, line, " " + this.stateText);
@@ -287,6 +287,7 @@ export class LineageView {
     row.classList.add("forkd-node", node.kind, `status-${node.status}`);
     if (gone) row.classList.add("forkd-gone");
     if (node.ghost) row.classList.add("forkd-ghost");
+    if (node.unanswered) row.classList.add("forkd-unanswered");
     if (id === this.selected) row.classList.add("selected");
     row.dataset.id = id;
     row.dataset.status = node.status;
@@ -295,7 +296,7 @@ export class LineageView {
     const tier = node.kind === "sandbox" && node.tier && node.tier !== "running" && !gone ? node.tier : null;
     const onHosts = this.hosts.length > 1 && !node.ghost;
     const where = onHosts && node.host ? `, on ${node.hosts && node.hosts.length > 1 ? plural(node.hosts.length, "host") : hostLabel(node.host)}` : "";
-    row.setAttribute("aria-label", `${node.kind} ${id}, ${node.status}${tier ? `, ${tier}` : ""}${where}${warns.length ? `, ${plural(warns.length, "warning")}` : ""}`);
+    row.setAttribute("aria-label", `${node.kind} ${id}, ${node.status}${tier ? `, ${tier}` : ""}${where}${node.unanswered ? ", as last seen" : ""}${warns.length ? `, ${plural(warns.length, "warning")}` : ""}`);
     const top = el("div", { class: "forkd-line1" }, row);
     el("span", { class: "forkd-icon", "aria-hidden": "true" }, top, node.kind === "snapshot" ? "◆" : "●");
     idLabel(top, id);
@@ -310,9 +311,11 @@ export class LineageView {
     el("span", { class: `forkd-dot status-${node.status}`, "aria-hidden": "true" }, meta);
     const hist = node.history && node.history.length > 1 ? node.history.join(" → ") : node.status;
     el("span", { class: "forkd-badge" }, meta, hist);
-    if (onHosts) hostChip(meta, node); // on the second line: the id keeps the first line's room
+    const chip = onHosts ? hostChip(meta, node) : null; // on the second line: the id keeps the first line's room
+    if (chip && node.unanswered) chip.title += ` (${node.unanswered})`;
     const bits = [];
     if (node.ghost) bits.push("gone; kept for lineage");
+    if (node.unanswered) bits.push("as last seen");
     if (node.pause_ms !== null && node.pause_ms !== undefined) bits.push(`paused ${fmtMs(node.pause_ms)}`);
     if (node.memory && node.memory.uss_kib !== undefined && !gone) bits.push(`${fmtKib(node.memory.uss_kib)} private`);
     if (node.busy !== undefined && !gone && !tier) bits.push(node.busy ? "busy" : "idle");
@@ -426,6 +429,7 @@ export class LineageView {
     const table = el("table", {}, d);
     const rowsT = [["status", (node.history || [node.status]).join(" → ")], ["parent", node.parent || "—"]];
     if (node.ghost) rowsT.push(["note", "no longer exists; drawn so the lineage below it stays connected"]);
+    if (node.unanswered) rowsT.push(["note", `drawn as last seen; its host did not answer (${node.unanswered})`]);
     if (node.created) {
       rowsT.push(["age", (td) => {
         el("span", { class: "forkd-age", "data-created": node.created }, td); // _tick fills it

@@ -77,7 +77,7 @@ class AsyncTransport(Wire):
         started = time.monotonic()
         while True:
             try:
-                status, content = await pool.request(request.method, request.target, request.headers,
+                status, content, missing = await pool.request(request.method, request.target, request.headers,
                                                      request.content, request.timeout)
             except NotConnected as exc:
                 kind, reason = "connect", exc
@@ -90,7 +90,7 @@ class AsyncTransport(Wire):
                 if wait is not None:
                     await asyncio.sleep(wait)
                     continue
-                return self.answer(request, status, content)
+                return self.answer(request, status, content, missing)
             error = self.failure(request, kind, reason, attempt)
             if error is not None:
                 raise error from None

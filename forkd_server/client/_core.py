@@ -36,10 +36,34 @@ DEFAULT_URL = "http://127.0.0.1:8889"
 USER_AGENT = "Python-urllib/%d.%d" % sys.version_info[:2]
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 CLIENT_HEADER = "X-Forkd-Client"
+MISSING_HEADER = "X-Forkd-Hosts-Missing"  # a fleet router's: hosts whose part of a merged list is missing
 RECOVERING_POLL = 0.1  # s between asks about an object a restarted server has not settled yet
 # s for a new connection: the TCP connect and, over https, the TLS handshake. A server answers both
 # at once; past this nothing is going to (an https URL of a plain-http server waits for ever).
 CONNECT_TIMEOUT = 15.0
+
+
+class Partial(list):
+    """A list a fleet's router merged without some hosts' parts: ``missing_hosts`` maps the URL of
+    each host that did not answer in time (or answered what is not a list) to why. What such a host
+    holds is not in the list, and is not gone either."""
+
+    def __init__(self, items, missing_hosts: dict[str, str]):
+        super().__init__(items)
+        self.missing_hosts = missing_hosts
+
+
+def missing_hosts(header: str | None) -> dict[str, str]:
+    """The router's ``X-Forkd-Hosts-Missing`` (``url: why; url: why``) as {url: why}."""
+    out: dict[str, str] = {}
+    last = None
+    for part in (header or "").split("; "):
+        url, sep, why = part.partition(": ")
+        if sep and url.startswith(("http://", "https://")) and " " not in url:
+            out[last := url] = why
+        elif last is not None:
+            out[last] += "; " + part  # a reason with "; " of its own
+    return out
 
 
 class Request:
@@ -237,12 +261,16 @@ class Wire:
                        method in IDEMPOTENT if idempotent is None else idempotent, text)
 
     @staticmethod
-    def answer(request: Request, status: int, content: bytes) -> Any:
-        """The parsed JSON of a 2xx answer (None if empty); a ``ControllerError`` for any other."""
+    def answer(request: Request, status: int, content: bytes, missing: str | None = None) -> Any:
+        """The parsed JSON of a 2xx answer (None if empty), a ``Partial`` list where a router says
+        hosts are missing from it (``missing``: its header); a ``ControllerError`` for any other."""
         if 200 <= status < 300:
             if request.text:
                 return content.decode()
-            return _loads(content) if content else None
+            parsed = _loads(content) if content else None
+            if missing and isinstance(parsed, list):
+                return Partial(parsed, missing_hosts(missing))
+            return parsed
         try:
             parsed = json.loads(content) if content else {}
         except ValueError:

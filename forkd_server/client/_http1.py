@@ -19,7 +19,9 @@ from urllib.parse import urlsplit
 
 import h11
 
-from ._core import CONNECT_TIMEOUT
+from ._core import CONNECT_TIMEOUT, MISSING_HEADER
+
+MISSING = MISSING_HEADER.lower().encode()  # h11 gives header names in lower case
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
 REQUESTS_KEPT = 64  # h11 requests kept for reuse (an event is immutable: it can be sent again)
@@ -97,13 +99,14 @@ class _Connection(asyncio.Protocol):
         self.h11.start_next_cycle()
         return True
 
-    async def exchange(self, request: h11.Request, content: bytes | None, timeout: float) -> tuple[int, bytes]:
-        """Send one request and read its answer: (status, body)."""
+    async def exchange(self, request: h11.Request, content: bytes | None,
+                       timeout: float) -> tuple[int, bytes, str | None]:
+        """Send one request and read its answer: (status, body, a router's missing-hosts header)."""
         wire = self.h11.send(request)
         if content:
             wire += self.h11.send(h11.Data(data=content))
         self.transport.write(wire + self.h11.send(h11.EndOfMessage()))
-        status, body = 0, []
+        status, body, missing = 0, [], None
         while True:
             try:
                 event = self.h11.next_event()
@@ -113,10 +116,11 @@ class _Connection(asyncio.Protocol):
                 await self.more(timeout)
             elif isinstance(event, h11.Response):
                 status = event.status_code
+                missing = next((v.decode("latin-1") for k, v in event.headers if k == MISSING), None)
             elif isinstance(event, h11.Data):
                 body.append(event.data)
             elif isinstance(event, h11.EndOfMessage):
-                return status, b"".join(body)
+                return status, b"".join(body), missing
             elif isinstance(event, h11.ConnectionClosed):
                 raise Dropped("the server closed the connection before its answer")
             # an InformationalResponse (100 Continue): the real answer follows
@@ -151,8 +155,8 @@ class Pool:
         self.closed = False
 
     async def request(self, method: str, target: str, headers: dict, content: bytes | None,
-                      timeout: float) -> tuple[int, bytes]:
-        """(status, body) of one exchange. An exception from ``_connect`` means nothing was sent."""
+                      timeout: float) -> tuple[int, bytes, str | None]:
+        """(status, body, a router's missing-hosts header) of one exchange. An exception from ``_connect`` means nothing was sent."""
         fields = [("Host", self._host_header), *((k, str(v)) for k, v in headers.items())]
         if content or method in _BODY_METHODS:
             fields.append(("Content-Length", str(len(content or b""))))
@@ -170,7 +174,7 @@ class Pool:
         async with self._slots:
             conn = await self._take(timeout)
             try:
-                status, body = await conn.exchange(request, content, timeout)
+                answer = await conn.exchange(request, content, timeout)
             except BaseException:  # a cancelled or failed exchange may still be answered: never reused
                 conn.close()
                 raise
@@ -178,7 +182,7 @@ class Pool:
                 self._idle.append(conn)
             else:
                 conn.close()
-            return status, body
+            return answer
 
     async def _take(self, timeout: float) -> _Connection:
         while self._idle:

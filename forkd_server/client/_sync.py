@@ -18,8 +18,8 @@ import urllib.request
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-from ._core import (CONNECT_TIMEOUT, Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Request, Send, SSEDecoder,
-                    Sleep, Subscribe, Wait, Wire)
+from ._core import (CONNECT_TIMEOUT, MISSING_HEADER, Close, Emit, LeftEarly, NextEvent, OpenSession, Recv, Request,
+                    Send, SSEDecoder, Sleep, Subscribe, Wait, Wire)
 from ._errors import ServerUnreachable
 
 __all__ = ["EventStream", "SyncTransport", "run", "stream"]
@@ -136,7 +136,7 @@ class SyncTransport(Wire):
             if wait is not None:
                 time.sleep(wait)
                 continue
-            return self.answer(request, resp.status, content)
+            return self.answer(request, resp.status, content, resp.getheader(MISSING_HEADER))
 
     def _do(self, step, then=None):
         result = self._exchange(step) if isinstance(step, Request) else run(step, self)

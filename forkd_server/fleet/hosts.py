@@ -163,20 +163,21 @@ class Host:
         if body is not None:
             kwargs["data"] = body if isinstance(body, bytes) else json.dumps(body).encode()
             kwargs["headers"]["Content-Type"] = "application/json"
+        said = path.split("?")[0]  # a caller's query (a browser's cache-buster too) is no part of what failed
         try:
             async with http.request(method, self.url + path, timeout=limits, **kwargs) as resp:
                 raw = await resp.read()
                 status = resp.status
         except asyncio.TimeoutError:
-            raise HostError(self.url, f"no answer to {method} {path} within {timeout:g} s") from None
+            raise HostError(self.url, f"no answer to {method} {said} within {timeout:g} s") from None
         except aiohttp.ClientError as exc:
-            raise HostError(self.url, f"{method} {path} failed: {exc or type(exc).__name__}") from None
+            raise HostError(self.url, f"{method} {said} failed: {exc or type(exc).__name__}") from None
         if not raw:
             return status, None
         try:
             return status, json.loads(raw)
         except ValueError:
-            raise HostError(self.url, f"{method} {path} answered {status} with what is not JSON: "
+            raise HostError(self.url, f"{method} {said} answered {status} with what is not JSON: "
                                       f"{raw[:80]!r}") from None
 
 

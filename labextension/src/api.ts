@@ -25,6 +25,29 @@ export interface ITreeNode {
   hosts?: string[]; // a snapshot several hosts hold: each of them
 }
 
+/** A tree as read: its nodes, and behind a router the hosts whose part is missing (url -> why). */
+export interface ITreeRead {
+  nodes: ITreeNode[];
+  missing: Record<string, string>;
+}
+
+const MISSING_HEADER = 'X-Forkd-Hosts-Missing'; // a router's: "url: why; url: why" of hosts that did not answer
+
+/** The hosts a router's merged answer lacks, by url, from its header (each "url: why", "; " between). */
+export function missingHosts(header: string | null): Record<string, string> {
+  const out: Record<string, string> = {};
+  let last = '';
+  for (const part of (header || '').split('; ')) {
+    const m = /^(https?:\/\/\S+?): (.*)$/.exec(part.trim());
+    if (m) {
+      out[(last = m[1])] = m[2];
+    } else if (last) {
+      out[last] += '; ' + part; // a reason of its own with "; " in it
+    }
+  }
+  return out;
+}
+
 export interface IKernelHead {
   kernel_id: string;
   head: string | null;
@@ -67,6 +90,11 @@ export class ForkdAPI {
   }
 
   async request<T>(path: string, init: RequestInit = {}): Promise<T> {
+    return (await this.read<T>(path, init)).body;
+  }
+
+  /** A request's parsed answer and the response it came in (its headers). */
+  private async read<T>(path: string, init: RequestInit = {}): Promise<{ body: T; response: Response }> {
     const started = Date.now();
     for (;;) {
       let response: Response;
@@ -88,7 +116,7 @@ export class ForkdAPI {
         await new Promise(resolve => window.setTimeout(resolve, RECOVERING_POLL_MS));
         continue;
       }
-      return this.answer<T>(response, body);
+      return { body: this.answer<T>(response, body), response };
     }
   }
 
@@ -113,8 +141,9 @@ export class ForkdAPI {
   }
 
   /** The whole tree, with each sandbox's memory and what it runs (one request for all of them). */
-  tree(): Promise<ITreeNode[]> {
-    return this.request('v1/tree?memory=true&busy=true');
+  async tree(): Promise<ITreeRead> {
+    const { body, response } = await this.read<ITreeNode[]>('v1/tree?memory=true&busy=true');
+    return { nodes: body, missing: missingHosts(response.headers.get(MISSING_HEADER)) };
   }
 
   /** The forkd kernels' HEADs; null when this server has no such route yet (404). */

@@ -6,8 +6,9 @@ import { ServerConnection } from '@jupyterlab/services';
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
+import { hostLabel } from '../../forkd_magics/lineage.js';
 import type { ILineageNode, LineageTree } from '../../forkd_magics/lineage.js';
-import { ForkdAPI, ForkdError, IKernelHead, ITreeNode } from './api';
+import { ForkdAPI, ForkdError, IKernelHead, ITreeNode, ITreeRead } from './api';
 import { EventSocket, SocketState } from './events';
 
 export const CHANGE_SCHEMA = 'https://events.jupyter.org/forkd/change/v1';
@@ -98,7 +99,7 @@ export class LineageModel {
           this._dirty = false;
           const seq = this._seq;
           // a server without forkd kernels answers 404 once; asked again when a kernel event comes
-          const [nodes, kernels] = await Promise.all([
+          const [read, kernels] = await Promise.all([
             this.api.tree(),
             this._kernelsRoute ? this.api.kernels() : Promise.resolve(this._kernels)
           ]);
@@ -107,11 +108,11 @@ export class LineageModel {
           }
           this._kernelsRoute = kernels !== null;
           this._kernels = kernels;
-          this.setTree(nodes);
+          this.setTree(read);
           break;
         }
         if (this._socket.state === 'open') {
-          this.setState('live', '');
+          this.setState('live', this.silentText());
         }
       } catch (err) {
         if (err instanceof ForkdError && err.status === 404) {
@@ -202,12 +203,21 @@ export class LineageModel {
     return [...seen];
   }
 
-  private setTree(nodes: ITreeNode[]): void {
+  private setTree({ nodes, missing }: ITreeRead): void {
     const tree: LineageTree = {};
     const heads = this.heads();
     for (const n of nodes) {
       tree[n.id] = { ...this.node(n, this._tree[n.id]), heads: heads[n.id]?.notebooks || [], head_kernels: heads[n.id]?.kernels || [] };
     }
+    // Behind a router, a host that did not answer in time is missing from the reply, not empty: what
+    // it held stays drawn as last seen, marked, rather than vanish (and come back at the next read).
+    for (const [id, old] of Object.entries(this._tree)) {
+      const silent = (old.hosts || (old.host ? [old.host] : [])).find(h => h in missing);
+      if (!tree[id] && silent) {
+        tree[id] = { ...old, unanswered: `${hostLabel(silent)}: ${missing[silent]}` };
+      }
+    }
+    this._missing = missing;
     for (const id of Object.keys(this._history)) {
       if (!tree[id]) {
         delete this._history[id];
@@ -215,6 +225,16 @@ export class LineageModel {
     }
     this._tree = tree;
     this._changed.emit();
+  }
+
+  /** What the state line says while hosts of a router are missing from the tree ('' when none). */
+  private silentText(): string {
+    const hosts = Object.keys(this._missing);
+    if (!hosts.length) {
+      return '';
+    }
+    const which = hosts.map(h => `${hostLabel(h)}: ${this._missing[h]}`).join(', ');
+    return `${which}; what ${hosts.length > 1 ? 'these hosts hold is' : 'it holds is'} drawn as last seen`;
   }
 
   private withHeads(): void {
@@ -309,6 +329,7 @@ export class LineageModel {
   private _memoryPoll: Poll;
   private _tree: LineageTree = {};
   private _history: Record<string, string[]> = {};
+  private _missing: Record<string, string> = {};
   private _kernels: IKernelHead[] | null = null;
   private _kernelsRoute = true;
   private _state: ModelState = 'loading';

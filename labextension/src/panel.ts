@@ -118,7 +118,7 @@ export class LineagePanel extends Widget {
     const m = this.model;
     this.view.update(this.filtered(m.tree));
     if (m.state === 'live') {
-      this.view.setState('live');
+      this.view.setState('live', m.stateText); // e.g. a router's host that did not answer
     } else if (m.state === 'reconnecting') {
       this.view.setState('reconnecting', m.stateText, () => m.reconnect());
     } else if (m.state === 'loading') {

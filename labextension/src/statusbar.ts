@@ -35,7 +35,8 @@ export class ForkdStatus extends Widget {
       }
     }
     this.node.textContent = text;
-    this.node.title = m.state === 'live' ? 'Open the forkd lineage (private memory of the sandboxes in all)' : `forkd: ${m.stateText}`;
+    this.node.title =
+      m.state === 'live' && !m.stateText ? 'Open the forkd lineage (private memory of the sandboxes in all)' : `forkd: ${m.stateText}`;
   }
 
   dispose(): void {

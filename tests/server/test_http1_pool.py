@@ -42,7 +42,7 @@ async def serving(answers: list):
 async def test_bodies_of_every_framing_and_what_keeps_the_connection():
     server, heads = await serving([
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nT: 1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Forkd-Hosts-Missing: http://h:1: why\r\n\r\n3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nT: 1\r\n\r\n",
         b"HTTP/1.1 204 No Content\r\n\r\n",
         b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}", CLOSE,
         b"HTTP/1.0 200 OK\r\n\r\nup to the close", CLOSE,
@@ -50,13 +50,13 @@ async def test_bodies_of_every_framing_and_what_keeps_the_connection():
     port = server.sockets[0].getsockname()[1]
     async with server:
         pool = Pool(f"http://127.0.0.1:{port}", 4)
-        assert await pool.request("GET", "/a", {"X": "1"}, None, 10) == (200, b"hello")
-        assert await pool.request("POST", "/b", {}, b"{}", 10) == (200, b"abcde")
-        assert await pool.request("DELETE", "/c", {}, None, 10) == (204, b"")
+        assert await pool.request("GET", "/a", {"X": "1"}, None, 10) == (200, b"hello", None)
+        assert await pool.request("POST", "/b", {}, b"{}", 10) == (200, b"abcde", "http://h:1: why")  # a router's: hosts left out
+        assert await pool.request("DELETE", "/c", {}, None, 10) == (204, b"", None)
         assert len(pool._idle) == 1  # one connection so far, kept
-        assert await pool.request("GET", "/d", {}, None, 10) == (404, b"{}")
+        assert await pool.request("GET", "/d", {}, None, 10) == (404, b"{}", None)
         assert pool._idle == []  # the server said it closes
-        assert await pool.request("GET", "/e", {}, None, 10) == (200, b"up to the close")
+        assert await pool.request("GET", "/e", {}, None, 10) == (200, b"up to the close", None)
         await pool.aclose()
     assert heads[0].startswith(b"GET /a HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nX: 1\r\n" % port)
     assert b"Content-Length: 2\r\n" in heads[1] and b"Content-Length" not in heads[2]  # as http.client
