@@ -407,9 +407,13 @@ class ForkdApp(ExtensionApp):
             if why:
                 raise LookupError(why)
             from .client import Controller
+            from .mcp._in_process import InProcess
             from .mcp.http import McpMount, own_url
             token = getattr(self.serverapp.identity_provider, "token", None) or None
-            self.mcp_mount = McpMount(Controller(own_url(self.serverapp, self.route_prefix), token))
+            url = own_url(self.serverapp, self.route_prefix)
+            # this server's own controller for the quick calls; a remote or router mode has none here
+            quick = InProcess(self, url) if self.controller is not None else None
+            self.mcp_mount = McpMount(Controller(url, token), quick)
             self.mcp_mount.start()
         return self.mcp_mount
 

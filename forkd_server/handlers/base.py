@@ -109,6 +109,45 @@ class ApiError(web.HTTPError):
         self.fields = fields or {}
 
 
+async def settled(app, call, sandbox: str | None):
+    """Await ``call``, a controller call of ``app`` (the extension: its controller and admission);
+    every failure becomes the ``ApiError`` its route answers, never a bare 500 for what a user can
+    fix: a full disk is 507, a sandbox killed during the call is 410. What is not one of ours is
+    raised as it is (a 500 saying so)."""
+    try:
+        return await call
+    except ForkdError as exc:
+        failure = exc
+    except Exception as exc:  # noqa: BLE001 - explained below when it is one of ours, else re-raised
+        failure = exc
+    if is_disk_full(failure):
+        error = full_disk_error(app.controller.data_dir, failure)
+        raise ApiError(error.status, error.message, error.fields) from None
+    status = failure.status if isinstance(failure, ForkdError) else 500
+    gone = await _sandbox_gone(app, sandbox) if status == 500 and sandbox is not None else None
+    if gone is not None:
+        ended = gone.fields.get("ended") or {}
+        why = ended.get("reason") or "killed, or its process exited"
+        error = Gone(f"sandbox {sandbox} ended during this call: {why}", hint=gone.hint,
+                     details={**gone.details, "call": getattr(failure, "message", str(failure))},
+                     **({"ended": ended} if ended else {}))
+        raise ApiError(410, error.message, error.fields) from None
+    if not isinstance(failure, ForkdError):
+        raise failure
+    raise ApiError(failure.status, failure.message, failure.fields) from None
+
+
+async def _sandbox_gone(app, sandbox: str) -> NotFound | None:
+    """The 404 of ``sandbox`` if it is gone (saying why, when known), else None."""
+    try:
+        await app.admission.control(functools.partial(app.controller.get_sandbox, sandbox))
+    except NotFound as exc:
+        return exc
+    except Exception:  # noqa: BLE001 - cannot tell: the original error stands
+        return None
+    return None
+
+
 def query_bool(handler: web.RequestHandler, name: str) -> bool:
     raw = handler.get_query_argument(name, "false")
     if raw not in ("true", "false"):
@@ -332,39 +371,7 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
         return await self._answer(run, sandbox)
 
     async def _answer(self, call, sandbox: str | None):
-        """Await ``call``; every failure becomes its ``{"error"}`` answer, never a bare 500 for what a
-        user can fix: a full disk is 507, a sandbox killed during the call is 410."""
-        try:
-            return await call
-        except ForkdError as exc:
-            failure = exc
-        except Exception as exc:  # noqa: BLE001 - explained below when it is one of ours, else re-raised
-            failure = exc
-        if is_disk_full(failure):
-            error = full_disk_error(self.controller.data_dir, failure)
-            raise ApiError(error.status, error.message, error.fields) from None
-        status = failure.status if isinstance(failure, ForkdError) else 500
-        gone = await self._sandbox_gone(sandbox) if status == 500 and sandbox is not None else None
-        if gone is not None:
-            ended = gone.fields.get("ended") or {}
-            why = ended.get("reason") or "killed, or its process exited"
-            error = Gone(f"sandbox {sandbox} ended during this call: {why}", hint=gone.hint,
-                         details={**gone.details, "call": getattr(failure, "message", str(failure))},
-                         **({"ended": ended} if ended else {}))
-            raise ApiError(410, error.message, error.fields) from None
-        if not isinstance(failure, ForkdError):
-            raise failure
-        raise ApiError(failure.status, failure.message, failure.fields) from None
-
-    async def _sandbox_gone(self, sandbox: str) -> NotFound | None:
-        """The 404 of ``sandbox`` if it is gone (saying why, when known), else None."""
-        try:
-            await self.app.admission.control(functools.partial(self.controller.get_sandbox, sandbox))
-        except NotFound as exc:
-            return exc
-        except Exception:  # noqa: BLE001 - cannot tell: the original error stands
-            return None
-        return None
+        return await settled(self.app, call, sandbox)
 
     def body(self, spec: dict) -> dict:
         """Parse and type-check a JSON body, the way forkd's extractor does (before any other check)."""

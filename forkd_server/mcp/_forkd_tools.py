@@ -1,11 +1,12 @@
 """forkd-mcp's eleven tools, with its names, parameters and defaults, so a prompt written for forkd
 works here; plus ``delete_snapshot`` (as sandstorm-mcp has it). Each maps onto one REST route
-through the SDK, as forkd-mcp's do; long ones report progress."""
+through the SDK, as forkd-mcp's do (inside the forkd server, eval_code and ping_sandbox make that
+route's call on its controller: ``_in_process``); long ones report progress."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import ToolAnnotations
@@ -13,6 +14,10 @@ from mcp_types import ToolAnnotations
 from ..client import Controller
 from ._errors import Refused, explained
 from ._progress import Following, run_reporting
+from ._threads import off_loop
+
+if TYPE_CHECKING:  # the in-process calls import the server's handlers: never in `forkd mcp`
+    from ._in_process import InProcess
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 CREATES = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False)
@@ -22,7 +27,9 @@ DESTROYS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempote
 TAIL_BYTES = 4096  # what wait_for_text reads of the file each time, as forkd-mcp does
 
 
-def register(server: MCPServer, ctl: Controller) -> None:
+def register(server: MCPServer, ctl: Controller, quick: InProcess | None = None) -> None:
+    """``quick``: where eval_code and ping_sandbox go when the MCP server lives in the forkd server
+    (its own controller, no second request back into it); else they go through ``ctl`` too."""
 
     @server.tool(annotations=READ_ONLY)
     @explained("list_snapshots")
@@ -133,16 +140,20 @@ def register(server: MCPServer, ctl: Controller) -> None:
 
     @server.tool(annotations=RUNS_CODE)
     @explained("eval_code")
-    def eval_code(sandbox_id: str, code: str) -> dict[str, Any]:
+    async def eval_code(sandbox_id: str, code: str) -> dict[str, Any]:
         """Evaluate one Python expression in the sandbox's persistent namespace; its repr comes back
         as ``result`` (a failure as ``error``). For statements, printed and rich output: run_cell."""
-        return ctl.eval_code(sandbox_id, code)
+        if quick is not None:
+            return await quick.eval_code(sandbox_id, code)
+        return await off_loop(ctl.eval_code)(sandbox_id, code)
 
     @server.tool(annotations=READ_ONLY)
     @explained("ping_sandbox")
-    def ping_sandbox(sandbox_id: str) -> dict[str, Any]:
+    async def ping_sandbox(sandbox_id: str) -> dict[str, Any]:
         """Check that the sandbox's agent answers."""
-        return ctl.ping_sandbox(sandbox_id)
+        if quick is not None:
+            return await quick.ping_sandbox(sandbox_id)
+        return await off_loop(ctl.ping_sandbox)(sandbox_id)
 
 
 async def spawn_reporting(ctl: Controller, ctx: Context | None, snapshot_tag: str, n: int, *, done: int = 0,

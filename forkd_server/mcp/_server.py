@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from mcp.server.mcpserver import MCPServer
 
 from .. import __version__
 from ..client import Controller
 from . import _fork_tree_tools, _forkd_tools, _notebook_tools, _resources, _tier_tools
+
+if TYPE_CHECKING:  # the in-process calls import the server's handlers: never in `forkd mcp`
+    from ._in_process import InProcess
 
 INSTRUCTIONS = """\
 forkd: fork-on-write Python sandboxes, and notebooks that run in them. A snapshot is a warmed-up
@@ -24,9 +28,10 @@ A sandbox left idle can be frozen (freeze_sandbox: no CPU) or, on the VM engine,
 (store_sandbox: no process, no RAM); the next call wakes it, state intact (wake_sandbox: now)."""
 
 
-def build_server(controller: Controller | None = None) -> MCPServer:
+def build_server(controller: Controller | None = None, quick: InProcess | None = None) -> MCPServer:
     """The MCP server driving the forkd server ``controller`` reaches (default: the SDK's own
-    finding: ``$FORKD_URL``/``$FORKD_TOKEN``, else a running server on this host)."""
+    finding: ``$FORKD_URL``/``$FORKD_TOKEN``, else a running server on this host); ``quick``: that
+    server's own calls, when the MCP server lives in it (``_in_process``)."""
     ctl = controller or Controller()
     root = logging.getLogger()
     kept = root.level, list(root.handlers)
@@ -35,7 +40,7 @@ def build_server(controller: Controller | None = None) -> MCPServer:
     finally:  # its constructor configures the process's root logger (basicConfig): not ours to change
         root.setLevel(kept[0])
         root.handlers[:] = kept[1]
-    _forkd_tools.register(server, ctl)
+    _forkd_tools.register(server, ctl, quick)
     _fork_tree_tools.register(server, ctl)
     _notebook_tools.register(server, ctl)
     _tier_tools.register(server, ctl)

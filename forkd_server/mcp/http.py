@@ -11,7 +11,9 @@ The session manager runs on the server's loop from the first request until the e
 (``McpMount``); its
 DNS-rebinding check is off because jupyter-server's own Host/Origin checks (``allow_remote_access``,
 ``allow_origin``) guard this route as they guard every other. The tools reach the REST API of the
-server they live in through the SDK with the server's own token, so the server's limits apply.
+server they live in through the SDK with the server's own token, so the server's limits apply; the
+quickest (``eval_code``, ``ping_sandbox``) are made on the server's own controller instead, admitted
+and answered as their routes are (``_in_process``).
 """
 
 from __future__ import annotations
@@ -48,11 +50,11 @@ def routes(prefix: str) -> list[tuple[str, type]]:
 class McpMount:
     """The MCP server and its streamable-HTTP session manager, running while the extension does."""
 
-    def __init__(self, controller):
+    def __init__(self, controller, quick=None):
         from mcp.server.transport_security import TransportSecuritySettings
 
         from ._server import build_server
-        self.server = build_server(controller)
+        self.server = build_server(controller, quick)
         self.server.streamable_http_app(  # makes server.session_manager; its Starlette app stays unused
             transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
         self.manager = self.server.session_manager
@@ -108,7 +110,8 @@ class McpHandler(ForkdHandler):
             mount: McpMount = self.app.mcp_server()
         except LookupError as exc:
             raise ApiError(503, f"no MCP server here: {exc}") from None
-        await asyncio.wait_for(mount.ready.wait(), 30)
+        if not mount.ready.is_set():  # only the first requests wait (a wait_for is a task each time)
+            await asyncio.wait_for(mount.ready.wait(), 30)
         body = self.raw_body()
         self._gone = asyncio.Event()
         request = self.request

@@ -164,6 +164,10 @@ def test_the_mcp_route_acts_on_the_fleet(remote):
             result = await client.call_tool("list_sandboxes", {})
             assert not result.is_error, result.content[0].text
             value = result.structured_content
+            # no controller in this server: eval_code goes through its routes to the fleet too
+            evaluated = await client.call_tool("eval_code", {"sandbox_id": kid, "code": "6 * 7"})
+            assert not evaluated.is_error, evaluated.content[0].text
+            assert evaluated.structured_content["result"] == "42"
             return value["result"] if isinstance(value, dict) and set(value) == {"result"} else value
 
     try:
