@@ -26,7 +26,7 @@ from IPython.utils.text import DollarFormatter
 from IPython.display import display
 
 from forkd_server.client import (BadServerURL, CommandResult, Controller, ControllerError, Sandbox, ServerUnreachable,
-                                 Snapshot)
+                                 Snapshot, unanswered)
 
 from ._args import SUBCOMMANDS, full_help, plain_help, strip_comment, unquote
 from ._errors import Explained, explained, show_details
@@ -70,8 +70,16 @@ class ExecResult(CommandResult):
 class Listing:
     """What ``%forkd ls`` returns: ``.snapshots`` and ``.sandboxes`` (SDK objects), shown as tables."""
 
-    def __init__(self, snapshots: list[Snapshot], sandboxes: list[Sandbox], scope: str = "everyone"):
+    def __init__(self, snapshots: list[Snapshot], sandboxes: list[Sandbox], scope: str = "everyone",
+                 missing: dict[str, str] | None = None):
         self.snapshots, self.sandboxes, self.scope = snapshots, sandboxes, scope
+        self.missing = missing or {}  # behind a router: hosts that did not answer (url -> why)
+
+    @property
+    def _unlisted(self) -> list[str]:
+        """One line per host a router left out: what it holds is not in the tables, nor gone."""
+        return [f"⚠ {host_label(url)} did not answer ({why}): what it holds is not listed"
+                for url, why in self.missing.items()]
 
     @property
     def _of(self) -> str:
@@ -119,7 +127,7 @@ class Listing:
         lines.append(f"{len(sbs)} sandbox(es)")
         if sbs:
             lines += self._text_table(sb_head, sbs)
-        p.text("\n".join(lines))
+        p.text("\n".join(lines + self._unlisted))
 
     def _repr_html_(self) -> str:
         snaps, sbs = self._rows()
@@ -131,7 +139,8 @@ class Listing:
 
         snap_head, sb_head = self._headers(upper=False)
         return (f"<b>{len(snaps)} snapshot(s){html.escape(self._of)}</b>" + (table(snap_head, snaps) if snaps else "")
-                + f"<b>{len(sbs)} sandbox(es)</b>" + (table(sb_head, sbs) if sbs else ""))
+                + f"<b>{len(sbs)} sandbox(es)</b>" + (table(sb_head, sbs) if sbs else "")
+                + "".join(f"<p>{html.escape(line)}</p>" for line in self._unlisted))
 
 
 @magics_class
@@ -357,8 +366,9 @@ class ForkdMagics(Magics):
 
     def _ls(self, args, cell):
         ctl, scope = self.controller, self._within(args)
-        return Listing([Snapshot(s, ctl) for s in snapshots_of(ctl, scope)],
-                       [Sandbox(b, ctl) for b in sandboxes_of(ctl, scope)], str(scope or "everyone"))
+        snaps, boxes = snapshots_of(ctl, scope), sandboxes_of(ctl, scope)
+        return Listing([Snapshot(s, ctl) for s in snaps], [Sandbox(b, ctl) for b in boxes], str(scope or "everyone"),
+                       unanswered(snaps, boxes))
 
     def _kill(self, args, cell):
         if not (args.sandboxes or args.tag or args.all or args.everyone):

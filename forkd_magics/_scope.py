@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from forkd_server.client import ControllerError
+from forkd_server.client import ControllerError, Partial, unanswered
 
 NOTEBOOK = "jupyter.notebook"
 KERNEL_ID = "jupyter.kernel_id"
@@ -101,11 +101,13 @@ class Scope:
 
 
 def _union(lists: list[list[dict]], key: str) -> list[dict]:
+    """One list of every item once; a ``Partial`` if a router left hosts out of any of ``lists``."""
     seen: dict[str, dict] = {}
     for items in lists:
         for item in items:
             seen.setdefault(item[key], item)
-    return list(seen.values())
+    missing = unanswered(*lists)
+    return Partial(seen.values(), missing) if missing else list(seen.values())
 
 
 def snapshots_of(controller, scope: Scope | None) -> list[dict]:

@@ -29,7 +29,7 @@ import time
 import anywidget
 import traitlets
 
-from forkd_server.client import Controller, ControllerError, ServerUnreachable
+from forkd_server.client import Controller, ControllerError, ServerUnreachable, unanswered
 
 from ._scope import Scope
 from ._static import host_label, static_bundle
@@ -166,7 +166,7 @@ class LineageWidget(anywidget.AnyWidget):
             kernels = self.controller.list_kernels()
         except (ControllerError, ServerUnreachable):
             kernels = []
-        missing = {**getattr(snapshots, "missing_hosts", {}), **getattr(sandboxes, "missing_hosts", {})}
+        missing = unanswered(snapshots, sandboxes)
         with self._lock:
             tree = build_tree(snapshots, sandboxes, self._history)
             self._keep_unanswered(tree, missing)

@@ -21,6 +21,15 @@ def client(args):
     return Controller(args.url or None, args.token or None, timeout=args.timeout)
 
 
+def say_unlisted(command: str, *listings, outcome: str = "is not listed") -> None:
+    """On stderr, each host a fleet's router left out of ``listings`` (it did not answer in time):
+    what it holds ``outcome``, and is not gone either."""
+    from ..client import unanswered
+
+    for url, why in unanswered(*listings).items():
+        print(f"forkd {command}: host {url} did not answer ({why}); what it holds {outcome}", file=sys.stderr)
+
+
 def emit_json(obj) -> None:
     print(json.dumps(obj, indent=None if not sys.stdout.isatty() else 2))
 

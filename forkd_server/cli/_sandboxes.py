@@ -11,7 +11,8 @@ import time
 
 from ..client import memory_limit_arg
 from ._errors import item_failed
-from ._output import add_label_option, ago, busy, client, console, emit_json, labels_arg, progress, table
+from ._output import (add_label_option, ago, busy, client, console, emit_json, labels_arg, progress, say_unlisted,
+                      table)
 from ._snapshots import SNAPSHOT_COLUMNS, snapshot_rows
 
 
@@ -91,6 +92,7 @@ def cmd_ls(args) -> int:
     labels = labels_arg(args.label, "ls")
     if args.snapshots:
         snaps = ctl.list_snapshots(labels=labels)
+        say_unlisted("ls", snaps)
         if args.json:
             emit_json(snaps)
         else:
@@ -101,6 +103,7 @@ def cmd_ls(args) -> int:
             console().print(table(f"{len(snaps)} snapshot(s)", SNAPSHOT_COLUMNS + ["host"] * fleet, rows))
         return 0
     boxes = ctl.list_sandboxes(labels=labels)
+    say_unlisted("ls", boxes)
     if args.json:
         emit_json(boxes)
     else:
@@ -121,7 +124,9 @@ def cmd_kill(args) -> int:
         raise SystemExit("forkd kill: give sandbox IDS, or --all, or --tag TAG (exactly one)")
     ids = args.ids
     if args.all or args.tag:
-        ids = [b["id"] for b in ctl.list_sandboxes() if args.all or b["snapshot_tag"] == args.tag]
+        listed = ctl.list_sandboxes()
+        say_unlisted("kill", listed, outcome="is not killed: run this again when it answers")
+        ids = [b["id"] for b in listed if args.all or b["snapshot_tag"] == args.tag]
     killed, failed = [], {}
     bar, desc, total = progress(len(ids), "killing", enabled=not args.json and len(ids) > 1)
     with bar:

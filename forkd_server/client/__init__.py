@@ -31,7 +31,7 @@ server alive between calls (``max_connections``).
 
 Behind a fleet's router, a list or tree it merged without some host's part (the host did not answer
 in time) comes as a ``Partial``: still a list, with ``missing_hosts`` ({url: why}); what those hosts
-hold is not in it, and not gone either.
+hold is not in it, and not gone either (``unanswered(*lists)``: those hosts of any of them).
 
 Import from here (``from forkd_server.client import Controller, Sandbox, ...``): this package is
 the SDK's one public surface. Its private modules are its rooms, each importing only those below
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from ._async import AsyncEventStream
 from ._controller import AsyncController, Controller
-from ._core import Partial, memory_limit_arg
+from ._core import Partial, memory_limit_arg, unanswered
 from ._discovery import discover_server
 from ._errors import BadServerURL, ControllerError, ForkWarning, ServerTimeout, ServerUnreachable, SessionClosed
 from ._objects import AsyncSandbox, AsyncSnapshot, CommandResult, Execution, Sandbox, Snapshot
@@ -56,4 +56,4 @@ from ._sync import EventStream
 
 __all__ = ["AsyncController", "AsyncEventStream", "AsyncSandbox", "AsyncSnapshot", "BadServerURL", "CommandResult",
            "Controller", "ControllerError", "EventStream", "Execution", "ForkWarning", "Partial", "Sandbox", "ServerTimeout",
-           "ServerUnreachable", "SessionClosed", "Snapshot", "discover_server", "memory_limit_arg"]
+           "ServerUnreachable", "SessionClosed", "Snapshot", "discover_server", "memory_limit_arg", "unanswered"]

@@ -53,6 +53,15 @@ class Partial(list):
         self.missing_hosts = missing_hosts
 
 
+def unanswered(*listings) -> dict[str, str]:
+    """The hosts missing from any of ``listings`` ({url: why}; empty for lists not from a router,
+    or that a router merged whole)."""
+    out: dict[str, str] = {}
+    for listing in listings:
+        out.update(getattr(listing, "missing_hosts", {}))
+    return out
+
+
 def missing_hosts(header: str | None) -> dict[str, str]:
     """The router's ``X-Forkd-Hosts-Missing`` (``url: why; url: why``) as {url: why}."""
     out: dict[str, str] = {}

@@ -1,22 +1,27 @@
 """A host too slow for the router's merged lists: the SDK's answer says which host is missing and
-why (a ``Partial`` list, sync and async), and the lineage widget keeps what that host holds drawn
-as last seen, marked, instead of burying it as killed or deleted; once the host answers again,
-its nodes are drawn as they are. The host is reached through a forwarding stand-in (fleet.py) that
+why (a ``Partial`` list, sync and async), ``forkd ls`` / ``forkd kill --tag`` and ``%forkd ls`` say
+what is not listed (or killed), and the lineage widget keeps what that host holds drawn as last
+seen, marked, instead of burying it as killed or deleted; once the host answers again, its nodes
+are drawn as they are. The host is reached through a forwarding stand-in (fleet.py) that
 holds its listings back, as a slow link or a host under load would; its heartbeat passes."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import threading
 
 import pytest
+from IPython.lib.pretty import pretty
 
 from forkd_magics._static import host_label
+from forkd_magics._magics import ForkdMagics
 from forkd_magics._widget import LineageWidget
 from forkd_server.client import AsyncController, Controller, Partial
 
 from ..magics.test_widget import comms  # noqa: F401 (a fixture: the widget's comms, recorded)
+from ..serving import FORKD
 from .fleet import HOST_TIMEOUT, Router, fleet, forwarding, stand_in_host
 
 LISTINGS = ("/v1/sandboxes", "/v1/snapshots", "/v1/tree")
@@ -71,6 +76,20 @@ def test_lists_say_which_host_is_missing_and_the_widget_keeps_its_nodes(slow_lin
 
         snaps = asyncio.run(async_list())
         assert isinstance(snaps, Partial) and [s["tag"] for s in snaps] == ["b"] and list(snaps.missing_hosts) == [near]
+
+        env = {**os.environ, "FORKD_URL": router.url, "FORKD_TOKEN": router.token}
+        ls = subprocess.run([*FORKD, "ls"], env=env, capture_output=True, text=True, timeout=120)
+        assert ls.returncode == 0 and kid_b in ls.stdout and kid_a not in ls.stdout, ls.stdout + ls.stderr
+        assert f"forkd ls: host {near} did not answer (no answer to GET /v1/sandboxes within" in ls.stderr
+        assert "what it holds is not listed" in ls.stderr
+        kill = subprocess.run([*FORKD, "kill", "--tag", "a"], env=env, capture_output=True, text=True, timeout=120)
+        assert f"forkd kill: host {near} did not answer" in kill.stderr, kill.stderr
+        assert "is not killed: run this again when it answers" in kill.stderr
+        listing = ForkdMagics(controller=api).forkd("ls --everyone")
+        said = pretty(listing)
+        assert kid_b in said and kid_a not in said
+        assert f"⚠ {host_label(near)} did not answer (no answer to GET" in said and "not listed" in said
+        assert "not listed" in listing._repr_html_()
 
         tree = widget.refresh()
         for key in (kid_a, "a"):  # the slow host's: drawn as last seen, not gone
