@@ -136,7 +136,8 @@ def static_svg(tree: dict) -> str:
             out.append(f'<path d="M{px},{top + index[parent] * ROW + 24} V{y + 12} H{x}" fill="none" stroke="#9aa4b1"/>')
         colour = COLOURS.get(status, "#8c959f")
         ghost = nid is not None and (full[nid].get("ghost") or full[nid].get("tomb"))
-        dash = ' stroke-dasharray="4 3"' if ghost or nid is None else ""
+        stale = nid is not None and full[nid].get("unanswered")  # its host did not answer: as last seen
+        dash = ' stroke-dasharray="4 3"' if ghost or nid is None else ' stroke-dasharray="1 2"' if stale else ""
         out.append(f'<rect x="{x}" y="{y}" width="{WIDTH - PAD - x}" height="24" rx="3" fill="#ffffff" stroke="#c8ccd1"{dash}/>')
         out.append(f'<rect x="{x}" y="{y}" width="4" height="24" fill="{colour}"/>')
         if nid is None:
@@ -156,6 +157,8 @@ def static_svg(tree: dict) -> str:
             if len(hosts) > 1 and not node.get("ghost") and (node.get("hosts") or node.get("host")):
                 held = node.get("hosts") or [node["host"]]
                 extra += f" · on {host_label(held[0]) if len(held) == 1 else f'{len(held)} hosts'}"
+            if stale:
+                extra += " · as last seen (its host did not answer)"
             label = f"{icon} {nid} · {hist}{extra}"
         out.append(f'<text x="{x + 10}" y="{y + 16}" fill="#1f2328">{escape(label)}</text>')
     out.append("</svg>")

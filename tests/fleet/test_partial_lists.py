@@ -15,7 +15,7 @@ import threading
 import pytest
 from IPython.lib.pretty import pretty
 
-from forkd_magics._static import host_label
+from forkd_magics._static import host_label, static_svg
 from forkd_magics._magics import ForkdMagics
 from forkd_magics._widget import LineageWidget
 from forkd_server.client import AsyncController, Controller, Partial
@@ -96,6 +96,8 @@ def test_lists_say_which_host_is_missing_and_the_widget_keeps_its_nodes(slow_lin
             assert not tree[key].get("tomb") and tree[key]["status"] in ("running", "ready"), tree[key]
             assert tree[key]["unanswered"].startswith(f"{host_label(near)}: no answer to GET"), tree[key]
         assert "unanswered" not in tree[kid_b] and "unanswered" not in tree["b"]
+        picture = static_svg(tree)  # what a notebook shows where the widget's JavaScript does not run
+        assert f"{kid_a} · running · on {host_label(near)} · as last seen (its host did not answer)" in picture
         assert "gone" not in repr(widget)
 
         slow.clear()
