@@ -15,6 +15,11 @@ def two_lines(what: str, hint: str | None) -> str:
     return f"{what}\n{hint}" if hint else what
 
 
+def internal_error(exc: BaseException | None) -> str:
+    """The ``error`` of a 500 that is none of ours (a bug): what was raised, as every route says it."""
+    return "internal error" if exc is None else f"internal error: {type(exc).__name__}: {exc}"
+
+
 class ForkdError(Exception):
     """``fields`` go into the error body beside ``error`` (e.g. ``lost``: what a fork would lose);
     ``details`` (when any) go there as ``details``."""

@@ -55,5 +55,6 @@ from ._objects import AsyncSandbox, AsyncSnapshot, CommandResult, Execution, San
 from ._sync import EventStream
 
 __all__ = ["AsyncController", "AsyncEventStream", "AsyncSandbox", "AsyncSnapshot", "BadServerURL", "CommandResult",
-           "Controller", "ControllerError", "EventStream", "Execution", "ForkWarning", "Partial", "Sandbox", "ServerTimeout",
-           "ServerUnreachable", "SessionClosed", "Snapshot", "discover_server", "memory_limit_arg", "unanswered"]
+           "Controller", "ControllerError", "EventStream", "Execution", "ForkWarning", "Partial", "Sandbox",
+           "ServerTimeout", "ServerUnreachable", "SessionClosed", "Snapshot", "discover_server", "memory_limit_arg",
+           "unanswered"]

@@ -78,7 +78,7 @@ class AsyncTransport(Wire):
         while True:
             try:
                 status, content, missing = await pool.request(request.method, request.target, request.headers,
-                                                     request.content, request.timeout)
+                                                              request.content, request.timeout)
             except NotConnected as exc:
                 kind, reason = "connect", exc
             except Timeout as exc:

@@ -156,7 +156,8 @@ class Pool:
 
     async def request(self, method: str, target: str, headers: dict, content: bytes | None,
                       timeout: float) -> tuple[int, bytes, str | None]:
-        """(status, body, a router's missing-hosts header) of one exchange. An exception from ``_connect`` means nothing was sent."""
+        """(status, body, a router's missing-hosts header) of one exchange. An exception from
+        ``_connect`` means nothing was sent."""
         fields = [("Host", self._host_header), *((k, str(v)) for k, v in headers.items())]
         if content or method in _BODY_METHODS:
             fields.append(("Content-Length", str(len(content or b""))))

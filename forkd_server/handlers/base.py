@@ -22,7 +22,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 
-from ..errors import ForkdError, Gone, NotFound
+from ..errors import ForkdError, Gone, NotFound, internal_error
 from ..hub.identity import HubUser
 from ..hub.ownership import Caller, Refused
 from ..scrub import ScrubbedLog, scrub  # noqa: F401 - the names this module's users import
@@ -333,7 +333,7 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
         elif isinstance(exc, web.HTTPError):
             message = (exc.log_message % exc.args) if exc.log_message else (exc.reason or self._reason)
         else:
-            message = "internal error" if exc is None else f"internal error: {type(exc).__name__}: {exc}"
+            message = internal_error(exc)
         if status_code == 405:  # RFC 9110: a 405 lists the methods the route has
             self.set_header("Allow", ", ".join(self.allowed_methods()))
         self.clear_header("Content-Type")

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from ..client import ControllerError
+from ..errors import internal_error
 from ..handlers.base import ApiError, dumps, settled
 
 log = logging.getLogger("forkd.mcp")
@@ -48,8 +49,7 @@ class InProcess:
                 from None
         except Exception as exc:  # noqa: BLE001 - what the route answers as a 500
             log.exception("forkd mcp: %s of %s failed", route, sandbox_id)
-            raise ControllerError(500, {"error": f"internal error: {type(exc).__name__}: {exc}"},
-                                  self._url(sandbox_id, route)) from None
+            raise ControllerError(500, {"error": internal_error(exc)}, self._url(sandbox_id, route)) from None
         return orjson.loads(dumps(result))  # the route's JSON: what a client of it reads, nothing more
 
     def _url(self, sandbox_id: str, route: str) -> str:

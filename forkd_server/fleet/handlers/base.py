@@ -12,6 +12,7 @@ import orjson
 from tornado import web
 from tornado.iostream import StreamClosedError
 
+from ...errors import internal_error
 from ...hub.ownership import Caller
 from ...identity import same_secret
 from ...relay import UpstreamCall
@@ -125,7 +126,7 @@ class RouterHandler(ScrubbedLog, UpstreamCall, web.RequestHandler):
         elif isinstance(exc, web.HTTPError):
             message = (exc.log_message % exc.args) if exc.log_message else (exc.reason or self._reason)
         else:
-            message = "internal error" if exc is None else f"internal error: {type(exc).__name__}: {exc}"
+            message = internal_error(exc)
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps({"error": message, **fields}))
 
