@@ -1,4 +1,4 @@
-"""Short agent calls answered on the server's event loop: a ping of a running sandbox.
+"""Agent calls answered on the server's event loop: a ping, and an eval, of a running sandbox.
 
 A ping is mostly the hop: a control thread taken and handed back (admission.py) costs the server
 more CPU than the agent's answer, and under many calls at once the threads contend for the GIL.
@@ -10,6 +10,12 @@ plain case (a sandbox unknown, ending, frozen, stored, dead, or pinged for the f
 the usual way, on the control pool, which waits, wakes and says why. A failed exchange is
 explained on the pool too (``SandboxManager.agent_failed``: 410 if the sandbox ended during it).
 The answers and errors are the control pool's.
+
+An eval is the same hop with user code at the other end (an agent's most frequent call): once
+admitted (the server's and the caller's caps, the sandbox's lane: admission.py), it too is made on
+the loop when nothing would wait, on a second connection kept to the agent, so the pings behind a
+long eval are not held up; otherwise it runs on the long pool as before. The lane sends one at a
+time per sandbox, so that connection never queues one eval behind another.
 """
 
 from __future__ import annotations
@@ -21,29 +27,44 @@ from prometheus_client import CollectorRegistry, Counter
 from forkd_engine import EngineError
 from forkd_engine.agent.server import encode_line
 
+from .controller.sandboxes import EVAL_TIMEOUT, eval_answer
+
 PING = encode_line({"action": "ping"})  # the request, encoded once
 
 
 class LoopCalls:
     def __init__(self, admission, registry: CollectorRegistry | None = None):
         self.admission = admission
-        self.ways = Counter("forkd_loop_calls", "Short agent calls (ping) by where they were answered: on "
-                            "the event loop, or on the control pool because the loop would have waited",
-                            ["way"], registry=registry if registry is not None else CollectorRegistry())
-        self._on_loop, self._on_pool = self.ways.labels(way="loop"), self.ways.labels(way="pool")
+        self.ways = Counter("forkd_loop_calls", "Agent calls (ping, eval) by where they were answered: on the "
+                            "event loop, or on a pool's thread because the loop would have waited",
+                            ["call", "way"], registry=registry if registry is not None else CollectorRegistry())
+        self._ways = {(call, way): self.ways.labels(call=call, way=way)
+                      for call in ("ping", "eval") for way in ("loop", "pool")}
 
     async def ping(self, controller, sandbox_id: str, timeout: float = 5.0) -> dict:
         """``controller.ping(sandbox_id)``'s answer, on the loop where nothing waits."""
         reply = await self._on_loop_or_none(controller, sandbox_id, PING, "ping", timeout)
         if reply is None:
-            self._on_pool.inc()
+            self._ways["ping", "pool"].inc()
             return await self.admission.control(functools.partial(controller.ping, sandbox_id, timeout))
-        self._on_loop.inc()
+        self._ways["ping", "loop"].inc()
         return reply
 
+    def eval(self, controller, sandbox_id: str, code: str):
+        """``controller.eval(sandbox_id, code)`` as its admission runs it (``Admission.long``'s
+        ``fn`` and ``on_loop``): on the loop where nothing waits, else on a long call's thread."""
+        async def on_loop() -> dict | None:
+            reply = None if not isinstance(code, str) else await self._on_loop_or_none(  # (else the pool says why)
+                controller, sandbox_id, encode_line({"action": "eval", "code": code}), "eval", EVAL_TIMEOUT, long=True)
+            self._ways["eval", "pool" if reply is None else "loop"].inc()
+            return None if reply is None else eval_answer(reply)
+
+        return functools.partial(controller.eval, sandbox_id, code), on_loop
+
     async def _on_loop_or_none(self, controller, sandbox_id: str, request: bytes, what: str,
-                               timeout: float) -> dict | None:
-        """The agent's answer to ``request`` (its line), or None: the call must go the usual way."""
+                               timeout: float, long: bool = False) -> dict | None:
+        """The agent's answer to ``request`` (its line), or None: the call must go the usual way.
+        ``long``: on the agent connection kept for long calls (``ProcessEngine.call_async``)."""
         try:
             row = controller.tiers.enter_now(sandbox_id)
         except BlockingIOError:
@@ -55,7 +76,7 @@ class LoopCalls:
             if call_async is None:  # an engine without one (the VM engine's channel)
                 return None
             try:
-                return await call_async(row["handle"], request, timeout=timeout)
+                return await call_async(row["handle"], request, timeout=timeout, long=long)
             except BlockingIOError:
                 return None
             except EngineError as exc:

@@ -22,6 +22,9 @@ pools keep long work from starving control:
      Files and branch stay outside the lane: reading a file a cell writes, or a lossy branch of a
      sandbox mid-cell, must work while the cell runs.
 
+  An admitted eval of a running process sandbox is made on the event loop rather than a thread
+  (``on_loop``, loop_calls.py): the checks, caps and lane are the same.
+
 ``GET /healthz``'s capacity figures (file reads and the registry's cached rows) run on a thread of
 their own, so a health check answers even while every control thread is held.
 
@@ -41,7 +44,7 @@ from collections import Counter as Tally
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -73,12 +76,13 @@ class Admission:
         self.probe_pool = ThreadPoolExecutor(PROBE_WORKERS, thread_name_prefix="forkd-probe")
         self.health_pool = ThreadPoolExecutor(1, thread_name_prefix="forkd-health")
         self.admitted = 0                 # long calls holding a slot (running or waiting in a lane)
-        self.running = 0                  # long calls on a thread now
+        self.running = 0                  # long calls running now (on a thread, or an eval on the loop)
         self.control_running = 0
         self.callers: Tally = Tally()     # caller -> long calls holding a slot
         self.lanes: dict[str, Lane] = {}
         r = registry if registry is not None else CollectorRegistry()
-        Gauge("forkd_long_calls_running", "Long calls (exec, eval, branch...) on a thread now",
+        Gauge("forkd_long_calls_running", "Long calls (exec, eval, branch...) running now (on a thread, or an "
+              "eval on the event loop)",
               registry=r).set_function(lambda: self.running)
         Gauge("forkd_long_calls_waiting", "Long calls waiting for their sandbox's lane",
               registry=r).set_function(lambda: sum(len(lane.waiting) for lane in self.lanes.values()))
@@ -133,14 +137,16 @@ class Admission:
     # --- long calls ------------------------------------------------------------------------------
 
     async def long(self, fn: Callable, *, caller: str, what: str, sandbox: str | None = None,
-                   lane: bool = False):
-        """Run ``fn`` as a long call of ``caller``; with ``lane``, in ``sandbox``'s lane."""
+                   lane: bool = False, on_loop: Callable[[], Awaitable] | None = None):
+        """Run ``fn`` as a long call of ``caller``; with ``lane``, in ``sandbox``'s lane. Once admitted,
+        ``on_loop`` (if given) may make the call on the event loop instead: its result, or None
+        where it would wait, and ``fn`` runs on a thread after all (loop_calls.py)."""
         self._take_slot(caller)
         try:
             if lane:
                 await self._enter_lane(sandbox, what)
             try:
-                return await self._run(fn, sandbox, what, lane)
+                return await self._run(fn, sandbox, what, lane, on_loop)
             finally:
                 if lane:
                     self._leave_lane(sandbox)
@@ -150,10 +156,12 @@ class Admission:
             if self.callers[caller] <= 0:
                 del self.callers[caller]
 
-    async def _run(self, fn: Callable, sandbox: str | None, what: str, lane: bool):
+    async def _run(self, fn: Callable, sandbox: str | None, what: str, lane: bool, on_loop=None):
         self.running += 1
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self.long_pool, fn)
+            result = None if on_loop is None else await on_loop()
+            if result is None:
+                result = await asyncio.get_running_loop().run_in_executor(self.long_pool, fn)
         except Exception as exc:
             if self._killed(sandbox):
                 raise self._gone(sandbox, what) from exc

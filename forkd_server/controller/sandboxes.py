@@ -32,6 +32,14 @@ def running(row: dict) -> bool:
     return row["status"] == "running" and not row.get("ending")
 
 
+EVAL_TIMEOUT = 300.0  # seconds an eval may take, wherever it is made (here, or on the loop: loop_calls.py)
+
+
+def eval_answer(reply: dict) -> dict:
+    """An eval's answer, from its agent's reply."""
+    return {"result": reply.get("result"), "error": reply.get("error"), "exit_code": reply.get("exit_code", 1)}
+
+
 def _timed_out(exc: BaseException | None) -> bool:
     """True if the agent call failed because its deadline passed (not because the agent went away)."""
     while exc is not None:
@@ -364,8 +372,7 @@ class SandboxManager:
         self.row(sandbox_id)
         if not isinstance(code, str):
             raise BadRequest("code must be a string")
-        reply = self._agent(sandbox_id, {"action": "eval", "code": code}, "eval", timeout=300)
-        return {"result": reply.get("result"), "error": reply.get("error"), "exit_code": reply.get("exit_code", 1)}
+        return eval_answer(self._agent(sandbox_id, {"action": "eval", "code": code}, "eval", timeout=EVAL_TIMEOUT))
 
     def run_code(self, sandbox_id, code, timeout: float = 600) -> dict:
         self.row(sandbox_id)

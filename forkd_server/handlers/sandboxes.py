@@ -167,8 +167,8 @@ class EvalHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.long_call("an eval", self.controller.eval, sandbox_id, body["code"],
-                                       sandbox=sandbox_id, lane=True))
+        fn, on_loop = self.app.loop_calls.eval(self.controller, sandbox_id, body["code"])
+        self.send(await self.long_call("an eval", fn, sandbox=sandbox_id, lane=True, on_loop=on_loop))
 
 
 class RunHandler(ForkdHandler):

@@ -11,7 +11,6 @@ failure as the ``ControllerError`` (status and body) the SDK would have raised."
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -34,8 +33,8 @@ class InProcess:
 
     async def eval_code(self, sandbox_id: str, code: str) -> dict[str, Any]:
         app = self.app
-        run = app.admission.long(functools.partial(app.controller.eval, sandbox_id, code), caller=CALLER,
-                                 what="an eval", sandbox=sandbox_id, lane=True)
+        fn, on_loop = app.loop_calls.eval(app.controller, sandbox_id, code)
+        run = app.admission.long(fn, caller=CALLER, what="an eval", sandbox=sandbox_id, lane=True, on_loop=on_loop)
         return await self._answer(run, sandbox_id, "eval")
 
     async def ping_sandbox(self, sandbox_id: str) -> dict[str, Any]:

@@ -16,11 +16,11 @@ from ..signals import stopped
 from .test_api import call, sandbox, snap  # noqa: F401 - the fixtures
 
 
-def ways(app) -> dict[str, float]:
-    """How many pings were answered on the loop and how many on the control pool (the counter
-    alone: the app's other metrics read the registry, which a test here holds)."""
+def ways(app, call: str = "ping") -> dict[str, float]:
+    """How many pings (evals) were answered on the loop and how many on a pool (the counter alone:
+    the app's other metrics read the registry, which a test here holds)."""
     return {s.labels["way"]: s.value for metric in app.loop_calls.ways.collect() for s in metric.samples
-            if s.name == "forkd_loop_calls_total"}
+            if s.name == "forkd_loop_calls_total" and s.labels["call"] == call}
 
 
 async def ping(jp_fetch, sid: str):
@@ -129,10 +129,10 @@ async def test_an_agent_that_dies_during_a_ping_on_the_loop_is_a_410(jp_fetch, f
     engine = forkd_app.controller.engines["process"]
     call_async = engine.call_async
 
-    async def dying(handle, request, timeout=None):  # the agent is killed as the ping leaves
+    async def dying(handle, request, timeout=None, long=False):  # the agent is killed as the ping leaves
         os.kill(handle["pid"], signal.SIGKILL)
         await asyncio.get_running_loop().run_in_executor(None, engine.wait_exit, handle, 30)
-        return await call_async(handle, request, timeout=timeout)
+        return await call_async(handle, request, timeout=timeout, long=long)
 
     monkeypatch.setattr(engine, "call_async", dying)
     code, body = await ping(jp_fetch, sid)
@@ -206,3 +206,85 @@ async def test_a_branch_takes_no_copy_of_the_kept_connection(jp_fetch, forkd_app
     await until(lambda: kept(forkd_app) == 1, "the source's connection closed")
     code, body = await ping(jp_fetch, child)
     assert code == 200 and body["sandbox_id"] == child
+
+
+# --- evals: admitted as before, then made on the loop on a connection of their own --------------
+
+async def evaluate(jp_fetch, sid: str, code: str):
+    return await call(jp_fetch, "POST", "sandboxes", sid, "eval", body={"code": code})
+
+
+async def test_an_eval_is_made_on_the_loop_and_a_long_one_holds_up_no_ping(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    """A running sandbox's eval, once admitted, is made on the loop with the pool's answers (a
+    value, an error, a 404); a long eval goes on a connection of its own, so the sandbox's pings
+    answer meanwhile, and the sandbox's lane still admits one eval at a time."""
+    sid = sandbox["id"]
+    assert (await ping(jp_fetch, sid))[0] == 200  # a sandbox's first call makes its lock, on the pool
+    before = ways(forkd_app, "eval")
+    assert await evaluate(jp_fetch, sid, "x + 1") == (200, {"result": "42", "error": None, "exit_code": 0})
+    code, body = await evaluate(jp_fetch, sid, "1 / 0")
+    assert code == 200 and body["exit_code"] == 1 and body["error"].startswith("ZeroDivisionError"), body
+    after = ways(forkd_app, "eval")
+    # (one whose registry or liveness check another thread held that instant went to the pool)
+    assert after["loop"] - before["loop"] >= 1 and after["loop"] + after["pool"] - before["loop"] - before["pool"] == 2
+    assert await evaluate(jp_fetch, "sb-nope", "1") == (404, {"error": "sandbox sb-nope not found"})
+
+    slow = asyncio.ensure_future(evaluate(jp_fetch, sid, "__import__('time').sleep(3) or 'slept'"))
+    await until(lambda: forkd_app.admission.running == 1, "the slow eval running")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for _ in range(3):
+        code, body = await ping(jp_fetch, sid)
+        assert code == 200 and body["sandbox_id"] == sid
+    assert loop.time() - started < 2.5 and not slow.done()  # answered while the eval runs
+    second = asyncio.ensure_future(evaluate(jp_fetch, sid, "'second'"))
+    await until(lambda: forkd_app.admission.lanes[sid].waiting, "the second eval waiting for the lane")
+    assert await slow == (200, {"result": "'slept'", "error": None, "exit_code": 0})
+    assert await second == (200, {"result": "'second'", "error": None, "exit_code": 0})
+    assert kept(forkd_app) == 2  # the pings' connection and the evals'
+    assert not forkd_app.controller.tiers._calls and forkd_app.admission.running == 0
+
+
+async def test_an_eval_that_would_wait_runs_on_the_pool(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    """Another thread holds the sandbox's lock (a move): the eval runs on a long call's thread,
+    which waits for it, and the loop goes on."""
+    sid = sandbox["id"]
+    assert (await ping(jp_fetch, sid))[0] == 200
+    lock = forkd_app.controller.tiers._locks[sid]
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert taken.wait(30)
+    before = ways(forkd_app, "eval")
+    try:
+        evaluated = asyncio.ensure_future(evaluate(jp_fetch, sid, "x"))
+        await until(lambda: ways(forkd_app, "eval")["pool"] > before["pool"], "the eval handed to the pool")
+        code, version = await call(jp_fetch, "GET", "version", prefix=("forkd",))  # the loop answers meanwhile
+        assert code == 200 and version["api"] == "v1" and not evaluated.done()
+    finally:
+        release.set()
+        holder.join(30)
+    assert await evaluated == (200, {"result": "41", "error": None, "exit_code": 0})
+    assert ways(forkd_app, "eval")["loop"] == before["loop"]
+
+
+async def test_a_sandbox_killed_during_an_eval_on_the_loop_is_a_410(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    sid = sandbox["id"]
+    for _ in range(2):  # the first on the pool (it makes the sandbox's lock), the second on the loop
+        assert (await ping(jp_fetch, sid))[0] == 200
+    before = ways(forkd_app, "eval")
+    slow = asyncio.ensure_future(evaluate(jp_fetch, sid, "__import__('time').sleep(60)"))
+    await until(lambda: forkd_app.admission.running == 1, "the eval running")
+    assert kept(forkd_app) == 2  # the eval's own connection
+    assert (await call(jp_fetch, "DELETE", "sandboxes", sid))[0] == 204
+    code, body = await slow
+    assert code == 410 and f"sandbox {sid} was killed during this call (an eval)" in body["error"], body
+    assert ways(forkd_app, "eval") == before  # failed on the loop (one handed to the pool counts there)
+    await until(lambda: kept(forkd_app) == 0, "the killed sandbox's connections closed")
+    assert not forkd_app.controller.tiers._calls and forkd_app.admission.running == 0

@@ -205,12 +205,15 @@ class ProcessEngine:
         except AgentUnavailable as exc:
             raise AgentUnreachable(str(exc)) from exc
 
-    async def call_async(self, handle: Handle, request: dict | bytes, timeout: float | None = None) -> dict:
-        """``call`` on the running event loop, for a short call (a ping), on the connection kept
-        for this agent process (agent/kept.py): never blocks the loop; ``BlockingIOError`` where
-        ``call`` would wait (the agent's listen queue is full). ``request`` may be its line,
-        encoded once (``encode_line``)."""
-        key = (handle["socket"], handle["pid"], handle["start_time"])
+    async def call_async(self, handle: Handle, request: dict | bytes, timeout: float | None = None,
+                         long: bool = False) -> dict:
+        """``call`` on the running event loop, on a connection kept for this agent process
+        (agent/kept.py): never blocks the loop; ``BlockingIOError`` where ``call`` would wait (the
+        agent's listen queue is full). ``request`` may be its line, encoded once (``encode_line``).
+        Short calls (pings) share one connection; ``long``: a call that may take a while (an eval)
+        goes on a second one, so the pings behind it are not held up (the agent answers each
+        connection's requests in order). Long calls are sent one at a time (the sandbox's lane)."""
+        key = (handle["socket"], handle["pid"], handle["start_time"]) + (("long",) if long else ())
         try:
             return await self.kept.call(key, handle["socket"], request, timeout or 30.0)
         except AgentUnavailable as exc:
