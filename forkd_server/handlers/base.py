@@ -218,10 +218,23 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
             self._let_in[key] = True
         return allowed
 
-    def _credential_sent(self) -> bool:
+    def _token_in_header(self) -> bool:
         header = self.request.headers.get("Authorization", "")
-        return bool(header.strip()) and header.split(None, 1)[0].lower() in ("bearer", "token") \
-            or bool(self.get_query_argument("token", ""))
+        return bool(header.strip()) and header.split(None, 1)[0].lower() in ("bearer", "token")
+
+    def _credential_sent(self) -> bool:
+        return self._token_in_header() or bool(self.get_query_argument("token", ""))
+
+    def set_signed_cookie(self, name, value, expires_days=30, version=None, **kwargs) -> None:
+        """No login cookie for a call that brings its token in the ``Authorization`` header: it
+        brings it every time. jupyter_server's identity provider signs and sets one on every such
+        call (for a fresh anonymous user, to a client that keeps no cookies, as the SDK), and a
+        client that keeps them (the mcp SDK's httpx) sends it back with every call after, both sides
+        paying for it. A browser's login (a form, ``?token=`` in a URL) still gets its cookie."""
+        if not self._token_in_header():
+            super().set_signed_cookie(name, value, expires_days, version, **kwargs)
+
+    set_secure_cookie = set_signed_cookie  # jupyter_server's name for it (tornado's alias, bound here too)
 
     def _unauthorized(self) -> ApiError:
         return ApiError(401, "invalid bearer token" if self._credential_sent() else "missing bearer token")

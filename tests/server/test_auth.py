@@ -82,6 +82,20 @@ async def test_bearer_header_is_accepted(jp_fetch, forkd_app, jp_auth_header):
     assert r.code == 200 and json.loads(r.body) == []
 
 
+async def test_a_token_in_the_header_gets_no_login_cookie(jp_fetch, forkd_app, jp_auth_header):
+    """It comes with every call: a cookie would only be signed, kept and sent back for nothing. A
+    login by ``?token=`` (a browser's link) still gets one, and the cookie alone lets it in after."""
+    token = jp_auth_header["Authorization"].split()[1]
+    for scheme in ("token", "Bearer"):
+        r = await jp_fetch("forkd", "v1", "sandboxes", headers={"Authorization": f"{scheme} {token}"})
+        assert r.code == 200 and "Set-Cookie" not in r.headers, r.headers
+    r = await jp_fetch("forkd", "v1", "sandboxes", params={"token": token}, headers={"Authorization": ""})
+    cookie = r.headers["Set-Cookie"].split(";", 1)[0]
+    assert r.code == 200 and cookie.startswith("username-"), r.headers
+    r = await jp_fetch("forkd", "v1", "sandboxes", headers={"Authorization": "", "Cookie": cookie})
+    assert (r.code, json.loads(r.body)) == (200, [])
+
+
 async def test_healthz_with_trailing_slash_is_public(jp_fetch, forkd_app):
     r = await jp_fetch("forkd", "healthz/", headers={"Authorization": ""})
     assert (r.code, json.loads(r.body)) == (200, {"ok": True})
