@@ -174,6 +174,40 @@ def test_a_late_reply_is_dropped_in_its_turn(short_dir):
         agent.die()
 
 
+def test_a_long_call_given_up_on_closes_its_connection(short_dir):
+    """On a connection that carries one call at a time (``alone``: an eval, an exec), a call whose
+    deadline passed, or whose caller was cancelled, closes it: the next call goes on a new one,
+    not behind an answer nobody waits for."""
+    path = os.path.join(short_dir, "alone.sock")
+    agent = StandIn(path, "slow")
+    kept = KeptConnections()
+
+    async def calls() -> None:
+        key = (path, 1, 1, "long")
+        with pytest.raises(AgentUnavailable, match="did not answer within"):
+            await kept.call(key, path, {"action": "eval", "n": 1}, 0.3, alone=True)
+        first = await _in_thread(agent.accept)
+        assert [r["n"] for r in await _in_thread(agent.read_lines, first, 1)] == [1]
+        assert kept.open_count() == 0
+        second = asyncio.ensure_future(kept.call(key, path, {"action": "eval", "n": 2}, 30, alone=True))
+        conn = await _in_thread(agent.accept)
+        assert [r["n"] for r in await _in_thread(agent.read_lines, conn, 1)] == [2]  # on a new connection
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert kept.open_count() == 0
+        third = asyncio.ensure_future(kept.call(key, path, {"action": "eval", "n": 3}, 30, alone=True))
+        conn = await _in_thread(agent.accept)
+        agent.answer(conn, (await _in_thread(agent.read_lines, conn, 1))[0])
+        assert await third == {"agent": "slow", "n": 3}
+        assert kept.open_count() == 1  # an answered call keeps it
+
+    try:
+        run(kept, calls)
+    finally:
+        agent.die()
+
+
 def test_each_call_ends_at_its_own_deadline_on_one_connection(short_dir):
     """The connection's one timer serves every deadline: a short call sent after a long one ends
     at its own (within the test's generous bound, long before the long one's), the long one is

@@ -38,15 +38,18 @@ class KeptConnections:
         self.kept = kept
         self._by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    async def call(self, key, path: str, request: dict | bytes, timeout: float) -> dict:
+    async def call(self, key, path: str, request: dict | bytes, timeout: float, alone: bool = False) -> dict:
         """The agent's reply to ``request``, on the connection kept for ``key`` (opened if none).
         ``request`` may be its line already encoded (``encode_line``): a call made again and
-        again (a ping) is encoded once."""
+        again (a ping) is encoded once. ``alone``: the connection carries one call at a time (long
+        calls, which may run on after their caller gave up): a call given up on (its timeout, or
+        its caller cancelled) closes it, so the next call is not queued behind an answer nobody
+        waits for."""
         loop = asyncio.get_running_loop()
         lines = self._by_loop.get(loop)
         if lines is None:
             lines = self._by_loop[loop] = _Lines(loop, self.kept)
-        return await lines.call(key, path, request, timeout)
+        return await lines.call(key, path, request, timeout, alone)
 
     def open_count(self) -> int:
         """Connections open, on every loop."""
@@ -77,7 +80,7 @@ class _Lines:
         self.open: collections.OrderedDict = collections.OrderedDict()
         self._attaching: set[asyncio.Task] = set()  # held: the loop keeps only weak references
 
-    async def call(self, key, path: str, request: dict | bytes, timeout: float) -> dict:
+    async def call(self, key, path: str, request: dict | bytes, timeout: float, alone: bool) -> dict:
         conn = self.open.get(key)
         if conn is None:
             conn = self._connect(key, path)
@@ -87,7 +90,13 @@ class _Lines:
         try:
             line = await reply
         except TimeoutError as exc:  # said as call() says it (a TimeoutError its cause)
+            if alone:
+                conn.close()
             raise AgentUnavailable(f"agent at {path} did not answer within {timeout:g} s") from exc
+        except asyncio.CancelledError:
+            if alone:
+                conn.close()
+            raise
         return _decode(line)
 
     def _connect(self, key, path: str) -> _Connection:

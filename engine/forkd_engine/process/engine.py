@@ -212,10 +212,11 @@ class ProcessEngine:
         agent's listen queue is full). ``request`` may be its line, encoded once (``encode_line``).
         Short calls (pings) share one connection; ``long``: a call that may take a while (an eval)
         goes on a second one, so the pings behind it are not held up (the agent answers each
-        connection's requests in order). Long calls are sent one at a time (the sandbox's lane)."""
+        connection's requests in order). Long calls are sent one at a time (the sandbox's lane), and
+        one given up on closes its connection (``KeptConnections.call``'s ``alone``)."""
         key = (handle["socket"], handle["pid"], handle["start_time"]) + (("long",) if long else ())
         try:
-            return await self.kept.call(key, handle["socket"], request, timeout or 30.0)
+            return await self.kept.call(key, handle["socket"], request, timeout or 30.0, alone=long)
         except AgentUnavailable as exc:
             raise AgentUnreachable(str(exc)) from exc
 
