@@ -1,4 +1,4 @@
-"""Agent calls answered on the server's event loop: a ping, and an eval, of a running sandbox.
+"""Agent calls answered on the server's event loop: a ping, an eval and an exec of a running sandbox.
 
 A ping is mostly the hop: a control thread taken and handed back (admission.py) costs the server
 more CPU than the agent's answer, and under many calls at once the threads contend for the GIL.
@@ -11,11 +11,12 @@ the usual way, on the control pool, which waits, wakes and says why. A failed ex
 explained on the pool too (``SandboxManager.agent_failed``: 410 if the sandbox ended during it).
 The answers and errors are the control pool's.
 
-An eval is the same hop with user code at the other end (an agent's most frequent call): once
-admitted (the server's and the caller's caps, the sandbox's lane: admission.py), it too is made on
-the loop when nothing would wait, on a second connection kept to the agent, so the pings behind a
-long eval are not held up; otherwise it runs on the long pool as before. The lane sends one at a
-time per sandbox, so that connection never queues one eval behind another.
+An eval or an exec is the same hop with user code at the other end (an agent's most frequent
+calls): once admitted (the server's and the caller's caps, the sandbox's lane: admission.py), it too
+is made on the loop when nothing would wait, on a second connection kept to the agent, so the pings
+behind a long one are not held up; otherwise it runs on the long pool as before. The lane sends one
+at a time per sandbox, so that connection never queues one call behind another. (A cell, ``run``,
+stays on the pool: its timeout interrupts it there.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from prometheus_client import CollectorRegistry, Counter
 from forkd_engine import EngineError
 from forkd_engine.agent.server import encode_line
 
-from .controller.sandboxes import EVAL_TIMEOUT, eval_answer
+from .controller.sandboxes import EVAL_TIMEOUT, eval_answer, exec_answer, exec_request, exec_timeout
+from .errors import BadRequest
 
 PING = encode_line({"action": "ping"})  # the request, encoded once
 
@@ -35,11 +37,11 @@ PING = encode_line({"action": "ping"})  # the request, encoded once
 class LoopCalls:
     def __init__(self, admission, registry: CollectorRegistry | None = None):
         self.admission = admission
-        self.ways = Counter("forkd_loop_calls", "Agent calls (ping, eval) by where they were answered: on the "
+        self.ways = Counter("forkd_loop_calls", "Agent calls (ping, eval, exec) by where they were answered: on the "
                             "event loop, or on a pool's thread because the loop would have waited",
                             ["call", "way"], registry=registry if registry is not None else CollectorRegistry())
         self._ways = {(call, way): self.ways.labels(call=call, way=way)
-                      for call in ("ping", "eval") for way in ("loop", "pool")}
+                      for call in ("ping", "eval", "exec") for way in ("loop", "pool")}
 
     async def ping(self, controller, sandbox_id: str, timeout: float = 5.0) -> dict:
         """``controller.ping(sandbox_id)``'s answer, on the loop where nothing waits."""
@@ -53,13 +55,36 @@ class LoopCalls:
     def eval(self, controller, sandbox_id: str, code: str):
         """``controller.eval(sandbox_id, code)`` as its admission runs it (``Admission.long``'s
         ``fn`` and ``on_loop``): on the loop where nothing waits, else on a long call's thread."""
-        async def on_loop() -> dict | None:
-            reply = None if not isinstance(code, str) else await self._on_loop_or_none(  # (else the pool says why)
-                controller, sandbox_id, encode_line({"action": "eval", "code": code}), "eval", EVAL_TIMEOUT, long=True)
-            self._ways["eval", "pool" if reply is None else "loop"].inc()
-            return None if reply is None else eval_answer(reply)
+        def request():
+            return ({"action": "eval", "code": code}, EVAL_TIMEOUT) if isinstance(code, str) else None
 
-        return functools.partial(controller.eval, sandbox_id, code), on_loop
+        return self._long(controller, sandbox_id, "eval", functools.partial(controller.eval, sandbox_id, code),
+                          request, eval_answer)
+
+    def exec(self, controller, sandbox_id: str, args, timeout_secs=30, env=None, cwd=None):
+        """``controller.exec(...)`` as its admission runs it, as ``eval``."""
+        def request():
+            try:
+                made = exec_request(args, timeout_secs, env, cwd)
+            except BadRequest:
+                return None
+            return made, exec_timeout(made)
+
+        return self._long(controller, sandbox_id, "exec",
+                          functools.partial(controller.exec, sandbox_id, args, timeout_secs, env=env, cwd=cwd),
+                          request, exec_answer)
+
+    def _long(self, controller, sandbox_id: str, call: str, fn, request, answer):
+        """(``fn``, ``on_loop``) for ``Admission.long``: ``request()`` is the agent's request and
+        its timeout, or None where the pool's call says what is wrong; ``answer`` shapes the reply."""
+        async def on_loop() -> dict | None:
+            made = request()
+            reply = None if made is None else await self._on_loop_or_none(
+                controller, sandbox_id, encode_line(made[0]), call, made[1], long=True)
+            self._ways[call, "pool" if reply is None else "loop"].inc()
+            return None if reply is None else answer(reply)
+
+        return fn, on_loop
 
     async def _on_loop_or_none(self, controller, sandbox_id: str, request: bytes, what: str,
                                timeout: float, long: bool = False) -> dict | None:

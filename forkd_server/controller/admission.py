@@ -22,8 +22,8 @@ pools keep long work from starving control:
      Files and branch stay outside the lane: reading a file a cell writes, or a lossy branch of a
      sandbox mid-cell, must work while the cell runs.
 
-  An admitted eval of a running process sandbox is made on the event loop rather than a thread
-  (``on_loop``, loop_calls.py): the checks, caps and lane are the same.
+  An admitted eval or exec of a running process sandbox is made on the event loop rather than a
+  thread (``on_loop``, loop_calls.py): the checks, caps and lane are the same.
 
 ``GET /healthz``'s capacity figures (file reads and the registry's cached rows) run on a thread of
 their own, so a health check answers even while every control thread is held.
@@ -76,13 +76,13 @@ class Admission:
         self.probe_pool = ThreadPoolExecutor(PROBE_WORKERS, thread_name_prefix="forkd-probe")
         self.health_pool = ThreadPoolExecutor(1, thread_name_prefix="forkd-health")
         self.admitted = 0                 # long calls holding a slot (running or waiting in a lane)
-        self.running = 0                  # long calls running now (on a thread, or an eval on the loop)
+        self.running = 0                  # long calls running now (on a thread, or on the loop)
         self.control_running = 0
         self.callers: Tally = Tally()     # caller -> long calls holding a slot
         self.lanes: dict[str, Lane] = {}
         r = registry if registry is not None else CollectorRegistry()
         Gauge("forkd_long_calls_running", "Long calls (exec, eval, branch...) running now (on a thread, or an "
-              "eval on the event loop)",
+              "eval or exec on the event loop)",
               registry=r).set_function(lambda: self.running)
         Gauge("forkd_long_calls_waiting", "Long calls waiting for their sandbox's lane",
               registry=r).set_function(lambda: sum(len(lane.waiting) for lane in self.lanes.values()))

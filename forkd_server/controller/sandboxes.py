@@ -40,6 +40,34 @@ def eval_answer(reply: dict) -> dict:
     return {"result": reply.get("result"), "error": reply.get("error"), "exit_code": reply.get("exit_code", 1)}
 
 
+def exec_request(args, timeout_secs, env: dict | None, cwd: str | None) -> dict:
+    """An exec's request to its agent, or ``BadRequest`` saying what is wrong with it."""
+    if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
+        raise BadRequest("args must be a non-empty list of strings")
+    if isinstance(timeout_secs, bool) or not isinstance(timeout_secs, (int, float)) or timeout_secs <= 0:
+        raise BadRequest("timeout_secs must be a positive number")
+    request = {"action": "exec", "args": args, "timeout": timeout_secs}
+    if env:
+        request["env"] = env
+    if cwd:
+        request["cwd"] = cwd
+    return request
+
+
+def exec_timeout(request: dict) -> float:
+    """How long the server waits for an exec's reply: the agent's own timeout ends the command first."""
+    return request["timeout"] + 5
+
+
+def exec_answer(reply: dict) -> dict:
+    """An exec's answer, from its agent's reply."""
+    out = {"stdout": reply.get("stdout", ""), "stderr": reply.get("stderr", ""), "exit_code": reply.get("exit_code", 1)}
+    for extra in ("error", "timed_out"):
+        if extra in reply:
+            out[extra] = reply[extra]
+    return out
+
+
 def _timed_out(exc: BaseException | None) -> bool:
     """True if the agent call failed because its deadline passed (not because the agent went away)."""
     while exc is not None:
@@ -351,22 +379,8 @@ class SandboxManager:
 
     def exec(self, sandbox_id, args, timeout_secs: float = 30, env: dict | None = None, cwd: str | None = None) -> dict:
         self.row(sandbox_id)
-        if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
-            raise BadRequest("args must be a non-empty list of strings")
-        if isinstance(timeout_secs, bool) or not isinstance(timeout_secs, (int, float)) or timeout_secs <= 0:
-            raise BadRequest("timeout_secs must be a positive number")
-        request = {"action": "exec", "args": args, "timeout": timeout_secs}
-        if env:
-            request["env"] = env
-        if cwd:
-            request["cwd"] = cwd
-        reply = self._agent(sandbox_id, request, "exec", timeout=timeout_secs + 5)
-        out = {"stdout": reply.get("stdout", ""), "stderr": reply.get("stderr", ""),
-               "exit_code": reply.get("exit_code", 1)}
-        for extra in ("error", "timed_out"):
-            if extra in reply:
-                out[extra] = reply[extra]
-        return out
+        request = exec_request(args, timeout_secs, env, cwd)
+        return exec_answer(self._agent(sandbox_id, request, "exec", timeout=exec_timeout(request)))
 
     def eval(self, sandbox_id, code) -> dict:
         self.row(sandbox_id)

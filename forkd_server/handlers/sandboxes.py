@@ -153,9 +153,9 @@ class ExecHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
-        self.send(await self.long_call("an exec", self.controller.exec, sandbox_id, body["args"],
-                                       body.get("timeout_secs", 30), env=body.get("env"), cwd=body.get("cwd"),
-                                       sandbox=sandbox_id, lane=True))
+        fn, on_loop = self.app.loop_calls.exec(self.controller, sandbox_id, body["args"], body.get("timeout_secs", 30),
+                                               env=body.get("env"), cwd=body.get("cwd"))
+        self.send(await self.long_call("an exec", fn, sandbox=sandbox_id, lane=True, on_loop=on_loop))
 
 
 class EvalHandler(ForkdHandler):

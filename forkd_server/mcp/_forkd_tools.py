@@ -28,8 +28,8 @@ TAIL_BYTES = 4096  # what wait_for_text reads of the file each time, as forkd-mc
 
 
 def register(server: MCPServer, ctl: Controller, quick: InProcess | None = None) -> None:
-    """``quick``: where eval_code and ping_sandbox go when the MCP server lives in the forkd server
-    (its own controller, no second request back into it); else they go through ``ctl`` too."""
+    """``quick``: where eval_code, exec_command and ping_sandbox go when the MCP server lives in the
+    forkd server (its own controller, no second request back into it); else they go through ``ctl``."""
 
     @server.tool(annotations=READ_ONLY)
     @explained("list_snapshots")
@@ -131,12 +131,14 @@ def register(server: MCPServer, ctl: Controller, quick: InProcess | None = None)
 
     @server.tool(annotations=RUNS_CODE)
     @explained("exec_command")
-    def exec_command(sandbox_id: str, args: list[str], timeout_secs: int = 30) -> dict[str, Any]:
+    async def exec_command(sandbox_id: str, args: list[str], timeout_secs: int = 30) -> dict[str, Any]:
         """Run a command (argv list, no shell: use ["sh", "-c", "..."] for one) in the sandbox;
         returns stdout, stderr and exit_code (a non-zero exit is a result, not an error)."""
         if not args:
             raise Refused("args is empty", 'give the command as a list, e.g. ["ls", "-l", "/tmp"]')
-        return ctl.exec_command(sandbox_id, args, timeout_secs)
+        if quick is not None:
+            return await quick.exec_command(sandbox_id, args, timeout_secs)
+        return await off_loop(ctl.exec_command)(sandbox_id, args, timeout_secs)
 
     @server.tool(annotations=RUNS_CODE)
     @explained("eval_code")

@@ -288,3 +288,24 @@ async def test_a_sandbox_killed_during_an_eval_on_the_loop_is_a_410(jp_fetch, fo
     assert ways(forkd_app, "eval") == before  # failed on the loop (one handed to the pool counts there)
     await until(lambda: kept(forkd_app) == 0, "the killed sandbox's connections closed")
     assert not forkd_app.controller.tiers._calls and forkd_app.admission.running == 0
+
+
+async def test_an_exec_is_made_on_the_loop_with_the_pools_answers(jp_fetch, forkd_app, sandbox):  # noqa: F811
+    sid = sandbox["id"]
+    ctl = forkd_app.controller
+    assert (await ping(jp_fetch, sid))[0] == 200
+    before = ways(forkd_app, "exec")
+    for body in ({"args": ["sh", "-c", "echo out; echo err >&2; exit 3"]},
+                 {"args": ["sh", "-c", "pwd; echo $FOO"], "env": {"FOO": "bar"}, "cwd": "/tmp"},
+                 {"args": ["sleep", "5"], "timeout_secs": 0.5}):
+        code, answer = await call(jp_fetch, "POST", "sandboxes", sid, "exec", body=body)
+        on_a_thread = await asyncio.get_running_loop().run_in_executor(  # the pool's way, as it was
+            None, lambda: ctl.exec(sid, body["args"], body.get("timeout_secs", 30), env=body.get("env"),
+                                   cwd=body.get("cwd")))
+        assert code == 200 and answer == on_a_thread, (answer, on_a_thread)
+    assert answer["timed_out"] is True and "timed out after 0.5 seconds" in answer["error"], answer
+    after = ways(forkd_app, "exec")
+    assert after["loop"] - before["loop"] >= 1 and after["loop"] + after["pool"] - before["loop"] - before["pool"] == 3
+    code, body = await call(jp_fetch, "POST", "sandboxes", sid, "exec", body={"args": []})
+    assert code == 400 and body == {"error": "args must be a non-empty list of strings"}, body
+    assert not ctl.tiers._calls and forkd_app.admission.running == 0

@@ -329,19 +329,23 @@ def test_streamable_http_in_jupyter_server_with_its_token(jupyter, snap):
     assert cell.structured_content["stdout"] == "streamed\n" and "streamed" in progress
 
 
-def _eval_requests(jupyter) -> float:
-    """How many ``POST .../eval`` requests the Jupyter server has answered (its own metrics)."""
+def _eval_requests(jupyter, handler: str = "EvalHandler") -> float:
+    """How many ``POST .../eval`` (``handler``'s) requests the Jupyter server has answered (its own
+    metrics)."""
     req = urllib.request.Request(jupyter.forkd_url.rsplit("/forkd", 1)[0] + "/metrics",
                                  headers={"Authorization": f"token {jupyter.token}"})
     with urllib.request.urlopen(req, timeout=30) as r:
         lines = r.read().decode().splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith("http_request_duration_seconds_count") and ".EvalHandler" in line)
+               if line.startswith("http_request_duration_seconds_count") and f".{handler}" in line)
 
 
-def test_in_the_server_eval_and_ping_are_its_own_calls_answered_as_their_routes(jupyter, ctl, snap):
-    """Inside the Jupyter server, eval_code and ping_sandbox make no second request back into it;
-    what they answer, and how they fail, is what the SDK's way (the route) gives."""
+COMMAND = ["sh", "-c", "echo $((6*7)); exit 2"]
+
+
+def test_in_the_server_eval_exec_and_ping_are_its_own_calls_answered_as_their_routes(jupyter, ctl, snap):
+    """Inside the Jupyter server, eval_code, exec_command and ping_sandbox make no second request back
+    into it; what they answer, and how they fail, is what the SDK's way (the route) gives."""
     sid = ctl.spawn_sandboxes(snap, 1)[0]["id"]
     gone = ctl.spawn_sandboxes(snap, 1)[0]["id"]
     ctl.kill_sandbox(gone)
@@ -353,14 +357,19 @@ def test_in_the_server_eval_and_ping_are_its_own_calls_answered_as_their_routes(
             error = data(await c.call_tool("eval_code", {"sandbox_id": sid, "code": "1/0"}))
             pong = data(await c.call_tool("ping_sandbox", {"sandbox_id": sid}))
             evals = _eval_requests(jupyter) - before
+            before_exec = _eval_requests(jupyter, "ExecHandler")
+            ran = data(await c.call_tool("exec_command", {"sandbox_id": sid, "args": COMMAND}))
+            execs = _eval_requests(jupyter, "ExecHandler") - before_exec
             missing = failure(await c.call_tool("eval_code", {"sandbox_id": gone, "code": "x"}))
             unknown = failure(await c.call_tool("ping_sandbox", {"sandbox_id": "sb-nope"}))
-            return value, error, pong, evals, missing, unknown
-    value, error, pong, evals, missing, unknown = run(scenario())
+            return value, error, pong, evals, missing, unknown, ran, execs
+    value, error, pong, evals, missing, unknown, ran, execs = run(scenario())
     by_sdk = [failure(run(call(ctl, "eval_code", {"sandbox_id": gone, "code": "x"}))),
               failure(run(call(ctl, "ping_sandbox", {"sandbox_id": "sb-nope"})))]
     before = _eval_requests(jupyter)
     same = ctl.eval_code(sid, "x * 2"), ctl.eval_code(sid, "1/0"), ctl.ping_sandbox(sid)
+    assert ran == ctl.exec_command(sid, COMMAND) and ran["stdout"] == "42\n" and ran["exit_code"] == 2
+    assert execs == 0, "an exec through MCP went back into the server over HTTP"
     assert _eval_requests(jupyter) - before == 2  # the count counts: the SDK's evals are requests
     ctl.kill_sandbox(sid)
     assert evals == 0, "an eval through MCP went back into the server over HTTP"
