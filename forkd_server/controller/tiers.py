@@ -120,7 +120,8 @@ class TierManager:
         running sandbox, its call counted (``leave`` ends it). ``BlockingIOError`` where ``call``
         would wait (a move holds the sandbox's lock, another thread the registry or the liveness
         check); None where it would do more than count (a sandbox unknown, ending, not ``running``,
-        or dead: ``call`` wakes it, or says why). A sandbox's first call goes by ``call``, which
+        or dead: ``call`` wakes it, or says why) or could not tell without waiting (an engine with no
+        ``alive_many``: the VM engine's). A sandbox's first call goes by ``call``, which
         makes its lock. 503 while a restart has not settled the sandbox, as ``call``. The row is the
         registry's shared one (``Registry.shared_sandbox``): read it, never change it."""
         self.ctl.recovery.check_sandbox(sandbox_id)
@@ -135,7 +136,8 @@ class TierManager:
             if row is None or not running(row) or tier_of(row) != "running":
                 return None
             engine = self.ctl.engines.get(row["engine"])
-            if engine is None or not engine.alive_many([row["handle"]], block=False)[0]:
+            alive_many = getattr(engine, "alive_many", None)  # the VM engine has none that never waits
+            if alive_many is None or not alive_many([row["handle"]], block=False)[0]:
                 return None
             with self._guard:
                 self._calls[sandbox_id] = self._calls.get(sandbox_id, 0) + 1

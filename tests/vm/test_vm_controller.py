@@ -133,3 +133,38 @@ def test_an_ipython_shell_without_ipython_in_the_guest_is_a_400_saying_what_to_a
     with pytest.raises(BadRequest, match="add the Debian package python3-ipython"):
         ctl.create_snapshot("no-ipython", engine="vm", shell="ipython", mem_size_mib=256)
     assert "no-ipython" not in {s["tag"] for s in ctl.list_snapshots()}
+
+
+def test_a_vm_sandboxs_ping_eval_and_exec_from_the_event_loop_go_the_pools_way(ctl):
+    """The VM engine can neither call its agent from the event loop (its channel) nor check a
+    guest's liveness without waiting: the server's loop calls hand its sandboxes' pings, evals and
+    execs to a pool's thread, every time (the second call of a sandbox, whose lock exists, too)."""
+    import asyncio
+
+    from forkd_server.controller.admission import Admission
+    from forkd_server.loop_calls import LoopCalls
+
+    (sb,) = ctl.spawn("vmbase", 1)
+    sid = sb["id"]
+    admission = Admission()
+    calls = LoopCalls(admission)
+
+    async def long(call, *args):
+        fn, on_loop = getattr(calls, call)(ctl, sid, *args)
+        return await admission.long(fn, caller="test", what=f"an {call}", sandbox=sid, lane=True, on_loop=on_loop)
+
+    async def scenario():
+        for _ in range(2):
+            assert (await calls.ping(ctl, sid))["pong"] is True
+            assert await long("eval", "value * 6") == {"result": "42", "error": None, "exit_code": 0}
+            assert await long("exec", ["echo", "hi"]) == {"stdout": "hi\n", "stderr": "", "exit_code": 0}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        admission.close()
+    ways = {(s.labels["call"], s.labels["way"]): s.value for m in calls.ways.collect() for s in m.samples
+            if s.name == "forkd_loop_calls_total"}
+    assert ways == {(call, way): 2.0 if way == "pool" else 0.0 for call in ("ping", "eval", "exec")
+                    for way in ("loop", "pool")}
+    ctl.kill_sandbox(sid)
