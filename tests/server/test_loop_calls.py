@@ -4,6 +4,7 @@ whatever would make the loop wait for another thread goes to the pool, and the l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -34,6 +35,26 @@ async def until(condition, what: str, timeout: float = 30) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.contextmanager
+def held_elsewhere(lock):
+    """``lock`` held by another thread (a commit, a liveness check, a move) while the block runs."""
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert taken.wait(30)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(30)
+
+
 async def test_a_running_sandboxs_ping_is_answered_on_the_loop(jp_fetch, forkd_app, sandbox):  # noqa: F811
     sid = sandbox["id"]
     code, first = await ping(jp_fetch, sid)  # a sandbox's first call makes its lock, on the pool
@@ -59,25 +80,12 @@ async def test_what_would_wait_goes_to_the_pool_and_the_loop_goes_on(jp_fetch, f
     assert (await ping(jp_fetch, sid))[0] == 200
     lock = {"registry": lambda: ctl.registry._lock, "liveness": lambda: ctl.engines["process"]._pidfd_lock,
             "sandbox": lambda: ctl.tiers._locks[sid]}[held]()
-    taken, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with lock:
-            taken.set()
-            release.wait(60)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    assert taken.wait(30)
-    before = ways(forkd_app)
-    try:
+    with held_elsewhere(lock):
+        before = ways(forkd_app)
         pinged = asyncio.ensure_future(ping(jp_fetch, sid))
         await until(lambda: ways(forkd_app)["pool"] > before["pool"], "the ping handed to the pool")
         code, version = await call(jp_fetch, "GET", "version", prefix=("forkd",))  # the loop answers meanwhile
         assert code == 200 and version["api"] == "v1" and not pinged.done()
-    finally:
-        release.set()
-        holder.join(30)
     code, body = await pinged
     assert code == 200 and body["pong"] is True
     assert ways(forkd_app)["loop"] == before["loop"]
@@ -250,26 +258,12 @@ async def test_an_eval_that_would_wait_runs_on_the_pool(jp_fetch, forkd_app, san
     which waits for it, and the loop goes on."""
     sid = sandbox["id"]
     assert (await ping(jp_fetch, sid))[0] == 200
-    lock = forkd_app.controller.tiers._locks[sid]
-    taken, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with lock:
-            taken.set()
-            release.wait(60)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    assert taken.wait(30)
-    before = ways(forkd_app, "eval")
-    try:
+    with held_elsewhere(forkd_app.controller.tiers._locks[sid]):
+        before = ways(forkd_app, "eval")
         evaluated = asyncio.ensure_future(evaluate(jp_fetch, sid, "x"))
         await until(lambda: ways(forkd_app, "eval")["pool"] > before["pool"], "the eval handed to the pool")
         code, version = await call(jp_fetch, "GET", "version", prefix=("forkd",))  # the loop answers meanwhile
         assert code == 200 and version["api"] == "v1" and not evaluated.done()
-    finally:
-        release.set()
-        holder.join(30)
     assert await evaluated == (200, {"result": "41", "error": None, "exit_code": 0})
     assert ways(forkd_app, "eval")["loop"] == before["loop"]
 
