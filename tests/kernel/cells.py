@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 
@@ -41,22 +42,33 @@ def run(kc, code: str, timeout: float = 120, **options) -> Cell:
     return Cell(reply, messages)
 
 
-def run_interrupted(km, kc, code: str, started: Callable[[dict], bool], timeout: float = 30) -> Cell:
+def run_interrupted(km, kc, code: str, started: Callable[[dict], bool], timeout: float = 30,
+                    again_every: float | None = None) -> Cell:
     """Run ``code`` and interrupt the kernel once, when a message it shows says ``started``: the
     cell runs in its sandbox by then. An interrupt sent on a timer instead can reach a kernel or
     a sandbox that has not started the cell yet, where there is nothing to stop; the cell then runs
-    its full course."""
+    its full course. ``again_every``: interrupt again every so many seconds until the cell ends, as
+    a person presses Interrupt again (for a reference kernel that can miss one)."""
     messages: list[dict] = []
-    sent = False
+    sent = threading.Event()
+    ended = threading.Event()
 
-    def hook(msg: dict) -> None:
-        nonlocal sent
-        messages.append(msg)
-        if not sent and started(msg):
-            sent = True
+    def again() -> None:
+        while not ended.wait(again_every):
             km.interrupt_kernel()
 
-    reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+    def hook(msg: dict) -> None:
+        messages.append(msg)
+        if not sent.is_set() and started(msg):
+            sent.set()
+            km.interrupt_kernel()
+            if again_every:
+                threading.Thread(target=again, daemon=True).start()
+
+    try:
+        reply = kc.execute_interactive(code, output_hook=hook, timeout=timeout)
+    finally:
+        ended.set()
     return Cell(reply, messages)
 
 
