@@ -52,17 +52,18 @@ class LoopCalls:
         self._ways["ping", "loop"].inc()
         return reply
 
-    def eval(self, controller, sandbox_id: str, code: str):
-        """``controller.eval(sandbox_id, code)`` as its admission runs it (``Admission.long``'s
-        ``fn`` and ``on_loop``): on the loop where nothing waits, else on a long call's thread."""
+    async def eval(self, controller, sandbox_id: str, code: str, *, caller: str) -> dict:
+        """``controller.eval(sandbox_id, code)``'s answer, admitted as a long call of ``caller`` in
+        the sandbox's lane, then made on the loop where nothing waits, else on a long call's thread."""
         def request():
             return ({"action": "eval", "code": code}, EVAL_TIMEOUT) if isinstance(code, str) else None
 
-        return self._long(controller, sandbox_id, "eval", functools.partial(controller.eval, sandbox_id, code),
-                          request, eval_answer)
+        return await self._long(controller, sandbox_id, "eval", functools.partial(controller.eval, sandbox_id, code),
+                                request, eval_answer, caller)
 
-    def exec(self, controller, sandbox_id: str, args, timeout_secs=30, env=None, cwd=None):
-        """``controller.exec(...)`` as its admission runs it, as ``eval``."""
+    async def exec(self, controller, sandbox_id: str, args, timeout_secs=30, env=None, cwd=None, *,
+                   caller: str) -> dict:
+        """``controller.exec(...)``'s answer, as ``eval``'s."""
         def request():
             try:
                 made = exec_request(args, timeout_secs, env, cwd)
@@ -70,13 +71,13 @@ class LoopCalls:
                 return None
             return made, exec_timeout(made)
 
-        return self._long(controller, sandbox_id, "exec",
-                          functools.partial(controller.exec, sandbox_id, args, timeout_secs, env=env, cwd=cwd),
-                          request, exec_answer)
+        return await self._long(controller, sandbox_id, "exec",
+                                functools.partial(controller.exec, sandbox_id, args, timeout_secs, env=env, cwd=cwd),
+                                request, exec_answer, caller)
 
-    def _long(self, controller, sandbox_id: str, call: str, fn, request, answer):
-        """(``fn``, ``on_loop``) for ``Admission.long``: ``request()`` is the agent's request and
-        its timeout, or None where the pool's call says what is wrong; ``answer`` shapes the reply."""
+    async def _long(self, controller, sandbox_id: str, call: str, fn, request, answer, caller: str) -> dict:
+        """``fn`` as ``Admission.long`` runs it, with the loop's way in: ``request()`` is the agent's
+        request and its timeout, or None where ``fn`` says what is wrong; ``answer`` shapes the reply."""
         async def on_loop() -> dict | None:
             made = request()
             reply = None if made is None else await self._on_loop_or_none(
@@ -84,7 +85,8 @@ class LoopCalls:
             self._ways[call, "pool" if reply is None else "loop"].inc()
             return None if reply is None else answer(reply)
 
-        return fn, on_loop
+        return await self.admission.long(fn, caller=caller, what=f"an {call}", sandbox=sandbox_id, lane=True,
+                                         on_loop=on_loop)
 
     async def _on_loop_or_none(self, controller, sandbox_id: str, request: bytes, what: str,
                                timeout: float, long: bool = False) -> dict | None:

@@ -376,13 +376,11 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
         """A control call (short: list, get, kill, ping...) on the control pool."""
         return await self._answer(self.app.admission.control(functools.partial(fn, *args, **kwargs)), sandbox)
 
-    async def long_call(self, what: str, fn, *args, sandbox: str | None = None, lane: bool = False,
-                        on_loop=None, **kwargs):
+    async def long_call(self, what: str, fn, *args, sandbox: str | None = None, lane: bool = False, **kwargs):
         """A long call (exec, branch, spawn...), admitted by the server's, the caller's and, with
-        ``lane``, the sandbox's limits (user code runs one call at a time per sandbox); ``on_loop``:
-        the way to make it on the event loop instead, if there is one (``Admission.long``)."""
+        ``lane``, the sandbox's limits (user code runs one call at a time per sandbox)."""
         run = self.app.admission.long(functools.partial(fn, *args, **kwargs), caller=caller_of(self), what=what,
-                                      sandbox=sandbox, lane=lane, on_loop=on_loop)
+                                      sandbox=sandbox, lane=lane)
         return await self._answer(run, sandbox)
 
     async def _answer(self, call, sandbox: str | None):

@@ -18,7 +18,7 @@ from forkd_engine.agent.runtime import MAX_FILE_BYTES
 
 from ..controller.checks import MAX_CHILDREN
 from ..hub.ownership import OWNER
-from .base import ApiError, ForkdHandler, dumps, query_bool, query_labels
+from .base import ApiError, ForkdHandler, caller_of, dumps, query_bool, query_labels
 
 # What no machine has: more is refused on the wire (400), before it reaches a registry column.
 MEMORY_LIMIT = {"maximum": 1 << 20}  # the controller checks the minimum (16), in forkd's order
@@ -153,9 +153,9 @@ class ExecHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
-        fn, on_loop = self.app.loop_calls.exec(self.controller, sandbox_id, body["args"], body.get("timeout_secs", 30),
-                                               env=body.get("env"), cwd=body.get("cwd"))
-        self.send(await self.long_call("an exec", fn, sandbox=sandbox_id, lane=True, on_loop=on_loop))
+        self.send(await self._answer(self.app.loop_calls.exec(
+            self.controller, sandbox_id, body["args"], body.get("timeout_secs", 30), env=body.get("env"),
+            cwd=body.get("cwd"), caller=caller_of(self)), sandbox_id))
 
 
 class EvalHandler(ForkdHandler):
@@ -167,8 +167,8 @@ class EvalHandler(ForkdHandler):
     @authorized(action="execute")
     async def post(self, sandbox_id: str) -> None:
         body = self.body(self.body_spec)
-        fn, on_loop = self.app.loop_calls.eval(self.controller, sandbox_id, body["code"])
-        self.send(await self.long_call("an eval", fn, sandbox=sandbox_id, lane=True, on_loop=on_loop))
+        self.send(await self._answer(self.app.loop_calls.eval(self.controller, sandbox_id, body["code"],
+                                                              caller=caller_of(self)), sandbox_id))
 
 
 class RunHandler(ForkdHandler):

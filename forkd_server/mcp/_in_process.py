@@ -3,9 +3,9 @@ it (``{base_url}forkd/mcp`` in jupyter-server, ``/mcp`` in ``forkd serve``).
 
 Every other tool goes through the SDK, back into the same server over HTTP. For ``eval_code``,
 ``exec_command`` and ``ping_sandbox`` (an agent's most frequent calls, each a few ms of work in the
-sandbox) that second
-request was a third of the server's CPU per call: a request parsed, authenticated and answered on the
-same loop, with a thread carrying the SDK's blocking call on each side. Here the call is the one its
+sandbox) that second request was a third of the server's CPU per call: a request parsed,
+authenticated and answered on the same loop, with a thread carrying the SDK's blocking call on each
+side. Here the call is the one its
 REST route makes, admitted the same way (the MCP server is one caller, user code runs one call at a
 time per sandbox), and its answer and errors are the route's: the result as the route's JSON, a
 failure as the ``ControllerError`` (status and body) the SDK would have raised."""
@@ -26,23 +26,19 @@ CALLER = "forkd-mcp"  # whose long calls these are, for the per-caller cap
 
 
 class InProcess:
-    """``eval_code``, ``exec_command`` and ``ping_sandbox`` of ``app`` (the forkd extension), awaited on its loop;
-    ``url``: the server's forkd routes, which errors name as the SDK's do."""
+    """``eval_code``, ``exec_command`` and ``ping_sandbox`` of ``app`` (the forkd extension), awaited
+    on its loop; ``url``: the server's forkd routes, which errors name as the SDK's do."""
 
     def __init__(self, app, url: str):
         self.app, self.url = app, url.rstrip("/")
 
     async def eval_code(self, sandbox_id: str, code: str) -> dict[str, Any]:
-        app = self.app
-        fn, on_loop = app.loop_calls.eval(app.controller, sandbox_id, code)
-        run = app.admission.long(fn, caller=CALLER, what="an eval", sandbox=sandbox_id, lane=True, on_loop=on_loop)
-        return await self._answer(run, sandbox_id, "eval")
+        call = self.app.loop_calls.eval(self.app.controller, sandbox_id, code, caller=CALLER)
+        return await self._answer(call, sandbox_id, "eval")
 
     async def exec_command(self, sandbox_id: str, args: list[str], timeout_secs: float) -> dict[str, Any]:
-        app = self.app
-        fn, on_loop = app.loop_calls.exec(app.controller, sandbox_id, list(args), timeout_secs)
-        run = app.admission.long(fn, caller=CALLER, what="an exec", sandbox=sandbox_id, lane=True, on_loop=on_loop)
-        return await self._answer(run, sandbox_id, "exec")
+        call = self.app.loop_calls.exec(self.app.controller, sandbox_id, list(args), timeout_secs, caller=CALLER)
+        return await self._answer(call, sandbox_id, "exec")
 
     async def ping_sandbox(self, sandbox_id: str) -> dict[str, Any]:
         return await self._answer(self.app.loop_calls.ping(self.app.controller, sandbox_id), sandbox_id, "ping")

@@ -149,15 +149,13 @@ def test_a_vm_sandboxs_ping_eval_and_exec_from_the_event_loop_go_the_pools_way(c
     admission = Admission()
     calls = LoopCalls(admission)
 
-    async def long(call, *args):
-        fn, on_loop = getattr(calls, call)(ctl, sid, *args)
-        return await admission.long(fn, caller="test", what=f"an {call}", sandbox=sid, lane=True, on_loop=on_loop)
-
     async def scenario():
         for _ in range(2):
             assert (await calls.ping(ctl, sid))["pong"] is True
-            assert await long("eval", "value * 6") == {"result": "42", "error": None, "exit_code": 0}
-            assert await long("exec", ["echo", "hi"]) == {"stdout": "hi\n", "stderr": "", "exit_code": 0}
+            assert await calls.eval(ctl, sid, "value * 6", caller="test") == {"result": "42", "error": None,
+                                                                             "exit_code": 0}
+            assert await calls.exec(ctl, sid, ["echo", "hi"], caller="test") == {"stdout": "hi\n", "stderr": "",
+                                                                                "exit_code": 0}
 
     try:
         asyncio.run(scenario())
