@@ -38,11 +38,21 @@ const TIER_TITLES = {
 
 // Put `fresh` (elements, each with its `_sig`: its drawing when built) into `parent`, keeping an
 // element already there under the same key whose drawing is the same. Every live update redraws
-// the view, and a control replaced between the press and the release of a click loses the click.
-function reconcile(parent, fresh, keyOf) {
+// the view, and a control replaced between the press and the release of a click loses the click:
+// so one holding `held.el` (what a pointer pressed and has not released) stays as it is drawn, and
+// `held.stale` says a redraw is owed once it is released.
+function reconcile(parent, fresh, keyOf, held) {
   const old = new Map();
   for (const c of parent.children) if (c._sig !== undefined) old.set(keyOf(c), c);
-  const next = fresh.map((f) => { const o = old.get(keyOf(f)); return o && o._sig === f._sig ? o : f; });
+  const next = fresh.map((f) => {
+    const o = old.get(keyOf(f));
+    if (!o || o._sig === f._sig) return o || f;
+    if (held.el && o.contains(held.el)) {
+      held.stale = true;
+      return o;
+    }
+    return f;
+  });
   const keep = new Set(next);
   // what it did not draw stays (the widget's confirmation box, open under the details)
   for (const c of [...parent.children]) if (c._sig !== undefined && !keep.has(c)) c.remove();
@@ -125,6 +135,8 @@ export class LineageView {
     this.list = el("div", { class: "forkd-rows", role: "tree", "aria-label": "forkd lineage" }, this.content);
     this.details = el("div", { class: "forkd-details" }, this.root);
     this.msg = el("div", { class: "forkd-message", "aria-live": "polite" }, this.root);
+    this.held = { el: null, stale: false };
+    this._holdStill();
     this.list.addEventListener("keydown", (e) => this._key(e));
     this.canvas.addEventListener("wheel", (e) => {
       if (!e.ctrlKey) return;
@@ -266,7 +278,7 @@ export class LineageView {
       row.addEventListener("focus", () => this._roving(row));
       return signed(row);
     });
-    const shown = reconcile(this.list, fresh, (c) => c.dataset.key);
+    const shown = reconcile(this.list, fresh, (c) => c.dataset.key, this.held);
     // where a row sits is not part of its drawing: a row added above moves it, and keeps it
     shown.forEach((row, i) => { row.style.top = `${i * ROW}px`; row.style.left = `${indentOf(rs[i].depth)}px`; });
     const height = rs.length * ROW;
@@ -380,6 +392,19 @@ export class LineageView {
     if (keys[e.key]) { e.preventDefault(); keys[e.key](); }
   }
 
+  // What a pointer pressed is not redrawn until it is released (reconcile): a row whose sandbox came
+  // up, froze or got its memory figure between the press and the release is still clicked.
+  _holdStill() {
+    const release = () => {
+      const owed = this.held.stale;
+      this.held = { el: null, stale: false };
+      if (owed) setTimeout(() => this.render(), 0); // after the click this release makes
+    };
+    this.root.addEventListener("pointerdown", (e) => { this.held = { el: e.target, stale: false }; }, true);
+    for (const type of ["pointerup", "pointercancel"]) this.root.addEventListener(type, release, true);
+    this.root.addEventListener("pointerleave", release);
+  }
+
   // drag the background to pan (scrolls the canvas)
   _pan() {
     let from = null;
@@ -413,7 +438,7 @@ export class LineageView {
     const fresh = el("div");
     this._details(fresh, tree);
     const parts = [...fresh.children].map((c, i) => { c.dataset.part = `${i}`; return signed(c); });
-    reconcile(d, parts, (c) => c.dataset.part);
+    reconcile(d, parts, (c) => c.dataset.part, this.held);
     if (focused && !d.contains(document.activeElement)) d.querySelector(`[data-keep="${focused}"]`)?.focus();
   }
 

@@ -16,7 +16,9 @@ digest) before the old process ends, and the handle of the new one before its st
 so a crash at any point leaves a sandbox that is still running, or still stored and wakeable
 (recovery.py settles either). One lock per sandbox orders the moves; a call waits on it for a wake
 under way (``WAKE_WAIT``) and then gets a 503 saying so, never a 500. A move down is refused (409)
-while a call runs in the sandbox: a frozen agent would leave that call hanging.
+while a call runs in the sandbox: a frozen agent would leave that call hanging. It first waits a
+moment (``CALLS_RETURN``) for calls under way to return: the pings of a panel's or a widget's
+re-read are calls too, and a freeze must not fail because one was in flight.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 TIERS = ("running", "frozen", "stored")
 WAKE_WAIT = 120.0    # s a call waits for another move of its sandbox (a wake from the store) to finish
 STORE_WAIT = 600.0   # s the branch a store makes has to be written
+CALLS_RETURN = 1.0   # s a move down waits for the calls under way in its sandbox to return
 
 
 def tier_of(row: dict) -> str:
@@ -58,6 +61,7 @@ class TierManager:
         self._locks: dict[str, threading.Lock] = {}
         self._moving: dict[str, str] = {}   # id -> the move holding its lock ("a wake from stored", ...)
         self._calls: dict[str, int] = {}    # id -> calls running in it now
+        self._returned = threading.Condition(self._guard)  # notified as a call leaves
 
     # --- the lock of one sandbox -----------------------------------------------------------------
 
@@ -153,11 +157,15 @@ class TierManager:
                 self._calls[sandbox_id] = left
             else:
                 self._calls.pop(sandbox_id, None)
+                self._returned.notify_all()
 
     def _idle(self, row: dict, move: str) -> None:
-        """409 unless the sandbox is idle: no call of ours in it, and its main thread runs nothing
-        (its ping says so: a cell of a streaming session counts too)."""
-        busy = "a call" if self._calls.get(row["id"]) else None
+        """409 unless the sandbox is idle: no call of ours in it once ``CALLS_RETURN`` has passed (the
+        caller holds its lock, so no new one starts), and its main thread runs nothing (its ping
+        says so: a cell of a streaming session counts too)."""
+        with self._guard:
+            returned = self._returned.wait_for(lambda: not self._calls.get(row["id"]), timeout=CALLS_RETURN)
+        busy = None if returned else "a call"
         if busy is None:
             try:
                 busy = self.ctl.engines[row["engine"]].call(row["handle"], {"action": "ping"}, timeout=5).get("busy")

@@ -82,6 +82,27 @@ def test_changes_through_rest_show_live(page, lab):
     assert not fields & {"memory", "activity", "tier"}, fields
 
 
+def test_a_row_that_changes_while_pressed_is_still_clicked(page, lab):
+    """A live update that would redraw a row between the press and the release of a click (its
+    sandbox came up, froze, its memory arrived) does not lose the click: what is pressed is redrawn
+    once released."""
+    ctl = lab.controller()
+    ctl.create_snapshot("press", setup="x = 1")
+    kid = ctl.spawn_sandboxes("press", 1)[0]["id"]
+    row(page, kid).wait_for(timeout=LIVE_WITHIN)
+    row(page, kid).hover()  # the pointer on the row once it is visible and still, as a click puts it
+    page.mouse.down()
+    ctl.freeze_sandbox(kid)  # the row's drawing changes (a tier chip) while the button is held
+    page.wait_for_function(  # the panel's model has it: the row is owed a redraw
+        "id => [...window.jupyterapp.shell.widgets('left')].find((w) => w.id === 'forkd-lineage')"
+        ".model.tree[id]?.tier === 'frozen'", arg=kid, timeout=LIVE_WITHIN)
+    page.mouse.up()
+    page.locator(f"{PANEL} .forkd-details", has_text=f"sandbox {kid}").wait_for(timeout=LIVE_WITHIN)
+    assert row(page, kid).get_attribute("aria-selected") == "true"
+    # released, the row is redrawn with what changed while it was held
+    page.locator(f"{PANEL} .forkd-row[data-key='{kid}'] .forkd-tier", has_text="frozen").wait_for(timeout=LIVE_WITHIN)
+
+
 def test_delete_asks_first_and_says_what_else_goes(page, lab):
     ctl = lab.controller()
     ctl.create_snapshot("del", setup="x = 1")

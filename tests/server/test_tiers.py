@@ -109,6 +109,22 @@ def test_a_move_down_while_a_call_runs_is_a_409_and_the_call_finishes(ctl, sandb
     assert sandbox.refresh().tier == "running"
 
 
+def test_a_freeze_waits_for_a_short_call_under_way_and_then_freezes(ctl, sandbox):
+    """A call that returns within a moment (a panel's ping, a quick eval) does not make a freeze a
+    409: the freeze waits for it, then freezes; the call's answer is whole."""
+    done = {}
+    call = threading.Thread(target=lambda: done.update(out=sandbox.eval("__import__('time').sleep(0.5) or x")))
+    call.start()
+    deadline = time.monotonic() + 30
+    while not ctl.ping_sandbox(sandbox.id).get("busy"):
+        assert time.monotonic() < deadline, "the eval did not start within 30 s"
+        time.sleep(0.02)
+    assert sandbox.freeze().tier == "frozen"
+    call.join(60)
+    assert done["out"] == "41"
+    assert ctl.get_sandbox(sandbox.id)["tier"] == "frozen"
+
+
 def test_a_restart_keeps_a_frozen_sandbox_frozen_and_wakeable(server, ctl, sandbox):
     sandbox.run_code("y = 'kept'")
     sandbox.freeze()
