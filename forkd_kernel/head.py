@@ -40,7 +40,7 @@ class Head:
         self.comms: set[str] = set()   # comm ids the sandbox opened (closed on the frontend at checkout)
         self.parked = False            # HEAD was stored on purpose (idle.py): its session's end is no death
         self.before_request: Callable[[], object] = lambda: None  # wakes HEAD first (idle.py)
-        self._waiting: dict[str, queue.Queue] = {}
+        self._waiting: dict[str, queue.SimpleQueue] = {}
         self._lock = threading.Lock()
 
     # --- moving ----------------------------------------------------------------------------------
@@ -133,12 +133,13 @@ class Head:
                     f"branch was taken of it)"), more
         return anything, more
 
-    def open_request(self, kind: str, **fields) -> tuple[str, queue.Queue]:
-        """Send a request; its events and its reply arrive on the returned queue (None: session ended)."""
+    def open_request(self, kind: str, **fields) -> tuple[str, queue.SimpleQueue]:
+        """Send a request; its events and its reply arrive on the returned queue (None: session ended).
+        A ``SimpleQueue``: the kernel's SIGINT handler puts on it (kernel.interrupts_into)."""
         self.before_request()
         session = self.check()
         rid = session.new_id()
-        events: queue.Queue = queue.Queue()
+        events: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:  # the reader marks the end under this lock: we see it, or it sees us
             ended = self.ended is not None or session is not self.session
             if not ended:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import contextlib
 import re
+import signal
 import sys
 import threading
 
@@ -40,6 +42,36 @@ from .local import KernelMagics, LocalShell, is_forkd_cell, on_forkd_line, with_
 from .ownership import make_ours
 
 REPLIES = ("status", "interrupt_reply", "session_reply")
+INTERRUPTED = object()  # on a cell's event queue: the frontend's Interrupt (SIGINT) reached the kernel
+
+
+@contextlib.contextmanager
+def interrupts_into(events):
+    """While a cell runs in the sandbox, SIGINT (the frontend's Interrupt) puts ``INTERRUPTED`` on its
+    event queue instead of raising KeyboardInterrupt: raised wherever the kernel was (forwarding the
+    cell's output, say), it escaped the cell, which ran on, and its reply was never sent. The queue
+    is a ``SimpleQueue``, whose ``put`` may run inside its own ``get`` (a signal handler does)."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: events.put(INTERRUPTED))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def interrupts_raised():
+    """SIGINT as KeyboardInterrupt again, for a wait that stops on it (ipykernel's input request)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _env_list(name: str) -> list[str]:
@@ -388,33 +420,39 @@ class ForkdKernel(Kernel):
                                              execution_count=self.execution_count)
         self._remember(rid, parent)
         try:
-            while True:
-                try:
-                    event = events.get()
-                except KeyboardInterrupt:  # Interrupt in the frontend: the cell in the sandbox stops
-                    self.head.send({"type": "interrupt", "id": f"{rid}-interrupt"})
-                    continue
-                if event is None:
-                    self.head.check()
-                    raise HeadGone(f"the session with {self.head.sandbox_id} ended during the cell")
-                kind = event.get("type")
-                if kind == "execute_reply":
-                    content = event.get("content") or {}
-                    content["execution_count"] = self.execution_count
-                    if content.get("status") == "error":
-                        self._explain_name_error(content, parent)
-                    return content
-                if kind == "input_request":
-                    self._answer_input(event, parent)
-                elif kind not in REPLIES:
-                    self._publish(event, parent)
+            with interrupts_into(events):
+                return self._follow(rid, events, parent)
         finally:
             self.head.finish(rid)
 
+    def _follow(self, rid: str, events, parent: dict) -> dict:
+        """Forward a remote cell's events until its reply; an Interrupt stops the cell in the sandbox."""
+        while True:
+            event = events.get()
+            if event is INTERRUPTED:
+                self.head.send({"type": "interrupt", "id": f"{rid}-interrupt"})
+                continue
+            if event is None:
+                self.head.check()
+                raise HeadGone(f"the session with {self.head.sandbox_id} ended during the cell")
+            kind = event.get("type")
+            if kind == "execute_reply":
+                content = event.get("content") or {}
+                content["execution_count"] = self.execution_count
+                if content.get("status") == "error":
+                    self._explain_name_error(content, parent)
+                return content
+            if kind == "input_request":
+                self._answer_input(event, parent)
+            elif kind not in REPLIES:
+                self._publish(event, parent)
+
     def _answer_input(self, event: dict, parent: dict) -> None:
         try:
-            value = self._input_request(event.get("prompt", ""), self._get_shell_context_var(self._shell_parent_ident),
-                                        parent, password=bool(event.get("password")))
+            with interrupts_raised():  # ipykernel's wait for the frontend's answer stops on KeyboardInterrupt
+                value = self._input_request(event.get("prompt", ""),
+                                            self._get_shell_context_var(self._shell_parent_ident),
+                                            parent, password=bool(event.get("password")))
         except KeyboardInterrupt:
             self.head.send({"type": "interrupt", "id": "input-interrupt"})
             return

@@ -76,6 +76,19 @@ def test_interrupt_stops_a_sleeping_cell_and_keeps_the_state(kernel):
     assert run(kc, "state").result == "'kept'"
 
 
+def test_interrupt_while_the_cell_floods_output_stops_it(kernel):
+    """An interrupt that reaches the kernel while it forwards the cell's output (not while it waits
+    for the next message) still stops the cell in the sandbox, and the cell still gets its reply."""
+    km, kc = kernel
+    code = "import itertools\nfor i in itertools.count():\n    print(i, flush=True)"
+    for _ in range(3):  # each interrupt lands wherever the kernel is: mostly forwarding output here
+        t0 = time.monotonic()
+        cell = run_interrupted(km, kc, code, lambda msg: msg["msg_type"] == "stream")
+        assert time.monotonic() - t0 < 30
+        assert cell.content["status"] == "error" and cell.content["ename"] == "KeyboardInterrupt", cell.content
+    assert run(kc, "i > 0").result == "True"
+
+
 def test_input_round_trip(kernel):
     _, kc = kernel
     asked = []
@@ -86,6 +99,13 @@ def test_input_round_trip(kernel):
 
     cell = run(kc, "name = input('who? ')\nname.upper()", allow_stdin=True, stdin_hook=answer)
     assert asked == ["who? "] and cell.result == "'ADA'"
+
+
+def test_interrupt_while_the_cell_waits_for_input_stops_it(kernel):
+    km, kc = kernel
+    cell = run(kc, "name = input('who? ')", allow_stdin=True, stdin_hook=lambda msg: km.interrupt_kernel())
+    assert cell.content["status"] == "error" and cell.content["ename"] == "KeyboardInterrupt", cell.content
+    assert run(kc, "1 + 1").result == "2"
 
 
 def test_getpass_round_trip_asks_for_a_password(kernel):
