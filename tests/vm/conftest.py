@@ -98,6 +98,8 @@ def vm_controller(vm_engine, tag: str, setup: str):
         c.create_snapshot(tag, engine="vm", setup=setup, mem_size_mib=256)
         yield c
     finally:
+        c.recovery.wait()
+        c.stores.close()  # its worker writes into the shared engine's store: stopped before the session's rmtree
         for sb in c.list_sandboxes():
             c.kill_sandbox(sb["id"])
         for snap in c.list_snapshots():
