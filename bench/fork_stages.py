@@ -9,8 +9,8 @@ fork's copies carry them: the branch's new template stamps its set-up (its PID 1
 forkd-init, the wait for its cgroup move, the /tmp and /dev/shm copies, the repairs, the fork plan,
 the prewarm, its ready report), and the first child of the spawn that follows stamps its own.
 Nothing of this is in the engine. Every stamp is ``time.monotonic()`` (one clock for the host and
-every sandbox), in ms from the start of ``Controller.fork``; medians over the rounds, one warm-up
-round first.
+every sandbox), in ms from the start of the fork (its branch, then its spawn of 5); medians over
+the rounds, one warm-up round first.
 """
 
 from __future__ import annotations
