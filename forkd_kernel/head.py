@@ -135,7 +135,7 @@ class Head:
 
     def open_request(self, kind: str, **fields) -> tuple[str, queue.SimpleQueue]:
         """Send a request; its events and its reply arrive on the returned queue (None: session ended).
-        A ``SimpleQueue``: the kernel's SIGINT handler puts on it (kernel.interrupts_into)."""
+        A ``SimpleQueue``: the kernel's SIGINT handler puts on it (kernel.sigint_handled_by)."""
         self.before_request()
         session = self.check()
         rid = session.new_id()

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -46,28 +46,16 @@ INTERRUPTED = object()  # on a cell's event queue: the frontend's Interrupt (SIG
 
 
 @contextlib.contextmanager
-def interrupts_into(events):
-    """While a cell runs in the sandbox, SIGINT (the frontend's Interrupt) puts ``INTERRUPTED`` on its
-    event queue instead of raising KeyboardInterrupt: raised wherever the kernel was (forwarding the
-    cell's output, say), it escaped the cell, which ran on, and its reply was never sent. The queue
-    is a ``SimpleQueue``, whose ``put`` may run inside its own ``get`` (a signal handler does)."""
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: events.put(INTERRUPTED))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextlib.contextmanager
-def interrupts_raised():
-    """SIGINT as KeyboardInterrupt again, for a wait that stops on it (ipykernel's input request)."""
+def sigint_handled_by(handler):
+    """SIGINT (the frontend's Interrupt) handled by ``handler`` meanwhile. Where a cell runs in the
+    sandbox: ``events.put(INTERRUPTED)`` on its event queue, not a KeyboardInterrupt, which, raised
+    wherever the kernel was (forwarding the cell's output, say), escaped the cell: it ran on and its
+    reply was never sent. The queue is a ``SimpleQueue``, whose ``put`` may run inside its own
+    ``get``, as a signal handler does. Signals reach the main thread only: elsewhere, no change."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
@@ -420,7 +408,7 @@ class ForkdKernel(Kernel):
                                              execution_count=self.execution_count)
         self._remember(rid, parent)
         try:
-            with interrupts_into(events):
+            with sigint_handled_by(lambda signum, frame: events.put(INTERRUPTED)):
                 return self._follow(rid, events, parent)
         finally:
             self.head.finish(rid)
@@ -449,7 +437,8 @@ class ForkdKernel(Kernel):
 
     def _answer_input(self, event: dict, parent: dict) -> None:
         try:
-            with interrupts_raised():  # ipykernel's wait for the frontend's answer stops on KeyboardInterrupt
+            # ipykernel's wait for the frontend's answer stops on KeyboardInterrupt
+            with sigint_handled_by(signal.default_int_handler):
                 value = self._input_request(event.get("prompt", ""),
                                             self._get_shell_context_var(self._shell_parent_ident),
                                             parent, password=bool(event.get("password")))
