@@ -122,6 +122,24 @@ def test_children_draw_different_random_numbers(ctl, snap):
     assert len(seeded) == 1
 
 
+def test_a_branch_imports_nothing_its_source_did_not_and_its_children_draw_their_own(ctl):
+    ctl.create_snapshot("bare-numpy", setup="import os")
+    source = ctl.spawn("bare-numpy", 1)[0]["id"]
+    ev(ctl, source, "__import__('numpy').ones(3).sum()")  # numpy without numpy.random (numpy 2)
+    if ev(ctl, source, "'numpy.random' in __import__('sys').modules") == "True":
+        pytest.skip("this numpy imports numpy.random with numpy")
+    ctl.branch(source, "bare-numpy-branch", mode="live")
+    kids = [s["id"] for s in ctl.spawn("bare-numpy-branch", 2)]
+    for sb in [source, *kids]:
+        assert ev(ctl, sb, "'numpy.random' in __import__('sys').modules") == "False", sb
+    draws = {ev(ctl, sb, "__import__('numpy').random.random()") for sb in [source, *kids]}
+    assert len(draws) == 3, draws
+    for sb in [source, *kids]:
+        ctl.kill_sandbox(sb)
+    ctl.delete_snapshot("bare-numpy-branch")
+    ctl.delete_snapshot("bare-numpy")
+
+
 def test_branching_a_busy_source_is_refused_unless_lossy_and_leaves_it_running(ctl, snap):
     source = ctl.spawn(snap, 1)[0]["id"]
     # The cell computes until the test releases it (a file in its /tmp), so it cannot end before

@@ -265,10 +265,13 @@ def reseed() -> None:
     # Python (type checks, gauss_next) is done here, the rest is code a VM child translates afresh.
     _c_seed(random._inst, int.from_bytes(os.urandom(32), "little"))
     random._inst.gauss_next = None
-    np = sys.modules.get("numpy")
-    if np is not None:
+    # numpy's global generator exists once numpy.random is imported (numpy 2 imports it on first
+    # use of np.random): before that there is nothing to share, and touching np.random here would
+    # import it in every copy (20 ms).
+    mtrand = sys.modules.get("numpy.random.mtrand")
+    if mtrand is not None:
         with contextlib.suppress(Exception):
-            np.random.seed(int.from_bytes(os.urandom(4), "little"))
+            mtrand.seed(int.from_bytes(os.urandom(4), "little"))
     if _unseeded:  # iterating a WeakValueDictionary is much Python code; most copies have none
         for r in list(_unseeded.values()):
             _random_seed(r, int.from_bytes(os.urandom(32), "little"))

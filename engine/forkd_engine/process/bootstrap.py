@@ -80,7 +80,7 @@ def template_main(cfg: dict) -> None:
         report(report_fd, {"id": cfg["tag"], "ok": False, "error": f"{type(exc).__name__}: {exc}",
                            "setup_failed": isinstance(exc, SetupFailed)})
         os._exit(1)
-    proc.serve(listen_fd, report_fd, warnings=lost)  # its ready report says what a lossy setup left
+    proc.serve(listen_fd, report_fd, warnings=lost, after_setup=True)  # its ready report says what a lossy setup left
 
 
 def main() -> int:

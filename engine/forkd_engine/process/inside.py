@@ -164,10 +164,13 @@ def private_copy(path: str, size_mib: int) -> None:
         os.close(old)
 
 
-def prewarm_for_forks() -> None:
-    """Load now what every fork would otherwise load (and dirty) on its own, then freeze the heap."""
-    if "numpy" in sys.modules:
-        import numpy.random  # noqa: F401 - each fork reseeds it
+def prewarm_for_forks(imports: bool) -> None:
+    """Load now what every fork would otherwise load (and dirty) on its own, then freeze the heap.
+    ``imports``: also import what a fork of numpy code is likely to (numpy.random), a snapshot's
+    once after its setup; a branch's template leaves that to the copies that use it, as its set-up
+    is what the branch's caller waits for (20 ms)."""
+    if imports and "numpy" in sys.modules:
+        import numpy.random  # noqa: F401
     # Reseed here once too: what the first reseed frees or settles (numpy's import-time seed
     # sequence, entropy drawn since the last cell) is then gone before the fork, and each copy's
     # own reseed only writes new state. The template draws nothing: its copies reseed again.
@@ -201,9 +204,10 @@ class SandboxProcess:
 
     # --- becoming a template or a sandbox --------------------------------------------------------
 
-    def serve(self, listen_fd: int, report_fd: int, warnings: list[str] | None = None) -> None:
+    def serve(self, listen_fd: int, report_fd: int, warnings: list[str] | None = None, *,
+              after_setup: bool = False) -> None:
         """Report ready (with ``warnings``: what a lossy setup left running) and serve forever
-        (never returns).
+        (never returns). ``after_setup``: a snapshot's template, made by its setup (not a branch).
 
         A template serves on this thread, one request at a time (it only spawns). A sandbox accepts
         on a thread and runs user code, and its forks, on this one: the main thread."""
@@ -221,7 +225,7 @@ class SandboxProcess:
                 self.runtime.executor = None
                 self.spare_executor = Executor()
                 self.fork_plan = inventory.fork_plan(self.agent_fds() | {listen_fd, report_fd})
-                prewarm_for_forks()
+                prewarm_for_forks(imports=after_setup)
                 self.server = AgentServer(self.runtime, listener, actions, threaded=False)
                 report_ready(report_fd, {"id": self.identity["id"], "ok": True, **({"warnings": warnings} if warnings else {})})
                 os.close(report_fd)
