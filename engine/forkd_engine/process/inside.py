@@ -164,18 +164,22 @@ def private_copy(path: str, size_mib: int) -> None:
         os.close(old)
 
 
-def prewarm_for_forks(imports: bool) -> None:
+def prewarm_for_forks(after_setup: bool) -> None:
     """Load now what every fork would otherwise load (and dirty) on its own, then freeze the heap.
-    ``imports``: also import what a fork of numpy code is likely to (numpy.random), a snapshot's
-    once after its setup; a branch's template leaves that to the copies that use it, as its set-up
-    is what the branch's caller waits for (20 ms)."""
-    if imports and "numpy" in sys.modules:
+
+    After a snapshot's setup, also import what forks of numpy code are likely to use (numpy.random)
+    and collect the setup's garbage. A branch's template does neither: its set-up is what the
+    branch's caller waits for (numpy.random takes 20 ms; a full collection grows with the heap:
+    6 ms after ``import numpy`` in a cell). The source's garbage not yet collected then stays in
+    the snapshot (the source collects its own), shared by every copy."""
+    if after_setup and "numpy" in sys.modules:
         import numpy.random  # noqa: F401
     # Reseed here once too: what the first reseed frees or settles (numpy's import-time seed
     # sequence, entropy drawn since the last cell) is then gone before the fork, and each copy's
     # own reseed only writes new state. The template draws nothing: its copies reseed again.
     generators.reseed()
-    gc.collect()
+    if after_setup:
+        gc.collect()
     gc.freeze()  # a fork's garbage collector then leaves the template's objects (and pages) alone
 
 
@@ -225,7 +229,7 @@ class SandboxProcess:
                 self.runtime.executor = None
                 self.spare_executor = Executor()
                 self.fork_plan = inventory.fork_plan(self.agent_fds() | {listen_fd, report_fd})
-                prewarm_for_forks(imports=after_setup)
+                prewarm_for_forks(after_setup)
                 self.server = AgentServer(self.runtime, listener, actions, threaded=False)
                 report_ready(report_fd, {"id": self.identity["id"], "ok": True, **({"warnings": warnings} if warnings else {})})
                 os.close(report_fd)
