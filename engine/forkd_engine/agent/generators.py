@@ -4,8 +4,9 @@ A copy (a process-engine fork, a VM restore) starts with its source's memory, ge
 a generator that took its seed from the OS when it was made would draw the same numbers in every
 copy. ``reseed()`` gives each copy its own streams; a generator the user seeded keeps its stream.
 
-- The global generators (``random``'s and numpy's legacy ``np.random``) are always reseeded, as
-  CPython does for ``random`` after ``os.fork``.
+- The global generators (``random``'s, and numpy's legacy ``np.random`` once ``numpy.random`` is
+  imported) are always reseeded, as CPython does for ``random`` after ``os.fork``. numpy 2 imports
+  ``numpy.random`` on first use; until then no copy shares a global generator, and none imports it.
 - ``random.Random`` instances whose last ``seed`` was ``None`` (``Random()`` seeds itself that way):
   ``Random.seed`` and ``Random.setstate`` are wrapped to keep them in a weak mapping; a later
   ``seed(x)`` or ``setstate`` (pickling, ``copy``) takes one off it.
@@ -265,9 +266,7 @@ def reseed() -> None:
     # Python (type checks, gauss_next) is done here, the rest is code a VM child translates afresh.
     _c_seed(random._inst, int.from_bytes(os.urandom(32), "little"))
     random._inst.gauss_next = None
-    # numpy's global generator exists once numpy.random is imported (numpy 2 imports it on first
-    # use of np.random): before that there is nothing to share, and touching np.random here would
-    # import it in every copy (20 ms).
+    # By its module, not np.random: in numpy 2 that would import numpy.random in every copy (20 ms).
     mtrand = sys.modules.get("numpy.random.mtrand")
     if mtrand is not None:
         with contextlib.suppress(Exception):
