@@ -167,18 +167,19 @@ def private_copy(path: str, size_mib: int) -> None:
 def prewarm_for_forks(after_setup: bool) -> None:
     """Load now what every fork would otherwise load (and dirty) on its own, then freeze the heap.
 
-    After a snapshot's setup, also import what forks of numpy code are likely to use (numpy.random)
-    and collect the setup's garbage. A branch's template does neither: its set-up is what the
-    branch's caller waits for (numpy.random takes 20 ms; a full collection grows with the heap:
-    6 ms after ``import numpy`` in a cell). The source's garbage not yet collected then stays in
-    the snapshot (the source collects its own), shared by every copy."""
-    if after_setup and "numpy" in sys.modules:
-        import numpy.random  # noqa: F401
-    # Reseed here once too: what the first reseed frees or settles (numpy's import-time seed
-    # sequence, entropy drawn since the last cell) is then gone before the fork, and each copy's
-    # own reseed only writes new state. The template draws nothing: its copies reseed again.
-    generators.reseed()
+    After a snapshot's setup, also import what forks of numpy code are likely to use (numpy.random),
+    reseed and collect the setup's garbage. A branch's template does none of it: it reseeded as it
+    became one (``Runtime.after_fork``), and its set-up is what the branch's caller waits for
+    (numpy.random takes 20 ms; a full collection grows with the heap: 6 ms after ``import numpy``
+    in a cell). The source's garbage not yet collected then stays in the snapshot (the source
+    collects its own), shared by every copy."""
     if after_setup:
+        if "numpy" in sys.modules:
+            import numpy.random  # noqa: F401
+        # Reseed here once too: what the first reseed frees or settles (numpy's import-time seed
+        # sequence, entropy drawn since the last cell) is then gone before the fork, and each copy's
+        # own reseed only writes new state. The template draws nothing: its copies reseed again.
+        generators.reseed()
         gc.collect()
     gc.freeze()  # a fork's garbage collector then leaves the template's objects (and pages) alone
 
