@@ -188,6 +188,12 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def plain_pings(client) -> float:
+    """Pings ``forkd serve`` has answered without a RequestHandler (forkd_server/plain_ping.py)."""
+    return next((float(line.split()[1]) for line in client.metrics().splitlines()
+                 if line.startswith("forkd_plain_pings_total ")), 0.0)
+
+
 def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, server_pid: int,
                     calls: int = 200) -> dict:
     """Seconds for ``calls`` sequential sync pings and for ``asyncio.gather`` of as many from one
@@ -210,6 +216,7 @@ def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, 
 
             await gathered()  # the pool's connections opened, as in a long-lived service
             sequential()
+            plain0 = plain_pings(client)
             seq, gat, seq_cpu, gat_cpu = [], [], [], []
             for _ in range(rounds):
                 cpu0 = process_cpu_s(server_pid)
@@ -219,11 +226,14 @@ def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, 
                 seq_cpu.append(cpu1 - cpu0)
                 gat_cpu.append(process_cpu_s(server_pid) - cpu1)
             return {"sequential_sync_s": seq, "gather_async_s": gat, "server_cpu_sequential_s": seq_cpu,
-                    "server_cpu_gather_s": gat_cpu, "max_connections": actl.max_connections}
+                    "server_cpu_gather_s": gat_cpu, "max_connections": actl.max_connections,
+                    "plain": plain_pings(client) - plain0}
 
     got = asyncio.run(run())
     seq, gat = statistics.median(got["sequential_sync_s"]), statistics.median(got["gather_async_s"])
+    plain = got.pop("plain")
     return {"calls": calls, "sandboxes": len(sids), "rounds": rounds, "max_connections": got["max_connections"],
+            "plain_ping_share": round(plain / (2 * calls * rounds), 3),
             "sequential_sync_median_s": round(seq, 4), "gather_async_median_s": round(gat, 4),
             "sequential_sync_per_s": round(calls / seq), "gather_async_per_s": round(calls / gat),
             "throughput_ratio": round(seq / gat, 3), "target_ratio": 2.0, "target_met": seq / gat >= 2.0,

@@ -384,6 +384,10 @@ class ForkdApp(ExtensionApp):
             return
         startup.mark("listening")  # the port was bound by the loop's first callback, just before
         self.controller.listening()  # what outlived the previous server settles from now on (recovery.py)
+        if getattr(serverapp, "answers_plain_pings", False):  # forkd serve: its token is the only way in
+            from .plain_ping import PlainPings
+            self.plain_pings = PlainPings(self, serverapp)
+            self.plain_pings.install()
         self.log.info("forkd: listening %s", startup.summary())
         prefix = self.route_prefix.rstrip("/")
         self.data_dir_lock.announce(serverapp.connection_url.rstrip("/") + (f"/{prefix}" if prefix else ""))
@@ -395,6 +399,8 @@ class ForkdApp(ExtensionApp):
             self.announcer.start()
 
     announcer = None  # this host announcing itself to a fleet's router (announce.py), with --register
+
+    plain_pings = None  # forkd serve's pings answered without a RequestHandler (plain_ping.py)
 
     mcp_mount = None  # the MCP server's session manager, from the first request to it (mcp/http.py)
 

@@ -34,6 +34,14 @@ from .errors import BadRequest
 PING = encode_line({"action": "ping"})  # the request, encoded once
 
 
+class FailedOnLoop(Exception):
+    """An agent call made on the loop failed: ``LoopCalls.explain`` says how it is answered."""
+
+    def __init__(self, row: dict, failure: Exception, what: str):
+        super().__init__(f"{what}: {failure}")
+        self.row, self.failure, self.what = row, failure, what
+
+
 class LoopCalls:
     def __init__(self, admission, registry: CollectorRegistry | None = None):
         self.admission = admission
@@ -51,6 +59,20 @@ class LoopCalls:
             return await self.admission.control(functools.partial(controller.ping, sandbox_id, timeout))
         self._ways["ping", "loop"].inc()
         return reply
+
+    async def ping_now(self, controller, sandbox_id: str, timeout: float = 5.0) -> dict | None:
+        """A running sandbox's ping answered on the loop, or None where ``ping`` would go the usual
+        way. A failed exchange raises ``FailedOnLoop``, which ``explain`` answers (plain_ping.py)."""
+        reply = await self._on_loop_or_none(controller, sandbox_id, PING, "ping", timeout, explain=False)
+        if reply is not None:
+            self._ways["ping", "loop"].inc()
+        return reply
+
+    async def explain(self, controller, failed: "FailedOnLoop") -> dict:
+        """Raise what the call answers for ``failed``: 410 if the sandbox ended during it, else 500
+        saying what failed (``SandboxManager.agent_failed``, on the control pool)."""
+        return await self.admission.control(functools.partial(controller.sandboxes.agent_failed, dict(failed.row),
+                                                               failed.failure, failed.what))
 
     async def eval(self, controller, sandbox_id: str, code: str, *, caller: str) -> dict:
         """``controller.eval(sandbox_id, code)``'s answer, admitted as a long call of ``caller`` in
@@ -89,9 +111,11 @@ class LoopCalls:
                                          on_loop=on_loop)
 
     async def _on_loop_or_none(self, controller, sandbox_id: str, request: bytes, what: str,
-                               timeout: float, long: bool = False) -> dict | None:
+                               timeout: float, long: bool = False, explain: bool = True) -> dict | None:
         """The agent's answer to ``request`` (its line), or None: the call must go the usual way.
-        ``long``: on the agent connection kept for long calls (``ProcessEngine.call_async``)."""
+        ``long``: on the agent connection kept for long calls (``ProcessEngine.call_async``). A failed
+        exchange is explained (raised as the control pool says it), or with ``explain=False`` raised
+        as ``FailedOnLoop``."""
         try:
             row = controller.tiers.enter_now(sandbox_id)
         except BlockingIOError:
@@ -110,5 +134,7 @@ class LoopCalls:
                 failure = exc
         finally:
             controller.tiers.leave(row["id"])
-        # raises: 410 if the sandbox ended during the call, else 500 saying what failed
-        await self.admission.control(functools.partial(controller.sandboxes.agent_failed, dict(row), failure, what))
+        failed = FailedOnLoop(row, failure, what)
+        if not explain:
+            raise failed
+        await self.explain(controller, failed)

@@ -55,6 +55,7 @@ class ForkdServerApp(ServerApp):
 
     name = "forkd-serve"
     default_services = ()
+    answers_plain_pings = True  # plain_ping.py: the token is the only way in, so a plain ping is plain
 
     @default("identity_provider_class")
     def _forkd_identity(self):

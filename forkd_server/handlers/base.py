@@ -205,12 +205,21 @@ class ForkdHandler(ScrubbedLog, ExtensionHandlerMixin, APIHandler):
     _let_in: dict = {}  # Host headers jupyter_server's Host check let in, with the settings it used
     LET_IN_KEPT = 64
 
+    @staticmethod
+    def _host_key(host: str, settings: dict) -> tuple:
+        return host, settings.get("allow_remote_access", False), tuple(settings.get("local_hostnames", ()))
+
+    @classmethod
+    def host_let_in(cls, host: str, settings: dict) -> bool:
+        """Whether ``check_host`` let ``host`` in before under these settings (plain_ping.py)."""
+        return cls._host_key(host, settings) in cls._let_in
+
     def check_host(self) -> bool:
         """jupyter_server's Host check (against DNS rebinding), its yes remembered per Host header
         and settings: it parses the address afresh each time, ~2% of a ping's CPU. A no, or a Host
         naming a Unix socket (checked on disk), is asked every time, and logged as before."""
         host = self.request.host
-        key = (host, self.settings.get("allow_remote_access", False), tuple(self.settings.get("local_hostnames", ())))
+        key = self._host_key(host, self.settings)
         if key in self._let_in:
             return True
         allowed = super().check_host()

@@ -140,8 +140,16 @@ class PingHandler(ForkdHandler):
     @web.authenticated
     @authorized(action="read")
     async def post(self, sandbox_id: str) -> None:
-        # on the event loop where nothing waits, else on the control pool (loop_calls.py)
-        self.send(await self._answer(self.app.loop_calls.ping(self.controller, sandbox_id), sandbox_id))
+        # on the event loop where nothing waits, else on the control pool (loop_calls.py); a plain
+        # ping that failed on the loop (plain_ping.py) comes with its failure, explained, not made again
+        failed = getattr(self.request, "ping_failed_on_loop", None)
+        calls = self.app.loop_calls
+        call = calls.explain(self.controller, failed) if failed else calls.ping(self.controller, sandbox_id)
+        self.send(await self._answer(call, sandbox_id))
+
+    def on_finish(self) -> None:
+        if self.app.plain_pings is not None and self.get_status() == 200:
+            self.app.plain_pings.learn(self.request, self._headers)  # forkd serve: plain_ping.py
 
 
 class ExecHandler(ForkdHandler):
