@@ -1,31 +1,36 @@
-"""The async SDK's kept-alive connections: HTTP/1.1 (h11's state machine, the wire format as
-httpcore speaks it) on asyncio's own transports, the way the sync SDK pools ``http.client``
+"""The async SDK's kept-alive connections: HTTP/1.1 on asyncio's own transports, answers read by
+llhttp (Node.js's parser, through httptools), the way the sync SDK pools ``http.client``
 connections.
 
 Why not aiohttp's pool for these calls: it took ~0.2 ms of CPU a call here (a request object, its
 headers, a timer, a writer task...), as much as a third of what the server spends answering a
-ping, on the same two cores. This does what the SDK's exchanges need and no more: one request at a
-time per connection, every framing h11 reads (Content-Length, chunked with trailers, up to the
-close, interim answers); idle connections in a stack (the most recently used taken first), one the
-server closed meanwhile dropped before it is used. Event streams and WebSocket sessions still go
-through aiohttp (``_async``, ``streaming``).
+ping, on the same two cores. Why not h11 (used before): its pure-Python state machine was over a
+third of the client's CPU per gathered ping. This does what the SDK's exchanges need and no more:
+one request at a time per connection, every framing an answer may have (Content-Length, chunked
+with trailers, up to the close, interim answers); idle connections in a stack (the most recently
+used taken first), one the server closed meanwhile dropped before it is used. Event streams and
+WebSocket sessions still go through aiohttp (``_async``, ``streaming``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from urllib.parse import urlsplit
 
-import h11
+import httptools
 
 from ._core import CONNECT_TIMEOUT, MISSING_HEADER
 
-MISSING = MISSING_HEADER.lower().encode()  # h11 gives header names in lower case
+MISSING = MISSING_HEADER.lower().encode()
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
-REQUESTS_KEPT = 64  # h11 requests kept for reuse (an event is immutable: it can be sent again)
+HEADS_KEPT = 64  # request heads kept encoded (polls and gathered pings send the same one again and again)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # sent with Content-Length: 0 when empty, as http.client
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")  # a method or header name (RFC 9110)
+_TARGET = re.compile(r"[\x21-\x7e]+\Z")  # no space, no control character
+_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*\Z")  # a header value: tabs, no other control character
 
 
 class Dropped(ConnectionError):
@@ -36,35 +41,99 @@ class Timeout(TimeoutError):
     """No answer, or no more of it, within the request's timeout."""
 
 
+def request_head(method: str, target: str, fields: list[tuple[str, str]]) -> bytes:
+    """The request line and headers, checked as http.client checks them: no control character or
+    space may split them into other requests or headers (``ValueError``)."""
+    if not _TOKEN.match(method):
+        raise ValueError(f"a request method must be a token: {method!r}")
+    if not _TARGET.match(target):
+        raise ValueError(f"a request target may not contain control characters or spaces: {target!r}")
+    lines = [f"{method} {target} HTTP/1.1"]
+    for name, value in fields:
+        if not _TOKEN.match(name) or not _VALUE.match(value):
+            raise ValueError(f"a header name or value may not contain control characters or spaces: {name!r}")
+        lines.append(f"{name}: {value.strip()}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
 class _Connection(asyncio.Protocol):
-    """One connection: h11's view of it (fed as bytes arrive), and a future that the next arrival
-    (or the end) completes."""
+    """One connection: its parser (fed as bytes arrive), the answer being read, and a future that
+    the next arrival (or the end) completes."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self.transport: asyncio.Transport | None = None
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        self._parser = httptools.HttpResponseParser(self)
         self.closed = False
         self._waiter: asyncio.Future | None = None
         self.lost = loop.create_future()  # done once the socket is closed
+        self._reading = False  # an answer is awaited
+        self._broken: str | None = None  # why the bytes are no answer forkd can read
+        self._new_answer()
+
+    def _new_answer(self) -> None:
+        self.status = 0
+        self._head = 0  # bytes of headers so far
+        self._missing: str | None = None
+        self._framed = False  # Content-Length or chunked: the answer does not end with the connection
+        self._body: list[bytes] = []
+        self._headers_done = self._done = self._keep_alive = False
+
+    # --- httptools' callbacks ---------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._done:  # a second answer to one request
+            self._broken = "the server sent bytes that answer no request"
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head += len(name) + len(value) + 4
+        if self._head > MAX_HEAD:
+            raise httptools.HttpParserError(f"an answer's headers are larger than {MAX_HEAD} bytes")
+        lower = name.lower()
+        if lower in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+        elif lower == MISSING:
+            self._missing = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self._headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if 100 <= self.status < 200:  # an interim answer (100 Continue): the real one follows
+            self._new_answer()
+        else:
+            self._done = True
+            self._keep_alive = self._parser.should_keep_alive()  # the parser forgets it once the answer ends
+
+    # --- the transport's --------------------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        self.h11.receive_data(data)
+        if not self._reading or self._done:  # bytes nobody asked for: this connection is no use
+            self._broken = "the server sent bytes that answer no request"
+            self.close()
+        else:
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                self._broken = "the server switched protocols"
+            except httptools.HttpParserError as exc:
+                self._broken = str(exc) or type(exc).__name__
         self._wake()
 
     def eof_received(self) -> bool:
         self.closed = True
-        self.h11.receive_data(b"")
         self._wake()
         return False  # the transport closes itself
 
     def connection_lost(self, exc) -> None:
-        if not self.closed:
-            self.closed = True
-            self.h11.receive_data(b"")
+        self.closed = True
         self._wake()
         if not self.lost.done():
             self.lost.set_result(None)
@@ -75,9 +144,7 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def more(self, timeout: float) -> None:
-        """Wait for more bytes; ``Dropped`` once the connection closed, ``Timeout`` after ``timeout``."""
-        if self.closed:
-            raise Dropped("the server closed the connection before its answer")
+        """Wait for more bytes (or the end); ``Timeout`` after ``timeout``."""
         waiter = self._waiter = self._loop.create_future()
         timer = self._loop.call_later(timeout, _expire, waiter)
         try:
@@ -93,37 +160,26 @@ class _Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        """Both sides are done with the last exchange and neither said it closes: ready for another."""
-        if self.closed or self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
-            return False
-        self.h11.start_next_cycle()
-        return True
+        """The last answer was whole and neither side said it closes: ready for another."""
+        return not self.closed and self._broken is None and self._done and self._keep_alive
 
-    async def exchange(self, request: h11.Request, content: bytes | None,
-                       timeout: float) -> tuple[int, bytes, str | None]:
+    async def exchange(self, head: bytes, content: bytes | None, timeout: float) -> tuple[int, bytes, str | None]:
         """Send one request and read its answer: (status, body, a router's missing-hosts header)."""
-        wire = self.h11.send(request)
-        if content:
-            wire += self.h11.send(h11.Data(data=content))
-        self.transport.write(wire + self.h11.send(h11.EndOfMessage()))
-        status, body, missing = 0, [], None
-        while True:
-            try:
-                event = self.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise Dropped(f"not an HTTP answer forkd can read: {exc}") from None
-            if event is h11.NEED_DATA:
+        self._new_answer()
+        self._reading = True
+        self.transport.write(head + content if content else head)
+        try:
+            while not self._done:
+                if self._broken is not None:
+                    raise Dropped(f"not an HTTP answer forkd can read: {self._broken}")
+                if self.closed:
+                    if self._headers_done and not self._framed:  # an answer that ends with the connection
+                        break
+                    raise Dropped("the server closed the connection before its answer")
                 await self.more(timeout)
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-                missing = next((v.decode("latin-1") for k, v in event.headers if k == MISSING), None)
-            elif isinstance(event, h11.Data):
-                body.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return status, b"".join(body), missing
-            elif isinstance(event, h11.ConnectionClosed):
-                raise Dropped("the server closed the connection before its answer")
-            # an InformationalResponse (100 Continue): the real answer follows
+        finally:
+            self._reading = False
+        return self.status, b"".join(self._body), self._missing
 
 
 def _expire(waiter: asyncio.Future) -> None:
@@ -147,9 +203,7 @@ class Pool:
         self._host_header = host if self._port == default_port else f"{host}:{self._port}"
         self._ssl = ssl.create_default_context() if self._https else None
         self._idle: list[_Connection] = []
-        # h11's form of the requests sent lately: it checks every header of a new one (a fifth of the
-        # client's CPU a ping), and the same request comes again and again (polls, gathered pings)
-        self._requests: dict[tuple, h11.Request] = {}
+        self._heads: dict[tuple, bytes] = {}  # request heads sent lately, encoded and checked once
         self._slots = asyncio.Semaphore(size)
         self._size = size
         self.closed = False
@@ -158,24 +212,22 @@ class Pool:
                       timeout: float) -> tuple[int, bytes, str | None]:
         """(status, body, a router's missing-hosts header) of one exchange. An exception from
         ``_connect`` means nothing was sent."""
+        if method == "HEAD":  # an answer's length says what a GET's would be: the parser cannot tell
+            raise ValueError("the async SDK's pool sends no HEAD requests")
         fields = [("Host", self._host_header), *((k, str(v)) for k, v in headers.items())]
         if content or method in _BODY_METHODS:
             fields.append(("Content-Length", str(len(content or b""))))
         key = (method, target, *fields)
-        request = self._requests.get(key)
-        if request is None:
-            try:
-                request = h11.Request(method=method, target=target, headers=fields)
-            except h11.LocalProtocolError as exc:  # what would break the request apart, as http.client refuses it
-                what = "a request target" if "target" in str(exc) else "a header name or value"
-                raise ValueError(f"{what} may not contain control characters or spaces: {exc}") from None
-            if len(self._requests) >= REQUESTS_KEPT:
-                del self._requests[next(iter(self._requests))]  # the oldest
-            self._requests[key] = request
+        head = self._heads.get(key)
+        if head is None:
+            head = request_head(method, target, fields)
+            if len(self._heads) >= HEADS_KEPT:
+                del self._heads[next(iter(self._heads))]  # the oldest
+            self._heads[key] = head
         async with self._slots:
             conn = await self._take(timeout)
             try:
-                answer = await conn.exchange(request, content, timeout)
+                answer = await conn.exchange(head, content, timeout)
             except BaseException:  # a cancelled or failed exchange may still be answered: never reused
                 conn.close()
                 raise
