@@ -16,12 +16,14 @@ CLOSE = object()  # after this answer, the server closes the connection
 
 
 async def serving(answers: list):
-    """A server that reads one request head per answer and writes the next answer as given (b""
+    """A server that reads one request head per answer (``heads``, None for each new connection)
+    and writes the next answer as given (b""
     says nothing and keeps the connection open; None closes it without a word; an answer followed
     by CLOSE is written, then the connection closed)."""
     heads = []
 
     async def handle(reader, writer):
+        heads.append(None)  # a new connection
         while answers:
             head = await reader.readuntil(b"\r\n\r\n")
             heads.append(head)
@@ -60,6 +62,8 @@ async def test_bodies_of_every_framing_and_what_keeps_the_connection():
         assert pool._idle == []  # the server said it closes
         assert await pool.request("GET", "/e", {}, None, 10) == (200, b"up to the close", None)
         await pool.aclose()
+    assert [head is None for head in heads] == [True, False, False, False, False, True, False]  # two connections
+    heads = [head for head in heads if head is not None]
     assert heads[0].startswith(b"GET /a HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nX: 1\r\n" % port)
     assert b"Content-Length: 2\r\n" in heads[1] and b"Content-Length" not in heads[2]  # as http.client
 
