@@ -55,7 +55,12 @@ class ForkdServerApp(ServerApp):
 
     name = "forkd-serve"
     default_services = ()
-    answers_plain_pings = True  # plain_ping.py: the token is the only way in, so a plain ping is plain
+
+    @property
+    def answers_plain_pings(self) -> bool:
+        """plain_ping.py: with forkd's own identity provider the token is the only way in (under
+        ``--hub`` the Hub's decides who may see what, and every ping is the handler's)."""
+        return type(self.identity_provider) is ForkdIdentityProvider
 
     @default("identity_provider_class")
     def _forkd_identity(self):

@@ -154,3 +154,22 @@ def test_a_plain_ping_whose_agent_fails_is_explained_by_the_handler_and_not_made
     status, _, answer = ask(server, path)
     assert status in (404, 410) and sid in answer["error"], (status, answer)
     assert plain_pings(server) == before + 1  # only the ping between the two failures was plain
+
+
+@pytest.mark.parametrize("provider", ["forkd", "hub", "jupyter"])
+def test_only_forkd_serves_own_identity_answers_plain_pings(provider):
+    """Under ``--hub`` (the Hub's identity decides who sees what) or any other identity provider,
+    every ping is PingHandler's."""
+    from jupyter_server.auth.identity import IdentityProvider
+
+    from forkd_server.hub.identity import HubIdentityProvider
+    from forkd_server.identity import ForkdIdentityProvider
+    from forkd_server.serve import ForkdServerApp
+
+    cls = {"forkd": ForkdIdentityProvider, "hub": HubIdentityProvider, "jupyter": IdentityProvider}[provider]
+    app = ForkdServerApp()
+    try:
+        app.identity_provider = cls(parent=app)
+        assert app.answers_plain_pings is (provider == "forkd")
+    finally:
+        ForkdServerApp.clear_instance()
