@@ -16,14 +16,7 @@ import pytest
 
 from forkd_server.client import Controller
 
-from ..serving import serving
 from ..signals import stopped
-
-
-@pytest.fixture(scope="module")
-def server():
-    with serving() as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
