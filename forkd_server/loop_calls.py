@@ -6,8 +6,7 @@ So a ping of a running sandbox is answered on the loop: its row read, its call c
 down happens under it, tiers.py) and the agent asked on the connection kept to it (agent/kept.py),
 all without waiting for another thread. Whatever would wait (a commit holding the registry, a move holding the
 sandbox's lock, another thread checking liveness, a full listen queue at the agent) or is not the
-plain case (a sandbox unknown, ending, frozen, stored, dead, or pinged for the first time) goes
-the usual way, on the control pool, which waits, wakes and says why. A failed exchange is
+plain case (a sandbox unknown, ending, frozen, stored or dead) goes on the control pool, which waits, wakes and says why. A failed exchange is
 explained on the pool too (``SandboxManager.agent_failed``: 410 if the sandbox ended during it).
 The answers and errors are the control pool's.
 

@@ -125,14 +125,19 @@ class TierManager:
         would wait (a move holds the sandbox's lock, another thread the registry or the liveness
         check); None where it would do more than count (a sandbox unknown, ending, not ``running``,
         or dead: ``call`` wakes it, or says why) or could not tell without waiting (an engine with no
-        ``alive_many``: the VM engine's). A sandbox's first call goes by ``call``, which
-        makes its lock. 503 while a restart has not settled the sandbox, as ``call``. The row is the
-        registry's shared one (``Registry.shared_sandbox``): read it, never change it."""
+        ``alive_many``: the VM engine's). A running sandbox's first call makes its lock, as
+        ``call`` would (a spawn's first ping comes here). 503 while a restart has not settled the
+        sandbox, as ``call``. The row is the registry's shared one (``Registry.shared_sandbox``):
+        read it, never change it."""
         self.ctl.recovery.check_sandbox(sandbox_id)
         with self._guard:
             lock = self._locks.get(sandbox_id)
         if lock is None:
-            return None
+            row = self.registry.shared_sandbox(sandbox_id)
+            if row is None or row["id"] != sandbox_id or not running(row):
+                return None  # unknown, named otherwise or ended: ``call`` says why
+            with self._guard:
+                lock = self._locks.setdefault(sandbox_id, threading.Lock())
         if not lock.acquire(blocking=False):
             raise BlockingIOError(f"sandbox {sandbox_id} is held by {self._moving.get(sandbox_id, 'a move')}")
         try:  # read under the lock: a move that held it before has left its row as it is now

@@ -57,8 +57,11 @@ def held_elsewhere(lock):
 
 async def test_a_running_sandboxs_ping_is_answered_on_the_loop(jp_fetch, forkd_app, sandbox):  # noqa: F811
     sid = sandbox["id"]
-    code, first = await ping(jp_fetch, sid)  # a sandbox's first call makes its lock, on the pool
+    before = ways(forkd_app)
+    code, first = await ping(jp_fetch, sid)  # its first: the loop makes its lock (a spawn's first ping)
     assert code == 200 and first["pong"] is True and first["sandbox_id"] == sid
+    assert ways(forkd_app)["loop"] == before["loop"] + 1 and ways(forkd_app)["pool"] == before["pool"]
+    assert sid in forkd_app.controller.tiers._locks
     before = ways(forkd_app)
     for _ in range(3):
         code, body = await ping(jp_fetch, sid)
@@ -69,6 +72,7 @@ async def test_a_running_sandboxs_ping_is_answered_on_the_loop(jp_fetch, forkd_a
     assert after["loop"] - before["loop"] >= 1 and after["loop"] + after["pool"] - before["loop"] - before["pool"] == 3
     assert not forkd_app.controller.tiers._calls  # each call counted, and each done
     assert await ping(jp_fetch, "sb-nope") == (404, {"error": "sandbox sb-nope not found"})
+    assert "sb-nope" not in forkd_app.controller.tiers._locks  # an unknown id makes no lock
 
 
 @pytest.mark.parametrize("held", ["registry", "liveness", "sandbox"])
