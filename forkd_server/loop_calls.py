@@ -4,11 +4,12 @@ A ping is mostly the hop: a control thread taken and handed back (admission.py) 
 more CPU than the agent's answer, and under many calls at once the threads contend for the GIL.
 So a ping of a running sandbox is answered on the loop: its row read, its call counted (so no move
 down happens under it, tiers.py) and the agent asked on the connection kept to it (agent/kept.py),
-all without waiting for another thread. Whatever would wait (a commit holding the registry, a move holding the
-sandbox's lock, another thread checking liveness, a full listen queue at the agent) or is not the
-plain case (a sandbox unknown, ending, frozen, stored or dead) goes on the control pool, which waits, wakes and says why. A failed exchange is
-explained on the pool too (``SandboxManager.agent_failed``: 410 if the sandbox ended during it).
-The answers and errors are the control pool's.
+all without waiting for another thread. Whatever would wait (a commit holding the registry, a move
+holding the sandbox's lock, another thread checking liveness, a full listen queue at the agent) or
+is not the plain case (a sandbox unknown, ending, frozen, stored or dead) goes the usual way, on
+the control pool, which waits, wakes and says why. A failed exchange is explained on the pool too
+(``SandboxManager.agent_failed``: 410 if the sandbox ended during it). The answers and errors are
+the control pool's.
 
 An eval or an exec is the same hop with user code at the other end (an agent's most frequent
 calls): once admitted (the server's and the caller's caps, the sandbox's lane: admission.py), it too
