@@ -8,7 +8,7 @@ prepare and finish, the coroutine that runs it) was over a third of the server's
 plainly fine is answered here: ``POST {base_url}v1/sandboxes/{id}/ping`` with the server's token in
 ``Authorization``, no query, no body, no ``Origin``, a ``Host`` the full handler has let in before,
 a running sandbox whose agent answers on the event loop. The answer is the full handler's: its
-body, and the headers ``PingHandler`` sent with its own last 200 to such a request (``learn``);
+body, and the headers ``PingHandler`` sent with its own first 200 to such a request (``learn``);
 until one has been answered that way, every ping takes the full route. Anything else, a failure
 included, is replayed through ``PingHandler``, which answers as before; a ping whose agent failed
 here is not made again there: the handler is given the failure to explain (410 if the sandbox
