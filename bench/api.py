@@ -94,6 +94,9 @@ def percentile(samples_s: list[float], q: float) -> float:
     return round(ms[min(len(ms) - 1, int(len(ms) * q))], 4)
 
 
+PLAIN_PINGS = "forkd_plain_pings_total"  # pings forkd serve answered without a RequestHandler (plain_ping.py)
+
+
 def metric(client, name: str) -> float | None:
     for line in client.metrics().splitlines():
         if line.startswith(name + " "):
@@ -188,12 +191,6 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def plain_pings(client) -> float:
-    """Pings ``forkd serve`` has answered without a RequestHandler (forkd_server/plain_ping.py)."""
-    return next((float(line.split()[1]) for line in client.metrics().splitlines()
-                 if line.startswith("forkd_plain_pings_total ")), 0.0)
-
-
 def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, server_pid: int,
                     calls: int = 200) -> dict:
     """Seconds for ``calls`` sequential sync pings and for ``asyncio.gather`` of as many from one
@@ -216,7 +213,7 @@ def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, 
 
             await gathered()  # the pool's connections opened, as in a long-lived service
             sequential()
-            plain0 = plain_pings(client)
+            plain0 = metric(client, PLAIN_PINGS) or 0.0
             seq, gat, seq_cpu, gat_cpu = [], [], [], []
             for _ in range(rounds):
                 cpu0 = process_cpu_s(server_pid)
@@ -227,7 +224,7 @@ def sdk_concurrency(client, url: str, token: str, sids: list[str], rounds: int, 
                 gat_cpu.append(process_cpu_s(server_pid) - cpu1)
             return {"sequential_sync_s": seq, "gather_async_s": gat, "server_cpu_sequential_s": seq_cpu,
                     "server_cpu_gather_s": gat_cpu, "max_connections": actl.max_connections,
-                    "plain": plain_pings(client) - plain0}
+                    "plain": (metric(client, PLAIN_PINGS) or 0.0) - plain0}
 
     got = asyncio.run(run())
     seq, gat = statistics.median(got["sequential_sync_s"]), statistics.median(got["gather_async_s"])

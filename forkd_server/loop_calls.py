@@ -53,22 +53,24 @@ class LoopCalls:
 
     async def ping(self, controller, sandbox_id: str, timeout: float = 5.0) -> dict:
         """``controller.ping(sandbox_id)``'s answer, on the loop where nothing waits."""
-        reply = await self._on_loop_or_none(controller, sandbox_id, PING, "ping", timeout)
+        try:
+            reply = await self.ping_now(controller, sandbox_id, timeout)
+        except FailedOnLoop as failed:
+            return await self.explain(controller, failed)
         if reply is None:
             self._ways["ping", "pool"].inc()
             return await self.admission.control(functools.partial(controller.ping, sandbox_id, timeout))
-        self._ways["ping", "loop"].inc()
         return reply
 
     async def ping_now(self, controller, sandbox_id: str, timeout: float = 5.0) -> dict | None:
         """A running sandbox's ping answered on the loop, or None where ``ping`` would go the usual
         way. A failed exchange raises ``FailedOnLoop``, which ``explain`` answers (plain_ping.py)."""
-        reply = await self._on_loop_or_none(controller, sandbox_id, PING, "ping", timeout, explain=False)
+        reply = await self._on_loop_or_none(controller, sandbox_id, PING, "ping", timeout)
         if reply is not None:
             self._ways["ping", "loop"].inc()
         return reply
 
-    async def explain(self, controller, failed: "FailedOnLoop") -> dict:
+    async def explain(self, controller, failed: FailedOnLoop) -> dict:
         """Raise what the call answers for ``failed``: 410 if the sandbox ended during it, else 500
         saying what failed (``SandboxManager.agent_failed``, on the control pool)."""
         return await self.admission.control(functools.partial(controller.sandboxes.agent_failed, dict(failed.row),
@@ -102,8 +104,11 @@ class LoopCalls:
         request and its timeout, or None where ``fn`` says what is wrong; ``answer`` shapes the reply."""
         async def on_loop() -> dict | None:
             made = request()
-            reply = None if made is None else await self._on_loop_or_none(
-                controller, sandbox_id, encode_line(made[0]), call, made[1], long=True)
+            try:
+                reply = None if made is None else await self._on_loop_or_none(
+                    controller, sandbox_id, encode_line(made[0]), call, made[1], long=True)
+            except FailedOnLoop as failed:
+                return await self.explain(controller, failed)
             self._ways[call, "pool" if reply is None else "loop"].inc()
             return None if reply is None else answer(reply)
 
@@ -111,11 +116,10 @@ class LoopCalls:
                                          on_loop=on_loop)
 
     async def _on_loop_or_none(self, controller, sandbox_id: str, request: bytes, what: str,
-                               timeout: float, long: bool = False, explain: bool = True) -> dict | None:
+                               timeout: float, long: bool = False) -> dict | None:
         """The agent's answer to ``request`` (its line), or None: the call must go the usual way.
         ``long``: on the agent connection kept for long calls (``ProcessEngine.call_async``). A failed
-        exchange is explained (raised as the control pool says it), or with ``explain=False`` raised
-        as ``FailedOnLoop``."""
+        exchange raises ``FailedOnLoop`` (``explain`` answers it)."""
         try:
             row = controller.tiers.enter_now(sandbox_id)
         except BlockingIOError:
@@ -134,7 +138,4 @@ class LoopCalls:
                 failure = exc
         finally:
             controller.tiers.leave(row["id"])
-        failed = FailedOnLoop(row, failure, what)
-        if not explain:
-            raise failed
-        await self.explain(controller, failed)
+        raise FailedOnLoop(row, failure, what)

@@ -89,7 +89,7 @@ class PlainPing(httputil.HTTPMessageDelegate):
         self._start = None
         self._chunks: list[bytes] = []
         self._full = None  # PingHandler's delegate, once replayed
-        self._task = None
+        self._task = None  # held here: the loop keeps only a weak reference to a task
         self.current_user = pings.identity.holder  # who the token is (ForkdIdentityProvider)
         self.log = pings.forkd.serverapp.log  # a jupyter handler's log
 

@@ -10,13 +10,13 @@ import os
 import signal
 import time
 import urllib.parse
-import urllib.request
 
 import pytest
 
 from forkd_server.client import Controller
 
 from ..signals import stopped
+from .test_control_under_load import metrics
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,7 @@ def ask(server, path: str, headers: dict | None = None, body: bytes | None = Non
 
 def plain_pings(server) -> float:
     """Pings answered without ``PingHandler`` so far (the server's forkd_plain_pings_total)."""
-    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {server.token}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        lines = r.read().decode().splitlines()
-    return next(float(line.split()[1]) for line in lines if line.startswith("forkd_plain_pings_total "))
+    return metrics(server.url, server.token)["forkd_plain_pings_total"]
 
 
 def test_a_plain_ping_gets_the_handlers_answer_without_the_handler(server, sid):
