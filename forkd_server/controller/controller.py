@@ -311,8 +311,8 @@ class Controller:
     def memory(self, sandbox_id) -> dict:
         return self.sandboxes.memory(sandbox_id)
 
-    def ping(self, sandbox_id, timeout: float = 5.0) -> dict:
-        return self.sandboxes.ping(sandbox_id, timeout)
+    def ping(self, sandbox_id, timeout: float = 5.0, wake: bool = True) -> dict:
+        return self.sandboxes.ping(sandbox_id, timeout, wake)
 
     def sandbox_engine(self, sandbox_id) -> tuple:
         """(engine, handle) of a running sandbox, for managers that talk to its agent (404 if none)."""

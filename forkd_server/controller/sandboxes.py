@@ -151,9 +151,10 @@ class SandboxManager:
                        **({"limit": ended["limit_hit"]} if ended["limit_hit"] else {}),
                        **({"hint": ended["hint"]} if ended.get("hint") else {}))
 
-    def _agent(self, sandbox_id: str, request: dict, what: str, timeout: float | None = None) -> dict:
+    def _agent(self, sandbox_id: str, request: dict, what: str, timeout: float | None = None,
+               wake: bool = True) -> dict:
         try:
-            with self.ctl.tiers.call(sandbox_id) as row:  # a frozen or stored sandbox wakes first
+            with self.ctl.tiers.call(sandbox_id, wake) as row:  # a frozen or stored sandbox wakes first
                 engine = self.engines.get(row["engine"])
                 return engine.call(row["handle"], request, timeout=timeout)
         except (AgentUnreachable, EngineError) as exc:
@@ -374,8 +375,9 @@ class SandboxManager:
             raise EngineFailure(f"inventory: {exc}") from exc
         return {"id": row["id"], "engine": row["engine"], "lost": lost}
 
-    def ping(self, sandbox_id, timeout: float = 5.0) -> dict:
-        return self._agent(sandbox_id, {"action": "ping"}, "ping", timeout=timeout)
+    def ping(self, sandbox_id, timeout: float = 5.0, wake: bool = True) -> dict:
+        """``wake=False``: ``NotRunning`` (409) for a frozen or stored sandbox, which stays so."""
+        return self._agent(sandbox_id, {"action": "ping"}, "ping", timeout=timeout, wake=wake)
 
     def exec(self, sandbox_id, args, timeout_secs: float = 30, env: dict | None = None, cwd: str | None = None) -> dict:
         self.row(sandbox_id)

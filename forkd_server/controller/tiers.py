@@ -52,6 +52,10 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 2)
 
 
+class NotRunning(Conflict):
+    """A call that may not wake its sandbox found it frozen or stored."""
+
+
 class TierManager:
     def __init__(self, controller: "Controller"):
         self.ctl = controller
@@ -100,10 +104,11 @@ class TierManager:
             return row
 
     @contextlib.contextmanager
-    def call(self, sandbox_id) -> Iterator[dict]:
+    def call(self, sandbox_id, wake: bool = True) -> Iterator[dict]:
         """One call to a sandbox's agent: woken first, and kept from moving down until it returns.
         Counted under the sandbox's lock, so a move down either sees the call or happens before it
-        (and the call then wakes it)."""
+        (and the call then wakes it). ``wake=False``: a sandbox not running is ``NotRunning``
+        instead (a look that must not undo a move down: the tree's busy column)."""
         row = self.ctl.sandboxes.row(sandbox_id)
         sid = row["id"]
         with self._holding(sid, "a wake"):
@@ -111,6 +116,8 @@ class TierManager:
             if now is None or tier_of(now) != "running" or now["handle"] != row["handle"]:
                 row = self.ctl.sandboxes.row(sandbox_id)
                 if tier_of(row) != "running":
+                    if not wake:
+                        raise NotRunning(f"sandbox {sid} is {tier_of(row)}: not woken for this call")
                     row, _ = self._wake(row)
             with self._guard:
                 self._calls[sid] = self._calls.get(sid, 0) + 1

@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from tornado import web
 
 from .. import __version__
+from ..controller.tiers import NotRunning
 from ..errors import ForkdError
 from ..sse import EventStream
 from .base import ForkdHandler, dumps, query_bool, query_labels
@@ -115,15 +116,19 @@ class TreeHandler(ForkdHandler):
     async def _add_busy(self, sandboxes: list[dict]) -> None:
         """What each sandbox's main thread runs, from a ping of each, side by side on the probe pool
         (admission.py): each ping has ``BUSY_PING_TIMEOUT``, the whole ``BUSY_DEADLINE``, so frozen
-        agents cost probe threads for a second, never a control thread, and show as not answering."""
+        agents cost probe threads for a second, never a control thread, and show as not answering.
+        A look never wakes a sandbox: one frozen or stored since the listing stays so (``wake=False``)."""
         for node in sandboxes:
             if node.get("tier", "running") != "running":
-                node["busy"] = None  # a ping would wake it (tiers.py); a frozen or stored sandbox runs nothing
+                node["busy"] = None  # a frozen or stored sandbox runs nothing
         sandboxes = [n for n in sandboxes if n.get("tier", "running") == "running"]
-        pings = [functools.partial(self.controller.ping, n["id"], timeout=BUSY_PING_TIMEOUT) for n in sandboxes]
+        pings = [functools.partial(self.controller.ping, n["id"], timeout=BUSY_PING_TIMEOUT, wake=False)
+                 for n in sandboxes]
         for node, got in zip(sandboxes, await self.app.admission.probe(pings, BUSY_DEADLINE)):
             if isinstance(got, dict):
                 node["busy"] = got.get("busy")
+            elif isinstance(got, NotRunning):
+                node["busy"] = None  # moved down since the listing: its tier event says so
             elif got is None:
                 node["busy"] = (f"unknown: not pinged within {BUSY_DEADLINE:g} s (the server's pings waited on "
                                 f"sandboxes that do not answer)")

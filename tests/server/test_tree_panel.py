@@ -91,3 +91,19 @@ async def test_frozen_agents_show_as_not_answering_and_never_hold_a_control_thre
     finally:
         for k in frozen:
             os.kill(k["pid"], signal.SIGCONT)
+
+
+async def test_the_busy_column_never_wakes_a_sandbox_frozen_since_the_listing(jp_fetch, forkd_app, sandbox,  # noqa: F811
+                                                                             monkeypatch):
+    """The lab panel re-reads ``?busy=true`` while a user freezes a sandbox: a listing taken just
+    before the freeze still says ``running``, and its ping must not wake the sandbox again."""
+    ctl = forkd_app.controller
+    sid = sandbox["id"]
+    listed = ctl.tree()  # the listing, taken while the sandbox runs
+    assert next(n for n in listed if n["id"] == sid)["tier"] == "running"
+    ctl.freeze_sandbox(sid)
+    monkeypatch.setattr(ctl, "tree", lambda *args, **kwargs: [dict(n) for n in listed])
+    assert await busy_of(jp_fetch, sid) is None
+    assert ctl.get_sandbox(sid)["tier"] == "frozen"
+    monkeypatch.undo()
+    assert (await call(jp_fetch, "POST", "sandboxes", sid, "wake"))[0] == 200
