@@ -19,6 +19,9 @@ Every figure is paired with its baseline, measured in the same run, interleaved 
 - USS per idle child (``ours_uss_mib``, ``limit_uss_mib``, ``uss_ratio`` in ``spawn_n100``):
   Private_Clean + Private_Dirty of an idle child (median over the n = 100 children; a sandbox's
   figure includes its init), against a raw fork child's.
+- ``ours_first_eval_ms`` / ``ours_second_eval_ms`` (in ``spawn_n100``, after the USS is read): an
+  eval of ``1`` in each child, one after the other, medians; a child idles in the template's fork
+  loop until its first request other than a ping, which then pays its set-up.
 - ``demo_fork10``: ``forkd demo``'s fork (10 children of numpy and a 200 MiB array, each answering a
   ping), against a raw fork of 10 of the same workload.
 - ``vm_restore``: a VM sandbox's restore to a confirmed agent (256 MiB guest), against a bare QEMU
@@ -62,7 +65,7 @@ def raw(n: int, mib: int = 64) -> dict:
     return json.loads(out.stdout)
 
 
-def spawn_once(ctl: Controller, tag: str, n: int, memory: bool = False) -> dict:
+def spawn_once(ctl: Controller, tag: str, n: int, memory: bool = False, first_eval: bool = False) -> dict:
     template = ctl.registry.get_snapshot(tag)["handle"]["pid"]
     host0, template0 = own_cpu_ns(), cpu_ns(template)
     t0 = time.perf_counter()
@@ -82,6 +85,14 @@ def spawn_once(ctl: Controller, tag: str, n: int, memory: bool = False) -> dict:
         mem = [ctl.memory(k["id"]) for k in kids]
         out["uss_mib"] = statistics.median(m["uss_kib"] for m in mem) / 1024
         out["pss_mib"] = statistics.median(m["pss_kib"] for m in mem) / 1024
+    if first_eval:  # what a child's first use costs (an idle child sets itself up for it), then its second
+        for key in ("first_eval_ms", "second_eval_ms"):
+            took = []
+            for k in kids:
+                t = time.perf_counter()
+                ctl.eval(k["id"], "1")
+                took.append((time.perf_counter() - t) * 1000)
+            out[key] = statistics.median(took)
     for k in kids:
         ctl.kill_sandbox(k["id"])
     return out
@@ -117,6 +128,9 @@ def paired(name: str, rounds: int, ours, limit) -> dict:
         out["ours_pss_mib"], out["limit_pss_mib"] = med(a, "pss_mib"), med(b, "pss_mib")
         out["uss_ratio"] = out["ours_uss_mib"] / out["limit_uss_mib"]
         out["pss_ratio"] = out["ours_pss_mib"] / out["limit_pss_mib"]
+    if "first_eval_ms" in a[0]:
+        out["ours_first_eval_ms"] = med(a, "first_eval_ms")
+        out["ours_second_eval_ms"] = med(a, "second_eval_ms")
     return out
 
 
@@ -179,7 +193,7 @@ def main() -> int:
                 spawn_once(ctl, "fanout64", 10)  # warm
                 figures = {
                     "spawn_n100": lambda: paired("spawn n=100", args.rounds, lambda: spawn_once(
-                        ctl, "fanout64", 100, memory=True), lambda: raw(100)),
+                        ctl, "fanout64", 100, memory=True, first_eval=True), lambda: raw(100)),
                     "spawn_n500": lambda: paired("spawn n=500", max(1, args.rounds // 2), lambda: spawn_once(
                         ctl, "fanout64", 500), lambda: raw(500)),
                     "demo_fork10": lambda: paired("demo fork 10", args.rounds, lambda: spawn_once(

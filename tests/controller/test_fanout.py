@@ -2,15 +2,20 @@
 
 Each child's first process is PID 1 of a pid namespace of its own and has become forkd-init; the
 agent is its child, PID 2 there; both are in the child's own leaves, with its limits; each agent
-set itself up in the loop (its own namespaces, hostname, lo, and none of its siblings' descriptors);
-and a fresh sandbox starts its compactor's thread only once a cell has run, and reaps on its
-accepting thread.
+set itself up in the loop (its own namespaces, hostname, lo, and none of its siblings' descriptors),
+and idles there, answering pings, until its first other request; a fresh sandbox starts its
+compactor's thread only once a cell has run, and reaps on its accepting thread.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
 import time
+
+import pytest
 
 from forkd_engine.process import fanout
 
@@ -64,15 +69,77 @@ def test_each_child_is_an_init_and_its_agent_in_leaves_of_their_own(ctl, snap):
             ctl.kill_sandbox(kid["id"])
 
 
-def test_the_compactor_thread_waits_for_a_first_cell(ctl, snap):
-    kid = ctl.spawn(snap, 1)[0]
+@pytest.fixture(scope="module")
+def quiet(ctl):
+    """A snapshot whose /tmp and /dev/shm are empty: its children idle in the loop until first used."""
+    return ctl.create_snapshot("quiet", setup="import numpy\ncounter = 41")["tag"]
+
+
+def test_an_idle_child_answers_pings_from_the_loop_until_its_first_request(ctl, quiet, snap):
+    copier = ctl.spawn(snap, 1)[0]  # its snapshot left a file in /tmp: it copies it before it reports
+    ctl.ping(copier["id"])
+    assert _wait_threads(ctl.registry.get_sandbox(copier["id"])["handle"]["pid"], 2) == 2
+    ctl.kill_sandbox(copier["id"])
+    kid = ctl.spawn(quiet, 1)[0]
     try:
         pid = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
-        ctl.ping(kid["id"])
-        assert _wait_threads(pid, 2) == 2  # the main thread (cells), the accepting thread (and reaper)
+        first = ctl.ping(kid["id"])
+        os.kill(pid, signal.SIGINT)  # interrupts nothing, as between a sandbox's cells
+        assert ctl.ping(kid["id"])["uptime_s"] >= first["uptime_s"]
+        assert _wait_threads(pid, 1) == 1  # still in the C loop: no Python thread started
         assert ctl.run_code(kid["id"], "x = 1")["exit_code"] == 0
+        # Python's own answer is the loop's, but for the time since the fork, which went on.
+        python = ctl.ping(kid["id"])
+        assert python.pop("uptime_s") >= first.pop("uptime_s") and python == first
+        assert first["pid"] == 2 and first["sandbox_id"] == kid["id"] and first["busy"] is None
+        # Then the main thread (cells), the accepting thread (and reaper), the compactor (after a cell).
         assert _wait_threads(pid, 3) == 3
         assert "forkd-compact" in ev(ctl, kid["id"], "[t.name for t in __import__('threading').enumerate()]")
+    finally:
+        ctl.kill_sandbox(kid["id"])
+
+
+def _line(conn: socket.socket) -> dict:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        data = conn.recv(65536)
+        assert data, "the agent closed the connection"
+        buf += data
+    return json.loads(buf)
+
+
+def test_connections_held_while_idle_are_served_after_the_first_request(ctl, quiet):
+    """Kept connections (the server's pings), a ping sent in two pieces, a ping with descriptors and
+    one spelled otherwise all reach Python whole when the child leaves the loop."""
+    kid = ctl.spawn(quiet, 1)[0]
+    try:
+        path = ctl.registry.get_sandbox(kid["id"])["handle"]["socket"]
+        kept, quiet, split = (socket.socket(socket.AF_UNIX) for _ in range(3))
+        for conn in (kept, quiet, split):
+            conn.settimeout(30)
+            conn.connect(path)
+        for spelling in (b'{"action":"ping"}\n', b'{"action": "ping"}\n'):
+            kept.sendall(spelling)
+            assert _line(kept)["sandbox_id"] == kid["id"]
+        r, w = os.pipe()
+        socket.send_fds(kept, [b'{"action":"ping"}\n'], [r])  # a ping takes none: closed, not kept
+        assert _line(kept)["pong"] is True
+        agent = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
+        split.sendall(b'{"action":')  # not all here: the child leaves the loop for Python to read it
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{agent}/task")) == 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(os.listdir(f"/proc/{agent}/task")) > 1
+        split.sendall(b'"ping", "x": 1}\n')
+        assert _line(split)["pong"] is True
+        kept.sendall(b'{"action":"eval","code":"6 * 7"}\n')
+        assert _line(kept)["result"] == "42"
+        quiet.sendall(b'{"action":"ping"}\n')  # accepted in the loop, first used by Python
+        assert _line(quiet)["pong"] is True
+        for conn in (kept, quiet, split):
+            conn.close()
+        os.close(w)
+        os.close(r)
     finally:
         ctl.kill_sandbox(kid["id"])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
+import json
 import os
 import signal
 import stat
@@ -139,20 +140,38 @@ class Runtime:
         return {"interrupted": done, "running": running[0] if running and done else None}
 
     def ping(self, request: dict) -> dict:
+        busy = (self.executor.busy() or (None,))[0] if self.executor is not None else None
+        return self._pong(self.identity, os.getpid(), round(time.time() - self.started, 3), busy)
+
+    @staticmethod
+    def _pong(identity: dict, pid: int, uptime: float, busy: str | None) -> dict:
         np = sys.modules.get("numpy")
         return {
             "pong": True,
-            "pid": os.getpid(),
+            "pid": pid,
             "python": sys.version.split()[0],
             "agent_lang": "python",
             "numpy_version": getattr(np, "__version__", "not-installed"),
             "warmup_ready": True,
-            "uptime_s": round(time.time() - self.started, 3),
-            "sandbox_id": self.identity.get("id"),
-            "role": self.identity.get("role", "sandbox"),
-            "lineage": self.identity.get("lineage", []),
-            "busy": (self.executor.busy() or (None,))[0] if self.executor is not None else None,
+            "uptime_s": uptime,
+            "sandbox_id": identity.get("id"),
+            "role": identity.get("role", "sandbox"),
+            "lineage": identity.get("lineage", []),
+            "busy": busy,
         }
+
+    @classmethod
+    def ping_format(cls, identity: dict) -> bytes:
+        """The ping's reply line (as ``encode_line`` puts it) of a sandbox of ``identity`` that runs
+        nothing, as a printf format of its pid (%d) and uptime (%.3f): what a spawn's child answers
+        while it idles in the template's C loop (process/fanout.c), before its first other request."""
+        fields = []
+        for key, value in cls._pong(identity, 0, 0.0, None).items():
+            encoded = {"pid": "%d", "uptime_s": "%.3f"}.get(key)
+            if encoded is None:
+                encoded = json.dumps(value, separators=(",", ":")).replace("%", "%%")
+            fields.append(f"{json.dumps(key)}:{encoded}")
+        return ("{" + ",".join(fields) + "}\n").encode()
 
     # --- exec ------------------------------------------------------------------------------------
 

@@ -30,6 +30,15 @@
  * own copy; here it is a few system calls. forkd_fanout_error() then says, in the agent, which
  * step failed (NULL when none did), for the agent to report.
  *
+ * With ``setup->ready_lines`` too, each agent then stays in C while it idles: it sends its ready
+ * report, and answers pings (the line of ``ping_formats``, its pid and uptime filled in) on the
+ * connections it accepts, until a connection asks anything else, a connection cannot be read as a
+ * whole ping, or a signal arrives. Only then does Python resume in it (CPython's after-fork hooks
+ * run then): forkd_fanout_handover() gives it the connections to serve on (the request that ended
+ * the idling still unread in its connection) and when it was forked. An idle sandbox thus writes
+ * none of the template's Python heap: its private memory is what the kernel and this loop wrote,
+ * and a spawn's children cost no Python until they are first used.
+ *
  * Returns, in an agent, its index counted from 1; in the template 0 once all n are forked, or
  * -errno of the call that failed (pids[i] is 0 for each child not made).
  */
@@ -40,6 +49,7 @@
 #include <sched.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <poll.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/ioctl.h>
@@ -48,6 +58,7 @@
 #include <sys/rseq.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -61,6 +72,8 @@ struct setup {
     int report_fd;                /* ... but the spawn's report socket */
     const int *listen_fds;        /* and the agent's own listener, by index */
     const char *const *hostnames; /* by index, each at most 64 bytes */
+    const char *const *ready_lines;  /* by index, the ready report; NULL: report from Python, no idling */
+    const char *const *ping_formats; /* by index, the ping's reply line as a printf format of (pid, uptime) */
 };
 
 static char setup_error[160];
@@ -147,6 +160,111 @@ const char *forkd_fanout_error(void) {
     return setup_failed;
 }
 
+/* --- an agent idling in C until its first request that is not a ping --- */
+
+#define IDLE_CONNS 64
+static const char PING[] = "{\"action\":\"ping\"}", PING_SPACED[] = "{\"action\": \"ping\"}";
+
+static int idled;                       /* this agent reported ready and idled here */
+static double forked_at;                /* when (CLOCK_REALTIME, as Python's time.time()) */
+static int conns[IDLE_CONNS], n_conns;  /* the connections it accepted, for Python to serve on */
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+/* One readable connection: 0 when a ping was answered (or nothing is there yet), -1 when the
+ * connection ended (closed here), 1 when Python must read what it sends. */
+static int answer(int conn, const char *format) {
+    char line[sizeof PING_SPACED], reply[4096];
+    if (strlen(format) + 40 > sizeof reply)
+        return 1;   /* a lineage too long to answer here: Python does */
+    ssize_t got = recv(conn, line, sizeof line, MSG_PEEK | MSG_DONTWAIT);
+    if (got < 0 && (errno == EAGAIN || errno == EINTR))
+        return 0;
+    if (got <= 0) {   /* the client closed (forkd's clients half-close after a request) or failed */
+        close(conn);
+        return -1;
+    }
+    size_t len;
+    if (got >= (ssize_t)sizeof PING && memcmp(line, PING, sizeof PING - 1) == 0 && line[sizeof PING - 1] == '\n')
+        len = sizeof PING;   /* the line and its newline */
+    else if (got >= (ssize_t)sizeof PING_SPACED && memcmp(line, PING_SPACED, sizeof PING_SPACED - 1) == 0
+             && line[sizeof PING_SPACED - 1] == '\n')
+        len = sizeof PING_SPACED;
+    else
+        return 1;   /* another request, or one not all here yet: Python reads it */
+    char fds[CMSG_SPACE(253 * sizeof(int))];
+    struct iovec io = {line, len};
+    struct msghdr msg = {.msg_iov = &io, .msg_iovlen = 1, .msg_control = fds, .msg_controllen = sizeof fds};
+    if (recvmsg(conn, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) != (ssize_t)len)
+        return 1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c))   /* a ping takes none */
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+            for (int *fd = (int *)CMSG_DATA(c); (char *)(fd + 1) <= (char *)c + c->cmsg_len; fd++)
+                close(*fd);
+    int n = snprintf(reply, sizeof reply, format, (int)getpid(), now() - forked_at);
+    if (n <= 0 || n >= (int)sizeof reply || send(conn, reply, n, MSG_DONTWAIT | MSG_NOSIGNAL) != n) {
+        close(conn);   /* gone, or a full buffer: the client sees no answer, as if it had closed */
+        return -1;
+    }
+    return 0;
+}
+
+/* Report ready, then serve pings until Python is needed (see the top of this file). */
+static void idle(const struct setup *s, int i) {
+    const char *ready = s->ready_lines[i];
+    if (send(s->report_fd, ready, strlen(ready), MSG_NOSIGNAL) < 0) {
+        /* The engine is gone and never learnt of us, so no one will ask our init how we ended. */
+        kill(1, SIGTERM);
+        _exit(1);
+    }
+    close(s->report_fd);
+    idled = 1;
+    int listener = s->listen_fds[i];
+    struct pollfd wait[1 + IDLE_CONNS];
+    for (;;) {
+        wait[0] = (struct pollfd){.fd = listener, .events = POLLIN};
+        for (int k = 0; k < n_conns; k++)
+            wait[1 + k] = (struct pollfd){.fd = conns[k], .events = POLLIN};
+        if (poll(wait, 1 + n_conns, -1) < 0)
+            return;   /* a signal (EINTR): Python runs its handlers */
+        if (wait[0].revents & (POLLERR | POLLNVAL))
+            return;
+        int more = 0;
+        for (int k = n_conns - 1; k >= 0; k--) {
+            if (!wait[1 + k].revents)
+                continue;
+            int verdict = answer(conns[k], s->ping_formats[i]);
+            if (verdict < 0)
+                conns[k] = conns[--n_conns];
+            more |= verdict > 0;
+        }
+        if (more)
+            return;
+        if (wait[0].revents & POLLIN) {
+            int conn = accept4(listener, NULL, NULL, SOCK_CLOEXEC);
+            if (conn >= 0)
+                conns[n_conns++] = conn;
+            if (n_conns == IDLE_CONNS)
+                return;
+        }
+    }
+}
+
+/* In an agent: -1 when it did not idle here (it reports ready itself); else how many connections
+ * it hands over (their descriptors in fds, at most max) and, in at, when it was forked. */
+int forkd_fanout_handover(int *fds, int max, double *at) {
+    if (!idled)
+        return -1;
+    for (int k = 0; k < n_conns && k < max; k++)
+        fds[k] = conns[k];
+    *at = forked_at;
+    return n_conns;
+}
+
 static sigjmp_buf resume;  /* the template in its loop, where each agent goes on */
 static char first_stack[64 * 1024] __attribute__((aligned(16)));
 
@@ -200,8 +318,20 @@ int forkd_fanout(int n, int pidns_fd, int *pids, const char *init, const struct 
             if (__rseq_size > 0)
                 syscall(SYS_rseq, (char *)__builtin_thread_pointer() + __rseq_offset,
                         __rseq_size < 32 ? 32 : __rseq_size, 0, RSEQ_SIG);   /* 32: the original ABI's */
-            if (setup != NULL)
-                set_up_agent(setup, index - 1);
+            idled = n_conns = 0;   /* a grandchild's copy of what its template's source left here */
+            forked_at = now();
+            if (setup != NULL && set_up_agent(setup, index - 1) == 0 && setup->ready_lines != NULL) {
+                /* A SIGINT interrupts what runs, and nothing does: it is dropped, as a sandbox's
+                 * executor ignores one between cells. Any other signal ends the idling. */
+                sigset_t intr, idling = old;
+                sigemptyset(&intr);
+                sigaddset(&intr, SIGINT);
+                sigaddset(&idling, SIGINT);
+                sigprocmask(SIG_SETMASK, &idling, NULL);
+                idle(setup, index - 1);
+                while (sigtimedwait(&intr, NULL, &(struct timespec){0, 0}) == SIGINT)
+                    ;
+            }
             sigprocmask(SIG_SETMASK, &old, NULL);
             after_child();
             return index;

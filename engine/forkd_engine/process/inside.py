@@ -22,13 +22,14 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 
 from .. import linux
 from ..agent import children, generators, inventory
 from ..agent.executor import Busy, Executor
 from ..agent.runtime import Runtime
-from ..agent.server import AgentServer
+from ..agent.server import AgentServer, encode_line
 from . import fanout
 from .compactor import Compactor
 from .sandbox_init import IN_SANDBOX
@@ -128,6 +129,19 @@ def end_unrecorded() -> None:
     os._exit(1)
 
 
+def refuse_and_end(conns: list[int], error: str) -> None:
+    """A sandbox that reported ready from the C loop and then failed to set itself up: answer
+    what waits on its connections with ``error`` and end (never returns). Its init outlives it
+    and tells the engine how it ended."""
+    line = encode_line({"error": error, "exit_code": 1})
+    for fd in conns:
+        with contextlib.suppress(OSError):
+            os.write(fd, line)
+            while os.read(fd, 1 << 16):  # what is left unread on a closing socket resets it: the reply would be lost
+                pass
+    os._exit(1)
+
+
 def close_agent_fds(fds: set[int], keep: set[int]) -> None:
     """Close the agent's descriptors except ``keep``; the user's own open files stay open."""
     for fd in fds - keep - {0, 1, 2}:
@@ -162,6 +176,11 @@ def private_copy(path: str, size_mib: int) -> None:
         copy_tree(f"/proc/self/fd/{old}", path)
     finally:
         os.close(old)
+
+
+def _holds_files(path: str) -> bool:
+    with os.scandir(path) as entries:
+        return next(entries, None) is not None
 
 
 def prewarm_for_forks(after_setup: bool) -> None:
@@ -209,10 +228,12 @@ class SandboxProcess:
 
     # --- becoming a template or a sandbox --------------------------------------------------------
 
-    def serve(self, listen_fd: int, report_fd: int, warnings: list[str] | None = None, *,
-              after_setup: bool = False) -> None:
+    def serve(self, listen_fd: int, report_fd: int | None, warnings: list[str] | None = None, *,
+              after_setup: bool = False, handed: list[int] = ()) -> None:
         """Report ready (with ``warnings``: what a lossy setup left running) and serve forever
         (never returns). ``after_setup``: a snapshot's template, made by its setup (not a branch).
+        No ``report_fd``: a sandbox that reported ready already, from the C loop where it idled
+        (fanout.c), and serves the connections it accepted there (``handed``) too.
 
         A template serves on this thread, one request at a time (it only spawns). A sandbox accepts
         on a thread and runs user code, and its forks, on this one: the main thread."""
@@ -246,8 +267,12 @@ class SandboxProcess:
                                            "inventory": self.inventory}, threaded=True,
                                           tend=(children.wake_fd(), children.tend, children.TEND_EVERY))
                 self.server.start()
-                report_ready(report_fd, {"id": self.identity["id"], "ok": True})
-                os.close(report_fd)
+                for fd in handed:
+                    threading.Thread(target=self.server.serve_connection, args=(socket.socket(fileno=fd),),
+                                     name="forkd-conn", daemon=True).start()
+                if report_fd is not None:
+                    report_ready(report_fd, {"id": self.identity["id"], "ok": True})
+                    os.close(report_fd)
                 executor.run_forever()
         finally:
             os._exit(1)
@@ -286,6 +311,9 @@ class SandboxProcess:
         # A spawn's copy of a parked template repairs what the template found once; a branch's
         # copy of a sandbox, where user code ran, looks afresh.
         plan, self.fork_plan = self.fork_plan, None
+        # A spawn's child that idled in the C loop reported ready there: what follows was left for
+        # its first request (not a ping), which waits in one of these connections.
+        handed = fanout.handover() if forked_by_loop else None
         try:
             if forked_by_loop:
                 failed = fanout.set_up_error()
@@ -313,11 +341,17 @@ class SandboxProcess:
             sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
             self.runtime.after_fork(self.identity)
         except BaseException as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+            if handed is not None:  # running already: the requests waiting are told, and it ends
+                refuse_and_end(handed[0], f"{identity.get('id')} could not set itself up after its spawn: {error}")
             with contextlib.suppress(Exception):
-                report(report_fd, {"id": identity.get("id"), "ok": False,
-                                   "error": f"{type(exc).__name__}: {exc}"})
+                report(report_fd, {"id": identity.get("id"), "ok": False, "error": error})
             end_unrecorded()
-        self.serve(listen_fd, report_fd)
+        if handed is None:
+            self.serve(listen_fd, report_fd)
+        else:
+            conns, self.runtime.started = handed
+            self.serve(listen_fd, None, handed=conns)
 
     # --- actions ---------------------------------------------------------------------------------
 
@@ -357,8 +391,15 @@ class SandboxProcess:
                  {k: int(child[k]) for k in ("tmp_size_mib", "shm_size_mib") if child.get(k)})
                 for child in children_spec]  # all made before the first fork: the loop writes nothing
         try:
+            # The children idle in the C loop until first used, and copy /tmp and /dev/shm then, into
+            # their own leaves; unless there are files to copy, which are not charged to a child's
+            # memory limit (a copy is never short of room): those children copy before they report.
+            idle = not (_holds_files("/tmp") or _holds_files("/dev/shm"))
             agents = fanout.Agents(self.sandbox_namespaces(), self.agent_fds(), report_fd, listen_fds,
-                                   [identity["id"] for identity, _ in kids])
+                                   [identity["id"] for identity, _ in kids],
+                                   ready_lines=[json.dumps({"id": identity["id"], "ok": True}).encode()
+                                                for identity, _ in kids] if idle else None,
+                                   ping_formats=[Runtime.ping_format(identity) for identity, _ in kids])
             index, pids = self._fork_children(len(kids), agents)
             if index:
                 identity, tmpfs = kids[index - 1]
