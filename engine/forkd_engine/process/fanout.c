@@ -319,6 +319,7 @@ int forkd_fanout(int n, int pidns_fd, int *pids, const char *init, const struct 
                 syscall(SYS_rseq, (char *)__builtin_thread_pointer() + __rseq_offset,
                         __rseq_size < 32 ? 32 : __rseq_size, 0, RSEQ_SIG);   /* 32: the original ABI's */
             idled = n_conns = 0;   /* a grandchild's copy of what its template's source left here */
+            setup_failed = NULL;
             forked_at = now();
             if (setup != NULL && set_up_agent(setup, index - 1) == 0 && setup->ready_lines != NULL) {
                 /* A SIGINT interrupts what runs, and nothing does: it is dropped, as a sandbox's
