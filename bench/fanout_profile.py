@@ -175,7 +175,9 @@ def breakdown(probe: HostProbe, t0: float, t_spawned: float, t_pinged: float) ->
     steps, cpu, mem = defaultdict(list), defaultdict(list), defaultdict(list)
     ends = []
     for rep in probe.reports:
-        marks = rep["t"]
+        marks = rep.get("t")
+        if not marks:  # reported from the template's C loop, where the child idles: no Python ran in it
+            continue
         cpu["child:forked"].append(marks[0][2] * 1000)  # a fork starts at 0 s of CPU
         steps["child:forked"].append((marks[0][1] - tmpl[0][1]) * 1000 if tmpl else 0)
         mem["child:forked"].append(marks[0][3])
@@ -194,8 +196,11 @@ def breakdown(probe: HostProbe, t0: float, t_spawned: float, t_pinged: float) ->
 
 
 def print_breakdown(prof: dict) -> None:
+    last = prof["last_report_at_ms"]
     print(f"spawn until all answered a ping: {prof['total_ms']:.1f} ms (the call {prof['spawn_call_ms']:.1f} ms, "
-          f"then the pings {prof['pings_ms']:.1f} ms); last child reported at {prof['last_report_at_ms']:.1f} ms")
+          f"then the pings {prof['pings_ms']:.1f} ms); "
+          + (f"last child reported at {last:.1f} ms" if last is not None else
+             "the children reported and answered from the template's C loop (no stamps of theirs)"))
     print("host stages                                      calls   sum ms   from ms    to ms")
     for name, h in sorted(prof["host"].items(), key=lambda kv: kv[1]["first_ms"]):
         print(f"  {name:<46} {h['calls']:>5} {h['sum_ms']:>8.1f} {h['first_ms']:>9.1f} {h['last_ms']:>8.1f}")

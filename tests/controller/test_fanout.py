@@ -71,15 +71,18 @@ def test_each_child_is_an_init_and_its_agent_in_leaves_of_their_own(ctl, snap):
 
 @pytest.fixture(scope="module")
 def quiet(ctl):
-    """A snapshot whose /tmp and /dev/shm are empty: its children idle in the loop until first used."""
-    return ctl.create_snapshot("quiet", setup="import numpy\ncounter = 41")["tag"]
+    """A snapshot with little in /tmp: its children idle in the loop until first used."""
+    return ctl.create_snapshot("quiet", setup="import numpy\ncounter = 41\n"
+                                              "open('/tmp/small', 'w').write('from the setup')")["tag"]
 
 
-def test_an_idle_child_answers_pings_from_the_loop_until_its_first_request(ctl, quiet, snap):
-    copier = ctl.spawn(snap, 1)[0]  # its snapshot left a file in /tmp: it copies it before it reports
+def test_an_idle_child_answers_pings_from_the_loop_until_its_first_request(ctl, quiet):
+    heavy = ctl.create_snapshot("tmp-heavy", setup="open('/tmp/big', 'wb').write(bytes(2 << 20))")["tag"]
+    copier = ctl.spawn(heavy, 1)[0]  # it copies its 2 MiB of /tmp before it reports, not at its first use
     ctl.ping(copier["id"])
     assert _wait_threads(ctl.registry.get_sandbox(copier["id"])["handle"]["pid"], 2) == 2
     ctl.kill_sandbox(copier["id"])
+    ctl.delete_snapshot(heavy)
     kid = ctl.spawn(quiet, 1)[0]
     try:
         pid = ctl.registry.get_sandbox(kid["id"])["handle"]["pid"]
@@ -97,6 +100,20 @@ def test_an_idle_child_answers_pings_from_the_loop_until_its_first_request(ctl, 
         assert "forkd-compact" in ev(ctl, kid["id"], "[t.name for t in __import__('threading').enumerate()]")
     finally:
         ctl.kill_sandbox(kid["id"])
+
+
+def test_an_idle_childs_tmp_is_copied_at_its_first_use_and_its_own(ctl, quiet):
+    a, b = (k["id"] for k in ctl.spawn(quiet, 2))
+    try:
+        assert ev(ctl, a, "open('/tmp/small').read()") == "'from the setup'"
+        assert ev(ctl, a, "open('/tmp/small', 'w').write('a was here')") == "10"
+        assert ev(ctl, b, "open('/tmp/small').read()") == "'from the setup'"  # b copied the template's, not a's
+        later = ctl.spawn(quiet, 1)[0]["id"]
+        assert ev(ctl, later, "open('/tmp/small').read()") == "'from the setup'"
+        ctl.kill_sandbox(later)
+    finally:
+        for kid in (a, b):
+            ctl.kill_sandbox(kid)
 
 
 def _line(conn: socket.socket) -> dict:

@@ -178,9 +178,12 @@ def private_copy(path: str, size_mib: int) -> None:
         os.close(old)
 
 
-def _holds_files(path: str) -> bool:
-    with os.scandir(path) as entries:
-        return next(entries, None) is not None
+IDLE_COPY_MAX = 1 << 20  # bytes in /tmp and /dev/shm a spawn's child may copy at its first use, not before
+
+
+def _used_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 def prewarm_for_forks(after_setup: bool) -> None:
@@ -392,9 +395,10 @@ class SandboxProcess:
                 for child in children_spec]  # all made before the first fork: the loop writes nothing
         try:
             # The children idle in the C loop until first used, and copy /tmp and /dev/shm then, into
-            # their own leaves; unless there are files to copy, which are not charged to a child's
-            # memory limit (a copy is never short of room): those children copy before they report.
-            idle = not (_holds_files("/tmp") or _holds_files("/dev/shm"))
+            # their own leaves; unless those hold more than a little (a notebook's holds IPython's
+            # profile), whose copy is not to be charged to a child's memory limit (a copy is never
+            # short of room): those children copy before they report.
+            idle = _used_bytes("/tmp") + _used_bytes("/dev/shm") <= IDLE_COPY_MAX
             agents = fanout.Agents(self.sandbox_namespaces(), self.agent_fds(), report_fd, listen_fds,
                                    [identity["id"] for identity, _ in kids],
                                    ready_lines=[json.dumps({"id": identity["id"], "ok": True}).encode()
