@@ -116,6 +116,21 @@ def test_an_idle_childs_tmp_is_copied_at_its_first_use_and_its_own(ctl, quiet):
             ctl.kill_sandbox(kid)
 
 
+def test_a_branch_is_an_idle_childs_first_request(ctl, quiet):
+    kid = ctl.spawn(quiet, 1)[0]["id"]
+    try:
+        tag = ctl.branch(kid)["tag"]  # the child leaves the loop for it, then forks as any sandbox does
+        grand = ctl.spawn(tag, 2)
+        assert [ev(ctl, g["id"], "counter") for g in grand] == ["41", "41"]
+        assert len({ev(ctl, g["id"], "__import__('random').random()") for g in grand}) == 2
+        assert ev(ctl, kid, "counter + 1") == "42"
+        for g in grand:
+            ctl.kill_sandbox(g["id"])
+        ctl.delete_snapshot(tag)
+    finally:
+        ctl.kill_sandbox(kid)
+
+
 def _line(conn: socket.socket) -> dict:
     buf = b""
     while not buf.endswith(b"\n"):
