@@ -210,6 +210,11 @@ static int answer(int conn, const char *format) {
         close(conn);   /* gone, or a full buffer: the client sees no answer, as if it had closed */
         return -1;
     }
+    char more;
+    if (recv(conn, &more, 1, MSG_PEEK | MSG_DONTWAIT) == 0) {   /* it half-closed after its ping (forkd's clients do) */
+        close(conn);
+        return -1;
+    }
     return 0;
 }
 
