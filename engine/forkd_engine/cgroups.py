@@ -97,11 +97,12 @@ def _hugetlb_caps(leaf: str) -> dict[str, list[str]]:
     return caps
 
 
-def _cap_hugetlb(leaf: str, nbytes: int) -> None:
+def _cap_hugetlb(leaf: str, nbytes: int, caps: dict[str, list[str]] | None = None) -> None:
     """Cap the leaf's huge pages: ``nbytes`` of 2 MiB pages, faults and reservations; none of any
-    other size. Raises CgroupError where the reservations cannot be capped (before Linux 5.7): a
-    reservation of surplus pages takes them from the host however the faults are capped."""
-    caps = _hugetlb_caps(leaf)
+    other size (``caps``: the leaf's cap files, as ``_hugetlb_caps`` finds them). Raises
+    CgroupError where the reservations cannot be capped (before Linux 5.7): a reservation of
+    surplus pages takes them from the host however the faults are capped."""
+    caps = _hugetlb_caps(leaf) if caps is None else caps
     if len(caps.get(HUGE_SIZE, [])) != 2:
         raise CgroupError(errno.ENOTSUP, f"{leaf} has no fault and reservation caps for {HUGE_SIZE} huge pages "
                                          f"(hugetlb.{HUGE_SIZE}.rsvd.* needs Linux 5.7)")
@@ -172,6 +173,10 @@ class Cgroups:
         self.caps_huge_pages = False  # whether leaves cap huge pages: once hugetlb_status() found they hold
         self.janitor = Janitor()  # removes given-up leaves once their last process has exited
         self._memory_where: tuple[str, str] | tuple[()] | None = None  # locate("memory"), once asked
+        # For a spawn's leaves, found once (where the hierarchies are does not change while we run):
+        # each controller's place (locate), and the names of a leaf's huge-page cap files.
+        self._located: dict[str, tuple[str, str]] = {}
+        self._hugetlb_names: dict[str, dict[str, list[str]]] = {}
 
     def status(self) -> dict:
         return {c: (locate(c) or ("none", ""))[0] for c in CONTROLLERS}
@@ -227,9 +232,12 @@ class Cgroups:
     def join(leaves: list[str], pid: int | list[int]) -> None:
         """Put ``pid`` (or each of a list) into these leaves (made by ``prepare``)."""
         for leaf in leaves:
-            for one in pid if isinstance(pid, list) else [pid]:
-                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
-                    f.write(str(one))
+            fd = os.open(os.path.join(leaf, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                for one in pid if isinstance(pid, list) else [pid]:
+                    os.write(fd, str(one).encode())  # a pid a write
+            finally:
+                os.close(fd)
 
     def prepare(self, name: str, memory_mib: int | None, pids_max: int | None) -> list[str]:
         """Make the leaves ``apply`` puts a process into, with their limits, and nothing in them yet
@@ -240,17 +248,19 @@ class Cgroups:
                                   ("hugetlb", memory if self.caps_huge_pages else None)):
             if not value:
                 continue
-            where = locate(controller)
+            where = self._located.get(controller) or locate(controller)
             if where is None:
                 raise CgroupError(errno.ENOTSUP,
                                   f"cannot limit {controller}: no writable cgroup v2 '{controller}' controller "
                                   f"and no cgroup v1 '{controller}' hierarchy under {ROOT}; run as root "
                                   f"or enable the controller (echo +{controller} > cgroup.subtree_control)")
+            self._located[controller] = where
             version, base = where
-            leaf = os.path.join(self._parent(version, base, controller), name)
+            parent = self._parent(version, base, controller)
+            leaf = os.path.join(parent, name)
             os.makedirs(leaf, exist_ok=True)
             if controller == "hugetlb":
-                _cap_hugetlb(leaf, value)
+                _cap_hugetlb(leaf, value, self._hugetlb_caps_of(parent, leaf))
             else:
                 with open(os.path.join(leaf, _FILES[(controller, version)]), "w") as f:
                     f.write(str(value))
@@ -261,6 +271,16 @@ class Cgroups:
             if leaf not in made:
                 made.append(leaf)
         return made
+
+    def _hugetlb_caps_of(self, parent: str, leaf: str) -> dict[str, list[str]]:
+        """``_hugetlb_caps(leaf)``, its names read once for every leaf of ``parent``."""
+        names = self._hugetlb_names.get(parent)
+        if names is None:
+            names = {size: [os.path.basename(path) for path in paths] for size, paths in _hugetlb_caps(leaf).items()}
+            if len(names.get(HUGE_SIZE, [])) != 2:
+                return _hugetlb_caps(leaf)  # no caps to cap with: _cap_hugetlb says so, and nothing is kept
+            self._hugetlb_names[parent] = names
+        return {size: [os.path.join(leaf, n) for n in found] for size, found in names.items()}
 
     def move(self, name: str, pid: int | list[int]) -> list[str]:
         """Put ``pid`` (a new template, or it and its init) into leaves of its own wherever memory and pids can be
