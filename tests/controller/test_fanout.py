@@ -18,6 +18,7 @@ import time
 import pytest
 
 from forkd_engine.process import fanout
+from forkd_server.errors import Gone, NotFound
 
 from ..conftest import requires_root
 from .conftest import ev
@@ -114,6 +115,23 @@ def test_an_idle_childs_tmp_is_copied_at_its_first_use_and_its_own(ctl, quiet):
     finally:
         for kid in (a, b):
             ctl.kill_sandbox(kid)
+
+
+def test_an_idle_child_that_cannot_set_itself_up_says_so_and_ends(ctl):
+    # The snapshot's own code breaks what a child runs at its first request (/tmp's private copy).
+    tag = ctl.create_snapshot("no-copies", setup="import forkd_engine.process.inside as inside\n"
+                                                 "def refused(*args):\n    raise OSError('no room for a copy')\n"
+                                                 "inside.private_copy = refused")["tag"]
+    try:
+        kid = ctl.spawn(tag, 1)[0]["id"]
+        assert ctl.ping(kid)["pong"] is True  # idle: nothing tried yet
+        reply = ctl.eval(kid, "1")
+        assert reply["exit_code"] == 1
+        assert reply["error"] == f"{kid} could not set itself up after its spawn: OSError: no room for a copy"
+        with pytest.raises((NotFound, Gone), match="exited with status 1"):
+            ctl.ping(kid)
+    finally:
+        ctl.delete_snapshot(tag)
 
 
 def test_a_branch_is_an_idle_childs_first_request(ctl, quiet):

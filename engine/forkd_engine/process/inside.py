@@ -137,7 +137,9 @@ def refuse_and_end(conns: list[int], error: str) -> None:
     for fd in conns:
         with contextlib.suppress(OSError):
             os.write(fd, line)
-            while os.read(fd, 1 << 16):  # what is left unread on a closing socket resets it: the reply would be lost
+        with contextlib.suppress(OSError):  # what is left unread on a closing socket resets it, losing the reply
+            os.set_blocking(fd, False)
+            while os.read(fd, 1 << 16):
                 pass
     os._exit(1)
 
