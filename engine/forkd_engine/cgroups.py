@@ -172,10 +172,9 @@ class Cgroups:
         self._enabled: set[tuple[str, str]] = set()  # (v2 hierarchy, controller) enabled down to our group
         self.caps_huge_pages = False  # whether leaves cap huge pages: once hugetlb_status() found they hold
         self.janitor = Janitor()  # removes given-up leaves once their last process has exited
-        self._memory_where: tuple[str, str] | tuple[()] | None = None  # locate("memory"), once asked
-        # For a spawn's leaves, found once (where the hierarchies are does not change while we run):
-        # each controller's place (locate), and the names of a leaf's huge-page cap files.
-        self._located: dict[str, tuple[str, str]] = {}
+        # Found once, as where the hierarchies are does not change while we run: each controller's
+        # place (``_where``), and the names of a leaf's huge-page cap files (a spawn's leaves).
+        self._located: dict[str, tuple[str, str] | None] = {}
         self._hugetlb_names: dict[str, dict[str, list[str]]] = {}
 
     def status(self) -> dict:
@@ -183,9 +182,14 @@ class Cgroups:
 
     def memory_room(self) -> int | None:
         """What the memory limits over this engine's leaves still allow (``memory_room``)."""
-        if self._memory_where is None:  # where the hierarchy is does not change while we run
-            self._memory_where = locate("memory") or ()
-        return memory_room(self.group, self._memory_where) if self._memory_where else None
+        where = self._where("memory")
+        return memory_room(self.group, where) if where else None
+
+    def _where(self, controller: str) -> tuple[str, str] | None:
+        """``locate(controller)``, asked once."""
+        if controller not in self._located:
+            self._located[controller] = locate(controller)
+        return self._located[controller]
 
     def _parent(self, version: str, base: str, controller: str) -> str:
         parent = os.path.join(base, self.group)
@@ -248,13 +252,12 @@ class Cgroups:
                                   ("hugetlb", memory if self.caps_huge_pages else None)):
             if not value:
                 continue
-            where = self._located.get(controller) or locate(controller)
+            where = self._where(controller)
             if where is None:
                 raise CgroupError(errno.ENOTSUP,
                                   f"cannot limit {controller}: no writable cgroup v2 '{controller}' controller "
                                   f"and no cgroup v1 '{controller}' hierarchy under {ROOT}; run as root "
                                   f"or enable the controller (echo +{controller} > cgroup.subtree_control)")
-            self._located[controller] = where
             version, base = where
             parent = self._parent(version, base, controller)
             leaf = os.path.join(parent, name)
@@ -275,12 +278,12 @@ class Cgroups:
     def _hugetlb_caps_of(self, parent: str, leaf: str) -> dict[str, list[str]]:
         """``_hugetlb_caps(leaf)``, its names read once for every leaf of ``parent``."""
         names = self._hugetlb_names.get(parent)
-        if names is None:
-            names = {size: [os.path.basename(path) for path in paths] for size, paths in _hugetlb_caps(leaf).items()}
-            if len(names.get(HUGE_SIZE, [])) != 2:
-                return _hugetlb_caps(leaf)  # no caps to cap with: _cap_hugetlb says so, and nothing is kept
-            self._hugetlb_names[parent] = names
-        return {size: [os.path.join(leaf, n) for n in found] for size, found in names.items()}
+        if names is not None:
+            return {size: [os.path.join(leaf, n) for n in found] for size, found in names.items()}
+        caps = _hugetlb_caps(leaf)
+        if len(caps.get(HUGE_SIZE, [])) == 2:  # kept only where they can cap (else _cap_hugetlb says why)
+            self._hugetlb_names[parent] = {size: [os.path.basename(p) for p in paths] for size, paths in caps.items()}
+        return caps
 
     def move(self, name: str, pid: int | list[int]) -> list[str]:
         """Put ``pid`` (a new template, or it and its init) into leaves of its own wherever memory and pids can be
